@@ -1,0 +1,423 @@
+"""Run a function on N ranks with ``torch.distributed`` initialised, from a notebook cell or a script.
+
+This is the only module of commlab that knows about processes, start methods, rendezvous stores
+and timeouts. Everything else receives an initialised default process group.
+
+How it works, and why (the measurements behind each choice are in the course's environment notes):
+
+* **Start method.** On Linux the ranks are forked, so a function defined in a notebook cell works
+  and a 4-rank launch costs about 0.1 s. Each child limits its intra-op threads *before* running any
+  user code: a forked child whose first parallel op meets OpenMP state inherited from the parent can
+  hang. Where fork does not exist (macOS with the default spawn, Windows), ``start_method="spawn"``
+  works for functions that live in an importable module; a function defined in ``__main__`` (a
+  notebook cell) is refused with an error that says so, before any process starts.
+* **Rendezvous.** A :class:`torch.distributed.FileStore` on a fresh temporary file per launch: no port
+  is chosen, so launches can repeat in one kernel and run side by side, and no loopback name look-up
+  can stall the start.
+* **Failure.** Every child reports ``joined``, then either its pickled return value or its exception
+  type, message and traceback, through a queue that the parent reads with a short poll. The first
+  failure reported (by the time it happened) is the root cause; its peers typically fail afterwards with
+  "connection closed by peer", which is not what the reader needs to see. The parent then terminates the
+  other ranks, reaps them, prints every rank's captured output in rank order and raises :class:`RankError`.
+  A launch that outlives ``timeout`` raises :class:`LaunchTimeout` naming the ranks that joined, finished
+  and are still running. Nothing waits without a deadline.
+* **Output.** Each child's file descriptors 1 and 2 are redirected to a per-rank file (so output written
+  by C++ code is captured too); the parent prints the files in rank order once all ranks are done,
+  each line prefixed with ``[rank r]``. Notebook validation (nbval) then sees deterministic output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+__all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "DEFAULT_TIMEOUT_S"]
+
+#: Wall-clock limit (seconds) of a whole launch unless the caller passes ``timeout``.
+DEFAULT_TIMEOUT_S = 30.0
+
+_POLL_S = 0.05
+# After the first failure, how long to keep listening for an earlier-timestamped one from another rank.
+_GRACE_S = 0.3
+_BACKENDS = ("gloo", "nccl")
+
+
+class LaunchError(RuntimeError):
+    """Base class of the errors :func:`launch` raises after processes have started."""
+
+
+class RankError(LaunchError):
+    """A rank raised an exception or exited without returning.
+
+    Attributes:
+        rank: the failing rank (global rank in ``range(world_size)``).
+        world_size: number of ranks launched.
+        exc_type: name of the exception type raised in that rank (``"SystemExit"``/``"exit code N"``
+            for a rank that exited without raising).
+        exc_message: ``str()`` of that exception.
+        remote_traceback: the traceback text formatted in that rank.
+        outputs: captured output of every rank, in rank order.
+    """
+
+    def __init__(self, rank: int, world_size: int, exc_type: str, exc_message: str,
+                 remote_traceback: str, outputs: Sequence[str] = ()):
+        self.rank = rank
+        self.world_size = world_size
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        self.outputs = list(outputs)
+        text = f"rank {rank} of {world_size} failed with {exc_type}: {exc_message}"
+        if remote_traceback:
+            text += f"\n\n--- traceback in rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The launch did not finish within its timeout.
+
+    Attributes:
+        world_size, timeout_s: as passed to :func:`launch`.
+        joined: ranks whose process group was initialised.
+        finished: ranks that returned a value.
+        running: ranks still running when the deadline passed (they are terminated).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float, joined: Sequence[int],
+                 finished: Sequence[int], outputs: Sequence[str] = ()):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.joined = sorted(joined)
+        self.finished = sorted(finished)
+        self.running = [r for r in range(world_size) if r not in set(finished)]
+        self.outputs = list(outputs)
+        missing = [r for r in range(world_size) if r not in set(joined)]
+        if missing:
+            text = (f"launch timed out after {timeout_s:g} s: {len(self.joined)} of {world_size} ranks "
+                    f"joined the process group (joined: {self.joined}; never joined: {missing})")
+        else:
+            text = (f"launch timed out after {timeout_s:g} s: all {world_size} ranks joined, "
+                    f"ranks {self.running} were still running (finished: {self.finished}). A rank that "
+                    "skips a collective its peers call, or a loop that never ends, looks like this; "
+                    "pass a larger timeout= if the work is simply long")
+        super().__init__(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    world_size: int
+    backend: str
+    store_path: str
+    out_dir: str
+    collective_timeout_s: float
+    threads_per_rank: int
+    init_hook: Callable[[int], None] | None
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+           timeout: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
+           threads_per_rank: int = 1, print_output: bool = True,
+           init_hook: Callable[[int], None] | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
+
+    In each rank the default process group is initialised (``dist.get_rank()``,
+    ``dist.get_world_size()`` work as usual) and destroyed after ``fn`` returns.
+
+    Args:
+        fn: the function each rank runs. With fork (the default on Linux) it may be defined in a
+            notebook cell; with spawn it must be importable from a module.
+        world_size: number of ranks, >= 1.
+        *args, **kwargs: passed to ``fn`` (with fork they are inherited, not pickled).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (each rank uses GPU ``rank % device_count``).
+        timeout: seconds for the whole launch, and for each collective inside it (gloo's and NCCL's
+            operation timeout), so a rank stuck in a collective fails instead of waiting 30 minutes.
+        start_method: ``"fork"`` (default where available) or ``"spawn"``.
+        threads_per_rank: ``torch.set_num_threads`` in each rank, set before ``fn`` runs.
+        print_output: print each rank's captured stdout/stderr, in rank order, prefixed ``[rank r]``.
+        init_hook: optional ``hook(rank)`` run in each rank before the process group is initialised
+            (for example to set environment variables or seed a generator).
+
+    Returns:
+        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, so
+        tensors come back as ordinary CPU-or-device tensors owned by the parent.
+
+    Raises:
+        ValueError: bad ``world_size``, ``backend``, ``timeout``, ``threads_per_rank`` or
+            ``start_method``; or spawn asked for with a function that cannot be imported by the children.
+        RuntimeError: NCCL asked for with fewer GPUs than ranks, or with CUDA already initialised in the
+            parent under fork.
+        RankError: a rank raised, or exited without returning. Names the rank, its exception and
+            traceback; raised within about a second of the failure.
+        LaunchTimeout: the launch outlived ``timeout`` seconds.
+    """
+    _validate(fn, world_size, backend, timeout, threads_per_rank)
+    start_method = _choose_start_method(fn, start_method, backend)
+    ctx = mp.get_context(start_method)
+
+    workdir = tempfile.mkdtemp(prefix="commlab-launch-")
+    cfg = _Config(world_size=world_size, backend=backend,
+                  store_path=os.path.join(workdir, "store"), out_dir=workdir,
+                  collective_timeout_s=float(timeout), threads_per_rank=threads_per_rank,
+                  init_hook=init_hook)
+    events = ctx.Queue()
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_child_main, args=(cfg, rank, events, fn, args, kwargs),
+                            name=f"commlab-rank{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        results, failure, timed_out, joined, finished = _wait(procs, events, world_size, timeout)
+    finally:
+        _reap(procs)
+        events.close()
+        events.join_thread()
+        outputs = _read_outputs(workdir, world_size)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if print_output:
+        _print_outputs(outputs)
+    if failure is not None:
+        rank, exc_type, message, tb = failure
+        raise RankError(rank, world_size, exc_type, message, tb, outputs)
+    if timed_out:
+        raise LaunchTimeout(world_size, timeout, joined, finished, outputs)
+    return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------- parent side
+
+def _validate(fn, world_size, backend, timeout, threads_per_rank):
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
+        raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+    if backend == "nccl":
+        import torch
+        n_gpu = torch.cuda.device_count()
+        if n_gpu == 0:
+            raise RuntimeError("backend='nccl' needs CUDA GPUs and none is visible; use backend='gloo' "
+                               "to run on CPU processes")
+
+
+def _choose_start_method(fn, start_method, backend):
+    available = mp.get_all_start_methods()
+    if start_method is None:
+        start_method = "fork" if "fork" in available else "spawn"
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+    if start_method not in available:
+        raise ValueError(f"start_method {start_method!r} is not available on this platform "
+                         f"(available: {available})")
+    if start_method == "spawn":
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", "")
+        if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
+            raise ValueError(
+                f"{getattr(fn, '__name__', fn)!r} is defined in {module or 'no module'} "
+                f"({qualname or 'anonymous'}), which processes started with 'spawn' cannot import. "
+                "Fork is not available here, so move the function into a .py file next to the "
+                "notebook (or use %%writefile), import it, and launch the imported function.")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:  # noqa: BLE001 - the reason is reported to the user verbatim
+            raise ValueError(f"with start_method='spawn' the function must be picklable: {e}") from e
+    if backend == "nccl" and start_method == "fork":
+        import torch
+        if torch.cuda.is_initialized():
+            raise RuntimeError("CUDA is already initialised in this process, and a forked child cannot "
+                               "use it; restart the kernel before using CUDA, or pass start_method='spawn' "
+                               "with a function from an importable module")
+    return start_method
+
+
+def _wait(procs, events, world_size, timeout):
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    joined: set[int] = set()
+    failures: list[tuple[float, int, str, str, str]] = []
+    grace_end = None
+    while True:
+        now = time.monotonic()
+        if len(results) == world_size:
+            return results, None, False, joined, set(results)
+        if grace_end is not None and now >= grace_end:
+            break
+        if now >= deadline:
+            return results, None, True, joined, set(results)
+        try:
+            msg = events.get(timeout=_POLL_S)
+        except queue_mod.Empty:
+            msg = None
+        if msg is not None:
+            kind, rank = msg[0], msg[1]
+            if kind == "joined":
+                joined.add(rank)
+            elif kind == "ok":
+                try:
+                    results[rank] = pickle.loads(msg[2])
+                except Exception as e:  # noqa: BLE001
+                    failures.append((time.time(), rank, type(e).__name__,
+                                     f"its return value could not be unpickled in the parent: {e}", ""))
+            elif kind == "error":
+                failures.append((msg[2], rank, msg[3], msg[4], msg[5]))
+            continue
+        # No message in this poll: a rank that died without reporting (os._exit, a signal, a crash in
+        # C++) is only visible through its exit code.
+        reported = {f[1] for f in failures} | set(results)
+        for rank, p in enumerate(procs):
+            if rank not in reported and p.exitcode is not None:
+                # Drain first: its last message may still be in the pipe.
+                try:
+                    while True:
+                        m = events.get_nowait()
+                        if m[0] == "ok":
+                            results[m[1]] = pickle.loads(m[2])
+                        elif m[0] == "error":
+                            failures.append((m[2], m[1], m[3], m[4], m[5]))
+                        elif m[0] == "joined":
+                            joined.add(m[1])
+                except queue_mod.Empty:
+                    pass
+                if rank in results or any(f[1] == rank for f in failures):
+                    continue
+                code = p.exitcode
+                how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                failures.append((time.time(), rank, how,
+                                 "the process ended without returning a result or raising "
+                                 "(os._exit, sys.exit, a crash in native code or the OOM killer)", ""))
+        if failures and grace_end is None:
+            grace_end = time.monotonic() + _GRACE_S
+    first = min(failures, key=lambda f: f[0])
+    return results, first[1:], False, joined, set(results)
+
+
+def _reap(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 2.0
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)
+    for p in procs:
+        try:
+            p.close()
+        except ValueError:
+            pass
+
+
+def _read_outputs(workdir, world_size):
+    outs = []
+    for rank in range(world_size):
+        path = os.path.join(workdir, f"rank{rank}.out")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                outs.append(f.read())
+        except FileNotFoundError:
+            outs.append("")
+    return outs
+
+
+def _print_outputs(outputs):
+    for rank, text in enumerate(outputs):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------------ child side
+
+def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
+    # Everything this rank writes, from Python or from C++, goes to its own file.
+    out_path = os.path.join(cfg.out_dir, f"rank{rank}.out")
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), encoding="utf-8",
+                                  line_buffering=True, write_through=True)
+    sys.stderr = sys.stdout
+    # SIGTERM keeps its default action: a Python handler would not run while the rank is blocked
+    # inside a C++ collective. SIGINT (a notebook interrupt reaches the whole process group) is left
+    # to the parent, which terminates the ranks itself.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    import torch
+    torch.set_num_threads(cfg.threads_per_rank)
+    import torch.distributed as dist
+
+    try:
+        if cfg.init_hook is not None:
+            cfg.init_hook(rank)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cfg.world_size))
+        init_kwargs = {}
+        if cfg.backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            init_kwargs["device_id"] = device
+        store = dist.FileStore(cfg.store_path, cfg.world_size)
+        dist.init_process_group(cfg.backend, store=store, rank=rank, world_size=cfg.world_size,
+                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+                                **init_kwargs)
+        events.put(("joined", rank))
+        result = fn(*args, **kwargs)
+        payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
+        events.put(("ok", rank, payload))
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+        tb = traceback.format_exc()
+        try:
+            events.put(("error", rank, time.time(), type(e).__name__, str(e), tb))
+        finally:
+            _flush_and_exit(events, 1)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is already delivered
+        pass
+    _flush_and_exit(events, 0)
+
+
+def _to_cpu_if_nccl(obj, backend):
+    if backend != "nccl":
+        return obj
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu_if_nccl(o, backend) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu_if_nccl(v, backend) for k, v in obj.items()}
+    return obj
+
+
+def _flush_and_exit(events, code):
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    events.close()
+    events.join_thread()  # the queue's feeder thread must hand the message over before we leave
+    os._exit(code)
