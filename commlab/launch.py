@@ -52,6 +52,9 @@ _POLL_S = 0.05
 # After the first failure, how long to keep listening for an earlier-timestamped one from another rank.
 _GRACE_S = 0.3
 _BACKENDS = ("gloo", "nccl")
+# The ranks' own rendezvous and collective timeouts are a little longer than the launch's deadline, so
+# that the parent, which knows which ranks joined and which finished, is the one that reports a stall.
+_CHILD_TIMEOUT_MARGIN_S = 2.0
 
 
 class LaunchError(RuntimeError):
@@ -90,7 +93,7 @@ class LaunchTimeout(LaunchError, TimeoutError):
 
     Attributes:
         world_size, timeout_s: as passed to :func:`launch`.
-        joined: ranks whose process group was initialised.
+        joined: ranks that reached the rendezvous.
         finished: ranks that returned a value.
         running: ranks still running when the deadline passed (they are terminated).
     """
@@ -106,7 +109,7 @@ class LaunchTimeout(LaunchError, TimeoutError):
         missing = [r for r in range(world_size) if r not in set(joined)]
         if missing:
             text = (f"launch timed out after {timeout_s:g} s: {len(self.joined)} of {world_size} ranks "
-                    f"joined the process group (joined: {self.joined}; never joined: {missing})")
+                    f"reached the rendezvous (joined: {self.joined}; never joined: {missing})")
         else:
             text = (f"launch timed out after {timeout_s:g} s: all {world_size} ranks joined, "
                     f"ranks {self.running} were still running (finished: {self.finished}). A rank that "
@@ -169,7 +172,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     workdir = tempfile.mkdtemp(prefix="commlab-launch-")
     cfg = _Config(world_size=world_size, backend=backend,
                   store_path=os.path.join(workdir, "store"), out_dir=workdir,
-                  collective_timeout_s=float(timeout), threads_per_rank=threads_per_rank,
+                  collective_timeout_s=float(timeout) + _CHILD_TIMEOUT_MARGIN_S, threads_per_rank=threads_per_rank,
                   init_hook=init_hook)
     events = ctx.Queue()
     procs = []
@@ -267,46 +270,59 @@ def _wait(procs, events, world_size, timeout):
         except queue_mod.Empty:
             msg = None
         if msg is not None:
-            kind, rank = msg[0], msg[1]
-            if kind == "joined":
-                joined.add(rank)
-            elif kind == "ok":
-                try:
-                    results[rank] = pickle.loads(msg[2])
-                except Exception as e:  # noqa: BLE001
-                    failures.append((time.time(), rank, type(e).__name__,
-                                     f"its return value could not be unpickled in the parent: {e}", ""))
-            elif kind == "error":
-                failures.append((msg[2], rank, msg[3], msg[4], msg[5]))
-            continue
-        # No message in this poll: a rank that died without reporting (os._exit, a signal, a crash in
-        # C++) is only visible through its exit code.
-        reported = {f[1] for f in failures} | set(results)
+            _record(msg, results, joined, failures)
+        # A rank that died without reporting (os._exit, a signal, a crash in native code) is only
+        # visible through its exit code.
         for rank, p in enumerate(procs):
-            if rank not in reported and p.exitcode is not None:
-                # Drain first: its last message may still be in the pipe.
-                try:
-                    while True:
-                        m = events.get_nowait()
-                        if m[0] == "ok":
-                            results[m[1]] = pickle.loads(m[2])
-                        elif m[0] == "error":
-                            failures.append((m[2], m[1], m[3], m[4], m[5]))
-                        elif m[0] == "joined":
-                            joined.add(m[1])
-                except queue_mod.Empty:
-                    pass
-                if rank in results or any(f[1] == rank for f in failures):
-                    continue
-                code = p.exitcode
-                how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                failures.append((time.time(), rank, how,
-                                 "the process ended without returning a result or raising "
-                                 "(os._exit, sys.exit, a crash in native code or the OOM killer)", ""))
+            if p.exitcode is None or rank in results or any(f[1] == rank for f in failures):
+                continue
+            _drain(events, results, joined, failures)  # its last message may still be in the pipe
+            if rank in results or any(f[1] == rank for f in failures):
+                continue
+            code = p.exitcode
+            how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            failures.append((time.time(), rank, how,
+                             "the process ended without returning a result or raising "
+                             "(os._exit, sys.exit, a crash in native code or the OOM killer)", ""))
         if failures and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
-    first = min(failures, key=lambda f: f[0])
+    # The root cause is the earliest failure that is not a peer's reaction to it: when one rank dies,
+    # the others fail next with "connection closed by peer" and similar, sometimes before the parent
+    # has noticed the death itself.
+    primary = [f for f in failures if not _is_peer_fallout(f[3])] or failures
+    first = min(primary, key=lambda f: f[0])
     return results, first[1:], False, joined, set(results)
+
+
+def _record(msg, results, joined, failures):
+    kind, rank = msg[0], msg[1]
+    if kind == "joined":
+        joined.add(rank)
+    elif kind == "ok":
+        try:
+            results[rank] = pickle.loads(msg[2])
+        except Exception as e:  # noqa: BLE001
+            failures.append((time.time(), rank, type(e).__name__,
+                             f"its return value could not be unpickled in the parent: {e}", ""))
+    elif kind == "error":
+        failures.append((msg[2], rank, msg[3], msg[4], msg[5]))
+
+
+def _drain(events, results, joined, failures):
+    while True:
+        try:
+            _record(events.get_nowait(), results, joined, failures)
+        except queue_mod.Empty:
+            return
+
+
+_PEER_FALLOUT = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                 "read error", "write error", "socket closed", "connection refused")
+
+
+def _is_peer_fallout(message: str) -> bool:
+    low = message.lower()
+    return any(p in low for p in _PEER_FALLOUT)
 
 
 def _reap(procs):
@@ -379,10 +395,11 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
             torch.cuda.set_device(device)
             init_kwargs["device_id"] = device
         store = dist.FileStore(cfg.store_path, cfg.world_size)
+        # "joined" means "reached the rendezvous": init_process_group itself waits for every rank.
+        events.put(("joined", rank))
         dist.init_process_group(cfg.backend, store=store, rank=rank, world_size=cfg.world_size,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                                 **init_kwargs)
-        events.put(("joined", rank))
         result = fn(*args, **kwargs)
         payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
         events.put(("ok", rank, payload))

@@ -1,0 +1,242 @@
+"""Ring ReduceScatter, AllGather and AllReduce, built from ``isend``/``irecv`` alone.
+
+The algorithm (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", J. Parallel Distrib. Comput. 69(2), section 3; the same ring NCCL runs): the ranks
+form a ring; the tensor is cut into N chunks; in each of N-1 steps every rank sends one chunk to its
+successor and receives one from its predecessor.
+
+* ReduceScatter: the received chunk is added to the local copy of that chunk. After N-1 steps the
+  rank at ring position p holds the complete sum of chunk ``order[p]``, i.e. of the chunk whose index is
+  its own group rank (so the result equals ``dist.reduce_scatter_tensor``).
+* AllGather: the received chunk is stored. After N-1 steps every rank holds every chunk.
+* AllReduce = ReduceScatter then AllGather: each rank sends 2(N-1)/N of the tensor's bytes, which is
+  the lower bound for any AllReduce in which every rank must receive information from all others
+  (Patarasuk & Yuan, section 2).
+
+Chunks follow ``torch.tensor_split``: for ``numel`` elements and N ranks the first ``numel % N``
+chunks hold one element more than the rest, and some chunks are empty when ``numel < N`` (an empty
+chunk is simply not sent; both neighbours know its size, so they skip the same step).
+
+Low precision: partial sums travel in the input dtype, so bfloat16/float16 cost the same bytes on the
+wire as in torch's own collectives; each hop's addition is computed in float32 and rounded back to the
+input dtype (what PyTorch's CPU ``add_`` does for these dtypes), so the result carries up to N-1
+roundings, as a reduction in NCCL or gloo does.
+
+Every function checks first, with one tiny all-gather, that all ranks passed the same element count,
+dtype and ring order; if not, every rank raises the same :class:`CollectiveMismatchError`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives._common import (RingGeometry, check_agreement, chunk_bounds,
+                                         ring_geometry)
+
+__all__ = [
+    "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+    "reduce_scatter_send_chunk", "reduce_scatter_recv_chunk",
+    "all_gather_send_chunk", "all_gather_recv_chunk",
+    "ring_reduce_scatter_seconds", "ring_all_gather_seconds", "ring_all_reduce_seconds",
+    "ring_bytes_sent_per_rank",
+]
+
+
+# ------------------------------------------------------------------------------------ the schedule
+# Pure functions of (ring position, step, N): the code below and the chapter's figure both use them.
+
+def reduce_scatter_send_chunk(position: int, step: int, n: int, order: Sequence[int] | None = None) -> int:
+    """Index of the chunk the rank at ring ``position`` sends in ReduceScatter ``step`` (0-based)."""
+    order = range(n) if order is None else order
+    return order[(position - step - 1) % n]
+
+
+def reduce_scatter_recv_chunk(position: int, step: int, n: int, order: Sequence[int] | None = None) -> int:
+    """Index of the chunk the rank at ring ``position`` receives (and adds to) in ReduceScatter ``step``.
+
+    It is the chunk its predecessor sends: ``reduce_scatter_send_chunk(position - 1, step, n)``.
+    """
+    order = range(n) if order is None else order
+    return order[(position - step - 2) % n]
+
+
+def all_gather_send_chunk(position: int, step: int, n: int, order: Sequence[int] | None = None) -> int:
+    """Index of the chunk the rank at ring ``position`` forwards in AllGather ``step``.
+
+    At step 0 it is the rank's own chunk ``order[position]``; afterwards, the chunk it received
+    in the previous step.
+    """
+    order = range(n) if order is None else order
+    return order[(position - step) % n]
+
+
+def all_gather_recv_chunk(position: int, step: int, n: int, order: Sequence[int] | None = None) -> int:
+    """Index of the chunk the rank at ring ``position`` receives in AllGather ``step``."""
+    order = range(n) if order is None else order
+    return order[(position - step - 1) % n]
+
+
+# ------------------------------------------------------------------------------------ collectives
+
+def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        ring: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over the group and return this rank's chunk of the sum.
+
+    Args:
+        tensor: any shape, contiguous or not, one of the supported dtypes; same element count and
+            dtype on every rank. It is not modified.
+        group: process group (default: the world).
+        ring: ring order as a permutation of group ranks (default ``0..N-1``); same on every rank.
+
+    Returns:
+        1-D tensor of the input dtype holding elements ``[start, stop)`` of the flattened sum, where
+        ``(start, stop) = chunk_bounds(tensor.numel(), N)[group_rank]``. With ``numel`` divisible by N
+        this equals ``dist.reduce_scatter_tensor`` on the flattened tensor.
+
+    Raises:
+        CollectiveMismatchError: ranks disagree on element count, dtype or ring (raised on every rank).
+        TypeError: unsupported dtype. ValueError: ``ring`` is not a permutation of the group's ranks.
+    """
+    geom = ring_geometry(group, ring)
+    check_agreement("ring_reduce_scatter", tensor, group, geom.order)
+    work = tensor.detach().reshape(-1).clone()
+    bounds = chunk_bounds(work.numel(), geom.size)
+    chunks = [work[a:b] for a, b in bounds]
+    _reduce_scatter_phase(chunks, geom, group)
+    return chunks[geom.group_rank].clone()
+
+
+def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    ring: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` (flattened) in group-rank order.
+
+    Args:
+        tensor: any shape, contiguous or not; same element count and dtype on every rank.
+        group, ring: as in :func:`ring_reduce_scatter`.
+
+    Returns:
+        1-D tensor of ``N * tensor.numel()`` elements, the input dtype; equals
+        ``dist.all_gather_into_tensor`` on the flattened tensors.
+
+    Raises:
+        as :func:`ring_reduce_scatter`.
+    """
+    geom = ring_geometry(group, ring)
+    check_agreement("ring_all_gather", tensor, group, geom.order)
+    m = tensor.numel()
+    out = torch.empty(geom.size * m, dtype=tensor.dtype, device=tensor.device)
+    chunks = [out[i * m:(i + 1) * m] for i in range(geom.size)]
+    chunks[geom.group_rank].copy_(tensor.detach().reshape(-1))
+    _all_gather_phase(chunks, geom, group)
+    return out
+
+
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    ring: Sequence[int] | None = None, *, inplace: bool = False) -> torch.Tensor:
+    """Sum ``tensor`` over the group with a ring ReduceScatter followed by a ring AllGather.
+
+    Args:
+        tensor: any shape, contiguous or not; same element count and dtype on every rank.
+        group, ring: as in :func:`ring_reduce_scatter`.
+        inplace: write the sum into ``tensor`` (as ``dist.all_reduce`` does) instead of a new tensor.
+
+    Returns:
+        The sum, with the shape and dtype of ``tensor`` (``tensor`` itself when ``inplace``); equals
+        ``dist.all_reduce(tensor)`` (exactly for integer data, up to rounding order otherwise).
+
+    Raises:
+        as :func:`ring_reduce_scatter`.
+    """
+    geom = ring_geometry(group, ring)
+    check_agreement("ring_all_reduce", tensor, group, geom.order)
+    if inplace and tensor.is_contiguous():
+        work = tensor.detach().view(-1)
+    else:
+        work = tensor.detach().reshape(-1).clone()
+    if geom.size > 1 and work.numel() > 0:
+        bounds = chunk_bounds(work.numel(), geom.size)
+        chunks = [work[a:b] for a, b in bounds]
+        _reduce_scatter_phase(chunks, geom, group)
+        _all_gather_phase(chunks, geom, group)
+    if inplace:
+        if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.detach().copy_(work.view(tensor.shape))
+        return tensor
+    return work.view(tensor.shape)
+
+
+def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group) -> None:
+    n, p = geom.size, geom.position
+    if n == 1:
+        return
+    # One receive buffer, sized for the largest chunk, reused by every step.
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    for step in range(n - 1):
+        send = chunks[reduce_scatter_send_chunk(p, step, n, geom.order)]
+        into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
+        recv = scratch[:into.numel()]
+        _exchange(send, recv, geom, group)
+        into.add_(recv)
+
+
+def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group) -> None:
+    n, p = geom.size, geom.position
+    for step in range(n - 1):
+        send = chunks[all_gather_send_chunk(p, step, n, geom.order)]
+        recv = chunks[all_gather_recv_chunk(p, step, n, geom.order)]
+        _exchange(send, recv, geom, group)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, geom: RingGeometry, group) -> None:
+    """Send to the successor and receive from the predecessor at the same time; wait for both."""
+    reqs = []
+    # Empty chunks are skipped on both sides: the neighbour computes the same (empty) size.
+    if recv.numel() > 0:
+        reqs.append(dist.irecv(recv, src=geom.prev_global, group=group))
+    if send.numel() > 0:
+        reqs.append(dist.isend(send, dst=geom.next_global, group=group))
+    for r in reqs:
+        r.wait()
+
+
+# ----------------------------------------------------------------------------- α-β cost, beside the code
+
+def ring_bytes_sent_per_rank(nbytes: float, n: int, collective: str = "all_reduce") -> float:
+    """Bytes each rank sends in a ring collective over ``n`` ranks on a tensor of ``nbytes`` bytes.
+
+    ReduceScatter and AllGather: (n-1)/n · nbytes; AllReduce: 2(n-1)/n · nbytes.
+    (For AllGather ``nbytes`` is the size of the gathered output, as in nccl-tests.)
+
+    Raises:
+        ValueError: ``n < 1``, negative ``nbytes`` or an unknown ``collective``.
+    """
+    factor = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
+    if collective not in factor:
+        raise ValueError(f"collective must be one of {sorted(factor)}, got {collective!r}")
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
+    return factor[collective] * (n - 1) / n * nbytes
+
+
+def ring_reduce_scatter_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
+    """α-β time of a ring ReduceScatter: (n-1)·α + (n-1)/n · nbytes · β.
+
+    α: per-message latency (s); β: inverse per-direction link bandwidth (s/byte). The reduction's own
+    arithmetic (the γ term) is ignored. Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
+    collective communication operations in MPICH", IJHPCA 19(1), section 4.
+    """
+    ring_bytes_sent_per_rank(nbytes, n)  # validates
+    return (n - 1) * alpha_s + (n - 1) / n * nbytes * beta_s_per_byte
+
+
+def ring_all_gather_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
+    """α-β time of a ring AllGather producing ``nbytes`` bytes: (n-1)·α + (n-1)/n · nbytes · β."""
+    return ring_reduce_scatter_seconds(nbytes, n, alpha_s, beta_s_per_byte)
+
+
+def ring_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
+    """α-β time of a ring AllReduce: 2(n-1)·α + 2(n-1)/n · nbytes · β (ReduceScatter + AllGather)."""
+    return 2 * ring_reduce_scatter_seconds(nbytes, n, alpha_s, beta_s_per_byte)

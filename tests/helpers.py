@@ -1,0 +1,20 @@
+"""Small helpers shared by the multi-process tests."""
+
+import os
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """PIDs whose parent is ``pid`` (default: this process), read from /proc; zombies included."""
+    pid = os.getpid() if pid is None else pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
