@@ -135,13 +135,17 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    ring: Sequence[int] | None = None, *, inplace: bool = False) -> torch.Tensor:
+                    ring: Sequence[int] | None = None, *, inplace: bool = False,
+                    check: bool = True) -> torch.Tensor:
     """Sum ``tensor`` over the group with a ring ReduceScatter followed by a ring AllGather.
 
     Args:
         tensor: any shape, contiguous or not; same element count and dtype on every rank.
         group, ring: as in :func:`ring_reduce_scatter`.
         inplace: write the sum into ``tensor`` (as ``dist.all_reduce`` does) instead of a new tensor.
+        check: first make all ranks agree on element count, dtype and ring (one tiny all-gather, i.e.
+            one extra latency). Pass False only where agreement is guaranteed by construction (the
+            same model on every rank); a mismatch then fails inside the point-to-point phase instead.
 
     Returns:
         The sum, with the shape and dtype of ``tensor`` (``tensor`` itself when ``inplace``); equals
@@ -151,7 +155,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         as :func:`ring_reduce_scatter`.
     """
     geom = ring_geometry(group, ring)
-    check_agreement("ring_all_reduce", tensor, group, geom.order)
+    if check:
+        check_agreement("ring_all_reduce", tensor, group, geom.order)
     if inplace and tensor.is_contiguous():
         work = tensor.detach().view(-1)
     else:
@@ -172,34 +177,62 @@ def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group)
     n, p = geom.size, geom.position
     if n == 1:
         return
-    # One receive buffer, sized for the largest chunk, reused by every step.
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
-    for step in range(n - 1):
-        send = chunks[reduce_scatter_send_chunk(p, step, n, geom.order)]
+    # Two receive buffers, sized for the largest chunk: the receive of step s+1 is posted before the
+    # rank waits for step s, so a message is never kept waiting for its receive to be posted.
+    big = max(c.numel() for c in chunks)
+    scratch = [torch.empty(big, dtype=chunks[0].dtype, device=chunks[0].device) for _ in range(2)]
+
+    def post_recv(step):
         into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
-        recv = scratch[:into.numel()]
-        _exchange(send, recv, geom, group)
-        into.add_(recv)
+        return into, _irecv(scratch[step % 2][:into.numel()], geom, group)
+
+    def post_send(step):
+        return _isend(chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], geom, group)
+
+    pending_recv, sends = post_recv(0), [post_send(0)]
+    for step in range(n - 1):
+        into, req = pending_recv
+        if step + 1 < n - 1:
+            pending_recv = post_recv(step + 1)
+        _wait(req)
+        into.add_(scratch[step % 2][:into.numel()])
+        if step + 1 < n - 1:
+            # The chunk just completed for this step is the one to send next.
+            sends.append(post_send(step + 1))
+        if len(sends) > 1:
+            _wait(sends.pop(0))  # at most two sends in flight, like the receives
+    for req in sends:
+        _wait(req)
 
 
 def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group) -> None:
     n, p = geom.size, geom.position
+    if n == 1:
+        return
+    # Every step receives into a different chunk, so all receives can be posted up front.
+    recvs = [_irecv(chunks[all_gather_recv_chunk(p, step, n, geom.order)], geom, group) for step in range(n - 1)]
+    sends = [_isend(chunks[all_gather_send_chunk(p, 0, n, geom.order)], geom, group)]
     for step in range(n - 1):
-        send = chunks[all_gather_send_chunk(p, step, n, geom.order)]
-        recv = chunks[all_gather_recv_chunk(p, step, n, geom.order)]
-        _exchange(send, recv, geom, group)
+        _wait(recvs[step])
+        if step + 1 < n - 1:
+            # What arrived in this step is what this rank forwards in the next.
+            sends.append(_isend(chunks[all_gather_send_chunk(p, step + 1, n, geom.order)], geom, group))
+    for req in sends:
+        _wait(req)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, geom: RingGeometry, group) -> None:
-    """Send to the successor and receive from the predecessor at the same time; wait for both."""
-    reqs = []
-    # Empty chunks are skipped on both sides: the neighbour computes the same (empty) size.
-    if recv.numel() > 0:
-        reqs.append(dist.irecv(recv, src=geom.prev_global, group=group))
-    if send.numel() > 0:
-        reqs.append(dist.isend(send, dst=geom.next_global, group=group))
-    for r in reqs:
-        r.wait()
+# Empty chunks are skipped on both sides: the neighbour computes the same (empty) size.
+def _irecv(buf: torch.Tensor, geom: RingGeometry, group):
+    return dist.irecv(buf, src=geom.prev_global, group=group) if buf.numel() else None
+
+
+def _isend(buf: torch.Tensor, geom: RingGeometry, group):
+    return dist.isend(buf, dst=geom.next_global, group=group) if buf.numel() else None
+
+
+def _wait(req) -> None:
+    if req is not None:
+        req.wait()
 
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code
