@@ -1,0 +1,180 @@
+"""Ring AllReduce (ours) beside ``dist.all_reduce`` on the same ranks, sizes and buffers.
+
+Method, per message size (one launch per size, so each row is printed as soon as it is measured):
+
+* correctness first: both algorithms reduce the same random float32 data; ``#wrong`` counts the
+  elements where ours differs from torch's by more than 1e-5 relative (nccl-tests' ``#wrong`` column),
+  on every rank, summed;
+* timing on a zero-filled buffer, reduced in place by both (repeated in-place sums of random data
+  would overflow), after one warm-up call of each;
+* ``rounds`` rounds, each timing ``iters`` back-to-back calls of one algorithm between barriers, the two
+  algorithms alternating (and swapping which goes first) so that drift in the machine's speed hits both;
+  a round's time is the slowest rank's, and the reported time is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
+from commlab.collectives import ring_all_reduce
+from commlab.launch import launch
+
+DEFAULT_SIZES = tuple(2**k for k in range(10, 27, 2))  # 1 KiB ... 64 MiB, every factor of 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRow:
+    """One size of the benchmark. Times in seconds, bandwidths in bytes/s."""
+
+    nbytes: int
+    count: int
+    dtype: str
+    world_size: int
+    ours_s: float
+    torch_s: float
+    wrong: int
+
+    @property
+    def ours_algbw(self) -> float:
+        return algbw_bytes_per_s(self.nbytes, self.ours_s)
+
+    @property
+    def ours_busbw(self) -> float:
+        return busbw_bytes_per_s(self.nbytes, self.ours_s, self.world_size)
+
+    @property
+    def torch_algbw(self) -> float:
+        return algbw_bytes_per_s(self.nbytes, self.torch_s)
+
+    @property
+    def torch_busbw(self) -> float:
+        return busbw_bytes_per_s(self.nbytes, self.torch_s, self.world_size)
+
+    @property
+    def ratio(self) -> float:
+        """busbw ours / busbw torch (> 1: ours is faster)."""
+        return self.ours_busbw / self.torch_busbw
+
+
+def _iters_for(nbytes: int) -> int:
+    # About 8 MiB of payload per timed round, at least one call: small sizes need many calls to rise
+    # above the timer's and the barrier's noise.
+    return int(min(200, max(1, (8 * 2**20) // max(nbytes, 1))))
+
+
+def _measure_one_size(nbytes: int, rounds: int, ours: Callable[[torch.Tensor], object]):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    count = nbytes // 4
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randn(count, generator=g)
+    ref = data.clone()
+    dist.all_reduce(ref)
+    got = data.clone()
+    ours(got)  # the function that is timed is the function that is checked
+    wrong_count = (~torch.isclose(got, ref, rtol=1e-5, atol=1e-6)).sum().reshape(1)
+    dist.all_reduce(wrong_count)
+    wrong = int(wrong_count)
+
+    buf = torch.zeros(count)
+    iters = _iters_for(nbytes)
+    algs = {"ours": lambda: ours(buf), "torch": lambda: dist.all_reduce(buf)}
+    for fn in algs.values():
+        fn()  # warm-up: first-call costs (buffer allocation, connection set-up) are not the algorithm's
+    times = {name: [] for name in algs}
+    slowest = torch.zeros(1, dtype=torch.float64)
+    for r in range(rounds):
+        names = ["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                algs[name]()
+            slowest[0] = (time.perf_counter() - t0) / iters
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[name].append(slowest.item())
+    return BenchRow(nbytes=count * 4, count=count, dtype="float32", world_size=n,
+                    ours_s=statistics.median(times["ours"]), torch_s=statistics.median(times["torch"]),
+                    wrong=wrong)
+
+
+def _ring_inplace(buf: torch.Tensor) -> None:
+    ring_all_reduce(buf, inplace=True)
+
+
+def _ring_inplace_unchecked(buf: torch.Tensor) -> None:
+    ring_all_reduce(buf, inplace=True, check=False)
+
+
+def bench_all_reduce(world_size: int = 4, sizes: Iterable[int] = DEFAULT_SIZES, rounds: int = 5,
+                     ours: Callable[[torch.Tensor], object] | None = None, check: bool = True,
+                     backend: str = "gloo", progress: bool = True, timeout: float = 600.0) -> list[BenchRow]:
+    """Time ``ours`` (default: commlab's ring AllReduce, in place) beside ``dist.all_reduce``.
+
+    Args:
+        world_size: ranks to launch.
+        sizes: message sizes in bytes (rounded down to whole float32 elements; >= 4).
+        rounds: timed rounds per algorithm and size (median reported); >= 1.
+        ours: the function to time against torch, called as ``ours(buffer)`` inside each rank; it must
+            all-reduce ``buffer`` in place. Default: ``ring_all_reduce(buffer, inplace=True, check=check)``.
+        check: with the default ``ours``, whether the ring first checks that all ranks agree on size and
+            dtype (one extra small collective per call; see ``ring_all_reduce``).
+        backend: ``"gloo"`` or ``"nccl"``.
+        progress: print each row of the table as soon as its size is measured.
+        timeout: seconds allowed per size.
+
+    Returns:
+        One :class:`BenchRow` per size.
+
+    Raises:
+        ValueError: a size below 4 bytes or ``rounds < 1``.
+    """
+    sizes = list(sizes)
+    if any(s < 4 for s in sizes):
+        raise ValueError(f"every size must be >= 4 bytes (one float32), got {sizes}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if ours is None:
+        ours = _ring_inplace if check else _ring_inplace_unchecked
+    rows = []
+    if progress:
+        print(_header(world_size, backend), flush=True)
+    for nbytes in sizes:
+        row = launch(_measure_one_size, world_size, nbytes, rounds, ours, backend=backend,
+                     timeout=timeout, print_output=True)[0]
+        rows.append(row)
+        if progress:
+            print(_format_row(row), flush=True)
+            sys.stdout.flush()
+    return rows
+
+
+def _header(world_size: int, backend: str) -> str:
+    return "\n".join([
+        f"# AllReduce, {world_size} ranks, backend {backend}: commlab ring (ours) vs dist.all_reduce (torch)",
+        "#" + " " * 37 + "ours (ring)" + " " * 26 + "torch (dist.all_reduce)",
+        f"#{'size':>11} {'count':>10} {'type':>7}  {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        f"  {'time':>10} {'algbw':>7} {'busbw':>7}  {'busbw ours/torch':>16}",
+        f"#{'(B)':>11} {'(elements)':>10} {'':>7}  {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+        f"  {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7}  {'':>16}",
+    ])
+
+
+def _format_row(r: BenchRow) -> str:
+    return (f" {r.nbytes:>11} {r.count:>10} {r.dtype:>7}  {r.ours_s * 1e6:>10.1f} {r.ours_algbw / 1e9:>7.3f}"
+            f" {r.ours_busbw / 1e9:>7.3f} {r.wrong:>6}  {r.torch_s * 1e6:>10.1f} {r.torch_algbw / 1e9:>7.3f}"
+            f" {r.torch_busbw / 1e9:>7.3f}  {r.ratio:>16.2f}")
+
+
+def format_table(rows: list[BenchRow], backend: str = "gloo") -> str:
+    """The nccl-tests-style table for ``rows`` (GB = 1e9 bytes, as nccl-tests prints)."""
+    if not rows:
+        return "(no rows)"
+    return "\n".join([_header(rows[0].world_size, backend)] + [_format_row(r) for r in rows])

@@ -1,0 +1,75 @@
+"""Benchmark helpers and the command line (the benchmark's speed is not a test; its correctness is)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from commlab.__main__ import main
+from commlab.bench import BenchRow, algbw_bytes_per_s, bench_all_reduce, busbw_bytes_per_s, format_table, parse_size
+
+
+def test_busbw_factors_follow_nccl_tests():
+    assert busbw_bytes_per_s(1e9, 1.0, 4, "all_reduce") == pytest.approx(1.5e9)
+    assert busbw_bytes_per_s(1e9, 1.0, 8, "all_gather") == pytest.approx(0.875e9)
+    assert busbw_bytes_per_s(1e9, 2.0, 8, "broadcast") == pytest.approx(0.5e9)
+    assert algbw_bytes_per_s(10, 2) == 5
+    with pytest.raises(ValueError, match="collective must be one of"):
+        busbw_bytes_per_s(1, 1, 2, "alltoall")
+    with pytest.raises(ValueError):
+        algbw_bytes_per_s(1, 0)
+
+
+@pytest.mark.parametrize("text, value", [("1024", 1024), ("64K", 65536), ("16MiB", 16 * 2**20),
+                                         ("1g", 2**30), (512, 512)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+def test_parse_size_rejects_nonsense():
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_size("12 parsecs")
+
+
+def test_a_small_benchmark_runs_and_finds_nothing_wrong(capsys):
+    rows = bench_all_reduce(world_size=3, sizes=[4096, 12], rounds=1)
+    assert [r.nbytes for r in rows] == [4096, 12] and all(r.wrong == 0 for r in rows)
+    assert all(r.ours_s > 0 and r.torch_s > 0 and r.ratio > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "busbw ours/torch" in out and out.count("float32") == 2
+    assert "#wrong" in format_table(rows)
+
+
+def _forgets_to_reduce(buf):
+    pass
+
+
+def test_the_benchmark_checks_the_function_it_times():
+    # An "AllReduce" that leaves the buffer alone is wrong everywhere except where all ranks' sum equals
+    # this rank's value, so nearly every element on every rank is counted.
+    row = bench_all_reduce(2, [4000], rounds=1, ours=_forgets_to_reduce, progress=False)[0]
+    assert row.wrong > 1900
+
+
+def test_ratio_and_table_of_a_row():
+    row = BenchRow(nbytes=8, count=2, dtype="float32", world_size=2, ours_s=1.0, torch_s=2.0, wrong=1)
+    assert row.ratio == pytest.approx(2.0)
+    assert format_table([row]).splitlines()[-1].split()[6] == "1"
+
+
+def test_bench_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=">= 4 bytes"):
+        bench_all_reduce(2, [2])
+    with pytest.raises(ValueError, match="rounds"):
+        bench_all_reduce(2, [16], rounds=0)
+
+
+def test_command_line_bench(capsys):
+    assert main(["bench", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-r", "1", "--no-check"]) == 0
+    out = capsys.readouterr().out
+    assert "out of bounds values: 0 OK" in out and out.count("float32") == 2
+
+
+def test_command_line_rejects_bad_sizes():
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "-b", "1X"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "cannot read '1X' as a size" in proc.stderr
