@@ -1,0 +1,148 @@
+"""Graders for lab 2: the learner's ring ReduceScatter and AllGather, run on real gloo ranks.
+
+The learner writes ``fn(x) -> tensor`` to be run inside each rank (using ``dist.get_rank()``,
+``dist.get_world_size()``, ``dist.isend`` and ``dist.irecv``). Each case launches it on N ranks with
+integer-valued data (so sums are exact and any difference is a real mistake), compares with
+commlab's reference, and explains the first difference it finds. While the learner's function runs,
+torch's own collectives are disabled, so a solution that calls them is caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives._common import chunk_bounds
+from commlab.exercises.report import CheckReport
+from commlab.launch import LaunchTimeout, RankError, launch
+
+_CASE_TIMEOUT_S = 8.0
+_FORBIDDEN = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+              "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce")
+
+
+@contextlib.contextmanager
+def _only_point_to_point():
+    saved = {name: getattr(dist, name) for name in _FORBIDDEN if hasattr(dist, name)}
+
+    def refuse(name):
+        def _refuse(*_a, **_k):
+            raise RuntimeError(f"dist.{name} is off-limits in this exercise: build it from "
+                               "dist.isend / dist.irecv")
+        return _refuse
+
+    for name in saved:
+        setattr(dist, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+
+
+def _inputs(numel: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randint(-9, 10, (numel,), generator=g).to(torch.float32)
+
+
+def _full_sum(numel: int, n: int) -> torch.Tensor:
+    return sum(_inputs(numel, r) for r in range(n))
+
+
+def _run(fn, kind: str, numel: int):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if kind == "reduce_scatter":
+        x = _inputs(numel, rank)
+    else:
+        a, b = chunk_bounds(numel, n)[rank]
+        x = _full_sum(numel, n)[a:b].clone()
+    original = x.clone()
+    with _only_point_to_point():
+        out = fn(x)
+    modified_input = not torch.equal(x, original)
+    if out is not None and not isinstance(out, torch.Tensor):
+        return ("type", type(out).__name__, modified_input)
+    return ("ok", None if out is None else out.detach().reshape(-1).clone(), modified_input)
+
+
+def _explain(kind: str, rank: int, n: int, numel: int, got, expected: torch.Tensor) -> str | None:
+    if got is None:
+        return f"rank {rank} returned None (the TODO is not filled in yet?)"
+    if got.numel() != expected.numel():
+        what = ("this rank's chunk of the sum" if kind == "reduce_scatter"
+                else "the whole gathered tensor")
+        return (f"rank {rank} returned {got.numel()} elements, expected {expected.numel()} "
+                f"({what}; chunks follow torch.tensor_split)")
+    if torch.equal(got, expected):
+        return None
+    i = int((got != expected).nonzero()[0])
+    msg = f"rank {rank}: element {i} is {got[i].item():g}, expected {expected[i].item():g}"
+    if kind == "reduce_scatter":
+        a, b = chunk_bounds(numel, n)[rank]
+        if torch.equal(got, _inputs(numel, rank)[a:b]):
+            msg += " -- that is this rank's own input: nothing was added"
+        else:
+            for c, (ca, cb) in enumerate(chunk_bounds(numel, n)):
+                if cb - ca == got.numel() and c != rank and torch.equal(got, _full_sum(numel, n)[ca:cb]):
+                    msg += (f" -- you returned the complete sum of chunk {c}: the ring is rotated; "
+                            f"rank r must end with chunk r")
+                    break
+            else:
+                msg += " -- a chunk was added to the wrong slot, added twice, or missed a step"
+    else:
+        msg += " -- a received chunk was stored in the wrong slot, or a step is missing"
+    return msg
+
+
+def _check(kind: str, fn: Callable, world_sizes: Sequence[int], counts: Sequence[int]) -> CheckReport:
+    title = {"reduce_scatter": "ReduceScatter", "all_gather": "AllGather"}[kind]
+    report = CheckReport(f"{title} exercise ({getattr(fn, '__name__', 'fn')})")
+    for n in world_sizes:
+        for numel in counts:
+            desc = f"{n} ranks, {numel} elements"
+            try:
+                outs = launch(_run, n, fn, kind, numel, timeout=_CASE_TIMEOUT_S, print_output=False)
+            except RankError as e:
+                report.cases.append((desc, False, f"rank {e.rank} raised {e.exc_type}: {e.exc_message}"))
+                continue
+            except LaunchTimeout:
+                report.cases.append((desc, False, f"no result within {_CASE_TIMEOUT_S:g} s: a rank waits for "
+                                     "a message nobody sends (every isend needs the matching irecv on the "
+                                     "neighbour, and every request must be waited)"))
+                continue
+            total = _full_sum(numel, n)
+            problems = []
+            for rank, (status, got, modified) in enumerate(outs):
+                if status == "type":
+                    problems.append(f"rank {rank} returned a {got}, expected a torch.Tensor")
+                    continue
+                if kind == "reduce_scatter":
+                    a, b = chunk_bounds(numel, n)[rank]
+                    expected = total[a:b]
+                else:
+                    expected = total
+                why = _explain(kind, rank, n, numel, got, expected)
+                if why:
+                    problems.append(why)
+            report.cases.append((desc, not problems, problems[0] if problems else ""))
+    return report
+
+
+def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor], world_sizes: Sequence[int] = (2, 3, 4),
+                         counts: Sequence[int] = (12, 10, 2)) -> CheckReport:
+    """Grade a ring ReduceScatter: ``fn(x)`` gets a 1-D float32 tensor (same size on every rank) and
+    must return this rank's chunk of the sum over ranks (chunk ``rank`` of ``torch.tensor_split(sum, N)``).
+    """
+    return _check("reduce_scatter", fn, world_sizes, counts)
+
+
+def check_all_gather(fn: Callable[[torch.Tensor], torch.Tensor], world_sizes: Sequence[int] = (2, 3, 4),
+                     counts: Sequence[int] = (12, 10, 2)) -> CheckReport:
+    """Grade a ring AllGather: ``fn(chunk)`` gets this rank's chunk (chunk ``rank`` of
+    ``torch.tensor_split(full, N)``, so sizes may differ by one between ranks) and must return the full
+    1-D tensor, the chunks concatenated in rank order.
+    """
+    return _check("all_gather", fn, world_sizes, counts)

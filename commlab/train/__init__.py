@@ -1,0 +1,8 @@
+"""A small model on real offline data, so that the labs move real gradients."""
+
+from commlab.train.data import Digits, load_digits_split, shard
+from commlab.train.model import MLP, flat_grad, set_flat_grad
+from commlab.train.data_parallel import DataParallelResult, train_data_parallel
+
+__all__ = ["Digits", "load_digits_split", "shard", "MLP", "flat_grad", "set_flat_grad",
+           "DataParallelResult", "train_data_parallel"]

@@ -1,0 +1,108 @@
+"""Lab graders: a correct solution passes, each typical mistake is caught with a message that says what."""
+
+import torch
+import torch.distributed as dist
+
+from commlab.exercises import check_all_gather, check_reduce_scatter
+
+
+def _exchange(send, recv, rank, n):
+    reqs = []
+    if recv.numel():
+        reqs.append(dist.irecv(recv, (rank - 1) % n))
+    if send.numel():
+        reqs.append(dist.isend(send, (rank + 1) % n))
+    for r in reqs:
+        r.wait()
+
+
+def good_rs(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(x.clone(), n))
+    for step in range(n - 1):
+        into = chunks[(rank - step - 2) % n]
+        buf = torch.empty_like(into)
+        _exchange(chunks[(rank - step - 1) % n], buf, rank, n)
+        into += buf
+    return chunks[rank]
+
+
+def rotated_rs(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(x.clone(), n))
+    for step in range(n - 1):
+        into = chunks[(rank - step - 1) % n]
+        buf = torch.empty_like(into)
+        _exchange(chunks[(rank - step) % n], buf, rank, n)
+        into += buf
+    return chunks[(rank + 1) % n]
+
+
+def lazy_rs(x):
+    return torch.tensor_split(x, dist.get_world_size())[dist.get_rank()]
+
+
+def cheating_rs(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    return torch.tensor_split(y, dist.get_world_size())[dist.get_rank()]
+
+
+def deadlocking_rs(x):
+    buf = torch.empty_like(x)
+    dist.irecv(buf, (dist.get_rank() - 1) % dist.get_world_size()).wait()  # nobody sends
+    return buf
+
+
+def good_ag(chunk):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    sizes[rank][0] = chunk.numel()
+    for step in range(n - 1):
+        _exchange(sizes[(rank - step) % n], sizes[(rank - step - 1) % n], rank, n)
+    pieces = [torch.empty(int(s), dtype=chunk.dtype) for s in sizes]
+    pieces[rank].copy_(chunk)
+    for step in range(n - 1):
+        _exchange(pieces[(rank - step) % n], pieces[(rank - step - 1) % n], rank, n)
+    return torch.cat(pieces)
+
+
+def repeating_ag(chunk):
+    return torch.cat([chunk] * dist.get_world_size())
+
+
+def test_a_correct_reduce_scatter_passes_every_case():
+    report = check_reduce_scatter(good_rs)
+    assert report.passed and len(report.cases) == 9
+    assert "all checks passed" in str(report)
+
+
+def test_a_rotated_ring_is_diagnosed():
+    report = check_reduce_scatter(rotated_rs, world_sizes=(3,), counts=(12,))
+    assert not report.passed and "the ring is rotated" in str(report)
+
+
+def test_no_reduction_is_diagnosed():
+    report = check_reduce_scatter(lazy_rs, world_sizes=(2,), counts=(8,))
+    assert "nothing was added" in str(report)
+
+
+def test_none_is_diagnosed():
+    report = check_reduce_scatter(lambda x: None, world_sizes=(2,), counts=(4,))
+    assert "returned None" in str(report) and not report.passed
+
+
+def test_torch_collectives_are_refused():
+    report = check_reduce_scatter(cheating_rs, world_sizes=(2,), counts=(4,))
+    assert "off-limits" in str(report)
+
+
+def test_a_deadlock_is_reported_not_hung():
+    report = check_reduce_scatter(deadlocking_rs, world_sizes=(2,), counts=(4,))
+    assert "a rank waits for a message nobody sends" in str(report)
+
+
+def test_a_correct_all_gather_passes_and_a_wrong_one_is_caught():
+    assert check_all_gather(good_ag).passed
+    report = check_all_gather(repeating_ag, world_sizes=(3,), counts=(10,))
+    assert "returned 12 elements, expected 10" in str(report)
