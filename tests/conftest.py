@@ -1,4 +1,5 @@
-import os
+import matplotlib
 
-# Matplotlib must never try to open a window in tests.
-os.environ.setdefault("MPLBACKEND", "Agg")
+# Tests that draw must never open a window. (MPLBACKEND is deliberately not exported: notebook kernels
+# started by nbval inherit the environment and would then not display figures inline.)
+matplotlib.use("Agg")

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Build the Jupyter Book with every notebook executed. Strict: a failing cell, a broken reference or any
+# Sphinx warning fails the build (exit code != 0). Extra arguments go to jupyter-book.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/jupyter-book build . -W -n --keep-going "$@"
+echo "== the book is in _build/html/index.html"

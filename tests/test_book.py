@@ -1,0 +1,77 @@
+"""The book: every notebook is executed and error-free as stored, listed in the table of contents, and
+the whole book builds strictly.
+
+The notebooks themselves are executed and their outputs compared by nbval (``--nbval`` in pytest's
+options collects every ``.ipynb`` under ``book/`` and ``labs/``). The build here therefore renders the
+stored outputs (``execute_notebooks: "off"``) instead of executing every notebook a second time: nbval has
+just shown that a fresh execution reproduces them. ``scripts/build_book.sh`` is the reader's build, with
+execution forced.
+"""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for p in list(ROOT.glob("book/**/*.ipynb")) + list(ROOT.glob("labs/**/*.ipynb"))
+                   if ".ipynb_checkpoints" not in p.parts and "_build" not in p.parts)
+
+
+def _toc_files():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    stack = list(toc.get("parts", [])) + list(toc.get("chapters", []))
+    while stack:
+        entry = stack.pop()
+        if "file" in entry:
+            files.append(entry["file"])
+        stack.extend(entry.get("chapters", []) + entry.get("sections", []))
+    return files
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_notebook_is_stored_executed_without_errors(path):
+    cells = json.loads(path.read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    assert code, "a notebook without code cells belongs in a .md file"
+    unexecuted = [i for i, c in enumerate(code) if c.get("execution_count") is None]
+    assert not unexecuted, f"code cells {unexecuted} were never executed (run tools/nbtools.py execute)"
+    errors = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert not errors, f"code cells {errors} hold error outputs"
+
+
+def test_every_page_is_in_the_table_of_contents():
+    listed = set(_toc_files())
+    pages = {str(p.relative_to(ROOT).with_suffix("")) for p in NOTEBOOKS}
+    pages |= {str(p.relative_to(ROOT).with_suffix("")) for p in ROOT.glob("book/**/*.md")}
+    assert pages - listed == set()
+    missing = [f for f in listed if not any((ROOT / f).with_suffix(s).exists() for s in (".md", ".ipynb"))]
+    assert missing == []
+
+
+@pytest.mark.notebooks
+def test_book_builds_strictly(tmp_path):
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    config["execute"]["execute_notebooks"] = "off"
+    cfg = tmp_path / "_config.yml"
+    cfg.write_text(yaml.safe_dump(config, allow_unicode=True))
+    out = tmp_path / "build"
+    jb = pathlib.Path(sys.executable).with_name("jupyter-book")
+    proc = subprocess.run([str(jb), "build", str(ROOT), "--config", str(cfg), "--path-output", str(out),
+                           "-W", "-n", "--keep-going"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    html = out / "_build" / "html"
+    for page in _toc_files():
+        assert (html / page).with_suffix(".html").exists(), page
+    lab = (html / "labs" / "lab02_ring_reduce_scatter_all_gather.html").read_text()
+    assert "<img" in lab and "all checks passed" in lab, "the lab's plots and checks should be in the HTML"
+    shutil.rmtree(out, ignore_errors=True)
