@@ -65,7 +65,7 @@ def test_bench_rejects_bad_arguments():
 
 
 def test_command_line_bench(capsys):
-    assert main(["bench", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-r", "1", "--no-check"]) == 0
+    assert main(["bench", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-r", "1", "--check"]) == 0
     out = capsys.readouterr().out
     assert "out of bounds values: 0 OK" in out and out.count("float32") == 2
 

@@ -71,7 +71,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_peers_are_stopped():
     assert "bad value in rank two" in str(err)
     assert "rank 2 of 4" in str(err)
     assert 'raise ValueError("bad value in rank two")' in err.remote_traceback
-    assert elapsed < 5, f"failure took {elapsed:.1f} s to surface"
+    assert elapsed < 10, f"failure took {elapsed:.1f} s to surface"
     assert child_pids() == []
 
 
@@ -85,7 +85,7 @@ def test_a_rank_that_exits_without_raising_is_reported():
     with pytest.raises(RankError) as info:
         launch(fn, 3, timeout=20)
     assert info.value.rank == 1 and info.value.exc_type == "exit code 3"
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10
     assert child_pids() == []
 
 
@@ -110,7 +110,7 @@ def test_a_rank_that_never_joins_times_out_naming_the_ranks_that_did():
     with pytest.raises(LaunchTimeout) as info:
         launch(_rank_and_size, 4, timeout=2, init_hook=never_joins)
     err = info.value
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 10
     assert err.joined == [0, 1, 2] and err.world_size == 4
     assert "never joined: [3]" in str(err)
     assert child_pids() == []
@@ -125,7 +125,7 @@ def test_a_rank_that_skips_a_collective_fails_within_the_timeout():
     start = time.monotonic()
     with pytest.raises((RankError, LaunchTimeout)):
         launch(fn, 3, timeout=3)
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 12
     assert child_pids() == []
 
 
