@@ -33,8 +33,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from commlab.collectives import p2p
 from commlab.collectives._common import (RingGeometry, check_agreement, chunk_bounds,
                                          ring_geometry)
+from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
     "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
@@ -82,7 +84,8 @@ def all_gather_recv_chunk(position: int, step: int, n: int, order: Sequence[int]
 # ------------------------------------------------------------------------------------ collectives
 
 def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                        ring: Sequence[int] | None = None) -> torch.Tensor:
+                        ring: Sequence[int] | None = None, *,
+                        emulate: EmulatedTopology | None = None) -> torch.Tensor:
     """Sum ``tensor`` over the group and return this rank's chunk of the sum.
 
     Args:
@@ -90,6 +93,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
             dtype on every rank. It is not modified.
         group: process group (default: the world).
         ring: ring order as a permutation of group ranks (default ``0..N-1``); same on every rank.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays each message
+            that crosses emulated nodes (see :mod:`commlab.topology.emulated`).
 
     Returns:
         1-D tensor of the input dtype holding elements ``[start, stop)`` of the flattened sum, where
@@ -105,12 +110,13 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     work = tensor.detach().reshape(-1).clone()
     bounds = chunk_bounds(work.numel(), geom.size)
     chunks = [work[a:b] for a, b in bounds]
-    _reduce_scatter_phase(chunks, geom, group)
+    _reduce_scatter_phase(chunks, geom, group, emulate)
     return chunks[geom.group_rank].clone()
 
 
 def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    ring: Sequence[int] | None = None) -> torch.Tensor:
+                    ring: Sequence[int] | None = None, *,
+                    emulate: EmulatedTopology | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` (flattened) in group-rank order.
 
     Args:
@@ -130,13 +136,13 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     out = torch.empty(geom.size * m, dtype=tensor.dtype, device=tensor.device)
     chunks = [out[i * m:(i + 1) * m] for i in range(geom.size)]
     chunks[geom.group_rank].copy_(tensor.detach().reshape(-1))
-    _all_gather_phase(chunks, geom, group)
+    _all_gather_phase(chunks, geom, group, emulate)
     return out
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                     ring: Sequence[int] | None = None, *, inplace: bool = False,
-                    check: bool = True) -> torch.Tensor:
+                    check: bool = True, emulate: EmulatedTopology | None = None) -> torch.Tensor:
     """Sum ``tensor`` over the group with a ring ReduceScatter followed by a ring AllGather.
 
     Args:
@@ -164,8 +170,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if geom.size > 1 and work.numel() > 0:
         bounds = chunk_bounds(work.numel(), geom.size)
         chunks = [work[a:b] for a, b in bounds]
-        _reduce_scatter_phase(chunks, geom, group)
-        _all_gather_phase(chunks, geom, group)
+        _reduce_scatter_phase(chunks, geom, group, emulate)
+        _all_gather_phase(chunks, geom, group, emulate)
     if inplace:
         if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.detach().copy_(work.view(tensor.shape))
@@ -173,7 +179,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return work.view(tensor.shape)
 
 
-def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group) -> None:
+def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
     n, p = geom.size, geom.position
     if n == 1:
         return
@@ -184,55 +190,43 @@ def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group)
 
     def post_recv(step):
         into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
-        return into, _irecv(scratch[step % 2][:into.numel()], geom, group)
+        return into, p2p.irecv(scratch[step % 2][:into.numel()], geom.prev_global, group)
 
     def post_send(step):
-        return _isend(chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], geom, group)
+        return p2p.isend(chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], geom.next_global, group, emulate)
 
     pending_recv, sends = post_recv(0), [post_send(0)]
     for step in range(n - 1):
         into, req = pending_recv
         if step + 1 < n - 1:
             pending_recv = post_recv(step + 1)
-        _wait(req)
+        p2p.wait(req)
         into.add_(scratch[step % 2][:into.numel()])
         if step + 1 < n - 1:
             # The chunk just completed for this step is the one to send next.
             sends.append(post_send(step + 1))
         if len(sends) > 1:
-            _wait(sends.pop(0))  # at most two sends in flight, like the receives
+            p2p.wait(sends.pop(0))  # at most two sends in flight, like the receives
     for req in sends:
-        _wait(req)
+        p2p.wait(req)
 
 
-def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group) -> None:
+def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
     n, p = geom.size, geom.position
     if n == 1:
         return
     # Every step receives into a different chunk, so all receives can be posted up front.
-    recvs = [_irecv(chunks[all_gather_recv_chunk(p, step, n, geom.order)], geom, group) for step in range(n - 1)]
-    sends = [_isend(chunks[all_gather_send_chunk(p, 0, n, geom.order)], geom, group)]
+    recvs = [p2p.irecv(chunks[all_gather_recv_chunk(p, step, n, geom.order)], geom.prev_global, group)
+             for step in range(n - 1)]
+    sends = [p2p.isend(chunks[all_gather_send_chunk(p, 0, n, geom.order)], geom.next_global, group, emulate)]
     for step in range(n - 1):
-        _wait(recvs[step])
+        p2p.wait(recvs[step])
         if step + 1 < n - 1:
             # What arrived in this step is what this rank forwards in the next.
-            sends.append(_isend(chunks[all_gather_send_chunk(p, step + 1, n, geom.order)], geom, group))
+            sends.append(p2p.isend(chunks[all_gather_send_chunk(p, step + 1, n, geom.order)], geom.next_global,
+                                   group, emulate))
     for req in sends:
-        _wait(req)
-
-
-# Empty chunks are skipped on both sides: the neighbour computes the same (empty) size.
-def _irecv(buf: torch.Tensor, geom: RingGeometry, group):
-    return dist.irecv(buf, src=geom.prev_global, group=group) if buf.numel() else None
-
-
-def _isend(buf: torch.Tensor, geom: RingGeometry, group):
-    return dist.isend(buf, dst=geom.next_global, group=group) if buf.numel() else None
-
-
-def _wait(req) -> None:
-    if req is not None:
-        req.wait()
+        p2p.wait(req)
 
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code

@@ -1,0 +1,11 @@
+"""Layer 2: cluster descriptions (links with α and β, devices per node) and an emulated topology.
+
+* :class:`Link` -- one kind of link: α (s per message) and β (s per byte, per direction).
+* :class:`EmulatedTopology` -- ranks grouped into nodes on one machine; messages that cross nodes are
+  delayed as if they went through each node's slow NIC, so that a laptop can feel a cluster's topology.
+"""
+
+from commlab.topology.links import Link
+from commlab.topology.emulated import EmulatedTopology
+
+__all__ = ["Link", "EmulatedTopology"]

@@ -1,0 +1,105 @@
+"""Run collectives on one machine as if the ranks sat in several nodes joined by a slow network.
+
+How the emulation works: ranks are placed on nodes (contiguous blocks by default). Before a rank sends a
+message to a rank on another node, it waits as long as the message would take through its node's NIC:
+the NIC is a resource shared by all ranks of the node (its "busy until" time lives in shared memory,
+inherited by the forked ranks), so concurrent messages leaving one node queue behind each other, and each
+message pays the inter-node latency α on top. Messages inside a node use the real transport (or an
+``intra`` link, if one is given, added on top of it). Ingress contention at the receiving NIC is not
+modelled.
+
+This makes the two effects of topology visible in wall time: a ring ordered against the topology sends
+many messages through each NIC at once, and a hierarchical algorithm sends fewer bytes between nodes.
+Choose the emulated inter-node bandwidth well below the machine's real process-to-process bandwidth
+(about 1 GB/s between processes on a laptop), so that the emulated link dominates.
+
+Create the object in the parent *before* :func:`commlab.launch` and pass it to the ranks (fork shares the
+NIC state); it is not meant for real clusters, where the links are real.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Sequence
+
+from commlab.topology.links import Link
+
+
+class EmulatedTopology:
+    """``nodes`` × ``devices_per_node`` ranks with an emulated inter-node link.
+
+    Args:
+        nodes: number of emulated nodes (>= 1).
+        devices_per_node: ranks per node (>= 1); the world size must be ``nodes * devices_per_node``.
+        inter: the inter-node link of each node's NIC (α in s, β in s/byte, per direction).
+        intra: optional extra delay for messages inside a node (default: none, the real transport).
+        placement: ``placement[rank]`` = node of each global rank; default ``rank // devices_per_node``.
+
+    Raises:
+        ValueError: sizes < 1, or a placement that does not put exactly ``devices_per_node`` ranks on
+            each of the ``nodes`` nodes.
+    """
+
+    def __init__(self, nodes: int, devices_per_node: int, inter: Link, intra: Link | None = None,
+                 placement: Sequence[int] | None = None):
+        if nodes < 1 or devices_per_node < 1:
+            raise ValueError(f"nodes and devices_per_node must be >= 1, got {nodes}, {devices_per_node}")
+        self.nodes = nodes
+        self.devices_per_node = devices_per_node
+        self.world_size = nodes * devices_per_node
+        self.inter = inter
+        self.intra = intra
+        if placement is None:
+            placement = [r // devices_per_node for r in range(self.world_size)]
+        placement = [int(p) for p in placement]
+        counts = [placement.count(n) for n in range(nodes)]
+        if len(placement) != self.world_size or any(c != devices_per_node for c in counts):
+            raise ValueError(f"placement must put {devices_per_node} of the {self.world_size} ranks on each of "
+                             f"{nodes} nodes, got {placement}")
+        self.placement = tuple(placement)
+        # One "NIC busy until" time per node (time.monotonic is system-wide on Linux, so it can be shared).
+        self._busy_until = mp.get_context("fork").Array("d", nodes)
+
+    def __repr__(self):
+        return (f"EmulatedTopology({self.nodes} nodes x {self.devices_per_node} ranks, inter={self.inter}, "
+                f"intra={self.intra})")
+
+    def node_of(self, rank: int) -> int:
+        """Node of global rank ``rank``."""
+        return self.placement[rank]
+
+    def ranks_on(self, node: int) -> list[int]:
+        """Global ranks placed on ``node``, ascending."""
+        return [r for r, n in enumerate(self.placement) if n == node]
+
+    def crosses_nodes(self, src: int, dst: int) -> bool:
+        return self.placement[src] != self.placement[dst]
+
+    def reset(self) -> None:
+        """Forget queued NIC time (between independent measurements)."""
+        with self._busy_until.get_lock():
+            for i in range(self.nodes):
+                self._busy_until[i] = 0.0
+
+    def delay_s(self, src: int, dst: int, nbytes: int) -> float:
+        """Reserve the link for a message ``src -> dst`` of ``nbytes`` bytes; return the seconds to wait.
+
+        Inter-node: the message occupies the source node's NIC for ``nbytes·β`` after the messages
+        already queued on it, and arrives α later. Intra-node: ``intra.seconds(nbytes)`` or 0.
+        """
+        if not self.crosses_nodes(src, dst):
+            return 0.0 if self.intra is None else self.intra.seconds(nbytes)
+        node = self.placement[src]
+        now = time.monotonic()
+        with self._busy_until.get_lock():
+            start = max(now, self._busy_until[node])
+            end = start + nbytes * self.inter.beta_s_per_byte
+            self._busy_until[node] = end
+        return end - now + self.inter.alpha_s
+
+    def wait_before_send(self, src: int, dst: int, nbytes: int) -> None:
+        """Sleep for :meth:`delay_s` (called by the sender, just before it posts the real send)."""
+        d = self.delay_s(src, dst, nbytes)
+        if d > 0:
+            time.sleep(d)

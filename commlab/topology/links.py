@@ -1,0 +1,55 @@
+"""A link in the α-β model: a message of n bytes takes α + n·β seconds.
+
+α is the per-message latency in seconds; β the inverse of the per-direction bandwidth, in seconds per
+byte. Source of the model: Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko
+CS-2", Parallel Computing 20(3); the notation follows Thakur, Rabenseifner & Gropp 2005.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link type.
+
+    Attributes:
+        alpha_s: latency per message, seconds (>= 0).
+        beta_s_per_byte: inverse per-direction bandwidth, seconds per byte (>= 0).
+        name: a label for tables and figures.
+
+    Raises:
+        ValueError: a negative or non-finite α or β.
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+    name: str = ""
+
+    def __post_init__(self):
+        for field in ("alpha_s", "beta_s_per_byte"):
+            v = getattr(self, field)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Link {self.name or ''}: {field} must be a finite number >= 0, got {v!r}")
+
+    @classmethod
+    def from_bandwidth(cls, bytes_per_s: float, alpha_s: float, name: str = "") -> "Link":
+        """A link of ``bytes_per_s`` per direction and latency ``alpha_s``.
+
+        Raises:
+            ValueError: ``bytes_per_s <= 0``.
+        """
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s!r}")
+        return cls(alpha_s=alpha_s, beta_s_per_byte=1.0 / bytes_per_s, name=name)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Per-direction bandwidth in bytes/s (inf for β = 0)."""
+        return math.inf if self.beta_s_per_byte == 0 else 1.0 / self.beta_s_per_byte
+
+    def seconds(self, nbytes: float) -> float:
+        """Time of one message of ``nbytes`` bytes: α + nbytes·β."""
+        return self.alpha_s + nbytes * self.beta_s_per_byte
