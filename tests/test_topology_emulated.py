@@ -48,9 +48,10 @@ _TOPO = EmulatedTopology(2, 2, Link.from_bandwidth(50e6, 1e-3, "slow"))
 
 
 def _timed(ring):
-    x = torch.arange(2**18, dtype=torch.float32) + dist.get_rank()
+    x = torch.arange(2**20, dtype=torch.float32) + dist.get_rank()
     ref = x.clone()
     dist.all_reduce(ref)
+    ring_all_reduce(x, ring=ring)  # warm-up, not emulated
     dist.barrier()
     t = time.perf_counter()
     out = ring_all_reduce(x, ring=ring, emulate=_TOPO)
@@ -64,5 +65,6 @@ def test_a_ring_ordered_against_the_topology_is_slower_on_the_emulated_link():
     unaware = launch(_timed, 4, [0, 2, 1, 3])  # every hop crosses nodes: two messages per NIC per step
     assert all(ok for _, ok in aware + unaware)
     t_aware, t_unaware = max(t for t, _ in aware), max(t for t, _ in unaware)
-    # 1 MiB on 4 ranks: 6 steps of 256 KiB; at 50 MB/s a step is ~5 ms per message on the NIC.
+    # 4 MiB on 4 ranks: 6 steps of 1 MiB; at 50 MB/s a message holds the NIC for ~21 ms, so the model
+    # predicts about 6 x 22 ms for the aware ring and 6 x 43 ms for the unaware one.
     assert t_unaware > 1.4 * t_aware, (t_aware, t_unaware)
