@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import arithmetic
 from commlab.collectives import p2p
 from commlab.collectives._common import (RingGeometry, check_agreement, chunk_bounds,
                                          ring_geometry)
@@ -234,18 +235,19 @@ def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emu
 def ring_bytes_sent_per_rank(nbytes: float, n: int, collective: str = "all_reduce") -> float:
     """Bytes each rank sends in a ring collective over ``n`` ranks on a tensor of ``nbytes`` bytes.
 
-    ReduceScatter and AllGather: (n-1)/n · nbytes; AllReduce: 2(n-1)/n · nbytes.
-    (For AllGather ``nbytes`` is the size of the gathered output, as in nccl-tests.)
+    ReduceScatter and AllGather: (n-1)/n · nbytes; AllReduce: 2(n-1)/n · nbytes (the formulas live in
+    :mod:`commlab.arithmetic`, chapter 1). For AllGather ``nbytes`` is the size of the gathered output,
+    as in nccl-tests.
 
     Raises:
         ValueError: ``n < 1``, negative ``nbytes`` or an unknown ``collective``.
     """
-    factor = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
-    if collective not in factor:
-        raise ValueError(f"collective must be one of {sorted(factor)}, got {collective!r}")
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
-    return factor[collective] * (n - 1) / n * nbytes
+    per_rank = {"reduce_scatter": arithmetic.ring_reduce_scatter_bytes_per_rank,
+                "all_gather": arithmetic.ring_all_gather_bytes_per_rank,
+                "all_reduce": arithmetic.ring_allreduce_bytes_per_rank}
+    if collective not in per_rank:
+        raise ValueError(f"collective must be one of {sorted(per_rank)}, got {collective!r}")
+    return per_rank[collective](nbytes, n)
 
 
 def ring_reduce_scatter_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
