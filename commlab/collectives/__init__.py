@@ -12,3 +12,21 @@ __all__ = [
     "ring_bytes_sent_per_rank", "chunk_bounds", "ring_geometry", "CollectiveMismatchError",
     "SUPPORTED_DTYPES",
 ]
+from commlab.collectives.halving_doubling import (rhd_all_reduce, rhd_all_reduce_seconds,
+                                                  recursive_doubling_all_reduce,
+                                                  recursive_doubling_all_reduce_seconds)
+from commlab.collectives.tree import (binomial_tree_all_reduce_seconds,
+                                      double_binary_tree_all_reduce_seconds, optimal_pipeline_chunks,
+                                      pipelined_binary_tree_all_reduce_seconds, tree_all_reduce)
+from commlab.collectives.hierarchical import (HierarchyGroups, hierarchical_all_reduce,
+                                              hierarchical_all_reduce_seconds, make_hierarchy_groups,
+                                              ring_all_reduce_seconds_on)
+
+__all__ += [
+    "rhd_all_reduce", "recursive_doubling_all_reduce", "rhd_all_reduce_seconds",
+    "recursive_doubling_all_reduce_seconds",
+    "tree_all_reduce", "binomial_tree_all_reduce_seconds", "pipelined_binary_tree_all_reduce_seconds",
+    "double_binary_tree_all_reduce_seconds", "optimal_pipeline_chunks",
+    "HierarchyGroups", "make_hierarchy_groups", "hierarchical_all_reduce",
+    "hierarchical_all_reduce_seconds", "ring_all_reduce_seconds_on",
+]

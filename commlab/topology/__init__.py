@@ -9,3 +9,6 @@ from commlab.topology.links import Link
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["Link", "EmulatedTopology"]
+from commlab.topology.ring_order import crossings, topology_aware_ring
+
+__all__ += ["topology_aware_ring", "crossings"]

@@ -1,0 +1,302 @@
+"""Recursive halving-doubling (Rabenseifner) and recursive doubling AllReduce, from ``isend``/``irecv``.
+
+Both algorithms pair ranks across the bits of their rank: in a step with distance ``d`` (a power of two)
+rank ``v`` talks to rank ``v XOR d``. Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
+collective communication operations in MPICH", IJHPCA 19(1), section 4.4 (AllReduce); Rabenseifner 2004,
+"Optimization of collective reduction operations", ICCS 2004, LNCS 3036.
+
+* **Recursive doubling** (latency-optimal): ``log2 N`` steps, each exchanging the *whole* vector with the
+  partner and adding it. Few messages, but every rank sends ``log2 N · n`` bytes.
+* **Rabenseifner's algorithm** (halving-doubling): a ReduceScatter by *recursive halving* -- in each of
+  ``log2 N`` steps a rank keeps one half of its current range and sends the other half to its partner,
+  which keeps the opposite half, so the range halves each step -- then an AllGather by *recursive doubling*,
+  the same steps in reverse, in which the ranges double again. ``2·log2 N`` messages and ``2(N-1)/N · n``
+  bytes per rank: the ring's bandwidth with a logarithmic instead of linear number of latencies.
+
+Non-power-of-two N (Thakur et al. 2005, section 4.4): with ``p = 2^floor(log2 N)`` and ``r = N - p``,
+a pre-step folds the first ``2r`` ranks in pairs: each even rank ``2i`` sends its whole vector to the
+odd rank ``2i+1``, which adds it, and the even ranks then sit out. The remaining ``p`` ranks take the
+*virtual ranks* ``0..p-1`` (odd rank ``2i+1`` becomes ``i``; rank ``g >= 2r`` becomes ``g - r``) and run
+the power-of-two algorithm. A post-step sends the result from each odd rank back to its even partner.
+
+How uneven lengths are split: the vector is cut into ``p`` *blocks* by :func:`chunk_bounds` (the
+``torch.tensor_split`` rule: the first ``numel % p`` blocks hold one element more). Halving always
+splits a rank's current *range of blocks* into two halves of equally many blocks (p is a power of two),
+so a halving step may move a few elements more in one direction than the other, and at the end virtual
+rank ``v`` owns exactly block ``v``. Blocks are empty when ``numel < p``; empty messages are skipped by
+:mod:`commlab.collectives.p2p` on both sides, which compute the same sizes.
+
+Low precision: as in :mod:`commlab.collectives.ring`, partial sums travel in the input dtype and each
+addition is rounded back to it, so results are allclose to, not bit-equal with, ``dist.all_reduce`` for
+bfloat16/float16 and random float data. Integer-valued data is summed exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives import p2p
+from commlab.collectives._common import _global, check_agreement, chunk_bounds, ring_geometry
+from commlab.topology.emulated import EmulatedTopology
+
+__all__ = [
+    "rhd_all_reduce", "recursive_doubling_all_reduce",
+    "power_of_two_layout", "virtual_rank", "real_rank", "halving_steps", "doubling_steps",
+    "rhd_all_reduce_seconds", "recursive_doubling_all_reduce_seconds",
+]
+
+
+# ------------------------------------------------------------------------------------ the schedule
+# Pure functions of (rank, N): the code below, the tests and the chapter's figure use them.
+
+def power_of_two_layout(n: int) -> tuple[int, int]:
+    """``(p, r)`` for ``n`` ranks: ``p = 2^floor(log2 n)`` ranks run the core algorithm, ``r = n - p``
+    ranks are folded into a partner by the pre-step.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one rank, got n={n}")
+    p = 1 << (n.bit_length() - 1)
+    return p, n - p
+
+
+def virtual_rank(rank: int, n: int) -> int | None:
+    """Virtual rank (``0..p-1``) of group rank ``rank`` in the power-of-two core, or None if it sits out.
+
+    Ranks ``0..2r-1`` pair up; the odd one of each pair carries the pair's sum as virtual rank
+    ``rank // 2``; the even one sits out. Ranks ``>= 2r`` take virtual rank ``rank - r``.
+    """
+    _, r = power_of_two_layout(n)
+    if rank < 2 * r:
+        return rank // 2 if rank % 2 == 1 else None
+    return rank - r
+
+
+def real_rank(vrank: int, n: int) -> int:
+    """Group rank of virtual rank ``vrank`` (the inverse of :func:`virtual_rank`)."""
+    _, r = power_of_two_layout(n)
+    return 2 * vrank + 1 if vrank < r else vrank + r
+
+
+def halving_steps(vrank: int, p: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """The recursive-halving ReduceScatter of virtual rank ``vrank`` among ``p`` (a power of two) ranks.
+
+    Returns:
+        One ``(partner, keep, send)`` per step, distances ``p/2, p/4, ..., 1``: ``partner = vrank XOR d``;
+        ``keep`` and ``send`` are half-open ranges of *block* indices. The rank sends its partial sums of
+        ``send`` and adds the partner's partial sums of ``keep`` into its own. The last ``keep`` is
+        ``(vrank, vrank + 1)``: virtual rank v ends with the full sum of block v.
+    """
+    steps, lo, hi, d = [], 0, p, p // 2
+    while d >= 1:
+        mid = (lo + hi) // 2
+        # The rank whose bit d is clear keeps the lower half, so that after all bits the range is [v, v+1).
+        if vrank & d:
+            keep, send = (mid, hi), (lo, mid)
+        else:
+            keep, send = (lo, mid), (mid, hi)
+        steps.append((vrank ^ d, keep, send))
+        lo, hi = keep
+        d //= 2
+    return steps
+
+
+def doubling_steps(vrank: int, p: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """The recursive-doubling AllGather that undoes :func:`halving_steps` (distances ``1, 2, ..., p/2``).
+
+    Returns:
+        One ``(partner, send, recv)`` per step in block indices: the rank sends the blocks it holds
+        complete and receives the partner's, which are exactly the blocks it gave away in the mirrored
+        halving step.
+    """
+    return [(partner, keep, send) for partner, keep, send in reversed(halving_steps(vrank, p))]
+
+
+# ------------------------------------------------------------------------------------ collectives
+
+def rhd_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *, inplace: bool = False,
+                   check: bool = True, emulate: EmulatedTopology | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over the group with Rabenseifner's recursive halving + recursive doubling.
+
+    Args:
+        tensor: any shape, contiguous or not, a supported dtype; same element count and dtype on every rank.
+        group: process group (default: the world); partners are computed from group ranks.
+        inplace: write the sum into ``tensor`` (as ``dist.all_reduce`` does) instead of a new tensor.
+        check: first make all ranks agree on element count and dtype (one tiny all-gather).
+        emulate: an :class:`~commlab.topology.EmulatedTopology` that delays messages crossing nodes.
+
+    Returns:
+        The sum, shape and dtype of ``tensor`` (``tensor`` itself when ``inplace``).
+
+    Raises:
+        CollectiveMismatchError: ranks disagree on element count or dtype (on every rank).
+        TypeError: unsupported dtype. RuntimeError: no process group, or this rank is not in ``group``.
+    """
+    return _run("rhd_all_reduce", _rhd_core, tensor, group, inplace, check, emulate)
+
+
+def recursive_doubling_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                                  inplace: bool = False, check: bool = True,
+                                  emulate: EmulatedTopology | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over the group by recursive doubling: ``log2 N`` whole-vector exchanges.
+
+    Arguments, result and errors as :func:`rhd_all_reduce`. Latency-optimal (fewest steps), but each rank
+    sends ``log2 N`` times the whole vector, so it only pays off for small messages.
+    """
+    return _run("recursive_doubling_all_reduce", _doubling_core, tensor, group, inplace, check, emulate)
+
+
+def _run(name, core, tensor, group, inplace, check, emulate):
+    geom = ring_geometry(group, None)  # validates the group; its order is the identity
+    if check:
+        check_agreement(name, tensor, group, geom.order)
+    work = work_buffer(tensor, inplace)
+    if geom.size > 1 and work.numel() > 0:
+        core(work, geom.group_rank, geom.size, group, emulate)
+    return write_back(tensor, work, inplace)
+
+
+def work_buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """A flat buffer to reduce in: ``tensor``'s own storage when that is possible (inplace, contiguous)."""
+    if inplace and tensor.is_contiguous():
+        return tensor.detach().view(-1)
+    return tensor.detach().reshape(-1).clone()
+
+
+def write_back(tensor: torch.Tensor, work: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Return the result in ``tensor``'s shape; for ``inplace``, copy it into ``tensor`` if needed."""
+    if inplace:
+        if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.detach().copy_(work.view(tensor.shape))
+        return tensor
+    return work.view(tensor.shape)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, emulate) -> None:
+    # Receive posted first, so the partner's send never waits for it; both directions run at once.
+    r = p2p.irecv(recv, peer, group)
+    s = p2p.isend(send, peer, group, emulate)
+    p2p.wait(r, s)
+
+
+def _fold(work, rank, n, group, emulate, scratch) -> int | None:
+    """Pre-step for non-power-of-two N; returns this rank's virtual rank (None: it sits out)."""
+    _, r = power_of_two_layout(n)
+    if rank < 2 * r:
+        if rank % 2 == 0:
+            p2p.wait(p2p.isend(work, _global(group, rank + 1), group, emulate))
+        else:
+            p2p.wait(p2p.irecv(scratch[:work.numel()], _global(group, rank - 1), group))
+            work.add_(scratch[:work.numel()])
+    return virtual_rank(rank, n)
+
+
+def _unfold(work, rank, n, group, emulate) -> None:
+    """Post-step: each odd rank of the folded pairs hands the result back to its even partner."""
+    _, r = power_of_two_layout(n)
+    if rank < 2 * r:
+        if rank % 2 == 0:
+            p2p.wait(p2p.irecv(work, _global(group, rank + 1), group))
+        else:
+            p2p.wait(p2p.isend(work, _global(group, rank - 1), group, emulate))
+
+
+def _rhd_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> None:
+    p, _ = power_of_two_layout(n)
+    numel = work.numel()
+    starts = [a for a, _ in chunk_bounds(numel, p)] + [numel]
+
+    def elems(blocks):
+        return work[starts[blocks[0]]:starts[blocks[1]]]
+
+    # Large enough for the pre-step's whole vector and for any halving step's half.
+    scratch = torch.empty(numel, dtype=work.dtype, device=work.device)
+    v = _fold(work, rank, n, group, emulate, scratch)
+    if v is not None:
+        for partner, keep, send in halving_steps(v, p):
+            mine = elems(keep)
+            incoming = scratch[:mine.numel()]
+            _exchange(elems(send), incoming, _global(group, real_rank(partner, n)), group, emulate)
+            mine.add_(incoming)
+        for partner, send, recv in doubling_steps(v, p):
+            _exchange(elems(send), elems(recv), _global(group, real_rank(partner, n)), group, emulate)
+    _unfold(work, rank, n, group, emulate)
+
+
+def _doubling_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> None:
+    p, _ = power_of_two_layout(n)
+    scratch = torch.empty_like(work)
+    v = _fold(work, rank, n, group, emulate, scratch)
+    if v is not None:
+        d = 1
+        while d < p:
+            _exchange(work, scratch, _global(group, real_rank(v ^ d, n)), group, emulate)
+            work.add_(scratch)
+            d *= 2
+    _unfold(work, rank, n, group, emulate)
+
+
+# ----------------------------------------------------------------------------- α-β cost, beside the code
+
+def _validate(nbytes, n):
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
+
+
+def ceil_log2(n: int) -> int:
+    """``ceil(log2 n)`` for an integer ``n >= 1``, computed exactly (0 for n = 1)."""
+    return (n - 1).bit_length()
+
+
+def rhd_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
+                           gamma_s_per_byte: float = 0.0) -> float:
+    """α-β-γ time of Rabenseifner's AllReduce (:func:`rhd_all_reduce`) on ``nbytes`` bytes over ``n`` ranks.
+
+    With ``p = 2^floor(log2 n)``::
+
+        T = 2·ceil(log2 n)·α + 2(p-1)/p · nbytes·β + (p-1)/p · nbytes·γ
+            + [n != p] · (2·nbytes·β + nbytes·γ)
+
+    The halving and the doubling take ``log2 p`` steps each, moving ``(p-1)/p`` of the vector in total;
+    for ``n != p`` the pre-step (whole vector, one addition) and the post-step (whole vector) add two
+    latencies -- ``2·log2 p + 2 = 2·ceil(log2 n)`` -- and ``2·nbytes·β + nbytes·γ``. For a power of two
+    this is Thakur, Rabenseifner & Gropp 2005 (IJHPCA 19(1)), section 4.4; the non-power-of-two terms
+    follow from the pre/post-step described there.
+
+    Args:
+        nbytes: bytes of the vector on each rank. n: ranks (>= 1).
+        alpha_s: per-message latency (s). beta_s_per_byte: inverse link bandwidth per direction (s/byte).
+        gamma_s_per_byte: time to add one byte of data (s/byte); 0 ignores the arithmetic.
+
+    Raises:
+        ValueError: ``n < 1`` or ``nbytes < 0``.
+    """
+    _validate(nbytes, n)
+    p, r = power_of_two_layout(n)
+    t = 2 * ceil_log2(n) * alpha_s + (p - 1) / p * nbytes * (2 * beta_s_per_byte + gamma_s_per_byte)
+    if r:
+        t += nbytes * (2 * beta_s_per_byte + gamma_s_per_byte)
+    return t
+
+
+def recursive_doubling_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
+                                          gamma_s_per_byte: float = 0.0) -> float:
+    """α-β-γ time of :func:`recursive_doubling_all_reduce`.
+
+    For a power of two ``n``: ``log2 n · (α + nbytes·β + nbytes·γ)`` (Thakur et al. 2005, section 4.4).
+    Otherwise, with ``p = 2^floor(log2 n)``, the pre-step costs one more ``α + nbytes·β + nbytes·γ`` and
+    the post-step ``α + nbytes·β``::
+
+        T = ceil(log2 n)·(α + nbytes·β + nbytes·γ) + [n != p]·(α + nbytes·β)
+
+    Arguments and errors as :func:`rhd_all_reduce_seconds`.
+    """
+    _validate(nbytes, n)
+    _, r = power_of_two_layout(n)
+    t = ceil_log2(n) * (alpha_s + nbytes * (beta_s_per_byte + gamma_s_per_byte))
+    if r:
+        t += alpha_s + nbytes * beta_s_per_byte
+    return t

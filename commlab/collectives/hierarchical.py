@@ -1,0 +1,245 @@
+"""Hierarchical (two-level) AllReduce: rings inside each node, a ring between nodes on 1/d of the data.
+
+With ``nodes`` nodes of ``d`` ranks each (Jia et al. 2018, "Highly scalable deep learning training system
+with mixed-precision: training ImageNet in four minutes", arXiv:1807.11205, section "hierarchical
+all-reduce"; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and NCCL's intra/inter-node split follow the
+same idea):
+
+1. ReduceScatter inside each node (ring over the node's d ranks): the rank with local index j holds the
+   node's partial sum of chunk j (``chunk_bounds(numel, d)[j]``).
+2. AllReduce of that chunk between nodes (ring over the ranks with local index j, one per node): d such
+   rings run at once, one per local index, each carrying 1/d of the vector.
+3. AllGather inside each node (ring): every rank gets every chunk.
+
+Only step 2 crosses nodes: each rank sends ``2(nodes-1)/nodes · n/d`` bytes there, so a node's NIC, shared
+by its d rings, carries ``2(nodes-1)/nodes · n`` bytes in ``2(nodes-1)`` latencies. A flat ring over all
+``N = nodes·d`` ranks pushes ``2(N-1)/N · n`` bytes through each NIC in ``2(N-1)`` latencies even when it
+is topology-aware (one hop leaving each node), and ``d`` times that when its order alternates nodes.
+
+The process groups must exist on every rank before the collective runs: :func:`make_hierarchy_groups`
+creates them (every rank calls it with the same placement, as ``dist.new_group`` requires).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives._common import check_agreement, chunk_bounds, ring_geometry
+from commlab.collectives.halving_doubling import work_buffer, write_back
+from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
+                                      ring_all_reduce_seconds)
+from commlab.topology.emulated import EmulatedTopology
+from commlab.topology.links import Link
+
+__all__ = [
+    "HierarchyGroups", "hierarchy_layout", "make_hierarchy_groups", "hierarchical_all_reduce",
+    "hierarchical_all_reduce_seconds", "ring_all_reduce_seconds_on",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchyGroups:
+    """This rank's two process groups of a two-level hierarchy, and where it sits.
+
+    Attributes:
+        intra: the group of the ranks on this rank's node (group rank = local index).
+        inter: the group of the ranks with this rank's local index, one per node (group rank = node index).
+        node: index of this rank's node among the sorted node ids of the placement.
+        local_index: this rank's position inside its node (its ranks sorted ascending).
+        nodes: number of nodes. devices_per_node: ranks per node (d).
+        placement: ``placement[rank]`` = node id of each global rank, as given.
+        intra_ranks: global ranks of ``intra``, in group-rank order.
+        inter_ranks: global ranks of ``inter``, in group-rank order.
+    """
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    node: int
+    local_index: int
+    nodes: int
+    devices_per_node: int
+    placement: tuple[int, ...]
+    intra_ranks: tuple[int, ...]
+    inter_ranks: tuple[int, ...]
+
+
+def hierarchy_layout(placement: Sequence[int]) -> list[list[int]]:
+    """The ranks of each node: ``layout[i]`` = global ranks on the i-th node (node ids sorted), ascending.
+
+    Pure function (no communication); :func:`make_hierarchy_groups` builds its groups from it.
+
+    Raises:
+        ValueError: empty placement, or nodes holding different numbers of ranks (the message gives the
+            count on each node).
+    """
+    placement = [int(p) for p in placement]
+    if not placement:
+        raise ValueError("placement is empty: give the node of every rank, placement[rank] = node")
+    ids = sorted(set(placement))
+    layout = [[r for r, node in enumerate(placement) if node == i] for i in ids]
+    counts = {i: len(ranks) for i, ranks in zip(ids, layout)}
+    if len(set(counts.values())) != 1:
+        described = ", ".join(f"node {i}: {c}" for i, c in counts.items())
+        raise ValueError(f"every node must hold the same number of ranks for a hierarchical AllReduce, got "
+                         f"{described} (placement {placement})")
+    return layout
+
+
+def make_hierarchy_groups(placement: Sequence[int]) -> HierarchyGroups:
+    """Create the intra-node and inter-node process groups and return this rank's two.
+
+    Every rank must call it, with the same placement: it creates, in a fixed order, one intra-node group per
+    node (node ids sorted) and then one inter-node group per local index, because ``dist.new_group`` must be
+    called by all ranks for every group.
+
+    Args:
+        placement: ``placement[rank]`` = node id, for every global rank (length = world size), e.g.
+            ``EmulatedTopology.placement`` or ``[r // devices_per_node for r in range(world_size)]``.
+            Ranks of a node need not be contiguous.
+
+    Raises:
+        ValueError: the placement's length is not the world size, or nodes hold different numbers of ranks.
+        RuntimeError: no process group is initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or "
+                           "call dist.init_process_group first")
+    world = dist.get_world_size()
+    if len(placement) != world:
+        raise ValueError(f"placement must give the node of each of the {world} ranks, got {len(placement)} "
+                         f"entries: {list(placement)}")
+    layout = hierarchy_layout(placement)
+    d = len(layout[0])
+    intra_groups = [dist.new_group(ranks) for ranks in layout]
+    inter_layout = [[ranks[j] for ranks in layout] for j in range(d)]
+    inter_groups = [dist.new_group(ranks) for ranks in inter_layout]
+    me = dist.get_rank()
+    node = next(i for i, ranks in enumerate(layout) if me in ranks)
+    local = layout[node].index(me)
+    return HierarchyGroups(intra=intra_groups[node], inter=inter_groups[local], node=node, local_index=local,
+                           nodes=len(layout), devices_per_node=d, placement=tuple(int(p) for p in placement),
+                           intra_ranks=tuple(layout[node]), inter_ranks=tuple(inter_layout[local]))
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchyGroups, *, inplace: bool = False,
+                            check: bool = True, emulate: EmulatedTopology | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks: intra-node ring ReduceScatter, inter-node ring AllReduce, intra-node
+    ring AllGather.
+
+    Args:
+        tensor: any shape, contiguous or not, a supported dtype; same element count and dtype on every rank.
+        groups: this rank's groups from :func:`make_hierarchy_groups` (same placement on every rank).
+        inplace: write the sum into ``tensor`` instead of a new tensor.
+        check: first make all ranks agree on element count and dtype (one tiny all-gather over the world).
+        emulate: an :class:`~commlab.topology.EmulatedTopology`, passed to every ring phase.
+
+    Returns:
+        The sum over all ranks, shape and dtype of ``tensor`` (``tensor`` itself when ``inplace``).
+
+    Raises:
+        CollectiveMismatchError: ranks disagree on element count or dtype (on every rank).
+        TypeError: unsupported dtype.
+    """
+    intra = ring_geometry(groups.intra, None)
+    if check:
+        check_agreement("hierarchical_all_reduce", tensor, None, tuple(range(dist.get_world_size())))
+    work = work_buffer(tensor, inplace)
+    if work.numel() > 0:
+        chunks = [work[a:b] for a, b in chunk_bounds(work.numel(), intra.size)]
+        _reduce_scatter_phase(chunks, intra, groups.intra, emulate)
+        # The chunk is a view of ``work``, so the inter-node AllReduce writes straight into it.
+        ring_all_reduce(chunks[intra.group_rank], groups.inter, inplace=True, check=False, emulate=emulate)
+        _all_gather_phase(chunks, intra, groups.intra, emulate)
+    return write_back(tensor, work, inplace)
+
+
+# ----------------------------------------------------------------------------- α-β cost, beside the code
+
+def _check_sizes(nbytes, **counts):
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    for name, v in counts.items():
+        if not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node: int, intra: Link,
+                                    inter: Link, nics_per_node: int = 1) -> float:
+    """α-β time of :func:`hierarchical_all_reduce` on ``nbytes`` bytes, ``nodes`` × ``devices_per_node`` ranks.
+
+    With ``d = devices_per_node`` and ``M = nodes``::
+
+        T = 2(d-1)·(α_intra + nbytes/d·β_intra)                      intra ReduceScatter + AllGather
+          + 2(M-1)·α_inter + 2(M-1)/M · nbytes/d · β_inter · s       inter ring AllReduce of nbytes/d
+        s = max(1, d / nics_per_node)
+
+    The d inter-node rings run at the same time and share the node's NICs: with fewer NICs than rings,
+    each NIC carries ``d / nics_per_node`` rings' bytes (assumes the traffic spreads evenly over the NICs).
+    Source: Jia et al. 2018, arXiv:1807.11205, section on hierarchical all-reduce; the ring terms are
+    those of :func:`~commlab.collectives.ring.ring_all_reduce_seconds`.
+
+    Args:
+        nbytes: bytes of the vector on each rank. intra, inter: the links (α in s, β in s/byte per direction).
+        nics_per_node: NICs each node's inter-node traffic spreads over (>= 1).
+
+    Raises:
+        ValueError: a count < 1 or ``nbytes < 0``.
+    """
+    _check_sizes(nbytes, nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
+    d = devices_per_node
+    share = max(1.0, d / nics_per_node)
+    t_intra = ring_all_reduce_seconds(nbytes, d, intra.alpha_s, intra.beta_s_per_byte)
+    t_inter = ring_all_reduce_seconds(nbytes / d, nodes, inter.alpha_s, inter.beta_s_per_byte * share)
+    return t_intra + t_inter
+
+
+def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: Sequence[int], intra: Link,
+                               inter: Link, nics_per_node: int = 1) -> float:
+    """α-β time of a flat ring AllReduce whose ring ``order`` runs over ranks placed on nodes.
+
+    All ``2(N-1)`` steps have the same pattern -- every rank sends one chunk of ``nbytes/N`` bytes to its
+    successor -- and a step lasts as long as its slowest hop::
+
+        T = 2(N-1) · max(α_intra + m·β_intra           over hops inside a node,
+                         α_inter + m·β_inter · s_u     over hops leaving node u)
+        m = nbytes/N,  s_u = max(1, c_u / nics_per_node)
+
+    where ``c_u`` is the number of hops that leave node u (its ranks' sends to other nodes in one step),
+    which share u's NICs as in :func:`hierarchical_all_reduce_seconds`. A topology-aware order has
+    ``c_u = 1``; an order that alternates nodes has ``c_u = d``. Ingress contention is not modelled, as in
+    :class:`~commlab.topology.EmulatedTopology`.
+
+    Args:
+        nbytes: bytes of the vector on each rank.
+        order: the ring, a permutation of the global ranks ``0..N-1``.
+        placement: ``placement[rank]`` = node id, length N.
+        intra, inter: links; nics_per_node: as in :func:`hierarchical_all_reduce_seconds`.
+
+    Raises:
+        ValueError: ``order`` not a permutation of ``range(len(placement))``, ``nbytes < 0``, or
+            ``nics_per_node < 1``.
+    """
+    _check_sizes(nbytes, nics_per_node=nics_per_node)
+    order = [int(r) for r in order]
+    n = len(placement)
+    if sorted(order) != list(range(n)):
+        raise ValueError(f"order must be a permutation of the {n} ranks of the placement, got {order}")
+    if n == 1:
+        return 0.0
+    m = nbytes / n
+    leaving: dict[int, int] = {}
+    slowest = 0.0
+    for i, src in enumerate(order):
+        dst = order[(i + 1) % n]
+        if placement[src] == placement[dst]:
+            slowest = max(slowest, intra.seconds(m))
+        else:
+            leaving[placement[src]] = leaving.get(placement[src], 0) + 1
+    for count in leaving.values():
+        share = max(1.0, count / nics_per_node)
+        slowest = max(slowest, inter.alpha_s + m * inter.beta_s_per_byte * share)
+    return 2 * (n - 1) * slowest
