@@ -179,7 +179,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     try:
         for rank in range(world_size):
             p = ctx.Process(target=_child_main, args=(cfg, rank, events, fn, args, kwargs),
-                            name=f"commlab-rank{rank}", daemon=True)
+                            name=f"commlab-rank{rank}", daemon=False)
+            # Not daemonic: a rank may start processes of its own (DataLoader workers); each rank leads
+            # its own process group, so that _reap can end those too.
             p.start()
             procs.append(p)
         results, failure, timed_out, joined, finished = _wait(procs, events, world_size, timeout)
@@ -208,9 +210,9 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if isinstance(threads_per_rank, bool) or not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
     if backend == "nccl":
         import torch
@@ -218,6 +220,9 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         if n_gpu == 0:
             raise RuntimeError("backend='nccl' needs CUDA GPUs and none is visible; use backend='gloo' "
                                "to run on CPU processes")
+        if n_gpu < world_size:
+            raise RuntimeError(f"backend='nccl' puts each rank on its own GPU, and {world_size} ranks need "
+                               f"{world_size} GPUs; {n_gpu} visible. Launch at most {n_gpu} ranks, or use gloo")
 
 
 def _choose_start_method(fn, start_method, backend):
@@ -326,14 +331,13 @@ def _is_peer_fallout(message: str) -> bool:
 
 
 def _reap(procs):
+    # Every rank leads its own process group: SIGKILL to the group ends the rank (finished, failed or
+    # stuck in a C++ collective, where a Python-level handler would never run) and anything it started.
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    end = time.monotonic() + 2.0
+        _kill_group(p.pid)
     for p in procs:
-        p.join(timeout=max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
+        p.join(timeout=2.0)
+        if p.is_alive():  # it had not yet made its own group when the signal went out
             p.kill()
             p.join(timeout=2.0)
     for p in procs:
@@ -341,6 +345,15 @@ def _reap(procs):
             p.close()
         except ValueError:
             pass
+
+
+def _kill_group(pgid):
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _read_outputs(workdir, world_size):
@@ -379,12 +392,13 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     # to the parent, which terminates the ranks itself.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    import torch
-    torch.set_num_threads(cfg.threads_per_rank)
-    import torch.distributed as dist
+    os.setpgid(0, 0)  # this rank leads a process group: the parent ends it with everything it started
 
     try:
+        import torch
+        torch.set_num_threads(cfg.threads_per_rank)
+        import torch.distributed as dist
+
         if cfg.init_hook is not None:
             cfg.init_hook(rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
@@ -406,7 +420,11 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         tb = traceback.format_exc()
         try:
-            events.put(("error", rank, time.time(), type(e).__name__, str(e), tb))
+            message = str(e)
+        except Exception:  # noqa: BLE001 - an exception whose __str__ itself fails
+            message = f"<{type(e).__name__} whose str() raised>"
+        try:
+            events.put(("error", rank, time.time(), type(e).__name__, message, tb))
         finally:
             _flush_and_exit(events, 1)
     try:

@@ -4,7 +4,11 @@ import os
 
 
 def child_pids(pid: int | None = None) -> list[int]:
-    """PIDs whose parent is ``pid`` (default: this process), read from /proc; zombies included."""
+    """PIDs whose parent is ``pid`` (default: this process), read from /proc; zombies included.
+
+    multiprocessing's own resource tracker (started once by a spawn launch, and meant to live as long as
+    the parent) is not counted.
+    """
     pid = os.getpid() if pid is None else pid
     found = []
     for entry in os.listdir("/proc"):
@@ -16,5 +20,11 @@ def child_pids(pid: int | None = None) -> list[int]:
         except OSError:
             continue
         if int(fields[1]) == pid:
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"resource_tracker" in f.read():
+                        continue
+            except OSError:
+                pass
             found.append(int(entry))
     return found

@@ -173,3 +173,52 @@ def test_nccl_without_gpus_says_so():
         pytest.skip("this machine has GPUs")
     with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
         launch(_rank_and_size, 2, backend="nccl")
+
+
+def _process_count_named(marker):
+    import subprocess
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
+def test_processes_started_by_a_rank_are_ended_with_it():
+    import subprocess
+
+    marker = "sleep 7331"
+
+    def fn():
+        subprocess.Popen(marker.split())
+        time.sleep(60)
+
+    with pytest.raises(LaunchTimeout):
+        launch(fn, 2, timeout=2)
+    time.sleep(0.2)
+    assert _process_count_named(marker) == 0
+
+
+def test_a_rank_may_start_worker_processes():
+    def fn():
+        from torch.utils.data import DataLoader
+        return sum(int(b.sum()) for b in DataLoader(list(range(8)), num_workers=2, batch_size=2))
+
+    assert launch(fn, 2) == [28, 28]
+    assert child_pids() == []
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), True, -1.0])
+def test_timeouts_that_are_not_positive_finite_numbers_are_rejected(timeout):
+    with pytest.raises(ValueError, match="positive, finite"):
+        launch(_rank_and_size, 2, timeout=timeout)
+
+
+def test_an_exception_whose_str_fails_is_still_reported():
+    class Weird(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    def fn():
+        raise Weird()
+
+    with pytest.raises(RankError) as info:
+        launch(fn, 1)
+    assert info.value.exc_type == "Weird"
