@@ -153,7 +153,7 @@ def test_mismatches_and_bad_placements_give_the_same_clear_error_on_every_rank()
         assert "rank 2: 11 elements of float32" in out[0][name], (name, out[0][name])
     assert "node 0: 3, node 1: 1" in out[0]["uneven"]
     assert "each of the 4 ranks, got 3" in out[0]["short"]
-    assert "root must be a group rank in 0..3, got 4" in out[0]["root"]
+    assert "root must be a group rank in 0..3 (rank 0 passed [4]" in out[0]["root"]
 
 
 def test_hierarchy_layout_groups_ranks_by_node_and_rejects_uneven_nodes():

@@ -148,7 +148,7 @@ def _mismatched(kind):
 @pytest.mark.parametrize("kind, expected", [
     ("size", "rank 2: 11 elements of float32"),
     ("dtype", "rank 1: 10 elements of float64"),
-    ("ring", "ring orders differ"),
+    ("ring", "ranks passed different ring orders"),
 ])
 def test_a_mismatch_gives_the_same_clear_error_on_every_rank(kind, expected):
     messages = launch(_mismatched, 3, kind, timeout=20)
@@ -161,7 +161,7 @@ def _bad_ring():
 
 
 def test_a_ring_that_is_not_a_permutation_is_rejected():
-    with pytest.raises(RankError, match="ring must be a permutation"):
+    with pytest.raises(RankError, match="must be a permutation"):
         launch(_bad_ring, 3, timeout=20)
 
 
@@ -224,3 +224,48 @@ def test_chunk_bounds_follow_tensor_split():
         for parts in [1, 2, 3, 8]:
             expected = [len(t) for t in torch.tensor_split(torch.arange(numel), parts)]
             assert [b - a for a, b in chunk_bounds(numel, parts)] == expected
+
+
+def _one_bad_ring(ring_on_rank_1):
+    ring = ring_on_rank_1 if dist.get_rank() == 1 else [0, 1, 2]
+    try:
+        ring_all_reduce(torch.ones(4), ring=ring)
+    except ValueError as e:
+        return type(e).__name__, str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("bad", [[0, 0, 1], [0, 1], [0.0, 1.5, 2]])
+def test_a_bad_ring_on_one_rank_raises_the_same_error_on_every_rank(bad):
+    out = launch(_one_bad_ring, 3, bad, timeout=20)
+    assert len(set(out)) == 1, out
+    kind, message = out[0]
+    assert kind == "CollectiveMismatchError" and "rank 1 passed" in message
+    assert "must be a permutation of the group's ranks 0..2" in message
+
+
+def _bool_on_one_rank():
+    x = torch.ones(3, dtype=torch.bool if dist.get_rank() == 0 else torch.float32)
+    try:
+        ring_all_reduce(x)
+    except TypeError as e:
+        return str(e)
+
+
+def test_an_unsupported_dtype_on_one_rank_raises_on_every_rank():
+    out = launch(_bool_on_one_rank, 2, timeout=20)
+    assert out[0] == out[1] and "rank 0: bool" in out[0]
+
+
+def _different_orders():
+    ring = [0, 1, 2] if dist.get_rank() else [0, 2, 1]
+    try:
+        ring_all_reduce(torch.ones(4), ring=ring)
+    except CollectiveMismatchError as e:
+        return str(e)
+
+
+def test_different_ring_orders_are_listed_per_rank():
+    out = launch(_different_orders, 3, timeout=20)
+    assert len(set(out)) == 1
+    assert "rank 0: [0, 2, 1]; rank 1: [0, 1, 2]" in out[0] and "incompatible tensors" not in out[0]

@@ -7,17 +7,25 @@ modules) read as the algorithm alone.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-# Dtypes the hand-written collectives accept, with the code each rank sends in the agreement check.
+# Dtypes the hand-written collectives accept.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.bfloat16, torch.float16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 )
-_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+# Every dtype this torch knows, in a fixed order, so that ranks can name each other's dtype by number.
+_ALL_DTYPES: tuple[torch.dtype, ...] = tuple(sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_ALL_DTYPES)}
+
+
+def _dtype_name(code: int) -> str:
+    return str(_ALL_DTYPES[code]).replace("torch.", "")
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (*_into_tensor / *_tensor -> *_single);
@@ -54,6 +62,29 @@ class RingGeometry:
     prev_global: int
 
 
+def resolve_ring(size: int, ring: Sequence[int] | None) -> tuple[tuple[int, ...], str | None]:
+    """Normalise a ring order for a group of ``size`` ranks, without raising.
+
+    Returns:
+        ``(order, problem)``: ``order`` has exactly ``size`` ints (entries that are not integers become
+        -1, so that the agreement check can still show them); ``problem`` is None for a valid ring, else
+        a sentence saying what is wrong. The caller raises it on every rank through
+        :func:`check_agreement`, or locally when the check is off.
+    """
+    if ring is None:
+        return tuple(range(size)), None
+    entries = []
+    for r in ring:
+        try:
+            entries.append(-1 if isinstance(r, bool) else operator.index(r))
+        except TypeError:
+            entries.append(-1)
+    order = tuple((entries + [-1] * size)[:size])
+    if len(entries) != size or sorted(entries) != list(range(size)):
+        return order, f"ring must be a permutation of the group's ranks 0..{size - 1}, got {list(ring)}"
+    return order, None
+
+
 def ring_geometry(group: dist.ProcessGroup | None, ring: Sequence[int] | None) -> RingGeometry:
     """Resolve ``group`` and ``ring`` into this rank's neighbours.
 
@@ -63,25 +94,30 @@ def ring_geometry(group: dist.ProcessGroup | None, ring: Sequence[int] | None) -
             None for ``0, 1, ..., N-1``.
 
     Raises:
-        ValueError: ``ring`` is not a permutation of ``range(N)`` (checked locally, before any
-            communication).
-        RuntimeError: the calling rank is not a member of ``group``.
+        ValueError: ``ring`` is not a permutation of ``range(N)`` (checked locally; the collectives check
+            it on every rank first, through :func:`check_agreement`).
+        RuntimeError: torch.distributed is not initialised, or the calling rank is not in ``group``.
     """
+    size, group_rank = group_size_and_rank(group)
+    order, problem = resolve_ring(size, ring)
+    if problem:
+        raise ValueError(problem)
+    position = order.index(group_rank)
+    nxt = order[(position + 1) % size]
+    prv = order[(position - 1) % size]
+    return RingGeometry(size=size, group_rank=group_rank, position=position, order=order,
+                        next_global=_global(group, nxt), prev_global=_global(group, prv))
+
+
+def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(N, this rank's group rank)``, or RuntimeError if there is no process group or we are not in it."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or "
                            "call dist.init_process_group first")
     group_rank = dist.get_rank(group)
     if group_rank < 0:
         raise RuntimeError("this rank is not a member of the process group it called the collective on")
-    size = dist.get_world_size(group)
-    order = tuple(range(size)) if ring is None else tuple(int(r) for r in ring)
-    if sorted(order) != list(range(size)):
-        raise ValueError(f"ring must be a permutation of the group's ranks 0..{size - 1}, got {list(order)}")
-    position = order.index(group_rank)
-    nxt = order[(position + 1) % size]
-    prv = order[(position - 1) % size]
-    return RingGeometry(size=size, group_rank=group_rank, position=position, order=order,
-                        next_global=_global(group, nxt), prev_global=_global(group, prv))
+    return dist.get_world_size(group), group_rank
 
 
 def _global(group, group_rank: int) -> int:
@@ -91,41 +127,100 @@ def _global(group, group_rank: int) -> int:
 
 
 def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-                    order: Sequence[int]) -> None:
-    """Make every rank of ``group`` agree on element count, dtype and ring order, or all raise.
+                    layout: Sequence[int] = (), layout_name: str = "ring order",
+                    layout_problem: str | None = None, layout_rule: str = "") -> None:
+    """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
-    One small all-gather of 3 int64 per rank (a few microseconds of payload; the cost is one
-    latency). Without it a size mismatch makes the point-to-point phases either hang until the
-    operation timeout or, worse, silently mix chunk boundaries.
+    One small all-gather of ``4 + len(layout)`` int64 per rank (the cost is one latency). Without it a
+    size mismatch makes the point-to-point phases hang until the operation timeout or, worse, silently
+    mix chunk boundaries; and a problem found on one rank only (a bad ring order) would leave the
+    others waiting for it.
+
+    Args:
+        name: the collective's name, for messages.
+        tensor: this rank's input.
+        group: the process group.
+        layout: what else must be identical on every rank (the ring order, the tree's root, the placement),
+            as ints; the same length on every rank (callers normalise it, see :func:`resolve_ring`).
+        layout_name: how messages call ``layout``.
+        layout_problem: this rank's own verdict on its layout (None if valid).
+        layout_rule: what a valid layout is, e.g. "a permutation of the group's ranks 0..3" (the same
+            text on every rank, so that every rank raises the same message).
 
     Raises:
-        TypeError: a dtype outside :data:`SUPPORTED_DTYPES` (checked locally first).
-        CollectiveMismatchError: the ranks disagree; the message lists each rank's element count,
-            dtype and ring order, identically on every rank.
+        TypeError: some rank's dtype is not in :data:`SUPPORTED_DTYPES` (on every rank).
+        ValueError: some rank's layout is invalid (on every rank; a CollectiveMismatchError).
+        CollectiveMismatchError: the ranks disagree; the message lists what each rank passed,
+            identically on every rank.
     """
-    if tensor.dtype not in _DTYPE_CODE:
-        raise TypeError(f"{name}: dtype {tensor.dtype} is not supported; use one of "
-                        f"{[str(d).replace('torch.', '') for d in SUPPORTED_DTYPES]}")
-    size = dist.get_world_size(group)
+    size, _ = group_size_and_rank(group)
+    supported = tensor.dtype in SUPPORTED_DTYPES
     if size == 1:
+        if not supported:
+            raise TypeError(_unsupported_message(name, [(0, _DTYPE_CODE[tensor.dtype])]))
+        if layout_problem:
+            raise CollectiveMismatchError(f"{name}: {layout_problem}")
         return
-    order_code = hash(tuple(order)) & 0x7FFF_FFFF_FFFF_FFFF
-    mine = torch.tensor([tensor.numel(), _DTYPE_CODE[tensor.dtype], order_code], dtype=torch.int64)
-    backend = dist.get_backend(group)
-    if backend == "nccl":
+    rule = f" must be {layout_rule}" if layout_rule else " must be valid"
+    mine = torch.tensor([tensor.numel(), _DTYPE_CODE[tensor.dtype], int(supported),
+                         int(layout_problem is None), *layout], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
-    everyone = torch.empty(size * 3, dtype=torch.int64, device=mine.device)
+    width = mine.numel()
+    everyone = torch.empty(size * width, dtype=torch.int64, device=mine.device)
     all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(size, 3).cpu().tolist()
-    if any(row != rows[0] for row in rows):
-        described = "; ".join(
-            f"rank {r}: {row[0]} elements of {str(SUPPORTED_DTYPES[row[1]]).replace('torch.', '')}"
-            for r, row in enumerate(rows))
-        orders_differ = len({row[2] for row in rows}) > 1
-        hint = " The ring orders differ as well: every rank must pass the same ring." if orders_differ else ""
-        raise CollectiveMismatchError(
-            f"{name}: ranks passed incompatible tensors ({described}). Every rank of the group must "
-            f"call it with the same number of elements and the same dtype.{hint}")
+    rows = everyone.view(size, width).cpu().tolist()
+    bad_dtype = [(r, row[1]) for r, row in enumerate(rows) if not row[2]]
+    if bad_dtype:
+        raise TypeError(_unsupported_message(name, bad_dtype))
+    bad_layout = [(r, row[4:]) for r, row in enumerate(rows) if not row[3]]
+    if bad_layout:
+        who = "; ".join(f"rank {r} passed {lay}" for r, lay in bad_layout)
+        note = "; entries that are not integers show as -1" if any(-1 in lay for _, lay in bad_layout) else ""
+        raise CollectiveMismatchError(f"{name}: the {layout_name}{rule} ({who}{note}); every rank must pass "
+                                      f"the same valid {layout_name}")
+    tensors_differ = len({(row[0], row[1]) for row in rows}) > 1
+    layouts_differ = len({tuple(row[4:]) for row in rows}) > 1
+    if tensors_differ or layouts_differ:
+        parts = []
+        if tensors_differ:
+            described = "; ".join(f"rank {r}: {row[0]} elements of {_dtype_name(row[1])}"
+                                  for r, row in enumerate(rows))
+            parts.append(f"ranks passed incompatible tensors ({described}). Every rank of the group must "
+                         "call it with the same number of elements and the same dtype.")
+        if layouts_differ:
+            described = "; ".join(f"rank {r}: {row[4:]}" for r, row in enumerate(rows))
+            parts.append(f"ranks passed different {layout_name}s ({described}); every rank must pass the "
+                         f"same {layout_name}.")
+        raise CollectiveMismatchError(f"{name}: " + " ".join(parts))
+
+
+def _unsupported_message(name: str, bad: list[tuple[int, int]]) -> str:
+    who = ", ".join(f"rank {r}: {_dtype_name(code)}" for r, code in bad)
+    dtypes = _dtype_name(bad[0][1])
+    return (f"{name}: dtype torch.{dtypes} is not supported ({who}); use one of "
+            f"{[str(d).replace('torch.', '') for d in SUPPORTED_DTYPES]}")
+
+
+def work_buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """A flat buffer to reduce in: ``tensor``'s own storage when that is possible (inplace, contiguous)."""
+    if inplace and tensor.is_contiguous():
+        return tensor.detach().view(-1)
+    return tensor.detach().reshape(-1).clone()
+
+
+def write_back(tensor: torch.Tensor, work: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Return the result in ``tensor``'s shape; for ``inplace``, copy it into ``tensor`` if needed."""
+    if inplace:
+        if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.detach().copy_(work.view(tensor.shape))
+        return tensor
+    return work.view(tensor.shape)
+
+
+def ceil_log2(n: int) -> int:
+    """``ceil(log2 n)`` for an integer ``n >= 1``, computed exactly (0 for n = 1)."""
+    return (n - 1).bit_length()
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import _global, check_agreement, chunk_bounds, ring_geometry
+from commlab.collectives._common import (_global, ceil_log2, check_agreement, chunk_bounds, ring_geometry,
+                                         work_buffer, write_back)
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -152,27 +153,11 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup
 def _run(name, core, tensor, group, inplace, check, emulate):
     geom = ring_geometry(group, None)  # validates the group; its order is the identity
     if check:
-        check_agreement(name, tensor, group, geom.order)
+        check_agreement(name, tensor, group)
     work = work_buffer(tensor, inplace)
     if geom.size > 1 and work.numel() > 0:
         core(work, geom.group_rank, geom.size, group, emulate)
     return write_back(tensor, work, inplace)
-
-
-def work_buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """A flat buffer to reduce in: ``tensor``'s own storage when that is possible (inplace, contiguous)."""
-    if inplace and tensor.is_contiguous():
-        return tensor.detach().view(-1)
-    return tensor.detach().reshape(-1).clone()
-
-
-def write_back(tensor: torch.Tensor, work: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Return the result in ``tensor``'s shape; for ``inplace``, copy it into ``tensor`` if needed."""
-    if inplace:
-        if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.detach().copy_(work.view(tensor.shape))
-        return tensor
-    return work.view(tensor.shape)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, emulate) -> None:
@@ -244,11 +229,6 @@ def _doubling_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> Non
 def _validate(nbytes, n):
     if n < 1 or nbytes < 0:
         raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
-
-
-def ceil_log2(n: int) -> int:
-    """``ceil(log2 n)`` for an integer ``n >= 1``, computed exactly (0 for n = 1)."""
-    return (n - 1).bit_length()
 
 
 def rhd_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,

@@ -28,8 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import check_agreement, chunk_bounds, ring_geometry
-from commlab.collectives.halving_doubling import work_buffer, write_back
+from commlab.collectives._common import check_agreement, chunk_bounds, ring_geometry, work_buffer, write_back
 from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
                                       ring_all_reduce_seconds)
 from commlab.topology.emulated import EmulatedTopology
@@ -146,7 +145,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchyGroups, *, in
     """
     intra = ring_geometry(groups.intra, None)
     if check:
-        check_agreement("hierarchical_all_reduce", tensor, None, tuple(range(dist.get_world_size())))
+        check_agreement("hierarchical_all_reduce", tensor, None, groups.placement, "placement")
     work = work_buffer(tensor, inplace)
     if work.numel() > 0:
         chunks = [work[a:b] for a, b in chunk_bounds(work.numel(), intra.size)]

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from commlab import arithmetic
 from commlab.collectives import p2p
 from commlab.collectives._common import (RingGeometry, check_agreement, chunk_bounds,
-                                         ring_geometry)
+                                         group_size_and_rank, resolve_ring, ring_geometry, work_buffer,
+                                         write_back)
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -106,8 +107,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
         CollectiveMismatchError: ranks disagree on element count, dtype or ring (raised on every rank).
         TypeError: unsupported dtype. ValueError: ``ring`` is not a permutation of the group's ranks.
     """
-    geom = ring_geometry(group, ring)
-    check_agreement("ring_reduce_scatter", tensor, group, geom.order)
+    geom = _agreed_geometry("ring_reduce_scatter", tensor, group, ring, check=True)
     work = tensor.detach().reshape(-1).clone()
     bounds = chunk_bounds(work.numel(), geom.size)
     chunks = [work[a:b] for a, b in bounds]
@@ -131,8 +131,7 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         as :func:`ring_reduce_scatter`.
     """
-    geom = ring_geometry(group, ring)
-    check_agreement("ring_all_gather", tensor, group, geom.order)
+    geom = _agreed_geometry("ring_all_gather", tensor, group, ring, check=True)
     m = tensor.numel()
     out = torch.empty(geom.size * m, dtype=tensor.dtype, device=tensor.device)
     chunks = [out[i * m:(i + 1) * m] for i in range(geom.size)]
@@ -152,7 +151,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         inplace: write the sum into ``tensor`` (as ``dist.all_reduce`` does) instead of a new tensor.
         check: first make all ranks agree on element count, dtype and ring (one tiny all-gather, i.e.
             one extra latency). Pass False only where agreement is guaranteed by construction (the
-            same model on every rank); a mismatch then fails inside the point-to-point phase instead.
+            same model on every rank); a mismatch then fails inside the point-to-point phase, or hangs
+            until the operation timeout, and a bad ring raises on the rank that passed it only.
 
     Returns:
         The sum, with the shape and dtype of ``tensor`` (``tensor`` itself when ``inplace``); equals
@@ -161,23 +161,24 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         as :func:`ring_reduce_scatter`.
     """
-    geom = ring_geometry(group, ring)
-    if check:
-        check_agreement("ring_all_reduce", tensor, group, geom.order)
-    if inplace and tensor.is_contiguous():
-        work = tensor.detach().view(-1)
-    else:
-        work = tensor.detach().reshape(-1).clone()
+    geom = _agreed_geometry("ring_all_reduce", tensor, group, ring, check)
+    work = work_buffer(tensor, inplace)
     if geom.size > 1 and work.numel() > 0:
         bounds = chunk_bounds(work.numel(), geom.size)
         chunks = [work[a:b] for a, b in bounds]
         _reduce_scatter_phase(chunks, geom, group, emulate)
         _all_gather_phase(chunks, geom, group, emulate)
-    if inplace:
-        if work.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.detach().copy_(work.view(tensor.shape))
-        return tensor
-    return work.view(tensor.shape)
+    return write_back(tensor, work, inplace)
+
+
+def _agreed_geometry(name: str, tensor: torch.Tensor, group, ring, check: bool) -> RingGeometry:
+    """Validate the ring on every rank together (when ``check``), then resolve this rank's neighbours."""
+    size, _ = group_size_and_rank(group)
+    order, problem = resolve_ring(size, ring)
+    if check:
+        check_agreement(name, tensor, group, order, "ring order", problem,
+                        f"a permutation of the group's ranks 0..{size - 1}")
+    return ring_geometry(group, order)
 
 
 def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:

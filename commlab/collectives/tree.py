@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import _global, check_agreement, ring_geometry
-from commlab.collectives.halving_doubling import ceil_log2, work_buffer, write_back
+from commlab.collectives._common import _global, ceil_log2, check_agreement, ring_geometry, work_buffer, write_back
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -34,6 +33,11 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ the schedule
+
+def _as_int(value) -> int:
+    # What the agreement check can carry for a root that is not an int at all.
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
 
 def binomial_tree(rank: int, n: int, root: int = 0) -> tuple[int | None, list[int]]:
     """Parent and children of group rank ``rank`` in the binomial tree over ``n`` ranks rooted at ``root``.
@@ -83,11 +87,13 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """
     geom = ring_geometry(group, None)
     n = geom.size
-    if not 0 <= root < n:
-        raise ValueError(f"tree_all_reduce: root must be a group rank in 0..{n - 1}, got {root}")
+    root_ok = isinstance(root, int) and not isinstance(root, bool) and 0 <= root < n
+    problem = None if root_ok else f"tree_all_reduce: root must be a group rank in 0..{n - 1}, got {root!r}"
     if check:
-        # The root goes into the "order" slot of the agreement check, so a rank with another root is caught.
-        check_agreement("tree_all_reduce", tensor, group, (root,) + geom.order)
+        check_agreement("tree_all_reduce", tensor, group, (_as_int(root),), "root", problem,
+                        f"a group rank in 0..{n - 1}")
+    if problem:
+        raise ValueError(problem)
     work = work_buffer(tensor, inplace)
     if n > 1 and work.numel() > 0:
         parent, children = binomial_tree(geom.group_rank, n, root)
