@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         if args.step_factor < 2 or lo > hi or lo < 4:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
+        if args.world_size < 1 or args.rounds < 1:
+            parser.error("need --world-size >= 1 and --rounds >= 1")
         rows = bench_all_reduce(args.world_size, _sizes(lo, hi, args.step_factor), rounds=args.rounds,
                                 check=args.check, backend=args.backend)
         wrong = sum(r.wrong for r in rows)

@@ -70,6 +70,17 @@ def test_command_line_bench(capsys):
     assert "out of bounds values: 0 OK" in out and out.count("float32") == 2
 
 
+def test_one_rank_gives_a_table_not_a_crash(capsys):
+    assert main(["bench", "-n", "1", "-b", "1K", "-e", "1K", "-r", "1"]) == 0
+    assert "float32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["-n", "0"], ["-r", "0"]])
+def test_command_line_rejects_bad_counts(flags):
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)
+    assert proc.returncode == 2 and "need --world-size >= 1 and --rounds >= 1" in proc.stderr
+
+
 def test_command_line_rejects_bad_sizes():
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "-b", "1X"], capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot read '1X' as a size" in proc.stderr

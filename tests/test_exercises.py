@@ -106,3 +106,54 @@ def test_a_correct_all_gather_passes_and_a_wrong_one_is_caught():
     assert check_all_gather(good_ag).passed
     report = check_all_gather(repeating_ag, world_sizes=(3,), counts=(10,))
     assert "returned 12 elements, expected 10" in str(report)
+
+
+def float64_rs(x):
+    return good_rs(x).to(torch.float64)
+
+
+def two_d_rs(x):
+    return good_rs(x).reshape(1, -1)
+
+
+def inplace_rs(x):
+    r = good_rs(x)
+    x.zero_()
+    return r
+
+
+def object_cheat_rs(x):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    objs = [None] * n
+    dist.all_gather_object(objs, x)
+    return torch.tensor_split(sum(objs), n)[rank]
+
+
+def c10d_cheat_rs(x):
+    from torch.distributed import distributed_c10d
+    y = x.clone()
+    distributed_c10d.all_reduce(y)
+    return torch.tensor_split(y, dist.get_world_size())[dist.get_rank()]
+
+
+def commlab_cheat_rs(x):
+    import commlab.collectives
+    return commlab.collectives.ring_reduce_scatter(x)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("fn, message", [
+    (float64_rs, "dtype float64"), (two_d_rs, "shape (1, 6)"), (inplace_rs, "changed its input tensor in place"),
+    (object_cheat_rs, "dist.all_gather_object is off-limits"), (c10d_cheat_rs, "dist.all_reduce is off-limits"),
+    (commlab_cheat_rs, "commlab's ring_reduce_scatter is off-limits"),
+])
+def test_wrong_forms_and_shortcuts_fail(fn, message):
+    report = check_reduce_scatter(fn, world_sizes=(2,), counts=(12,))
+    assert not report.passed and message in str(report), str(report)
+
+
+def test_after_a_hang_the_remaining_cases_are_not_run():
+    report = check_reduce_scatter(deadlocking_rs, world_sizes=(2, 3), counts=(4,))
+    assert [msg for _, _, msg in report.cases][1] == "not run: an earlier case hung"

@@ -19,28 +19,50 @@ from commlab.collectives._common import chunk_bounds
 from commlab.exercises.report import CheckReport
 from commlab.launch import LaunchTimeout, RankError, launch
 
-_CASE_TIMEOUT_S = 8.0
-_FORBIDDEN = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-              "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce")
+_CASE_TIMEOUT_S = 6.0
+# Every collective of torch.distributed (point-to-point calls and barrier stay allowed) ...
+_FORBIDDEN_TORCH = (
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_gather_object", "all_gather_coalesced", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "gather",
+    "gather_object", "scatter", "scatter_object_list", "broadcast_object_list",
+)
+# ... and commlab's own collectives, which would answer the exercise for the learner.
+_FORBIDDEN_COMMLAB_PREFIXES = ("ring_", "rhd_", "tree_", "hierarchical_", "recursive_doubling_")
+
+
+def _forbidden_targets():
+    import importlib
+
+    modules = [dist, importlib.import_module("torch.distributed.distributed_c10d")]
+    targets = [(m, name, f"dist.{name}") for m in modules for name in _FORBIDDEN_TORCH if hasattr(m, name)]
+    import commlab.collectives as pkg
+    for mod in [pkg] + [getattr(pkg, sub) for sub in ("ring", "halving_doubling", "tree", "hierarchical")
+                        if hasattr(pkg, sub)]:
+        for name in dir(mod):
+            if name.startswith(_FORBIDDEN_COMMLAB_PREFIXES) and not name.endswith("_seconds") and callable(getattr(mod, name)):
+                targets.append((mod, name, f"commlab's {name}"))
+    return targets
 
 
 @contextlib.contextmanager
 def _only_point_to_point():
-    saved = {name: getattr(dist, name) for name in _FORBIDDEN if hasattr(dist, name)}
+    targets = _forbidden_targets()
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
 
-    def refuse(name):
+    def refuse(label):
         def _refuse(*_a, **_k):
-            raise RuntimeError(f"dist.{name} is off-limits in this exercise: build it from "
+            raise RuntimeError(f"{label} is off-limits in this exercise: build it from "
                                "dist.isend / dist.irecv")
         return _refuse
 
-    for name in saved:
-        setattr(dist, name, refuse(name))
+    for mod, name, label in targets:
+        setattr(mod, name, refuse(label))
     try:
         yield
     finally:
-        for name, f in saved.items():
-            setattr(dist, name, f)
+        for mod, name, f in saved:
+            setattr(mod, name, f)
 
 
 def _inputs(numel: int, rank: int) -> torch.Tensor:
@@ -65,7 +87,10 @@ def _run(fn, kind: str, numel: int):
     modified_input = not torch.equal(x, original)
     if out is not None and not isinstance(out, torch.Tensor):
         return ("type", type(out).__name__, modified_input)
-    return ("ok", None if out is None else out.detach().reshape(-1).clone(), modified_input)
+    if out is not None and (out.dim() != 1 or out.dtype != x.dtype):
+        return ("form", f"a tensor of shape {tuple(out.shape)} and dtype {str(out.dtype).replace('torch.', '')}",
+                modified_input)
+    return ("ok", None if out is None else out.detach().clone(), modified_input)
 
 
 def _explain(kind: str, rank: int, n: int, numel: int, got, expected: torch.Tensor) -> str | None:
@@ -97,18 +122,28 @@ def _explain(kind: str, rank: int, n: int, numel: int, got, expected: torch.Tens
     return msg
 
 
+_PEER_HINT = (" -- a rank finished while a neighbour was still sending to it or waiting for it: "
+              "wait() on every request before returning")
+
+
 def _check(kind: str, fn: Callable, world_sizes: Sequence[int], counts: Sequence[int]) -> CheckReport:
     title = {"reduce_scatter": "ReduceScatter", "all_gather": "AllGather"}[kind]
     report = CheckReport(f"{title} exercise ({getattr(fn, '__name__', 'fn')})")
+    hung = False
     for n in world_sizes:
         for numel in counts:
             desc = f"{n} ranks, {numel} elements"
+            if hung:  # one hang says enough, and each would cost the full timeout
+                report.cases.append((desc, False, "not run: an earlier case hung"))
+                continue
             try:
                 outs = launch(_run, n, fn, kind, numel, timeout=_CASE_TIMEOUT_S, print_output=False)
             except RankError as e:
-                report.cases.append((desc, False, f"rank {e.rank} raised {e.exc_type}: {e.exc_message}"))
+                hint = _PEER_HINT if "by peer" in e.exc_message.lower() else ""
+                report.cases.append((desc, False, f"rank {e.rank} raised {e.exc_type}: {e.exc_message}{hint}"))
                 continue
             except LaunchTimeout:
+                hung = True
                 report.cases.append((desc, False, f"no result within {_CASE_TIMEOUT_S:g} s: a rank waits for "
                                      "a message nobody sends (every isend needs the matching irecv on the "
                                      "neighbour, and every request must be waited)"))
@@ -118,6 +153,13 @@ def _check(kind: str, fn: Callable, world_sizes: Sequence[int], counts: Sequence
             for rank, (status, got, modified) in enumerate(outs):
                 if status == "type":
                     problems.append(f"rank {rank} returned a {got}, expected a torch.Tensor")
+                    continue
+                if status == "form":
+                    problems.append(f"rank {rank} returned {got}; expected a 1-D float32 tensor like the input")
+                    continue
+                if modified:
+                    problems.append(f"rank {rank} changed its input tensor in place; work on a copy "
+                                    "(x.clone()), since the caller still owns x")
                     continue
                 if kind == "reduce_scatter":
                     a, b = chunk_bounds(numel, n)[rank]
