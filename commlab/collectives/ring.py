@@ -251,15 +251,17 @@ def ring_bytes_sent_per_rank(nbytes: float, n: int, collective: str = "all_reduc
     return per_rank[collective](nbytes, n)
 
 
-def ring_reduce_scatter_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
-    """α-β time of a ring ReduceScatter: (n-1)·α + (n-1)/n · nbytes · β.
+def ring_reduce_scatter_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
+                                gamma_s_per_byte: float = 0.0) -> float:
+    """α-β-γ time of a ring ReduceScatter: (n-1)·α + (n-1)/n · nbytes · (β + γ).
 
-    α: per-message latency (s); β: inverse per-direction link bandwidth (s/byte). The reduction's own
-    arithmetic (the γ term) is ignored. Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
-    collective communication operations in MPICH", IJHPCA 19(1), section 4.
+    α: per-message latency (s); β: inverse per-direction link bandwidth (s/byte); γ: time to add one
+    byte of received data into the local buffer (s/byte; 0 ignores the arithmetic). Source: Thakur,
+    Rabenseifner & Gropp 2005, "Optimization of collective communication operations in MPICH",
+    IJHPCA 19(1), section 4.
     """
     ring_bytes_sent_per_rank(nbytes, n)  # validates
-    return (n - 1) * alpha_s + (n - 1) / n * nbytes * beta_s_per_byte
+    return (n - 1) * alpha_s + (n - 1) / n * nbytes * (beta_s_per_byte + gamma_s_per_byte)
 
 
 def ring_all_gather_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
@@ -267,6 +269,9 @@ def ring_all_gather_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_by
     return ring_reduce_scatter_seconds(nbytes, n, alpha_s, beta_s_per_byte)
 
 
-def ring_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
-    """α-β time of a ring AllReduce: 2(n-1)·α + 2(n-1)/n · nbytes · β (ReduceScatter + AllGather)."""
-    return 2 * ring_reduce_scatter_seconds(nbytes, n, alpha_s, beta_s_per_byte)
+def ring_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
+                            gamma_s_per_byte: float = 0.0) -> float:
+    """α-β-γ time of a ring AllReduce (ReduceScatter + AllGather):
+    2(n-1)·α + 2(n-1)/n · nbytes · β + (n-1)/n · nbytes · γ."""
+    return (ring_reduce_scatter_seconds(nbytes, n, alpha_s, beta_s_per_byte, gamma_s_per_byte)
+            + ring_all_gather_seconds(nbytes, n, alpha_s, beta_s_per_byte))

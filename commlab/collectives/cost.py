@@ -1,0 +1,128 @@
+"""Every AllReduce cost model side by side (chapter 3): predict, compare, find crossovers.
+
+Each algorithm's formula lives beside its code (``ring.py``, ``halving_doubling.py``, ``tree.py``,
+``hierarchical.py``, ``in_network.py``); this module only gathers them behind two calls:
+
+* :func:`predict_flat` -- all ranks joined by one kind of link (α, β): ring, recursive doubling,
+  Rabenseifner's halving-doubling, binomial tree, pipelined double binary tree;
+* :func:`predict_on_cluster` -- nodes of several devices: a ring in topology order, a ring whose order
+  ignores the topology, the hierarchical algorithm, and in-network reduction between nodes.
+
+Times are seconds, sizes bytes, α in s, β and γ in s/byte.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from commlab.collectives.halving_doubling import (recursive_doubling_all_reduce_seconds,
+                                                  rhd_all_reduce_seconds)
+from commlab.collectives.hierarchical import hierarchical_all_reduce_seconds, ring_all_reduce_seconds_on
+from commlab.collectives.in_network import in_network_all_reduce_seconds
+from commlab.collectives.ring import ring_all_reduce_seconds
+from commlab.collectives.tree import binomial_tree_all_reduce_seconds, double_binary_tree_all_reduce_seconds
+from commlab.topology.links import Link
+from commlab.topology.ring_order import topology_aware_ring
+
+#: name -> f(nbytes, n, alpha_s, beta_s_per_byte, gamma_s_per_byte) for a single kind of link.
+FLAT_ALGORITHMS: dict[str, Callable[..., float]] = {
+    "ring": ring_all_reduce_seconds,
+    "recursive doubling": recursive_doubling_all_reduce_seconds,
+    "halving-doubling": rhd_all_reduce_seconds,
+    "binomial tree": binomial_tree_all_reduce_seconds,
+    "double binary tree": double_binary_tree_all_reduce_seconds,
+}
+
+
+def predict_flat(nbytes: float, n: int, link: Link, gamma_s_per_byte: float = 0.0,
+                 algorithms: Sequence[str] | None = None) -> dict[str, float]:
+    """Predicted AllReduce time (s) of each algorithm for ``nbytes`` bytes over ``n`` ranks on ``link``.
+
+    Raises:
+        KeyError: an unknown algorithm name (the message lists the known ones).
+        ValueError: bad sizes, as each formula raises.
+    """
+    names = list(FLAT_ALGORITHMS) if algorithms is None else list(algorithms)
+    unknown = [a for a in names if a not in FLAT_ALGORITHMS]
+    if unknown:
+        raise KeyError(f"unknown algorithms {unknown}; known: {list(FLAT_ALGORITHMS)}")
+    return {a: FLAT_ALGORITHMS[a](nbytes, n, link.alpha_s, link.beta_s_per_byte, gamma_s_per_byte)
+            for a in names}
+
+
+def fastest(nbytes: float, n: int, link: Link, candidates: Sequence[str] = ("ring", "double binary tree"),
+            gamma_s_per_byte: float = 0.0) -> str:
+    """The candidate with the lowest predicted time: how NCCL's tuner picks between its algorithms
+    (it predicts each one's time from latency and bandwidth tables and takes the minimum; NVIDIA/nccl
+    ``src/graph/tuning.cc``). The default candidates are NCCL's two classic AllReduce algorithms."""
+    times = predict_flat(nbytes, n, link, gamma_s_per_byte, candidates)
+    return min(times, key=times.get)
+
+
+def crossover_nbytes(slower_small: Callable[[float], float], slower_large: Callable[[float], float],
+                     lo: float = 1.0, hi: float = 2.0**40) -> float | None:
+    """The message size (bytes) where two cost curves cross, found by bisection on a log scale.
+
+    ``slower_small(s)`` and ``slower_large(s)`` give seconds for ``s`` bytes; the first is expected to be
+    the slower one at small sizes (e.g. the ring, paying 2(n-1) latencies) and the faster one at large
+    sizes. Returns None when they do not cross in ``[lo, hi]``.
+    """
+    def diff(s):
+        return slower_small(s) - slower_large(s)
+
+    if diff(lo) <= 0 or diff(hi) > 0:
+        return None
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(200):
+        mid = (a + b) / 2
+        if diff(math.exp(mid)) > 0:
+            a = mid
+        else:
+            b = mid
+    return math.exp(b)
+
+
+def interleaved_placement(nodes: int, devices_per_node: int) -> list[int]:
+    """``placement[rank]`` when ranks are dealt to nodes round-robin (rank r on node r % nodes): the
+    numbering under which the default ring 0, 1, 2, ... crosses between nodes at every hop."""
+    return [r % nodes for r in range(nodes * devices_per_node)]
+
+
+def predict_on_cluster(nbytes: float, nodes: int, devices_per_node: int, intra: Link, inter: Link,
+                       nics_per_node: int = 1, switch_alpha_s: float | None = None,
+                       radix: int = 40) -> dict[str, float]:
+    """Predicted AllReduce time (s) of ``nbytes`` bytes on ``nodes`` × ``devices_per_node`` devices.
+
+    Returns a dict with:
+
+    * ``"ring, topology order"`` -- one ring visiting each node's devices consecutively;
+    * ``"ring, round-robin ranks"`` -- the ring 0, 1, 2, ... when ranks are dealt to nodes round-robin,
+      so that every hop crosses nodes and the node's NICs carry ``devices_per_node`` flows at once;
+    * ``"hierarchical"`` -- intra-node ReduceScatter, inter-node ring AllReduce, intra-node AllGather;
+    * ``"hierarchical + in-network"`` (when ``switch_alpha_s`` is given) -- the same with the inter-node
+      step reduced in the switches (SHARP-style; each of a node's ``nics_per_node`` NICs streams its
+      share once).
+
+    Raises:
+        ValueError: bad counts or sizes.
+    """
+    placement = [r // devices_per_node for r in range(nodes * devices_per_node)]
+    out = {
+        "ring, topology order": ring_all_reduce_seconds_on(nbytes, topology_aware_ring(placement), placement,
+                                                           intra, inter, nics_per_node),
+        "ring, round-robin ranks": ring_all_reduce_seconds_on(
+            nbytes, list(range(nodes * devices_per_node)), interleaved_placement(nodes, devices_per_node),
+            intra, inter, nics_per_node),
+        "hierarchical": hierarchical_all_reduce_seconds(nbytes, nodes, devices_per_node, intra, inter,
+                                                        nics_per_node),
+    }
+    if switch_alpha_s is not None:
+        d = devices_per_node
+        intra_part = 2 * (d - 1) * (intra.alpha_s + nbytes / d * intra.beta_s_per_byte) if d > 1 else 0.0
+        # After the intra-node ReduceScatter each device holds nbytes/d; the node's d shards leave through
+        # its NICs, max(1, d/nics) flows per NIC.
+        share = nbytes / d * max(1.0, d / nics_per_node)
+        out["hierarchical + in-network"] = intra_part + in_network_all_reduce_seconds(
+            share, nodes, inter.alpha_s, inter.beta_s_per_byte, switch_alpha_s, radix)
+    return out
