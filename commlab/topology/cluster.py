@@ -1,0 +1,236 @@
+"""Cluster descriptions: devices per node, NICs, the two link types (α, β), memory and peak FLOP/s.
+
+Presets live in ``data/clusters.json``; each describes one *node type* (a DGX A100, a DGX H100, a PCIe
+server), and the number of nodes is chosen when it is loaded::
+
+    >>> from commlab.topology import load_preset
+    >>> c = load_preset("dgx-h100-ndr", nodes=4)
+    >>> c.world_size, c.intra.bytes_per_s, c.inter.bytes_per_s
+    (32, 450000000000.0, 50000000000.0)
+
+Every figure in the file carries a ``source``, or refers to a figure of ``data/hardware.json`` (chapter 1's
+device table) with ``{"ref": "DEVICE.figure"}``, so that a number is stated once and traced to its
+datasheet. Link latencies are not on datasheets: the presets take NCCL's own per-step latency constants
+and say so (see the file's ``_latency_note``).
+
+Units: bandwidth in bytes/s **per direction** (a link figure in bit/s is divided by 8), latency α in
+seconds, β = 1/bandwidth in s/byte, memory in bytes (1 GB = 1e9 bytes), FLOP/s dense (no sparsity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from commlab import hardware
+from commlab.topology.links import Link
+
+__all__ = ["Cluster", "DEFAULT_PATH", "load_preset", "list_presets"]
+
+#: The presets file: the repository's ``data/`` folder, next to the package.
+DEFAULT_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "clusters.json"
+
+# Which unit each field wants, and which units of data/hardware.json can be converted to it.
+_CONVERT = {
+    "bytes/s": {"bytes/s": 1.0, "bit/s": 1.0 / 8},
+    "bytes": {"bytes": 1.0},
+    "FLOP/s": {"FLOP/s": 1.0},
+}
+
+
+@dataclasses.dataclass
+class Cluster:
+    """``nodes`` identical nodes of ``devices_per_node`` devices.
+
+    Attributes:
+        name: the preset's name (or any label).
+        nodes: number of nodes, >= 1; may be set after loading (``cluster.nodes = 16``).
+        devices_per_node: accelerators per node, >= 1.
+        nics_per_node: network adapters per node used for the compute fabric, >= 1.
+        intra: the link between two devices of one node (α in s, β in s/byte per direction).
+        inter: one NIC's link to the network (per direction); a node has ``nics_per_node`` of them.
+        device_memory_bytes: memory of one device, bytes.
+        peak_flop_per_s: dense peak FLOP/s of one device per dtype name (``"bf16"``, ``"fp16"``,
+            ``"tf32"``, ``"fp8"`` where the device has it).
+        device: the device's name in ``data/hardware.json`` (empty if none).
+        description: one line for tables.
+        sources: where each figure comes from, keyed by field (``"intra.bytes_per_s"``,
+            ``"peak_flop_per_s.bf16"``, ...).
+
+    Raises:
+        ValueError: ``nodes``, ``devices_per_node`` or ``nics_per_node`` not an int >= 1; memory or a
+            peak FLOP/s not a finite number > 0; ``intra``/``inter`` not a :class:`Link`. Setting ``nodes``
+            to a bad value later raises the same error.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    nics_per_node: int
+    intra: Link
+    inter: Link
+    device_memory_bytes: float
+    peak_flop_per_s: dict[str, float]
+    device: str = ""
+    description: str = ""
+    sources: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for field in ("devices_per_node", "nics_per_node"):
+            _check_count(self.name, field, getattr(self, field))
+        for field in ("intra", "inter"):
+            if not isinstance(getattr(self, field), Link):
+                raise ValueError(f"cluster {self.name!r}: {field} must be a Link, got {getattr(self, field)!r}")
+        _check_positive(self.name, "device_memory_bytes", self.device_memory_bytes)
+        if not isinstance(self.peak_flop_per_s, dict):
+            raise ValueError(f"cluster {self.name!r}: peak_flop_per_s must be a dict dtype -> FLOP/s")
+        for dtype, v in self.peak_flop_per_s.items():
+            _check_positive(self.name, f"peak_flop_per_s.{dtype}", v)
+        self.peak_flop_per_s = {k: float(v) for k, v in self.peak_flop_per_s.items()}
+        self.device_memory_bytes = float(self.device_memory_bytes)
+
+    def __setattr__(self, key, value):
+        # nodes is the one field meant to change after loading, so it is checked on every assignment.
+        if key == "nodes":
+            _check_count(getattr(self, "name", "?"), "nodes", value)
+        super().__setattr__(key, value)
+
+    @property
+    def world_size(self) -> int:
+        """Total devices: ``nodes * devices_per_node``."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def node_inter_bytes_per_s(self) -> float:
+        """Bandwidth out of one node, bytes/s per direction: ``nics_per_node`` × the NIC's."""
+        return self.nics_per_node * self.inter.bytes_per_s
+
+
+def _check_count(name: str, field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"cluster {name!r}: {field} must be an int >= 1, got {v!r}")
+
+
+def _check_positive(name: str, field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"cluster {name!r}: {field} must be a finite number > 0, got {v!r}")
+
+
+# ----------------------------------------------------------------------------------------- the file
+
+@lru_cache(maxsize=8)
+def _read(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    if not isinstance(table, dict):
+        raise ValueError(f"{Path(path).name}: the top level must be a JSON object keyed by preset name")
+    return table
+
+
+def _table(path: str | Path | None) -> dict:
+    table = _read(str(Path(path or DEFAULT_PATH).resolve()))
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def list_presets(path: str | Path | None = None) -> list[str]:
+    """Names of the presets in ``path`` (default :data:`DEFAULT_PATH`), sorted."""
+    return sorted(_table(path))
+
+
+def load_preset(name: str, nodes: int = 1, path: str | Path | None = None,
+                hardware_path: str | Path | None = None) -> Cluster:
+    """The preset ``name`` as a :class:`Cluster` of ``nodes`` nodes.
+
+    Args:
+        name: a preset name (see :func:`list_presets`).
+        nodes: number of nodes, >= 1.
+        path: the presets file; default :data:`DEFAULT_PATH`.
+        hardware_path: the device table that ``{"ref": ...}`` figures point into; default
+            :data:`commlab.hardware.DEFAULT_PATH`.
+
+    Raises:
+        KeyError: unknown preset; the message lists the known ones.
+        ValueError: ``nodes`` < 1, or a field of the preset that is missing, non-numeric, negative (zero
+            for a bandwidth, memory or FLOP/s), lacks a ``source``, or refers to a figure that does not
+            exist or has the wrong unit. The message names the preset and the field.
+    """
+    table = _table(path)
+    if name not in table:
+        raise KeyError(f"no cluster preset {name!r}; known presets: {sorted(table)}")
+    _check_count(name, "nodes", nodes)
+    entry = table[name]
+    if not isinstance(entry, dict):
+        raise ValueError(f"preset {name!r}: must be a JSON object of fields, got {entry!r}")
+    hw = hardware.load(hardware_path)
+    sources: dict[str, str] = {}
+
+    def get(node: dict, dotted: str):
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise ValueError(f"preset {name!r}: field {dotted!r} is missing")
+        return node[last]
+
+    def figure(dotted: str, unit: str | None, integer: bool = False, allow_zero: bool = False) -> float:
+        fig = get(entry, dotted)
+        if not isinstance(fig, dict):
+            raise ValueError(f"preset {name!r}: field {dotted!r} must be an object with value and source "
+                             f"(or a ref into hardware.json), got {fig!r}")
+        if "ref" in fig:
+            value, source = _resolve_ref(name, dotted, fig["ref"], unit, hw)
+        else:
+            if "value" not in fig:
+                raise ValueError(f"preset {name!r}: field {dotted!r} has no value (nor a ref)")
+            if not isinstance(fig.get("source"), str) or not fig["source"].strip():
+                raise ValueError(f"preset {name!r}: field {dotted!r} has no source; every figure must "
+                                 "name where it comes from (or say that it is an assumption)")
+            value, source = fig["value"], fig["source"]
+        if integer:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"preset {name!r}: field {dotted!r} must be an int >= 1, got {value!r}")
+        elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+              or value < 0 or (value == 0 and not allow_zero)):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"preset {name!r}: field {dotted!r} must be a finite number {bound}, got {value!r}")
+        sources[dotted] = source
+        return value
+
+    def link(side: str) -> Link:
+        bw = figure(f"{side}.bytes_per_s", "bytes/s")
+        alpha = figure(f"{side}.alpha_s", None, allow_zero=True)
+        return Link.from_bandwidth(float(bw), alpha_s=float(alpha), name=f"{name} {side}")
+
+    flops = get(entry, "peak_flop_per_s")
+    if not isinstance(flops, dict) or not flops:
+        raise ValueError(f"preset {name!r}: field 'peak_flop_per_s' must map dtype names to figures")
+    cluster = Cluster(
+        name=name, nodes=nodes,
+        devices_per_node=figure("devices_per_node", None, integer=True),
+        nics_per_node=figure("nics_per_node", None, integer=True),
+        intra=link("intra"), inter=link("inter"),
+        device_memory_bytes=figure("device_memory_bytes", "bytes"),
+        peak_flop_per_s={dtype: figure(f"peak_flop_per_s.{dtype}", "FLOP/s") for dtype in flops},
+        device=str(entry.get("device", "")), description=str(entry.get("description", "")),
+        sources=sources,
+    )
+    return cluster
+
+
+def _resolve_ref(name: str, dotted: str, ref: Any, unit: str | None, hw: dict) -> tuple[float, str]:
+    # Device names may contain dots ("PCIe-4.0-x16"), figure names do not: split at the last one.
+    if not isinstance(ref, str) or "." not in ref:
+        raise ValueError(f"preset {name!r}: field {dotted!r} has ref {ref!r}; write it as 'DEVICE.figure'")
+    device, fig_name = ref.rsplit(".", 1)
+    if device not in hw or fig_name not in hw[device]:
+        raise ValueError(f"preset {name!r}: field {dotted!r} refers to {ref!r}, which is not in hardware.json "
+                         f"(devices: {sorted(hw)})")
+    entry = hw[device][fig_name]
+    if unit is None or entry["unit"] not in _CONVERT.get(unit, {}):
+        raise ValueError(f"preset {name!r}: field {dotted!r} wants {unit or 'a plain value'}, but {ref!r} is "
+                         f"in {entry['unit']}")
+    return float(entry["value"]) * _CONVERT[unit][entry["unit"]], f"{ref}: {entry['source']}"
