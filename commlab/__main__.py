@@ -30,6 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-f", "--step-factor", type=int, default=4, help="size multiplier (default 4)")
     bench.add_argument("-r", "--rounds", type=int, default=5, help="timed rounds per size (default 5)")
     bench.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    bench.add_argument("--algorithms", default=None, metavar="LIST",
+                       help="compare AllReduce algorithms instead: 'all' or a comma list of "
+                            "ring,halving-doubling,recursive-doubling,binomial-tree,torch; calibrates α and "
+                            "β first and prints measured beside predicted times")
+    bench.add_argument("--emulate", default=None, metavar="NODESxDEVICES",
+                       help="run on an emulated topology, e.g. 2x4: topology-unaware ring vs topology-order "
+                            "ring vs hierarchical at --max-bytes, measured and predicted")
+    bench.add_argument("--inter-gbps", type=float, default=1.6,
+                       help="emulated inter-node bandwidth per direction in Gb/s (default 1.6 = 200 MB/s)")
+    bench.add_argument("--inter-alpha-us", type=float, default=200.0,
+                       help="emulated inter-node latency in microseconds (default 200)")
     bench.add_argument("--check", action="store_true",
                        help="time the ring with its size/dtype agreement check (one small collective per call); "
                             "off by default, like dist.all_reduce, which checks nothing")
@@ -45,12 +56,76 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if args.world_size < 1 or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
+        if args.emulate:
+            return _bench_emulated(args, parser, hi)
+        if args.algorithms:
+            return _bench_algorithms(args, parser, _sizes(lo, hi, args.step_factor))
         rows = bench_all_reduce(args.world_size, _sizes(lo, hi, args.step_factor), rounds=args.rounds,
                                 check=args.check, backend=args.backend)
         wrong = sum(r.wrong for r in rows)
         print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         return 0 if wrong == 0 else 1
     return 2
+
+
+def _bench_algorithms(args, parser, sizes) -> int:
+    from commlab.bench.algorithms import ALGORITHMS, measure_algorithms
+    from commlab.bench.calibrate import calibrate
+    from commlab.collectives.cost import predict_flat
+
+    names = list(ALGORITHMS) if args.algorithms == "all" else [
+        a.strip().replace("-", " ").replace("halving doubling", "halving-doubling") for a in args.algorithms.split(",")]
+    unknown = [a for a in names if a not in ALGORITHMS]
+    if unknown:
+        parser.error(f"unknown algorithms {unknown}; choose from {', '.join(a.replace(' ', '-') for a in ALGORITHMS)}")
+    print(f"# calibrating alpha and beta on {args.world_size} ranks (ring exchange) ...", flush=True)
+    fit = calibrate(world_size=max(2, args.world_size), rounds=args.rounds, progress=False)
+    print(f"# {fit}", flush=True)
+    rows = measure_algorithms(args.world_size, sizes, names, rounds=args.rounds)
+    modelled = [a for a in names if a != "torch"]
+    print(f"# AllReduce on {args.world_size} ranks, gloo: measured (median of {args.rounds}) / predicted, in us")
+    print(f"#{'size (B)':>11} " + " ".join(f"{a:>24}" for a in names) + f"  {'fastest measured':>18}")
+    wrong = 0
+    for nbytes in sizes:
+        at = {r.algorithm: r for r in rows if r.nbytes == nbytes // 4 * 4}
+        pred = predict_flat(nbytes, args.world_size, fit.as_link(), algorithms=modelled) if modelled else {}
+        cells = []
+        for a in names:
+            p = f"{pred[a] * 1e6:.0f}" if a in pred else "-"
+            cells.append(f"{at[a].seconds * 1e6:>12.0f} / {p:>9}")
+            wrong += at[a].wrong
+        best = min(names, key=lambda a: at[a].seconds)
+        print(f" {nbytes:>11} " + " ".join(f"{c:>24}" for c in cells) + f"  {best:>18}")
+    print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return 0 if wrong == 0 else 1
+
+
+def _bench_emulated(args, parser, nbytes) -> int:
+    from commlab.bench.algorithms import measure_emulated, predict_emulated
+    from commlab.bench.calibrate import calibrate
+    from commlab.topology import EmulatedTopology, Link
+
+    try:
+        nodes, devices = (int(x) for x in args.emulate.lower().split("x"))
+        topology = EmulatedTopology(nodes, devices, Link.from_bandwidth(args.inter_gbps * 1e9 / 8,
+                                                                        args.inter_alpha_us * 1e-6, "emulated"))
+    except ValueError as e:
+        parser.error(f"--emulate takes NODESxDEVICES with both >= 1, e.g. 2x4 ({e})")
+    print(f"# calibrating the real transport on {topology.world_size} ranks ...", flush=True)
+    fit = calibrate(world_size=max(2, topology.world_size), rounds=args.rounds, progress=False)
+    print(f"# {fit}", flush=True)
+    measured = measure_emulated(topology, nbytes, rounds=args.rounds)
+    predicted = predict_emulated(topology, nbytes, fit.as_link())
+    base = "ring, round-robin order"
+    print(f"# AllReduce of {nbytes} B on {topology}")
+    print(f"#{'variant':>26} {'measured (ms)':>14} {'predicted (ms)':>15} {'x faster than unaware ring':>27} "
+          f"{'(predicted)':>12} {'#wrong':>7}")
+    for v, row in measured.items():
+        print(f" {v:>26} {row.seconds * 1e3:>14.1f} {predicted[v] * 1e3:>15.1f} "
+              f"{measured[base].seconds / row.seconds:>27.2f} {predicted[base] / predicted[v]:>12.2f} {row.wrong:>7}")
+    wrong = sum(r.wrong for r in measured.values())
+    print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return 0 if wrong == 0 else 1
 
 
 if __name__ == "__main__":

@@ -103,3 +103,54 @@ class EmulatedTopology:
         d = self.delay_s(src, dst, nbytes)
         if d > 0:
             time.sleep(d)
+
+    # ------------------------------------------------------------------ the model of the emulation itself
+
+    def predict_ring_seconds(self, nbytes: float, order: Sequence[int], local: Link) -> float:
+        """Predicted time of a ring AllReduce of ``nbytes`` in ring ``order`` on this emulated topology.
+
+        Each of the 2(N-1) steps moves ``nbytes/N`` per hop over the real transport (``local``: the
+        machine's own α and β, e.g. from :func:`commlab.bench.calibrate.calibrate`); if any hop crosses
+        nodes the step also waits for the emulated link, where the ``k`` crossing hops that leave the busiest
+        node queue on its NIC: ``inter.α + k·(nbytes/N)·inter.β``.
+
+        Raises:
+            ValueError: ``order`` is not a permutation of the topology's ranks.
+        """
+        n = self.world_size
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"order must be a permutation of 0..{n - 1}, got {list(order)}")
+        if n == 1:
+            return 0.0
+        m = nbytes / n
+        leaving = [0] * self.nodes
+        for i, src in enumerate(order):
+            dst = order[(i + 1) % n]
+            if self.crosses_nodes(src, dst):
+                leaving[self.placement[src]] += 1
+        k = max(leaving)
+        step = local.seconds(m) + (self.inter.alpha_s + k * m * self.inter.beta_s_per_byte if k else 0.0)
+        return 2 * (n - 1) * step
+
+    def predict_hierarchical_seconds(self, nbytes: float, local: Link) -> float:
+        """Predicted time of :func:`commlab.collectives.hierarchical_all_reduce` on this topology.
+
+        Intra-node ring ReduceScatter and AllGather over the ``d`` ranks of a node: ``2(d-1)`` steps of
+        ``nbytes/d`` on the real transport. Between them, ``d`` inter-node rings run at once (one per local
+        index), each all-reducing ``nbytes/d`` over the nodes: ``2(nodes-1)`` steps of
+        ``m = nbytes/(d·nodes)``, in which the ``d`` rings' messages queue on each node's NIC.
+        """
+        d, nodes = self.devices_per_node, self.nodes
+        intra = 2 * (d - 1) * local.seconds(nbytes / d) if d > 1 else 0.0
+        if nodes == 1:
+            return intra
+        m = nbytes / (d * nodes)
+        step = local.seconds(m) + self.inter.alpha_s + d * m * self.inter.beta_s_per_byte
+        return intra + 2 * (nodes - 1) * step
+
+    def round_robin_ring(self) -> list[int]:
+        """A ring order that crosses nodes at every hop: one rank of each node in turn
+        (``[0, 4, 1, 5, 2, 6, 3, 7]`` on 2 × 4): what a ring that ignores the topology can end up as."""
+        per_node = [self.ranks_on(n) for n in range(self.nodes)]
+        return [per_node[n][i] for i in range(self.devices_per_node) for n in range(self.nodes)]
+
