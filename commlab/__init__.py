@@ -3,10 +3,14 @@
 Layers, bottom to top (each imports only the ones below it):
 
 * :mod:`commlab.launch` -- run a function on N ranks (gloo or NCCL) from a notebook or a script.
-* :mod:`commlab.arithmetic` -- units and the arithmetic of compute versus communication (chapter 1).
-* :mod:`commlab.collectives` -- ring ReduceScatter / AllGather / AllReduce from point-to-point (chapter 2).
+* :mod:`commlab.arithmetic`, :mod:`commlab.hardware` -- units, the arithmetic of compute versus
+  communication, vendor figures (chapter 1).
+* :mod:`commlab.topology` -- links (α, β), cluster presets, ring orders, an emulated multi-node topology.
+* :mod:`commlab.collectives` -- ring ReduceScatter / AllGather / AllReduce (chapter 2), halving-doubling,
+  trees and hierarchical AllReduce (chapter 3), all from point-to-point sends, with their cost models.
 * :mod:`commlab.train` -- a small model on real offline data, for real gradients.
-* :mod:`commlab.bench`, :mod:`commlab.viz`, :mod:`commlab.exercises` -- measurements, figures, graders.
+* :mod:`commlab.bench`, :mod:`commlab.viz`, :mod:`commlab.widgets`, :mod:`commlab.exercises` --
+  measurements and calibration, figures, the cost calculator, graders.
 """
 
 from commlab.launch import LaunchError, LaunchTimeout, RankError, launch
