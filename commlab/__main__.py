@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                             "ring,halving-doubling,recursive-doubling,binomial-tree,torch; calibrates α and "
                             "β first and prints measured beside predicted times")
     bench.add_argument("--emulate", default=None, metavar="NODESxDEVICES",
-                       help="run on an emulated topology, e.g. 2x4: topology-unaware ring vs topology-order "
-                            "ring vs hierarchical at --max-bytes, measured and predicted")
+                       help="run on an emulated topology, e.g. 2x4 (its NODES x DEVICES ranks replace "
+                            "--world-size; gloo only): topology-unaware ring vs topology-order ring vs "
+                            "hierarchical at --max-bytes, measured and predicted")
     bench.add_argument("--inter-gbps", type=float, default=1.6,
                        help="emulated inter-node bandwidth per direction in Gb/s (default 1.6 = 200 MB/s)")
     bench.add_argument("--inter-alpha-us", type=float, default=200.0,
@@ -73,21 +74,28 @@ def _bench_algorithms(args, parser, sizes) -> int:
     from commlab.bench.calibrate import calibrate
     from commlab.collectives.cost import predict_flat
 
-    names = list(ALGORITHMS) if args.algorithms == "all" else [
-        a.strip().replace("-", " ").replace("halving doubling", "halving-doubling") for a in args.algorithms.split(",")]
+    if args.algorithms.strip().lower() == "all":
+        names = list(ALGORITHMS)
+    else:
+        names = []
+        for a in args.algorithms.split(","):
+            name = a.strip().lower().replace("_", " ").replace("-", " ").replace("halving doubling", "halving-doubling")
+            if name and name not in names:  # a repeated name would be measured and counted twice
+                names.append(name)
     unknown = [a for a in names if a not in ALGORITHMS]
     if unknown:
         parser.error(f"unknown algorithms {unknown}; choose from {', '.join(a.replace(' ', '-') for a in ALGORITHMS)}")
-    print(f"# calibrating alpha and beta on {args.world_size} ranks (ring exchange) ...", flush=True)
-    fit = calibrate(world_size=max(2, args.world_size), rounds=args.rounds, progress=False)
+    ranks = max(2, args.world_size)  # a ring exchange needs two ranks even when one is measured
+    print(f"# calibrating alpha and beta on {ranks} ranks (ring exchange) ...", flush=True)
+    fit = calibrate(world_size=ranks, rounds=args.rounds, progress=False)
     print(f"# {fit}", flush=True)
     rows = measure_algorithms(args.world_size, sizes, names, rounds=args.rounds)
     modelled = [a for a in names if a != "torch"]
     print(f"# AllReduce on {args.world_size} ranks, gloo: measured (median of {args.rounds}) / predicted, in us")
     print(f"#{'size (B)':>11} " + " ".join(f"{a:>24}" for a in names) + f"  {'fastest measured':>18}")
     wrong = 0
-    for nbytes in sizes:
-        at = {r.algorithm: r for r in rows if r.nbytes == nbytes // 4 * 4}
+    for nbytes in sorted({s // 4 * 4 for s in sizes}):  # whole float32 elements, as measured
+        at = {r.algorithm: r for r in rows if r.nbytes == nbytes}
         pred = predict_flat(nbytes, args.world_size, fit.as_link(), algorithms=modelled) if modelled else {}
         cells = []
         for a in names:
@@ -121,8 +129,9 @@ def _bench_emulated(args, parser, nbytes) -> int:
     print(f"#{'variant':>26} {'measured (ms)':>14} {'predicted (ms)':>15} {'x faster than unaware ring':>27} "
           f"{'(predicted)':>12} {'#wrong':>7}")
     for v, row in measured.items():
+        model_ratio = f"{predicted[base] / predicted[v]:.2f}" if predicted[v] > 0 else "n/a"
         print(f" {v:>26} {row.seconds * 1e3:>14.1f} {predicted[v] * 1e3:>15.1f} "
-              f"{measured[base].seconds / row.seconds:>27.2f} {predicted[base] / predicted[v]:>12.2f} {row.wrong:>7}")
+              f"{measured[base].seconds / row.seconds:>27.2f} {model_ratio:>12} {row.wrong:>7}")
     wrong = sum(r.wrong for r in measured.values())
     print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return 0 if wrong == 0 else 1

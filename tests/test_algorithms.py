@@ -153,7 +153,7 @@ def test_mismatches_and_bad_placements_give_the_same_clear_error_on_every_rank()
         assert "rank 2: 11 elements of float32" in out[0][name], (name, out[0][name])
     assert "node 0: 3, node 1: 1" in out[0]["uneven"]
     assert "each of the 4 ranks, got 3" in out[0]["short"]
-    assert "root must be a group rank in 0..3 (rank 0 passed [4]" in out[0]["root"]
+    assert "tree_all_reduce: root must be a group rank in 0..3, got 4" == out[0]["root"]
 
 
 def test_hierarchy_layout_groups_ranks_by_node_and_rejects_uneven_nodes():
@@ -347,3 +347,31 @@ def test_hierarchical_beats_the_topology_unaware_ring_on_a_slow_emulated_link():
     model_ring = ring_all_reduce_seconds_on(4 * 2**20, [0, 2, 1, 3], _TOPO.placement, Link(0, 0), inter)
     assert model_ring > 2.5 * model_hier
     assert t_ring > 1.5 * t_hier, (t_hier, t_ring)
+
+
+def _one_bad_placement(bad):
+    from commlab.collectives import make_hierarchy_groups
+    placement = bad if dist.get_rank() == 3 else [0, 0, 1, 1]
+    try:
+        make_hierarchy_groups(placement)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("bad", [[0, 0, 0, 1], [0, 0, 1], [0, 0.5, 1, 1]])
+def test_a_bad_placement_on_one_rank_fails_on_every_rank_instead_of_hanging(bad):
+    out = launch(_one_bad_placement, 4, bad, timeout=30)
+    assert len(set(out)) == 1 and "rank 3 passed" in out[0], out
+
+
+def _huge_root():
+    try:
+        tree_all_reduce(torch.ones(3), root=2**70 if dist.get_rank() == 0 else 0)
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_root_too_large_for_int64_is_reported_on_every_rank():
+    out = launch(_huge_root, 2, timeout=20)
+    assert out[0] == out[1] and "root must be a group rank in 0..1" in out[0]

@@ -415,6 +415,8 @@ def calibrate(world_size: int = 4, sizes: Iterable[int] = DEFAULT_SIZES, method:
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     sizes = _check_sizes(sizes)
+    if len(set(sizes)) < 2:  # a line through one size is undetermined: say so before measuring
+        raise ValueError(f"calibration needs at least two distinct sizes, got {sorted(set(sizes))}")
     measure = ring_exchange if method == "ring_exchange" else pingpong
     seconds = measure(sizes, world_size=world_size, rounds=rounds, progress=progress, timeout=timeout)
     fit = fit_alpha_beta(sizes, seconds, weighting=weighting)
@@ -526,6 +528,12 @@ def ring_model_error(world_sizes: Sequence[int] = (2, 4, 8), sizes: Iterable[int
     sizes = [(s // 4) * 4 for s in _check_sizes(sizes, least=4)]
     if calibration_sizes is not None:
         calibration_sizes = _check_sizes(calibration_sizes)
+    for ws in world_sizes:  # every fit's sizes are known now: refuse a degenerate one before measuring
+        cal = calibration_sizes if calibration_sizes is not None else {4096} | {max(1, n // ws) for n in sizes}
+        if fits is None or ws not in fits:
+            if len(set(cal)) < 2:
+                raise ValueError(f"the calibration for {ws} ranks would use only the size(s) {sorted(set(cal))}; "
+                                 "pass calibration_sizes with at least two distinct sizes, or larger sizes")
     used: dict[int, AlphaBetaFit] = dict(fits or {})
     rows = []
     for ws in world_sizes:

@@ -7,6 +7,7 @@ modules) read as the algorithm alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Sequence
 
@@ -62,6 +63,18 @@ class RingGeometry:
     prev_global: int
 
 
+def as_int64(value) -> int:
+    """``value`` as an int the agreement check can carry, or -1 when it is not an integer (a float, a bool)
+    or does not fit in int64. Negative values are invalid everywhere they are used, so -1 loses nothing."""
+    if isinstance(value, bool):
+        return -1
+    try:
+        v = operator.index(value)
+    except TypeError:
+        return -1
+    return v if -2**63 <= v < 2**63 else -1
+
+
 def resolve_ring(size: int, ring: Sequence[int] | None) -> tuple[tuple[int, ...], str | None]:
     """Normalise a ring order for a group of ``size`` ranks, without raising.
 
@@ -73,12 +86,7 @@ def resolve_ring(size: int, ring: Sequence[int] | None) -> tuple[tuple[int, ...]
     """
     if ring is None:
         return tuple(range(size)), None
-    entries = []
-    for r in ring:
-        try:
-            entries.append(-1 if isinstance(r, bool) else operator.index(r))
-        except TypeError:
-            entries.append(-1)
+    entries = [as_int64(r) for r in ring]
     order = tuple((entries + [-1] * size)[:size])
     if len(entries) != size or sorted(entries) != list(range(size)):
         return order, f"ring must be a permutation of the group's ranks 0..{size - 1}, got {list(ring)}"
@@ -174,6 +182,9 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
     if bad_dtype:
         raise TypeError(_unsupported_message(name, bad_dtype))
     bad_layout = [(r, row[4:]) for r, row in enumerate(rows) if not row[3]]
+    if bad_layout and layout_problem and len(bad_layout) == size and len({tuple(lay) for _, lay in bad_layout}) == 1:
+        # Every rank passed the same invalid layout, so every rank found the same problem: say it plainly.
+        raise CollectiveMismatchError(f"{name}: {layout_problem}")
     if bad_layout:
         who = "; ".join(f"rank {r} passed {lay}" for r, lay in bad_layout)
         note = "; entries that are not integers show as -1" if any(-1 in lay for _, lay in bad_layout) else ""
@@ -216,6 +227,22 @@ def write_back(tensor: torch.Tensor, work: torch.Tensor, inplace: bool) -> torch
             tensor.detach().copy_(work.view(tensor.shape))
         return tensor
     return work.view(tensor.shape)
+
+
+def check_cost_args(nbytes: float, n: int | None = None, **rates: float) -> None:
+    """Validate the inputs of an α-β(-γ) cost function, the same way for every algorithm.
+
+    Raises:
+        ValueError: ``nbytes`` not a finite number >= 0; ``n`` (when given) not an int >= 1; a rate
+            (α in s, β or γ in s/byte) not a finite number >= 0.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be an int >= 1 (ranks), got {n!r}")
+    for name, v in rates.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
 def ceil_log2(n: int) -> int:

@@ -56,6 +56,8 @@ def fastest(nbytes: float, n: int, link: Link, candidates: Sequence[str] = ("rin
     """The candidate with the lowest predicted time: how NCCL's tuner picks between its algorithms
     (it predicts each one's time from latency and bandwidth tables and takes the minimum; NVIDIA/nccl
     ``src/graph/tuning.cc``). The default candidates are NCCL's two classic AllReduce algorithms."""
+    if not candidates:
+        raise ValueError("fastest needs at least one candidate algorithm")
     times = predict_flat(nbytes, n, link, gamma_s_per_byte, candidates)
     return min(times, key=times.get)
 
@@ -71,7 +73,8 @@ def crossover_nbytes(slower_small: Callable[[float], float], slower_large: Calla
     def diff(s):
         return slower_small(s) - slower_large(s)
 
-    if diff(lo) <= 0 or diff(hi) > 0:
+    d_lo, d_hi = diff(lo), diff(hi)
+    if not (math.isfinite(d_lo) and math.isfinite(d_hi)) or d_lo <= 0 or d_hi > 0:
         return None
     a, b = math.log(lo), math.log(hi)
     for _ in range(200):
@@ -107,6 +110,9 @@ def predict_on_cluster(nbytes: float, nodes: int, devices_per_node: int, intra: 
     Raises:
         ValueError: bad counts or sizes.
     """
+    for name, v in (("nodes", nodes), ("devices_per_node", devices_per_node), ("nics_per_node", nics_per_node)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     placement = [r // devices_per_node for r in range(nodes * devices_per_node)]
     out = {
         "ring, topology order": ring_all_reduce_seconds_on(nbytes, topology_aware_ring(placement), placement,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import (_global, ceil_log2, check_agreement, chunk_bounds, ring_geometry,
+from commlab.collectives._common import (_global, ceil_log2, check_agreement, check_cost_args, chunk_bounds, ring_geometry,
                                          work_buffer, write_back)
 from commlab.topology.emulated import EmulatedTopology
 
@@ -226,11 +226,6 @@ def _doubling_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> Non
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code
 
-def _validate(nbytes, n):
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
-
-
 def rhd_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
                            gamma_s_per_byte: float = 0.0) -> float:
     """α-β-γ time of Rabenseifner's AllReduce (:func:`rhd_all_reduce`) on ``nbytes`` bytes over ``n`` ranks.
@@ -254,7 +249,7 @@ def rhd_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byt
     Raises:
         ValueError: ``n < 1`` or ``nbytes < 0``.
     """
-    _validate(nbytes, n)
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, gamma_s_per_byte=gamma_s_per_byte)
     p, r = power_of_two_layout(n)
     t = 2 * ceil_log2(n) * alpha_s + (p - 1) / p * nbytes * (2 * beta_s_per_byte + gamma_s_per_byte)
     if r:
@@ -274,7 +269,7 @@ def recursive_doubling_all_reduce_seconds(nbytes: float, n: int, alpha_s: float,
 
     Arguments and errors as :func:`rhd_all_reduce_seconds`.
     """
-    _validate(nbytes, n)
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, gamma_s_per_byte=gamma_s_per_byte)
     _, r = power_of_two_layout(n)
     t = ceil_log2(n) * (alpha_s + nbytes * (beta_s_per_byte + gamma_s_per_byte))
     if r:

@@ -1,9 +1,9 @@
 """Hierarchical (two-level) AllReduce: rings inside each node, a ring between nodes on 1/d of the data.
 
-With ``nodes`` nodes of ``d`` ranks each (Jia et al. 2018, "Highly scalable deep learning training system
-with mixed-precision: training ImageNet in four minutes", arXiv:1807.11205, section "hierarchical
-all-reduce"; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and NCCL's intra/inter-node split follow the
-same idea):
+With ``nodes`` nodes of ``d`` ranks each; the ReduceScatter -> AllReduce -> AllGather structure is the
+2D-torus AllReduce of Mikami et al. 2018, "Massively distributed SGD: ImageNet/ResNet-50 training in a
+flash", arXiv:1811.05233, section 3 (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` does the same with
+NCCL inside the node and MPI between nodes):
 
 1. ReduceScatter inside each node (ring over the node's d ranks): the rank with local index j holds the
    node's partial sum of chunk j (``chunk_bounds(numel, d)[j]``).
@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import check_agreement, chunk_bounds, ring_geometry, work_buffer, write_back
+from commlab.collectives._common import (as_int64, check_agreement, check_cost_args, chunk_bounds, group_size_and_rank, ring_geometry,
+                                         work_buffer, write_back)
 from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
                                       ring_all_reduce_seconds)
 from commlab.topology.emulated import EmulatedTopology
@@ -72,12 +73,15 @@ def hierarchy_layout(placement: Sequence[int]) -> list[list[int]]:
     Pure function (no communication); :func:`make_hierarchy_groups` builds its groups from it.
 
     Raises:
-        ValueError: empty placement, or nodes holding different numbers of ranks (the message gives the
-            count on each node).
+        ValueError: empty placement, a node id that is not a non-negative integer, or nodes holding
+            different numbers of ranks (the message gives the count on each node).
     """
-    placement = [int(p) for p in placement]
-    if not placement:
+    if not len(placement):
         raise ValueError("placement is empty: give the node of every rank, placement[rank] = node")
+    ids_given = [as_int64(p) for p in placement]
+    if any(i < 0 for i in ids_given):
+        raise ValueError(f"node ids must be non-negative integers, got {list(placement)}")
+    placement = ids_given
     ids = sorted(set(placement))
     layout = [[r for r, node in enumerate(placement) if node == i] for i in ids]
     counts = {i: len(ranks) for i, ranks in zip(ids, layout)}
@@ -104,13 +108,22 @@ def make_hierarchy_groups(placement: Sequence[int]) -> HierarchyGroups:
         ValueError: the placement's length is not the world size, or nodes hold different numbers of ranks.
         RuntimeError: no process group is initialised.
     """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or "
-                           "call dist.init_process_group first")
-    world = dist.get_world_size()
+    world, _ = group_size_and_rank(None)
+    normalized = tuple(([as_int64(p) for p in placement] + [-1] * world)[:world])
+    problem = None
     if len(placement) != world:
-        raise ValueError(f"placement must give the node of each of the {world} ranks, got {len(placement)} "
-                         f"entries: {list(placement)}")
+        problem = (f"placement must give the node of each of the {world} ranks, got {len(placement)} "
+                   f"entries: {list(placement)}")
+    else:
+        try:
+            hierarchy_layout(placement)
+        except ValueError as e:
+            problem = str(e)
+    # Agree before the first new_group: a rank that raised alone would leave the others waiting in it.
+    check_agreement("make_hierarchy_groups", torch.empty(0), None, normalized, "placement", problem,
+                    f"one node id per rank for all {world} ranks, the same number of ranks on every node")
+    if problem:
+        raise ValueError(problem)
     layout = hierarchy_layout(placement)
     d = len(layout[0])
     intra_groups = [dist.new_group(ranks) for ranks in layout]
@@ -159,10 +172,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchyGroups, *, in
 # ----------------------------------------------------------------------------- α-β cost, beside the code
 
 def _check_sizes(nbytes, **counts):
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    check_cost_args(nbytes)
     for name, v in counts.items():
-        if not (isinstance(v, int) and v >= 1):
+        if isinstance(v, bool) or not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
@@ -178,7 +190,7 @@ def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node:
 
     The d inter-node rings run at the same time and share the node's NICs: with fewer NICs than rings,
     each NIC carries ``d / nics_per_node`` rings' bytes (assumes the traffic spreads evenly over the NICs).
-    Source: Jia et al. 2018, arXiv:1807.11205, section on hierarchical all-reduce; the ring terms are
+    Source: Mikami et al. 2018, arXiv:1811.05233, section 3 (2D-torus AllReduce); the ring terms are
     those of :func:`~commlab.collectives.ring.ring_all_reduce_seconds`.
 
     Args:

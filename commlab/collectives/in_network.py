@@ -14,6 +14,8 @@ SC16, §3). Compared with a ring AllReduce:
 
 from __future__ import annotations
 
+from commlab.collectives._common import check_cost_args
+
 def switch_tree_levels(n: int, radix: int = 40) -> int:
     """Levels of a switch tree joining ``n`` endpoints, each switch having ``radix`` ports facing down
     (towards the endpoints; in a fat tree that is half of a switch's ports).
@@ -46,8 +48,7 @@ def in_network_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_
     Raises:
         ValueError: bad ``n``/``radix``, negative sizes or times.
     """
-    if nbytes < 0 or alpha_s < 0 or beta_s_per_byte < 0 or switch_alpha_s < 0:
-        raise ValueError("nbytes, alpha_s, beta_s_per_byte and switch_alpha_s must be >= 0")
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, switch_alpha_s=switch_alpha_s)
     if n == 1:
         return 0.0
     levels = switch_tree_levels(n, radix)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from commlab import arithmetic
 from commlab.collectives import p2p
-from commlab.collectives._common import (RingGeometry, check_agreement, chunk_bounds,
+from commlab.collectives._common import (RingGeometry, check_agreement, check_cost_args, chunk_bounds,
                                          group_size_and_rank, resolve_ring, ring_geometry, work_buffer,
                                          write_back)
 from commlab.topology.emulated import EmulatedTopology
@@ -260,7 +260,7 @@ def ring_reduce_scatter_seconds(nbytes: float, n: int, alpha_s: float, beta_s_pe
     Rabenseifner & Gropp 2005, "Optimization of collective communication operations in MPICH",
     IJHPCA 19(1), section 4.
     """
-    ring_bytes_sent_per_rank(nbytes, n)  # validates
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, gamma_s_per_byte=gamma_s_per_byte)
     return (n - 1) * alpha_s + (n - 1) / n * nbytes * (beta_s_per_byte + gamma_s_per_byte)
 
 

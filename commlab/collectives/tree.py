@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import _global, ceil_log2, check_agreement, ring_geometry, work_buffer, write_back
+from commlab.collectives._common import (_global, as_int64, ceil_log2, check_agreement, check_cost_args, ring_geometry, work_buffer,
+                                         write_back)
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -33,11 +34,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ the schedule
-
-def _as_int(value) -> int:
-    # What the agreement check can carry for a root that is not an int at all.
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
-
 
 def binomial_tree(rank: int, n: int, root: int = 0) -> tuple[int | None, list[int]]:
     """Parent and children of group rank ``rank`` in the binomial tree over ``n`` ranks rooted at ``root``.
@@ -87,13 +83,13 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """
     geom = ring_geometry(group, None)
     n = geom.size
-    root_ok = isinstance(root, int) and not isinstance(root, bool) and 0 <= root < n
-    problem = None if root_ok else f"tree_all_reduce: root must be a group rank in 0..{n - 1}, got {root!r}"
+    root_ok = 0 <= as_int64(root) < n
+    problem = None if root_ok else f"root must be a group rank in 0..{n - 1}, got {root!r}"
     if check:
-        check_agreement("tree_all_reduce", tensor, group, (_as_int(root),), "root", problem,
+        check_agreement("tree_all_reduce", tensor, group, (as_int64(root),), "root", problem,
                         f"a group rank in 0..{n - 1}")
     if problem:
-        raise ValueError(problem)
+        raise ValueError(f"tree_all_reduce: {problem}")
     work = work_buffer(tensor, inplace)
     if n > 1 and work.numel() > 0:
         parent, children = binomial_tree(geom.group_rank, n, root)
@@ -112,11 +108,6 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code
 
-def _validate(nbytes, n):
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"need n >= 1 and nbytes >= 0, got n={n}, nbytes={nbytes}")
-
-
 def binomial_tree_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
                                      gamma_s_per_byte: float = 0.0) -> float:
     """α-β-γ time of :func:`tree_all_reduce`: ``2·ceil(log2 n)·(α + nbytes·β) + ceil(log2 n)·nbytes·γ``.
@@ -132,7 +123,7 @@ def binomial_tree_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta
     Raises:
         ValueError: ``n < 1`` or ``nbytes < 0``.
     """
-    _validate(nbytes, n)
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, gamma_s_per_byte=gamma_s_per_byte)
     steps = ceil_log2(n)
     return steps * (2 * (alpha_s + nbytes * beta_s_per_byte) + nbytes * gamma_s_per_byte)
 
@@ -164,7 +155,7 @@ def binomial_tree_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta
 # k* = sqrt((D-1)·c·n·(2β+γ) / (2α)), and with k* the time is (sqrt((D-1)·2α) + sqrt(c·n·(2β+γ)))².
 
 def _pipelined_tree_seconds(nbytes, n, alpha_s, beta, gamma, chunks, c):
-    _validate(nbytes, n)
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
     if n == 1:
         return 0.0
     depth = ceil_log2(n)
@@ -192,7 +183,7 @@ def optimal_pipeline_chunks(nbytes: float, n: int, alpha_s: float, beta_s_per_by
     Raises:
         ValueError: ``trees`` not 1 or 2, ``n < 1`` or ``nbytes < 0``.
     """
-    _validate(nbytes, n)
+    check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte, gamma_s_per_byte=gamma_s_per_byte)
     if trees not in (1, 2):
         raise ValueError(f"trees must be 1 (pipelined binary tree) or 2 (double binary tree), got {trees!r}")
     c = 1 if trees == 2 else 2
