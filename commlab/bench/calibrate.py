@@ -554,11 +554,12 @@ def ring_model_error(world_sizes: Sequence[int] = (2, 4, 8), sizes: Iterable[int
             if progress:
                 print(f"  ring_exchange N={ws}: {used[ws]}", flush=True)
         fit = used[ws]
+        link = fit.as_link()  # a link cannot have a negative α or β; noise can fit one slightly below 0
         for nbytes in sizes:
             ring = by_task[("ring", nbytes)]
             reduce_s = (ws - 1) * statistics.median(by_task[("add", nbytes)]) if gamma else 0.0
             row = RingModelRow(world_size=ws, nbytes=nbytes, measured_s=statistics.median(ring),
-                               comm_s=ring_all_reduce_seconds(nbytes, ws, fit.alpha_s, fit.beta_s_per_byte),
+                               comm_s=ring_all_reduce_seconds(nbytes, ws, link.alpha_s, link.beta_s_per_byte),
                                reduce_s=reduce_s, alpha_s=fit.alpha_s, beta_s_per_byte=fit.beta_s_per_byte)
             rows.append(row)
             if progress:
