@@ -19,3 +19,10 @@ from commlab.compress.aggregate import (Aggregated, aggregate, expected_union_su
 __all__ += ["pack_bits", "unpack_bits", "pack_nibbles", "unpack_nibbles", "TopK", "RandomK", "topk_global",
             "QSGD", "RoundingQuantizer", "qsgd_variance_bound", "SignCompressor", "ErrorFeedback",
             "Aggregated", "aggregate", "expected_union_support", "sparse_ring_fill_in", "union_support_sizes"]
+
+from commlab.compress.cast import CastCompressor
+from commlab.compress.powersgd import PowerSGDBytes, PowerSGDState, powersgd_all_reduce, powersgd_nbytes
+from commlab.compress.hooks import CompressionHookState, compression_hook, powersgd_hook
+
+__all__ += ["CastCompressor", "PowerSGDBytes", "PowerSGDState", "powersgd_all_reduce", "powersgd_nbytes",
+            "CompressionHookState", "compression_hook", "powersgd_hook"]

@@ -1,0 +1,232 @@
+"""DDP communication hooks: any commlab compressor, and PowerSGD, plugged into ``DistributedDataParallel``.
+
+A hook replaces DDP's all-reduce of each gradient bucket (a flat buffer holding several parameters'
+gradients). PyTorch's interface (``DistributedDataParallel.register_comm_hook(state, hook)``): the hook is a
+plain function ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` whose future yields the bucket's
+*averaged* gradient, in the buffer's shape; the state object holds settings and whatever persists between
+steps. Both hooks here follow PyTorch's ``ddp_comm_hooks`` (``default_hooks.fp16_compress_hook``,
+``powerSGD_hook.powerSGD_hook``) and are tested against them.
+
+Usage::
+
+    ddp.register_comm_hook(CompressionHookState(CastCompressor(torch.float16)), compression_hook)
+    ddp.register_comm_hook(PowerSGDState(rank=2, start_iter=10), powersgd_hook)
+"""
+
+# No "from __future__ import annotations": DDP checks the hook's annotations at runtime (dist.GradBucket, Future).
+
+import torch
+import torch.distributed as dist
+
+from commlab.compress.base import Compressor, Payload
+from commlab.compress.powersgd import PowerSGDState, _Call, _group
+
+__all__ = ["CompressionHookState", "compression_hook", "PowerSGDState", "powersgd_hook"]
+
+
+class CompressionHookState:
+    """Settings and per-bucket residuals of :func:`compression_hook`.
+
+    Args:
+        compressor: any object following :class:`commlab.compress.base.Compressor` (``name``, ``linear``,
+            ``compress``, ``decompress``).
+        process_group: the group to average over; ``None`` (default): the world.
+        error_feedback: keep what compression lost on this rank and add it to the next step's gradient
+            (Seide et al. 2014, "1-bit SGD", Interspeech; Karimireddy et al. 2019, "Error Feedback Fixes
+            SignSGD", ICML). Default False, so that a plain compressor behaves as its PyTorch counterpart
+            (``fp16_compress_hook`` keeps no memory); turn it on for biased compressors (Top-K, sign), which
+            need it to converge. Residuals are kept per bucket,
+            in the bucket's dtype.
+
+    Attributes:
+        residuals: bucket index -> this rank's residual (flat, the bucket's length).
+        last_payload_nbytes: bytes of the latest bucket's payload on this rank.
+
+    Raises:
+        ValueError: ``compressor`` does not follow the protocol, or a bad ``process_group``/``error_feedback``.
+    """
+
+    def __init__(self, compressor: Compressor, process_group: dist.ProcessGroup | None = None,
+                 error_feedback: bool = False):
+        missing = [a for a in ("name", "linear", "compress", "decompress") if not hasattr(compressor, a)]
+        if missing:
+            raise ValueError(f"compressor {compressor!r} lacks {missing}; it must follow "
+                             "commlab.compress.base.Compressor (name, linear, compress, decompress)")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}")
+        self.compressor = compressor
+        self.process_group = process_group
+        self.error_feedback = error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+        # bucket index -> [(id of parameter, numel)] of the layout its residual was stored with.
+        self._layouts: dict[int, list[tuple[int, int]]] = {}
+        self.last_payload_nbytes = 0
+
+    def _residual(self, bucket, like: torch.Tensor) -> torch.Tensor:
+        """The residual of ``bucket``, re-laid out if DDP regrouped its parameters since it was stored."""
+        idx = bucket.index()
+        layout = [(id(p), p.numel()) for p in bucket.parameters()]
+        old = self.residuals.get(idx)
+        if old is None:
+            return torch.zeros_like(like)
+        old_layout = self._layouts[idx]
+        if old_layout == layout:
+            return old
+        # DDP rebuilds its buckets after the first iteration (by gradient arrival order): move each
+        # parameter's residual to its new place; a parameter new to this bucket starts from zero.
+        pieces, off = {}, 0
+        for pid, k in old_layout:
+            pieces[pid] = old[off:off + k]
+            off += k
+        for j, other in self.residuals.items():  # the parameter may come from another old bucket
+            if j != idx:
+                off = 0
+                for pid, k in self._layouts[j]:
+                    pieces.setdefault(pid, other[off:off + k])
+                    off += k
+        return torch.cat([pieces.get(pid, torch.zeros(k, dtype=like.dtype, device=like.device))
+                          for pid, k in layout]) if layout else torch.zeros_like(like)
+
+    def _store(self, bucket, residual: torch.Tensor) -> None:
+        self.residuals[bucket.index()] = residual
+        self._layouts[bucket.index()] = [(id(p), p.numel()) for p in bucket.parameters()]
+
+
+def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a bucket with ``state.compressor``: all-reduce for linear payloads, all-gather otherwise.
+
+    Each rank compresses ``x`` = its gradient (+ its residual, with error feedback).
+
+    * ``compressor.linear``: the payload's tensors are divided by N, summed with an asynchronous
+      ``dist.all_reduce`` and the sum decompressed once: that is the average. Dividing the payload before
+      the sum (as PyTorch's ``fp16_compress_hook`` does) keeps a float16 sum from overflowing; it relies on
+      the compressor being linear in the full sense, ``decompress(a p + b q) = a decompress(p) +
+      b decompress(q)`` (true of casts and of Random-K with shared indices), so its payload tensors must be
+      floating point. For ``CastCompressor(torch.float16)`` the arithmetic is then exactly PyTorch's.
+    * otherwise: one small all-gather exchanges the payload tensors' shapes (they may differ by rank, e.g.
+      a threshold sparsifier), then each payload tensor is all-gathered (padded to the longest), and the N
+      payloads are decompressed, summed and divided by N on every rank.
+
+    With error feedback the residual is ``x - decompress(compress(x))``, computed locally before sending.
+    All collectives are issued from the calling thread, in bucket order.
+
+    Returns:
+        A future of the bucket buffer, holding the average.
+
+    Raises:
+        TypeError: a linear compressor whose payload holds a non-floating-point tensor.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    x = buffer
+    if state.error_feedback:
+        x = buffer + state._residual(bucket, buffer)
+    comp = state.compressor
+    payload = comp.compress(x)
+    state.last_payload_nbytes = payload.nbytes
+    if state.error_feedback:
+        state._store(bucket, x - comp.decompress(payload).reshape(x.shape).to(x.dtype))
+    names = list(payload.tensors)
+
+    if comp.linear:
+        bad = [k for k in names if not payload.tensors[k].is_floating_point()]
+        if bad:
+            raise TypeError(f"{comp.name} is marked linear but its payload tensors {bad} are not floating point; "
+                            "a linear payload is scaled by 1/N and summed, which integer codes do not allow")
+        # A fresh tensor to scale in place: a payload may share memory with the bucket (a cast to the same dtype).
+        tensors = [payload.tensors[k].div(world) for k in names]
+        futs = [dist.all_reduce(t, group=group, async_op=True).get_future() for t in tensors]
+
+        def done_linear(_):
+            summed = Payload(dict(zip(names, tensors)), payload.shape, payload.dtype, payload.meta)
+            buffer.copy_(comp.decompress(summed).reshape(buffer.shape))
+            return buffer
+
+        return torch.futures.collect_all(futs).then(done_linear)
+
+    # Non-linear: first learn every rank's payload shapes (one tiny all-gather), then gather the payloads.
+    local = [payload.tensors[k] for k in names]
+    dims = torch.tensor([len(t.shape) for t in local] + [d for t in local for d in t.shape],
+                        dtype=torch.int64, device=buffer.device)
+    n_dims = torch.tensor([dims.numel()], dtype=torch.int64, device=buffer.device)
+    all_n = [torch.empty_like(n_dims) for _ in range(world)]
+    dist.all_gather(all_n, n_dims, group=group)
+    longest = int(max(int(t) for t in all_n))
+    padded = torch.zeros(longest, dtype=torch.int64, device=buffer.device)
+    padded[:dims.numel()] = dims
+    all_dims = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(all_dims, padded, group=group)
+    shapes = []  # shapes[r][j]: shape of payload tensor j on rank r
+    for r in range(world):
+        d = all_dims[r].tolist()
+        ndims, pos, per = d[:len(local)], len(local), []
+        for nd in ndims:
+            per.append(tuple(d[pos:pos + nd]))
+            pos += nd
+        shapes.append(per)
+    gathered, futs = [], []
+    for j, t in enumerate(local):
+        size = max(int(torch.Size(shapes[r][j]).numel()) for r in range(world))
+        flat = torch.zeros(size, dtype=t.dtype, device=t.device)
+        flat[:t.numel()] = t.reshape(-1)
+        outs = [torch.empty_like(flat) for _ in range(world)]
+        futs.append(dist.all_gather(outs, flat, group=group, async_op=True).get_future())
+        gathered.append(outs)
+
+    def done_gather(_):
+        total = torch.zeros(payload.shape, dtype=payload.dtype, device=buffer.device)
+        for r in range(world):
+            tensors = {k: gathered[j][r][:torch.Size(shapes[r][j]).numel()].view(shapes[r][j])
+                       for j, k in enumerate(names)}
+            total += comp.decompress(Payload(tensors, payload.shape, payload.dtype, payload.meta))
+        buffer.copy_(total.div_(world).reshape(buffer.shape))
+        return buffer
+
+    return torch.futures.collect_all(futs).then(done_gather)
+
+
+def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD as a DDP communication hook (:mod:`commlab.compress.powersgd` has the algorithm).
+
+    For the first ``state.start_iter`` steps the bucket is averaged with a plain all-reduce (divided by N
+    first, as PyTorch's ``allreduce_hook``); afterwards each of the bucket's per-parameter gradients
+    (``bucket.gradients()``, views into the bucket's buffer) goes through PowerSGD, keyed in the state by
+    ``(bucket index, position in the bucket)``. ``state.step`` advances when DDP hands over the last bucket
+    of a step (``bucket.is_last()``).
+
+    The hook waits for the first all-reduce (P, with the uncompressed tensors), launches the second (Q)
+    and returns; the approximation and the residuals are computed when Q arrives, while backward goes on
+    with the next buckets. All collectives are issued from the calling thread (see the comment inside).
+
+    Returns:
+        A future of the bucket buffer, holding the average.
+    """
+    group = _group(state, None)
+    buffer = bucket.buffer()
+    compress_now = state.step >= state.start_iter
+    if bucket.is_last():
+        state.step += 1
+    if not compress_now:
+        buffer.div_(dist.get_world_size(group))
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: buffer)
+
+    grads = bucket.gradients()
+    idx = bucket.index()
+    call = _Call(grads, state, group, [(idx, j) for j in range(len(grads))], out=grads)
+    # Every collective is issued from this thread, in bucket order, so all ranks issue them in the same
+    # order. Issuing the second all-reduce from a future's callback (as PyTorch's hook does) races with the
+    # next bucket's first all-reduce issued from the autograd thread; with several buckets on gloo the ranks
+    # then disagree on the order and abort ("Received data size doesn't match expected size").
+    for fut in call.start():
+        fut.wait()
+    second = call.middle()
+
+    def third(fut):
+        fut.value()  # re-raises a failed all-reduce
+        call.finish()
+        return buffer
+
+    return second.then(third)

@@ -1,0 +1,475 @@
+"""PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces (chapter 6).
+
+Source: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithm 1 (the compressor) and Algorithm 2 (error
+feedback), sections 3-4. PyTorch ships the same algorithm as a DDP communication hook
+(``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``); :func:`commlab.compress.hooks.powersgd_hook`
+is ours, tested against it.
+
+For each gradient tensor viewed as a matrix ``M`` (m x n; a conv weight (out_channels, in, kh, kw) is
+viewed as (out_channels, in*kh*kw)) with a shared, orthonormal ``Q`` (n x r):
+
+1. ``M = G + E``: add the error-feedback residual ``E`` of this rank (Algorithm 2, line 5).
+2. ``P = M Q``, then **all-reduce P** (sum over ranks). This step makes every rank hold the same
+   ``P = (sum_w M_w) Q``; without it (as in the course's source article, which orthogonalizes a local P),
+   each rank would build its approximation on a different basis, the Q's of different ranks could not be
+   added, and the averaged result would not be a low-rank approximation of the averaged gradient at all.
+3. ``P_hat = orthogonalize(P)`` (columns orthonormal), computed in float32.
+4. ``Q = M^T P_hat`` locally, then **all-reduce Q**: every rank now holds ``sum_w M_w^T P_hat``.
+5. The update is ``P_hat Q^T / N``: the projection of the *averaged* ``M`` onto span(P_hat), exactly, because
+   both all-reduced quantities are linear in ``M``.
+6. Residual (Algorithm 2, line 7, "memorize local errors"): ``E = M - P_hat Q_local^T`` with this rank's own
+   ``Q_local = M^T P_hat`` from before the all-reduce: what *this rank's* compression lost.
+   PyTorch's hook instead stores ``M - P_hat Q_avg^T`` (the local matrix minus the averaged approximation).
+   The two differ rank by rank but have the same sum over ranks, and steps 2-5 depend on the residuals only
+   through that sum, so both give the same updates in exact arithmetic (our tests measure the rounding).
+7. Warm start (section 4.2): ``Q`` (already identical on all ranks) is kept for the next step, which makes
+   one power-iteration step per SGD step converge over time like a full power iteration.
+
+Tensors of at most one dimension (biases, norms' scales), and matrices where compression would not save
+at least a factor ``min_compression_rate`` (``(m + n) r * min_compression_rate >= m n``), are sent
+uncompressed: concatenated (per dtype) into one buffer, divided by N, all-reduced. Float32 uncompressed
+values share one all-reduce with the P matrices, so a call makes two all-reduces when the gradients are
+float32 (three or more when some are float16/bfloat16), PyTorch's hook three.
+
+Numerics:
+
+* The rank is clipped to ``min(m, n)`` for each matrix: a rank-``min(m, n)`` approximation is already
+  exact, and orthonormal P (m x r) or Q (n x r) with r above m or n does not exist.
+* Everything is computed in float32 (P, Q, the residuals, the products); bfloat16/float16 gradients are
+  returned in their own dtype, and their uncompressed part travels in that dtype. P and Q travel in
+  float32: they are small, and a 16-bit sum over ranks would lose the precision the low rank keeps.
+* Orthogonalization: Gram-Schmidt with re-orthogonalization for r <= 2 (a few vector ops), Householder
+  QR (``torch.linalg.qr``) above, the split PyTorch's hook makes. Plain Gram-Schmidt (PyTorch's) returns
+  columns far from orthogonal for a rank-deficient P, and then P_hat Q^T is not a projection of M. Rank-deficient and all-zero matrices give no NaN: a column
+  with zero norm after projection stays zero (with ``orthogonalization_epsilon = 0``) instead of being
+  divided by zero (PyTorch's hook would produce NaN there); such a column carries no direction of ``M``,
+  so its product with ``Q`` contributes nothing. A warm-start ``Q`` column that became zero (an all-zero
+  gradient) is redrawn at random, identically on all ranks, so that the matrix can recover.
+* NaN/Inf (the package's policy, :func:`commlab.compress.base.check_finite`): checked once, on the
+  all-reduced first buffer, where any rank's NaN or inf shows up (``nan * q`` is NaN, ``inf * 0`` too).
+  Every rank therefore raises the same ``FloatingPointError`` at the same point, no rank is left waiting
+  in the next collective, and no residual or warm-start matrix is updated. It costs a pass over the small
+  buffer, not over the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["PowerSGDState", "PowerSGDBytes", "powersgd_all_reduce", "powersgd_nbytes", "orthogonalize_",
+           "compressed_shape"]
+
+# Element size of P and Q on the wire: they are computed and sent in float32 (see the module docstring).
+_PQ_DTYPE = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDBytes:
+    """Bytes each rank puts into the collectives of one :func:`powersgd_all_reduce` call (exact).
+
+    These are message sizes: what one rank contributes to each all-reduce. A ring AllReduce of a
+    B-byte message then sends about 2(N-1)/N * B bytes per rank
+    (:func:`commlab.collectives.ring_bytes_sent_per_rank`).
+
+    Attributes:
+        dense_nbytes: the input tensors' bytes (what a plain all-reduce would carry).
+        uncompressed_nbytes: bytes of the tensors sent as they are (in their own dtype).
+        p_nbytes, q_nbytes: bytes of all P (m x r) and all Q (n x r) matrices, float32.
+    """
+
+    dense_nbytes: int
+    uncompressed_nbytes: int
+    p_nbytes: int
+    q_nbytes: int
+
+    @property
+    def total_nbytes(self) -> int:
+        """uncompressed + P + Q bytes."""
+        return self.uncompressed_nbytes + self.p_nbytes + self.q_nbytes
+
+    @property
+    def ratio(self) -> float:
+        """dense bytes / sent bytes (1 for an empty call)."""
+        return self.dense_nbytes / self.total_nbytes if self.total_nbytes else 1.0
+
+
+def compressed_shape(shape: Sequence[int], rank: int, min_compression_rate: float) -> tuple[int, int, int] | None:
+    """``(m, n, r)`` if a tensor of ``shape`` is compressed, ``None`` if it is sent as it is.
+
+    A tensor of at least two dimensions is viewed as ``m = shape[0]`` rows by ``n = prod(shape[1:])``
+    columns; ``r = min(m, n, rank)``; it is compressed when ``(m + n) * r * min_compression_rate < m * n``.
+    """
+    if len(shape) <= 1:
+        return None
+    m = int(shape[0])
+    n = math.prod(int(s) for s in shape[1:])
+    r = min(m, n, rank)
+    if r >= 1 and (m + n) * r * min_compression_rate < m * n:
+        return m, n, r
+    return None
+
+
+def powersgd_nbytes(tensors: Sequence[torch.Tensor], rank: int = 1,
+                    min_compression_rate: float = 2) -> PowerSGDBytes:
+    """Exact bytes one rank sends for ``tensors`` (anything with ``.shape`` and ``.dtype``; meta tensors do).
+
+    Same rule as :func:`powersgd_all_reduce`; see :class:`PowerSGDBytes` for what is counted.
+    """
+    dense = unc = p = q = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        dense += size
+        layout = compressed_shape(t.shape, rank, min_compression_rate)
+        if layout is None:
+            unc += size
+        else:
+            m, n, r = layout
+            itemsize = torch.empty((), dtype=_PQ_DTYPE).element_size()
+            p += m * r * itemsize
+            q += n * r * itemsize
+    return PowerSGDBytes(dense, unc, p, q)
+
+
+def orthogonalize_(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Make the columns of ``matrix`` (m x r, r <= m, floating point) orthonormal, in place; return it.
+
+    r <= 2: Gram-Schmidt with re-orthogonalization (each column has the previous ones projected out twice);
+    each column is divided by ``norm + epsilon``, and a column whose norm is exactly zero (an all-zero
+    matrix) is left at zero when ``epsilon == 0``. A column that is numerically in the span of the previous
+    ones (rank deficiency) becomes a unit vector orthogonal to them, which the product with M then ignores.
+    r > 2: Householder QR (``torch.linalg.qr``), which returns orthonormal columns for any input,
+    rank-deficient or zero included; ``epsilon`` is not used there.
+    """
+    r = matrix.shape[1]
+    if r > 2:
+        q, _ = torch.linalg.qr(matrix)
+        matrix.copy_(q)
+        return matrix
+    for i in range(r):
+        col = matrix[:, i:i + 1]
+        if i > 0:
+            prev = matrix[:, :i]
+            # Project out the previous columns twice ("twice is enough": Giraud, Langou & Rozloznik 2005,
+            # Comput. Math. Appl. 50). Once is not: when the column is (nearly) in their span, as for a
+            # rank-deficient gradient, what remains is rounding noise whose own component along them is of
+            # the same size, and normalizing it would give a column far from orthogonal.
+            for _ in range(2):
+                col.sub_(prev @ (prev.T @ col))
+        norm = torch.linalg.vector_norm(col)
+        if epsilon > 0:
+            col.div_(norm + epsilon)
+        else:
+            # Divide by 1 where the norm is 0: the column is all zeros and stays so (no 0/0 = NaN).
+            col.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+    return matrix
+
+
+class PowerSGDState:
+    """Settings and persistent buffers of PowerSGD: one object per model (or per set of tensors).
+
+    Args:
+        process_group: the group to average over; ``None`` (default) means the default (world) group.
+        rank: r, the rank of the approximation, int >= 1. Default 1: the paper's experiments reach
+            full-precision accuracy with r = 1-4 on image classification (section 5, Table 3; r = 2 for
+            ResNet-18 on CIFAR-10) and PyTorch's default is 1; raise it by factors of 2 if accuracy suffers.
+        start_iter: number of steps averaged with a plain all-reduce before compression starts (used by
+            :func:`commlab.compress.hooks.powersgd_hook`, which counts steps in :attr:`step`), int >= 0.
+            Default 1000, as PyTorch: the first steps of training are the most sensitive to compression
+            error; PyTorch's documentation suggests about 10 % of the total steps. The course's short runs
+            pass a small value. Must be >= 2 when error feedback or warm start is on, because DDP
+            reorders its buckets after the first iteration and state remembered before that would be
+            attached to the wrong tensors.
+        min_compression_rate: a matrix is compressed only if that divides its bytes by more than this,
+            float > 0. Default 2, as PyTorch: below that, the two extra matrix products and the second
+            all-reduce cost more than the bandwidth they save.
+        use_error_feedback: keep each rank's compression error and add it to the next gradient
+            (Algorithm 2). Default True: without it PowerSGD is biased and converges to worse accuracy
+            (the paper's ablation, section 5).
+        warm_start: reuse last step's Q (section 4.2). Default True: one power-iteration step per SGD step
+            then tracks the top singular vectors over time; a fresh random Q gives a worse approximation.
+        orthogonalization_epsilon: added to each column norm in Gram-Schmidt, float >= 0. Default 0: the
+            zero-norm guard already prevents NaN, and epsilon slightly shrinks every column.
+        random_seed: seeds the draws of the initial Q matrices, int >= 0. Default 0. All ranks must use
+            the same seed: the Q matrices must be identical on every rank. The draws follow PyTorch's
+            hook (one seed per call that meets new tensors, from ``numpy.random.RandomState(random_seed)``;
+            matrices drawn with ``torch.randn`` in order of first appearance of each shape), so the two
+            implementations can be compared step by step.
+
+    Persistent state (explicit dicts, keyed by the key of each tensor: its index in the list passed to
+    :func:`powersgd_all_reduce`, or ``(bucket index, position)`` in the DDP hook):
+
+    Attributes:
+        residuals: key -> float32 (m, n) error-feedback residual of this rank.
+        q_memory: key -> float32 (n, r) warm-start Q (identical on all ranks).
+        step: steps completed, advanced by the DDP hook at the last bucket of each step.
+        last_nbytes: :class:`PowerSGDBytes` of the latest call.
+        total_dense_nbytes, total_sent_nbytes: sums over all compressed calls.
+
+    Raises:
+        ValueError: a setting out of range (the message names it and the allowed values).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, rank: int = 1, start_iter: int = 1000,
+                 min_compression_rate: float = 2, use_error_feedback: bool = True, warm_start: bool = True,
+                 orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
+        def is_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+        if not is_int(rank) or rank < 1:
+            raise ValueError(f"rank (of the low-rank approximation) must be an int >= 1, got {rank!r}; "
+                             "1-4 is typical, larger values compress less")
+        if not is_int(start_iter) or start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0 (steps of plain all-reduce first), got {start_iter!r}")
+        if not isinstance(use_error_feedback, bool) or not isinstance(warm_start, bool):
+            raise ValueError(f"use_error_feedback and warm_start must be True or False, got "
+                             f"{use_error_feedback!r} and {warm_start!r}")
+        if (use_error_feedback or warm_start) and start_iter < 2:
+            raise ValueError(f"start_iter must be >= 2 when use_error_feedback or warm_start is on, got "
+                             f"{start_iter}: DDP rebuilds its buckets after the first iteration, so residuals "
+                             "and warm-start matrices remembered before that would belong to other tensors. "
+                             "Pass start_iter=2 or more, or turn both off")
+        if not is_real(min_compression_rate) or not 0 < min_compression_rate < math.inf:
+            raise ValueError(f"min_compression_rate must be a finite number > 0, got {min_compression_rate!r} "
+                             "(2 = compress a matrix only if that at least halves its bytes)")
+        if not is_real(orthogonalization_epsilon) or not 0 <= orthogonalization_epsilon < math.inf:
+            raise ValueError(f"orthogonalization_epsilon must be a finite number >= 0, got "
+                             f"{orthogonalization_epsilon!r} (0 is safe: zero columns are guarded; 1e-8 is typical otherwise)")
+        if not is_int(random_seed) or not 0 <= random_seed < 2 ** 32:
+            raise ValueError(f"random_seed must be an int in [0, 2**32), got {random_seed!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                             f"got {type(process_group).__name__}")
+        self.process_group = process_group
+        self.rank = int(rank)
+        self.start_iter = int(start_iter)
+        self.min_compression_rate = float(min_compression_rate)
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.random_seed = int(random_seed)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget residuals, warm-start matrices, the step count and byte totals; restart the seed stream."""
+        self.rng = np.random.RandomState(self.random_seed)
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+        self.q_memory: dict[Hashable, torch.Tensor] = {}
+        self._seen: set = set()
+        self.step = 0
+        self.last_nbytes: PowerSGDBytes | None = None
+        self.total_dense_nbytes = 0
+        self.total_sent_nbytes = 0
+
+    def __repr__(self) -> str:
+        return (f"PowerSGDState(rank={self.rank}, start_iter={self.start_iter}, "
+                f"min_compression_rate={self.min_compression_rate:g}, use_error_feedback={self.use_error_feedback}, "
+                f"warm_start={self.warm_start}, orthogonalization_epsilon={self.orthogonalization_epsilon:g}, "
+                f"random_seed={self.random_seed}, step={self.step})")
+
+    def _generator(self) -> torch.Generator:
+        # One seed per call, drawn as PyTorch's hook draws it, then a CPU generator (device-independent draws).
+        return torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+
+
+def _group(state: PowerSGDState, group):
+    if group is not None:
+        return group
+    if state.process_group is not None:
+        return state.process_group
+    return dist.group.WORLD
+
+
+class _Call:
+    """One PowerSGD averaging of a list of tensors, in three stages around its two all-reduces.
+
+    :func:`powersgd_all_reduce` runs the stages back to back; the DDP hook chains them on futures, so
+    that backward continues while the collectives run.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], state: PowerSGDState, group, keys: Sequence[Hashable],
+                 out: Sequence[torch.Tensor] | None):
+        if len(keys) != len(tensors):
+            raise ValueError(f"got {len(keys)} keys for {len(tensors)} tensors")
+        for i, t in enumerate(tensors):
+            if not t.is_floating_point():
+                raise TypeError(f"PowerSGD averages floating-point tensors; tensor {i} is {t.dtype}")
+        self.tensors, self.state, self.group, self.keys = list(tensors), state, group, list(keys)
+        self.out = out
+        self.world = dist.get_world_size(group)
+        self.layouts = [compressed_shape(t.shape, state.rank, state.min_compression_rate) for t in tensors]
+        self.comp = [i for i, lay in enumerate(self.layouts) if lay is not None]
+        self.unc = [i for i, lay in enumerate(self.layouts) if lay is None]
+        for i in self.comp:
+            m, n, r = self.layouts[i]
+            key = self.keys[i]
+            q = state.q_memory.get(key)
+            e = state.residuals.get(key)
+            if (q is not None and tuple(q.shape) != (n, r)) or (e is not None and tuple(e.shape) != (m, n)):
+                raise ValueError(f"tensor {i} (key {key!r}, shape {tuple(self.tensors[i].shape)}) does not match "
+                                 "the state remembered for that key; the tensors passed changed. Call "
+                                 "state.reset() when changing the model")
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.nbytes = powersgd_nbytes(tensors, state.rank, state.min_compression_rate)
+
+    # ---- stage 1: M, Q, P = M Q; launch the all-reduce of P (with the float32 uncompressed tensors)
+    def start(self) -> list[torch.futures.Future]:
+        st, n_world = self.state, self.world
+        self.ms = {}
+        for i in self.comp:
+            m, n, _ = self.layouts[i]
+            mat = self.tensors[i].reshape(m, n).to(torch.float32)  # no copy for float32 input
+            e = st.residuals.get(self.keys[i]) if st.use_error_feedback else None
+            self.ms[i] = mat if e is None else mat + e
+
+        fresh = (not st.warm_start) or any(k not in st._seen for k in self.keys)
+        gen = st._generator() if fresh else None
+        self.qs = {}
+        # Group by matrix shape in order of first appearance: the order in which PyTorch's hook draws.
+        by_shape: OrderedDict = OrderedDict()
+        for i in self.comp:
+            by_shape.setdefault(self.layouts[i][:2], []).append(i)
+        for idxs in by_shape.values():
+            for i in idxs:
+                m, n, r = self.layouts[i]
+                q = st.q_memory.get(self.keys[i]) if st.warm_start else None
+                if q is None:
+                    g = gen if gen is not None else st._generator()
+                    gen = g
+                    q = torch.randn(n, r, generator=g, dtype=torch.float32).to(self.device)
+                orthogonalize_(q, st.orthogonalization_epsilon)
+                self.qs[i] = q
+        for i, q in self.qs.items():
+            dead = q.abs().amax(dim=0) == 0
+            if bool(dead.any()):
+                # An all-zero gradient left this Q with zero columns; M @ 0 would keep P at zero forever.
+                gen = gen if gen is not None else st._generator()
+                q[:, dead] = torch.randn(q.shape[0], int(dead.sum()), generator=gen).to(q)
+                orthogonalize_(q, st.orthogonalization_epsilon)
+
+        # Buffer 0: float32 uncompressed tensors (divided by N first) followed by every P.
+        groups: dict[torch.dtype, list[int]] = {}
+        for i in self.unc:
+            groups.setdefault(self.tensors[i].dtype, []).append(i)
+        unc32 = groups.pop(torch.float32, [])
+        n_unc32 = sum(self.tensors[i].numel() for i in unc32)
+        n_p = sum(self.layouts[i][0] * self.layouts[i][2] for i in self.comp)
+        self.buf0 = torch.empty(n_unc32 + n_p, dtype=torch.float32, device=self.device)
+        self.unc_views = {}
+        off = 0
+        for i in unc32:
+            k = self.tensors[i].numel()
+            torch.div(self.tensors[i].reshape(-1), n_world, out=self.buf0[off:off + k])
+            self.unc_views[i] = self.buf0[off:off + k]
+            off += k
+        self.ps = {}
+        for i in self.comp:
+            m, _, r = self.layouts[i]
+            self.ps[i] = self.buf0[off:off + m * r].view(m, r)
+            torch.matmul(self.ms[i], self.qs[i], out=self.ps[i])
+            off += m * r
+        futs = [dist.all_reduce(self.buf0, group=self.group, async_op=True).get_future()]
+        # Other dtypes (bfloat16/float16 uncompressed tensors) travel in their own dtype, one buffer each.
+        self.other_bufs = []
+        for idxs in groups.values():
+            buf = torch.cat([self.tensors[i].reshape(-1) for i in idxs]).div_(n_world)
+            off = 0
+            for i in idxs:
+                k = self.tensors[i].numel()
+                self.unc_views[i] = buf[off:off + k]
+                off += k
+            self.other_bufs.append(buf)
+            futs.append(dist.all_reduce(buf, group=self.group, async_op=True).get_future())
+        return futs
+
+    # ---- stage 2: check, orthogonalize P, Q = M^T P_hat; launch the all-reduce of Q
+    def middle(self) -> torch.futures.Future:
+        for buf in [self.buf0, *self.other_bufs]:
+            if buf.numel() and not bool(torch.isfinite(buf).all()):
+                raise FloatingPointError(
+                    "PowerSGD: a rank's gradient (or residual) holds NaN or inf: the all-reduced "
+                    f"{'P/uncompressed' if buf is self.buf0 else buf.dtype} buffer is not finite. Every rank "
+                    "raises here; residuals and warm-start matrices were not updated (skip this step, or "
+                    "fix its cause)")
+        st = self.state
+        n_q = sum(self.layouts[i][1] * self.layouts[i][2] for i in self.comp)
+        self.qbuf = torch.empty(n_q, dtype=torch.float32, device=self.device)
+        off = 0
+        self.q_views = {}
+        for i in self.comp:
+            _, n, r = self.layouts[i]
+            orthogonalize_(self.ps[i], st.orthogonalization_epsilon)
+            self.q_views[i] = self.qbuf[off:off + n * r].view(n, r)
+            torch.matmul(self.ms[i].t(), self.ps[i], out=self.q_views[i])
+            off += n * r
+        if st.use_error_feedback and self.comp:
+            # E = M - P_hat Q_local^T needs this rank's own Q, which the all-reduce overwrites: compute it now.
+            self.new_residuals = {i: torch.addmm(self.ms[i], self.ps[i], self.q_views[i].t(), alpha=-1)
+                                  for i in self.comp}
+        return dist.all_reduce(self.qbuf, group=self.group, async_op=True).get_future()
+
+    # ---- stage 3: approximation P_hat Q^T / N, residuals, warm start; outputs
+    def finish(self) -> list[torch.Tensor]:
+        st = self.state
+        self.qbuf.div_(self.world)
+        results: list[torch.Tensor | None] = [None] * len(self.tensors)
+        for i in self.comp:
+            approx = torch.matmul(self.ps[i], self.q_views[i].t())
+            results[i] = approx.view(self.tensors[i].shape)
+            if st.use_error_feedback:
+                st.residuals[self.keys[i]] = self.new_residuals[i]
+            if st.warm_start:
+                st.q_memory[self.keys[i]] = self.q_views[i]
+        for i in self.unc:
+            results[i] = self.unc_views[i].view(self.tensors[i].shape)
+        st._seen.update(self.keys)
+        st.last_nbytes = self.nbytes
+        st.total_dense_nbytes += self.nbytes.dense_nbytes
+        st.total_sent_nbytes += self.nbytes.total_nbytes
+        if self.out is not None:
+            for o, res in zip(self.out, results):
+                o.copy_(res)
+            return list(self.out)
+        # Every result lives in a buffer of this call (never in an input), so a cast is the only copy needed.
+        return [res.to(t.dtype) for res, t in zip(results, self.tensors)]
+
+
+def powersgd_all_reduce(tensors: Sequence[torch.Tensor], state: PowerSGDState,
+                        group: dist.ProcessGroup | None = None, *, keys: Sequence[Hashable] | None = None,
+                        out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Average ``tensors`` over the ranks of ``group`` with PowerSGD; every rank must call it alike.
+
+    Args:
+        tensors: this rank's gradients (any floating dtype and shape; all on one device).
+        state: the :class:`PowerSGDState`; its residuals and warm-start matrices are read and updated,
+            its :attr:`~PowerSGDState.last_nbytes` set. :attr:`~PowerSGDState.start_iter` and
+            :attr:`~PowerSGDState.step` are not used here (this function always compresses).
+        group: process group; default ``state.process_group``, then the world.
+        keys: the state's key for each tensor (default: its index in ``tensors``).
+        out: optional tensors to write the averages into (may be ``tensors`` themselves).
+
+    Returns:
+        The averaged tensors, in their input shapes and dtypes: low-rank approximations of the average
+        for compressed matrices, exact averages (up to rounding) for the others. Identical on all ranks.
+
+    Raises:
+        TypeError: a non-floating-point tensor.
+        ValueError: a tensor whose shape differs from the state remembered for its key.
+        FloatingPointError: some rank's gradient or residual holds NaN or inf (raised on every rank).
+    """
+    keys = list(range(len(tensors))) if keys is None else list(keys)
+    call = _Call(tensors, state, _group(state, group), keys, out)
+    for fut in call.start():
+        fut.wait()
+    call.middle().wait()
+    return call.finish()
