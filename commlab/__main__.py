@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--check", action="store_true",
                        help="time the ring with its size/dtype agreement check (one small collective per call); "
                             "off by default, like dist.all_reduce, which checks nothing")
+    bench.add_argument("--compressors", action="store_true",
+                       help="compressor throughput beside the torch primitives, and our PowerSGD hook's DDP step "
+                            "time beside PyTorch's (uses --world-size and --rounds)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if args.world_size < 1 or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
+        if args.compressors:
+            from commlab.bench.compressors import print_compressor_bench
+            return print_compressor_bench(world_size=max(2, args.world_size), repeats=args.rounds)
         if args.emulate:
             return _bench_emulated(args, parser, hi)
         if args.algorithms:

@@ -1,0 +1,199 @@
+"""Compressors beside the torch primitives they rest on, and our PowerSGD hook beside PyTorch's (chapters 4-6).
+
+Two measurements, printed in one run (``python -m commlab bench --compressors``):
+
+1. Throughput of ``decompress(compress(x))`` on one large float32 tensor (default 16 Mi elements = 64 MiB),
+   in GB/s of dense input (input bytes / seconds, 1 GB = 1e9 bytes), for every compressor commlab.compress
+   provides, beside the bare torch operations it is built on (a cast and a cast back; ``torch.topk`` and
+   a scatter; ``torch.randperm`` and ``index_select``; ``torch.sign``; a scaled round to int8). The ratio
+   ours / torch (time) is the price of the protocol's checks (NaN/Inf, overflow), packing and
+   bookkeeping. Median of ``repeats`` runs after one warm-up, in this process, with torch's current
+   thread count.
+2. Median time of one DDP training step (forward, backward, all-reduce through the hook, SGD) of an MLP
+   with ``powersgd_hook`` and with PyTorch's ``powerSGD_hook`` (same settings), on ``world_size`` gloo
+   ranks, alternating the two so that both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["ThroughputRow", "bench_compressor_throughput", "bench_powersgd_ddp", "print_compressor_bench"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputRow:
+    """One compressor: seconds per round trip (ours and the torch primitive), GB/s of dense input."""
+
+    name: str
+    primitive: str
+    seconds: float
+    primitive_seconds: float
+    nbytes: int
+    payload_nbytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def primitive_gb_per_s(self) -> float:
+        return self.nbytes / self.primitive_seconds / 1e9
+
+    @property
+    def ratio(self) -> float:
+        """our time / primitive time (1.0 = no overhead)."""
+        return self.seconds / self.primitive_seconds
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: allocator, lazy initialisation
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _candidates(x: torch.Tensor, ratio: float):
+    """(compressor, primitive name, primitive function) for each compressor that can be imported."""
+    from commlab.compress.cast import CastCompressor
+
+    n = x.numel()
+    k = max(1, int(n * ratio))
+    out = [(CastCompressor(torch.float16), "x.to(fp16).to(fp32)", lambda: x.to(torch.float16).to(torch.float32)),
+           (CastCompressor(torch.bfloat16), "x.to(bf16).to(fp32)", lambda: x.to(torch.bfloat16).to(torch.float32))]
+
+    def topk_prim():
+        idx = x.abs().topk(k).indices
+        return torch.zeros_like(x).index_copy_(0, idx, x.index_select(0, idx))
+
+    def randk_prim():
+        idx = torch.randperm(n)[:k]
+        return torch.zeros_like(x).index_copy_(0, idx, x.index_select(0, idx))
+
+    def sign_prim():
+        return torch.sign(x) * x.abs().mean()
+
+    def round_prim():
+        scale = x.abs().max() / 127
+        return torch.round(x / scale).to(torch.int8).to(torch.float32) * scale
+
+    def qsgd_prim():
+        norm = x.norm()
+        r = x.abs() / norm * 7
+        level = torch.floor(r + torch.rand_like(r))
+        return torch.sign(x) * level * norm / 7
+
+    makers = [("sparse", "TopK", dict(ratio=ratio), "torch.topk + index_copy_", topk_prim),
+              ("sparse", "RandomK", dict(ratio=ratio), "torch.randperm + index_select", randk_prim),
+              ("quantize", "QSGD", dict(), "norm, floor(r + rand), sign (4-bit levels)", qsgd_prim),
+              ("quantize", "RoundingQuantizer", dict(bits=8), "round(x / scale).to(int8)", round_prim),
+              ("sign", "SignCompressor", dict(), "torch.sign(x) * mean|x|", sign_prim)]
+    import importlib
+    for module, cls, kwargs, prim_name, prim in makers:
+        try:
+            c = getattr(importlib.import_module(f"commlab.compress.{module}"), cls)(**kwargs)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            continue  # not written yet, or a different constructor: skip it rather than guess
+        out.append((c, prim_name, prim))
+    return out
+
+
+def bench_compressor_throughput(numel: int = 16 * 2 ** 20, repeats: int = 3, ratio: float = 0.01,
+                                seed: int = 0) -> list[ThroughputRow]:
+    """Time ``decompress(compress(x))`` of each compressor and its torch primitive on ``numel`` float32 values.
+
+    Args:
+        numel: elements of the random normal input (default 16 Mi: 64 MiB, far beyond the caches).
+        repeats: timed runs; the median is reported.
+        ratio: kept fraction for the sparsifiers (default 1 %).
+    """
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    rows = []
+    for comp, prim_name, prim in _candidates(x, ratio):
+        payload = comp.compress(x)
+        seconds = _median_seconds(lambda: comp.decompress(comp.compress(x)), repeats)
+        prim_seconds = _median_seconds(prim, repeats)
+        rows.append(ThroughputRow(comp.name, prim_name, seconds, prim_seconds, x.numel() * x.element_size(),
+                                  payload.nbytes))
+    return rows
+
+
+def _ddp_steps(hidden: int, steps: int, rank_r: int, warmup: int):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from commlab.compress.hooks import powersgd_hook
+    from commlab.compress.powersgd import PowerSGDState
+    from commlab.train import MLP
+
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(64, 64)
+    y = torch.randint(0, 10, (64,))
+    runs = {}
+    for name in ("ours", "torch"):
+        model = MLP(64, hidden, 10)
+        # One bucket (an explicit cap also sets the first bucket's, 1 MB by default): PyTorch's hook aborts with
+        # several buckets on gloo (see tests/test_powersgd_hooks.py).
+        ddp = DDP(model, bucket_cap_mb=64)
+        if name == "ours":
+            ddp.register_comm_hook(PowerSGDState(rank=rank_r, start_iter=2), powersgd_hook)
+        else:
+            ddp.register_comm_hook(torch_psgd.PowerSGDState(None, matrix_approximation_rank=rank_r,
+                                                            start_powerSGD_iter=2), torch_psgd.powerSGD_hook)
+        runs[name] = (model, ddp, torch.optim.SGD(model.parameters(), lr=0.01))
+    times = {"ours": [], "torch": []}
+    for step in range(warmup + steps):
+        for name in (("ours", "torch") if step % 2 == 0 else ("torch", "ours")):
+            model, ddp, opt = runs[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if step >= warmup:
+                times[name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_powersgd_ddp(world_size: int = 2, hidden: int = 1024, steps: int = 20, rank: int = 2,
+                       warmup: int = 4, timeout: float = 300) -> dict[str, float]:
+    """Median seconds per DDP step with our ``powersgd_hook`` and with PyTorch's, on gloo ranks.
+
+    The model is :class:`commlab.train.MLP` ``64 -> hidden -> hidden -> 10`` (hidden 1024: 1.1 M
+    parameters), batch 64; PowerSGD rank ``rank``, start_iter 2 (so ``warmup`` >= 2 steps run uncompressed
+    and are not timed). Returns ``{"ours": s, "torch": s}`` from rank 0 (the slowest rank sets the pace,
+    and a barrier starts every step together).
+    """
+    from commlab.launch import launch
+
+    if warmup < 2:
+        raise ValueError(f"warmup must be >= 2 (PowerSGD starts at step 2), got {warmup}")
+    return launch(_ddp_steps, world_size, hidden, steps, rank, warmup, timeout=timeout)[0]
+
+
+def print_compressor_bench(world_size: int = 2, numel: int = 16 * 2 ** 20, repeats: int = 3) -> int:
+    """Print both measurements; return 0 (a shell exit status)."""
+    print(f"# compress + decompress of {numel} float32 ({numel * 4 / 2 ** 20:.0f} MiB), "
+          f"median of {repeats}, {torch.get_num_threads()} threads")
+    print(f"#{'compressor':>20} {'ratio':>7} {'ours GB/s':>10} {'torch GB/s':>11} {'ours/torch':>11}  torch primitive")
+    for r in bench_compressor_throughput(numel, repeats):
+        print(f" {r.name:>20} {r.nbytes / max(r.payload_nbytes, 1):>7.1f} {r.gb_per_s:>10.2f} "
+              f"{r.primitive_gb_per_s:>11.2f} {r.ratio:>11.2f}  {r.primitive}")
+    t = bench_powersgd_ddp(world_size)
+    print(f"# DDP step, MLP 64-1024-1024-10, PowerSGD rank 2, {world_size} gloo ranks, median of 20 steps")
+    print(f"#{'hook':>20} {'ms/step':>9}")
+    print(f" {'commlab powersgd':>20} {t['ours'] * 1e3:>9.2f}")
+    print(f" {'torch powerSGD':>20} {t['torch'] * 1e3:>9.2f}")
+    print(f"# ours / torch: {t['ours'] / t['torch']:.2f} (aim: <= 1.2)")
+    return 0
