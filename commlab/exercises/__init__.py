@@ -4,3 +4,6 @@ from commlab.exercises.report import CheckReport
 from commlab.exercises.ring import check_all_gather, check_reduce_scatter
 
 __all__ = ["CheckReport", "check_reduce_scatter", "check_all_gather"]
+from commlab.exercises.compression import check_error_feedback
+
+__all__ += ["check_error_feedback"]

@@ -6,3 +6,6 @@ from commlab.train.data_parallel import DataParallelResult, train_data_parallel
 
 __all__ = ["Digits", "load_digits_split", "shard", "MLP", "flat_grad", "set_flat_grad",
            "DataParallelResult", "train_data_parallel"]
+from commlab.train.compressed import CompressedRun, compressed_all_reduce, train_compressed
+
+__all__ += ["CompressedRun", "compressed_all_reduce", "train_compressed"]
