@@ -6,12 +6,22 @@ every function takes the mesh or the group it communicates over.
 
 * :mod:`commlab.parallel.mesh` -- :class:`ParallelLayout` (pure rank <-> (dp, pp, tp) arithmetic),
   :func:`build_mesh` (every rank creates every group, in one fixed order), :func:`mesh_groups`,
-  :func:`order_report` (what a different dimension order does to which groups cross nodes).
+  :func:`cross_node_groups` and :func:`order_report` (what a different dimension order does to
+  which groups cross nodes).
 * :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators and the tensor-parallel layers
   built from them.
 """
 
-__all__: list[str] = []
+from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,
+                                   cross_node_groups, mesh_groups, order_report)
+from commlab.parallel.tensor import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
+                                     RowParallelLinear, SelfAttention, block_allreduce_nbytes)
 
-# Tensor-parallel and mesh exports are added below once those modules land (same engineer, same issue);
-# other dimensions (pipeline, data_parallel) append their own import lines and extend __all__.
+__all__: list[str] = [
+    "MESH_DIMS", "ParallelLayout", "build_mesh", "check_layout", "check_order", "cross_node_groups",
+    "mesh_groups", "order_report",
+    "MLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
+    "block_allreduce_nbytes",
+]
+
+# Other dimensions (pipeline, data_parallel) append their own import lines here and extend __all__.

@@ -1,0 +1,10 @@
+"""Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, §3): the f and g operators
+(:mod:`~commlab.parallel.tensor.communications`) and the layers built from them
+(:mod:`~commlab.parallel.tensor.layers`). Every layer takes its TP process group explicitly."""
+
+from commlab.parallel.tensor.communications import f, g, gather_last_dim, split_last_dim
+from commlab.parallel.tensor.layers import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
+                                            RowParallelLinear, SelfAttention, block_allreduce_nbytes)
+
+__all__ = ["f", "g", "gather_last_dim", "split_last_dim", "MLP", "SelfAttention", "ColumnParallelLinear",
+           "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes"]

@@ -1,0 +1,166 @@
+"""The communication operators of tensor parallelism, as autograd functions over an explicit TP group.
+
+Source: Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro (2019), "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism", arXiv:1909.08053, §3 and Figure 3. The paper names two
+conjugate operators:
+
+* **f**: identity in the forward pass, all-reduce in the backward pass. It sits where a replicated
+  activation enters a block whose first linear layer is split by columns: each rank computes a partial
+  gradient of that input, and the true gradient is their sum.
+* **g**: all-reduce in the forward pass, identity in the backward pass. It sits where the block leaves
+  its row-split second linear layer: each rank holds a partial sum of the output, and the full output is
+  their sum; the gradient arriving at the output is already the same on every rank.
+
+Two more, for layers used on their own (not needed inside an MLP or attention block):
+
+* **gather_last_dim**: all-gather the shards of the last dimension (forward), keep this rank's slice of
+  the gradient (backward).
+* **split_last_dim**: keep this rank's slice of the last dimension (forward), all-gather the gradient
+  (backward).
+
+Cost, per call, for an activation of shape ``(batch, seq, hidden)`` with ``e`` bytes per element: the
+all-reduce of f (backward) or g (forward) carries ``batch * seq * hidden * e`` bytes of payload; a ring
+all-reduce over ``t`` ranks sends ``2 (t - 1) / t`` times that from every rank. No communication at all
+when the group has one rank.
+
+Every function takes the group explicitly; none looks up a global process-group manager.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["F", "G", "f", "g", "GatherLastDim", "SplitLastDim", "gather_last_dim", "split_last_dim",
+           "group_size", "group_rank"]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group`` (``None``: the world)."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's rank inside ``group``; RuntimeError if it is not a member."""
+    r = dist.get_rank(group)
+    if r < 0:
+        raise RuntimeError("this rank is not a member of the tensor-parallel group it was given")
+    return r
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    # Reduce a copy: the input may be saved for another function's backward, or be a view of a leaf.
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[-1] % n:
+        raise ValueError(f"the last dimension ({x.shape[-1]}) must be divisible by the tensor-parallel size ({n}) "
+                         "to split it evenly across the group")
+    return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
+
+
+class F(torch.autograd.Function):
+    """Megatron-LM's f (Shoeybi et al. 2019, §3, Fig. 3): identity forward, all-reduce (sum) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a new tensor object, so autograd records this node; no copy, no communication
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class G(torch.autograd.Function):
+    """Megatron-LM's g (Shoeybi et al. 2019, §3, Fig. 3): all-reduce (sum) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension forward; this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_last(grad, ctx.group), None
+
+
+class SplitLastDim(torch.autograd.Function):
+    """This rank's slice of the last dimension forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_last(grad, ctx.group), None
+
+
+def f(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's f: ``x`` unchanged; in backward, the gradient is all-reduced (summed) over ``group``.
+
+    Shape: any; returns the same shape. Communication: none forward; one all-reduce of ``x.numel() *
+    x.element_size()`` bytes backward.
+    """
+    return F.apply(x, group)
+
+
+def g(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's g: ``x`` all-reduced (summed) over ``group``; the gradient passes through unchanged.
+
+    Shape: any; returns the same shape. Communication: one all-reduce of ``x.numel() * x.element_size()``
+    bytes forward; none backward. Every rank of ``group`` must call it with the same shape and dtype.
+    """
+    return G.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, in group-rank order.
+
+    Shape: ``(..., k)`` -> ``(..., t * k)`` for a group of ``t``. Communication: an all-gather in which each rank
+    contributes ``x.numel() * x.element_size()`` bytes (forward); none backward.
+    """
+    return GatherLastDim.apply(x, group)
+
+
+def split_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's slice of the last dimension: ``(..., t * k)`` -> ``(..., k)``.
+
+    Communication: none forward; an all-gather of the gradient backward (each rank contributes its slice).
+
+    Raises:
+        ValueError: the last dimension is not divisible by the group size.
+    """
+    return SplitLastDim.apply(x, group)

@@ -1,0 +1,346 @@
+"""Tensor-parallel layers (Megatron-LM style), each built from a full single-process module.
+
+Source: Shoeybi et al. (2019), "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism", arXiv:1909.08053, §3, Figure 3 (MLP and self-attention blocks) and the operators f and g in
+:mod:`commlab.parallel.tensor.communications`.
+
+Every parallel layer is *made from* a full ``nn.Linear`` or a full block (:class:`MLP`,
+:class:`SelfAttention`) that every rank of the TP group holds identically (same seed or same checkpoint).
+Each rank keeps only its shard, so the parallel layer's output and gradients can be compared with the
+full module's in a test, and ``full_weight()`` reassembles a parameter (or its gradient) over the group.
+Building the full layer first costs memory a real system would avoid (it would create only the shard);
+here it makes the equivalence checkable.
+
+Shapes are ``(batch, seq, hidden)`` throughout (any leading dimensions work for the linear layers).
+``t`` is the size of the TP group.
+
+Communication per block and per micro-batch, with ``e`` bytes per element (4 for float32, 2 for bf16):
+forward one all-reduce (g) of ``batch * seq * hidden * e`` bytes, backward one all-reduce (f) of the same
+size; for a transformer layer (attention + MLP) that is 2 forward + 2 backward, as in the paper's §3.
+A ring all-reduce sends ``2 (t - 1) / t`` times the payload from each rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+from commlab.parallel.tensor.communications import (f, g, gather_last_dim, group_rank, group_size,
+                                                    split_last_dim)
+
+__all__ = ["MLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+           "ParallelSelfAttention", "block_allreduce_nbytes"]
+
+
+def block_allreduce_nbytes(batch: int, seq: int, hidden: int, element_nbytes: int, tp: int) -> dict[str, int]:
+    """Payload of the all-reduces one tensor-parallel block (MLP or attention) makes per micro-batch.
+
+    Args:
+        batch, seq, hidden: activation shape ``(batch, seq, hidden)``.
+        element_nbytes: bytes per element (4 for float32, 2 for bfloat16).
+        tp: TP group size; with 1 there is no communication.
+
+    Returns:
+        ``{"forward": nbytes, "backward": nbytes}``: ``batch * seq * hidden * element_nbytes`` each when
+        ``tp > 1`` (g forward, f backward), else 0. This is the all-reduce's *payload*; a ring sends
+        ``2 (tp - 1) / tp`` times it per rank.
+    """
+    for name, v in (("batch", batch), ("seq", seq), ("hidden", hidden), ("element_nbytes", element_nbytes), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    nbytes = batch * seq * hidden * element_nbytes if tp > 1 else 0
+    return {"forward": nbytes, "backward": nbytes}
+
+
+# -- the single-process references -------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """The transformer MLP: ``fc2(gelu(fc1(x)))``, ``(batch, seq, hidden) -> (batch, seq, hidden)``.
+
+    ``fc1``: hidden -> ffn_hidden, ``fc2``: ffn_hidden -> hidden (both with bias). GeLU is the exact (erf) one.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn_hidden, dtype=dtype)
+        self.fc2 = nn.Linear(ffn_hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(Fn.gelu(self.fc1(x)))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: ``(batch, seq, hidden) -> (batch, seq, hidden)``.
+
+    ``qkv``: one linear hidden -> 3 * hidden whose output is ``[Q | K | V]``, each split into ``heads`` heads of
+    ``hidden / heads``; scaled dot-product attention per head (causal if ``causal``); ``proj``: hidden -> hidden.
+
+    Raises:
+        ValueError: ``hidden`` not divisible by ``heads``.
+    """
+
+    def __init__(self, hidden: int, heads: int, *, causal: bool = True, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.hidden, self.heads, self.causal = hidden, heads, causal
+        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(_attend(self.qkv(x), self.heads, self.causal))
+
+
+def _attend(qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
+    """``(b, s, 3 * heads * d)`` laid out ``[Q | K | V]`` -> attention output ``(b, s, heads * d)``."""
+    b, s, three_hd = qkv.shape
+    q, k, v = qkv.split(three_hd // 3, dim=-1)
+    q, k, v = (t.reshape(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
+    out = Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+# -- sharding helpers ----------------------------------------------------------------------------------------
+
+def _check_divisible(what: str, value: int, t: int, hint: str = "") -> None:
+    if value % t:
+        raise ValueError(f"{what} ({value}) must be divisible by the tensor-parallel size ({t}) to shard it "
+                         f"evenly{hint}")
+
+
+def _rows(weight: torch.Tensor, t: int, r: int, fused: int) -> torch.Tensor:
+    """Rank ``r``'s rows of a ``(fused * m, ...)`` tensor: the r-th of t blocks of each of the ``fused`` parts."""
+    return torch.cat([part.chunk(t, dim=0)[r] for part in weight.chunk(fused, dim=0)], dim=0)
+
+
+def _unrows(shards: list[torch.Tensor], fused: int) -> torch.Tensor:
+    """Inverse of :func:`_rows` given every rank's shard in group-rank order."""
+    pieces = [s.chunk(fused, dim=0) for s in shards]
+    return torch.cat([torch.cat([p[i] for p in pieces], dim=0) for i in range(fused)], dim=0)
+
+
+def _gather_all(x: torch.Tensor, group) -> list[torch.Tensor]:
+    x = x.detach().contiguous()
+    if group_size(group) == 1:
+        return [x.clone()]
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone().contiguous())
+
+
+# -- the parallel linear layers -------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s output rows (the columns of ``A^T``) split across the TP group.
+
+    Rank ``r`` keeps rows ``r * out/t .. (r+1) * out/t - 1`` of the weight and of the bias. Forward: ``f`` on the
+    input (identity), then the local linear: ``(..., in) -> (..., out / t)``; with ``gather_output`` the shards
+    are all-gathered into ``(..., out)``. Backward: ``f`` all-reduces the input gradient.
+
+    Communication (input ``(b, s, in)``, ``e`` bytes per element): forward none (``gather_output``: an all-gather,
+    ``b * s * out / t * e`` bytes contributed per rank); backward one all-reduce of ``b * s * in * e`` bytes.
+
+    Args:
+        linear: the full layer, identical on every rank of ``group``.
+        group: the TP process group (e.g. ``mesh.get_group("tp")``).
+        gather_output: return the full output instead of this rank's shard.
+        fused: the weight's rows are ``fused`` stacked matrices (3 for a fused ``[Q | K | V]`` projection); each
+            is split across ranks separately, so that a rank gets matching rows (heads) of Q, K and V.
+
+    Raises:
+        ValueError: ``out_features`` not divisible by ``fused * t``; ``fused`` not an int >= 1.
+    """
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, *, gather_output: bool = False,
+                 fused: int = 1):
+        super().__init__()
+        t, r = group_size(group), group_rank(group)
+        if isinstance(fused, bool) or not isinstance(fused, int) or fused < 1:
+            raise ValueError(f"fused must be an int >= 1, got {fused!r}")
+        if linear.out_features % (fused * t):
+            raise ValueError(f"out_features ({linear.out_features}) must be divisible by fused ({fused}) x the "
+                             f"tensor-parallel size ({t}) = {fused * t}, so that each of the {fused} stacked "
+                             "matrices splits evenly across the group")
+        self.group, self.gather_output, self.fused = group, gather_output, fused
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _param(_rows(linear.weight, t, r, fused))
+        self.bias = _param(_rows(linear.bias, t, r, fused)) if linear.bias is not None else None
+
+    @classmethod
+    def from_seed(cls, in_features: int, out_features: int, group, *, seed: int, bias: bool = True,
+                  dtype: torch.dtype = torch.float32, **kwargs) -> "ColumnParallelLinear":
+        """Build the full ``nn.Linear`` from ``seed`` (identically on every rank), then shard it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        return cls(full, group, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = Fn.linear(f(x, self.group), self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+    def full_weight(self, grad: bool = False) -> torch.Tensor:
+        """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
+        return _unrows(_gather_all(self.weight.grad if grad else self.weight, self.group), self.fused)
+
+    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
+        """The full ``(out,)`` bias (or its gradient); None without a bias. Every rank must call it."""
+        if self.bias is None:
+            return None
+        return _unrows(_gather_all(self.bias.grad if grad else self.bias, self.group), self.fused)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s input columns split across the TP group; the partial sums all-reduced (g).
+
+    Rank ``r`` keeps columns ``r * in/t .. (r+1) * in/t - 1`` of the weight and the whole bias (added once, after
+    the all-reduce). Forward: ``(..., in / t) -> (..., out)``; with ``input_is_parallel=False`` the input is the
+    full ``(..., in)`` and this rank takes its slice first. Backward: the gradient of the output passes through g
+    unchanged (it is the same on every rank); with ``input_is_parallel=False`` the input gradient is all-gathered.
+
+    Communication (output ``(b, s, out)``, ``e`` bytes per element): forward one all-reduce of ``b * s * out * e``
+    bytes; backward none (``input_is_parallel=False``: an all-gather, ``b * s * in / t * e`` contributed per rank).
+
+    Args:
+        linear: the full layer, identical on every rank of ``group``.
+        group: the TP process group.
+        input_is_parallel: the input is already this rank's shard of the last dimension (as after a
+            :class:`ColumnParallelLinear`); if False the full input is split here.
+
+    Raises:
+        ValueError: ``in_features`` not divisible by ``t``.
+    """
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, *, input_is_parallel: bool = True):
+        super().__init__()
+        t, r = group_size(group), group_rank(group)
+        _check_divisible("in_features", linear.in_features, t)
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _param(linear.weight.chunk(t, dim=1)[r])
+        self.bias = _param(linear.bias) if linear.bias is not None else None
+
+    @classmethod
+    def from_seed(cls, in_features: int, out_features: int, group, *, seed: int, bias: bool = True,
+                  dtype: torch.dtype = torch.float32, **kwargs) -> "RowParallelLinear":
+        """Build the full ``nn.Linear`` from ``seed`` (identically on every rank), then shard it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        return cls(full, group, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = split_last_dim(x, self.group)
+        y = g(Fn.linear(x, self.weight), self.group)
+        # The bias after g: added once, not t times.
+        return y + self.bias if self.bias is not None else y
+
+    def full_weight(self, grad: bool = False) -> torch.Tensor:
+        """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
+        return torch.cat(_gather_all(self.weight.grad if grad else self.weight, self.group), dim=1)
+
+    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
+        """The bias (or its gradient): not sharded, identical on every rank. None without a bias."""
+        if self.bias is None:
+            return None
+        return (self.bias.grad if grad else self.bias).detach().clone()
+
+
+# -- the parallel blocks -------------------------------------------------------------------------------------
+
+class ParallelMLP(nn.Module):
+    """:class:`MLP` split across the TP group: column-parallel ``fc1``, GeLU on the shard, row-parallel ``fc2``.
+
+    ``(batch, seq, hidden) -> (batch, seq, hidden)``, the input and output replicated on every rank of the group.
+    f at the entry (inside ``fc1``) and g at the exit (inside ``fc2``): one all-reduce of
+    ``batch * seq * hidden * e`` bytes forward and one backward (Shoeybi et al. 2019, §3, Fig. 3a). GeLU needs no
+    communication because each rank holds whole columns of ``x A^T`` (the reason ``fc1`` is split by columns).
+
+    Args:
+        mlp: the full block, identical on every rank of ``group``.
+        group: the TP process group.
+
+    Raises:
+        ValueError: ``ffn_hidden`` not divisible by the TP size.
+    """
+
+    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None):
+        super().__init__()
+        t = group_size(group)
+        _check_divisible("ffn_hidden", mlp.fc1.out_features, t)
+        self.group = group
+        self.hidden = mlp.fc1.in_features
+        self.fc1 = ColumnParallelLinear(mlp.fc1, group)
+        self.fc2 = RowParallelLinear(mlp.fc2, group, input_is_parallel=True)
+
+    @classmethod
+    def from_seed(cls, hidden: int, ffn_hidden: int, group, *, seed: int,
+                  dtype: torch.dtype = torch.float32) -> "ParallelMLP":
+        """Build the full :class:`MLP` from ``seed`` (identically on every rank), then shard it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            full = MLP(hidden, ffn_hidden, dtype=dtype)
+        return cls(full, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(Fn.gelu(self.fc1(x)))
+
+    def allreduce_nbytes(self, batch: int, seq: int, element_nbytes: int) -> dict[str, int]:
+        """All-reduce payload per micro-batch, see :func:`block_allreduce_nbytes`."""
+        return block_allreduce_nbytes(batch, seq, self.hidden, element_nbytes, group_size(self.group))
+
+
+class ParallelSelfAttention(nn.Module):
+    """:class:`SelfAttention` with its heads split across the TP group.
+
+    Rank ``r`` holds heads ``r * heads/t .. (r+1) * heads/t - 1``: their rows of Q, K and V (a column-parallel
+    ``qkv`` with ``fused=3``) and their columns of the output projection (a row-parallel ``proj``). Attention is
+    per head, so it needs no communication in between. ``(batch, seq, hidden) -> (batch, seq, hidden)``, replicated
+    on the group. f at the entry, g at the exit: one all-reduce of ``batch * seq * hidden * e`` bytes forward and
+    one backward (Shoeybi et al. 2019, §3, Fig. 3b).
+
+    Args:
+        attn: the full block, identical on every rank of ``group`` (its ``causal`` flag is kept).
+        group: the TP process group.
+
+    Raises:
+        ValueError: ``heads`` not divisible by the TP size (a head cannot be split: its softmax needs all of its
+            dimensions).
+    """
+
+    def __init__(self, attn: SelfAttention, group: dist.ProcessGroup | None):
+        super().__init__()
+        t = group_size(group)
+        if attn.heads % t:
+            raise ValueError(f"heads ({attn.heads}) must be divisible by the tensor-parallel size ({t}): each rank "
+                             "computes whole heads, since a head's softmax needs all of its dimensions; choose a tp "
+                             f"that divides {attn.heads}")
+        self.group, self.causal = group, attn.causal
+        self.hidden, self.heads, self.local_heads = attn.hidden, attn.heads, attn.heads // t
+        self.qkv = ColumnParallelLinear(attn.qkv, group, fused=3)
+        self.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True)
+
+    @classmethod
+    def from_seed(cls, hidden: int, heads: int, group, *, seed: int, causal: bool = True,
+                  dtype: torch.dtype = torch.float32) -> "ParallelSelfAttention":
+        """Build the full :class:`SelfAttention` from ``seed`` (identically on every rank), then shard it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            full = SelfAttention(hidden, heads, causal=causal, dtype=dtype)
+        return cls(full, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(_attend(self.qkv(x), self.local_heads, self.causal))
+
+    def allreduce_nbytes(self, batch: int, seq: int, element_nbytes: int) -> dict[str, int]:
+        """All-reduce payload per micro-batch, see :func:`block_allreduce_nbytes`."""
+        return block_allreduce_nbytes(batch, seq, self.hidden, element_nbytes, group_size(self.group))
