@@ -165,8 +165,9 @@ def test_powersgd_hook_matches_pytorch(world_size, r):
     assert travelled > 0.1  # the models did move
     assert float((ours - theirs).abs().max()) <= 1e-6
     assert float((ours - theirs).norm()) / travelled <= 1e-5
-    for o, t in results[1:]:  # every rank holds the same model
-        assert torch.equal(o, ours) and torch.equal(t, theirs)
+    for o, t in results[1:]:  # every rank holds the same model (up to the last bits: a CPU matrix product
+        # may round differently for differently aligned buffers, which momentum then carries along)
+        assert torch.allclose(o, ours, rtol=0, atol=1e-6) and torch.allclose(t, theirs, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -405,7 +406,8 @@ def psgd_units():
 
 def test_powersgd_p_is_all_reduced_outputs_identical_and_equal_to_algorithm_1(psgd_units):
     a, b = psgd_units
-    assert torch.equal(a["w"], b["w"]) and torch.equal(a["bias"], b["bias"])
+    # Identical up to the last bits of a CPU matrix product (without the P all-reduce they differ at O(1)).
+    assert torch.allclose(a["w"], b["w"], rtol=0, atol=1e-6) and torch.equal(a["bias"], b["bias"])
     assert torch.allclose(a["w"], a["ref_w"], rtol=1e-5, atol=1e-5)
 
 

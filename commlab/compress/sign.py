@@ -6,8 +6,9 @@ schemes", ICML, §3, the compressor ``C(v) = ||v||_1 / d * sign(v)``) scale it b
 that the result has the gradient's size, and add error feedback
 (:class:`commlab.compress.error_feedback.ErrorFeedback`) so that what the sign loses is sent later.
 
-The source article's sign compressors keep a sign per byte (or per float) and leave ``sign(0) = 0``,
-a third value that one bit cannot hold. Here the bits are packed 8 per byte and 0 maps to +1.
+A sign compressor written with ``torch.sign`` (as the "1-bit" compression the source article lists
+in its §5.2 table invites) keeps one sign per byte or per float and maps 0 to 0, a third value that one
+bit cannot hold. Here the bits are packed 8 per byte and 0 maps to +1.
 """
 
 from __future__ import annotations
