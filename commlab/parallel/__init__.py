@@ -25,3 +25,10 @@ __all__: list[str] = [
 ]
 
 # Other dimensions (pipeline, data_parallel) append their own import lines here and extend __all__.
+
+from commlab.parallel.pipeline import (PipelineResult, bubble_fraction, ideal_timeline, make_schedule,
+                                       pipeline_step, split_sequential)
+from commlab.parallel.data_parallel import SyncStats, ZeroOneOptimizer, ZeroStepStats, sync_gradients
+
+__all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedule", "pipeline_step",
+            "split_sequential", "SyncStats", "sync_gradients", "ZeroOneOptimizer", "ZeroStepStats"]

@@ -3,3 +3,7 @@
 from commlab.viz.ring import ring_states, plot_ring_schedule, plot_bench
 
 __all__ = ["ring_states", "plot_ring_schedule", "plot_bench"]
+
+from commlab.viz.pipeline import plot_timeline
+
+__all__ += ["plot_timeline"]

@@ -1,0 +1,197 @@
+"""Run one training step of a model cut into pipeline stages, with the GPipe or the 1F1B schedule.
+
+Each rank of the pipeline group holds one stage: a contiguous slice of an ``nn.Sequential``
+(:func:`split_sequential`). :func:`pipeline_step` splits the batch into m equal micro-batches and runs
+the stage's operations in the order of :mod:`commlab.parallel.pipeline.schedules`:
+
+* forward ``F j``: receive micro-batch j's activation from the previous stage (stage 0 slices the input),
+  run the stage, keep input and output for the backward, post the send of the output;
+* backward ``B j``: receive the gradient of the output from the next stage (the last stage
+  differentiates ``loss_j / m`` instead), backpropagate through the stage, post the send of the input's
+  gradient, drop the stored activations.
+
+Gradients accumulate in ``.grad`` over the micro-batches. Each micro-batch loss is a mean over its
+rows divided by m, so with equal micro-batches the accumulated gradient is the gradient of the mean loss
+over the whole batch: the same as running the unsplit model on the batch, up to float rounding
+(tests: ``allclose(rtol=1e-5, atol=1e-6)`` in float32).
+
+Timing: every op is timed with ``time.perf_counter`` from after its receive completed to after its send
+was posted, so the wait for a neighbour counts as idle, the compute as busy. Each stage measures from its
+own start of the step, taken right after a barrier of the pipeline group; the stages' clocks therefore
+agree to within the barrier's skew (microseconds on one machine), which is enough to draw the bubble.
+
+The pipeline group is explicit (DESIGN.md, layer 5): pass the sub-group of the ranks that form this
+pipeline, whose group rank is the stage index. Several pipelines can run side by side in disjoint groups
+(data parallelism across them: :mod:`commlab.parallel.data_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from commlab.parallel.pipeline.communications import (PendingSends, agree_boundary_shapes, recv_backward,
+                                                      recv_forward, send_backward, send_forward, stage_of)
+from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, TimedOp, bubble_fraction,
+                                                 idle_fraction, make_schedule, stage_busy_idle)
+
+__all__ = ["split_sequential", "PipelineResult", "pipeline_step"]
+
+
+def split_sequential(model: nn.Sequential, p: int, sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Cut ``model`` into p contiguous ``nn.Sequential`` stages that share its modules (and parameters).
+
+    Args:
+        model: the whole model; its children run in order.
+        p: number of stages, 1 <= p <= number of children.
+        sizes: number of children per stage (sum = number of children, each >= 1). Default: as equal as
+            possible, the first ``len(model) % p`` stages one child longer. Balance by compute, not by
+            count, when the layers differ in cost: the slowest stage sets the pipeline's pace.
+
+    Returns:
+        The p stages; ``nn.Sequential(*stages)`` computes the same function as ``model``.
+
+    Raises:
+        ValueError: p out of range, or ``sizes`` of the wrong length, sum or with an empty stage.
+    """
+    children = list(model.children())
+    n = len(children)
+    if not 1 <= p <= n:
+        raise ValueError(f"cannot cut a Sequential of {n} modules into p={p} non-empty stages; need 1 <= p <= {n}")
+    if sizes is None:
+        sizes = [n // p + (1 if s < n % p else 0) for s in range(p)]
+    sizes = list(sizes)
+    if len(sizes) != p or sum(sizes) != n or min(sizes) < 1:
+        raise ValueError(f"sizes must be {p} positive counts summing to {n} (the model's modules), got {sizes}")
+    stages, start = [], 0
+    for size in sizes:
+        stages.append(nn.Sequential(*children[start:start + size]))
+        start += size
+    return stages
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    """What :func:`pipeline_step` returns, on every stage.
+
+    Attributes:
+        loss: mean loss over the whole batch (sum over micro-batches of ``loss_j / m``), a float, on every
+            stage (the last stage broadcasts it in the pipeline group).
+        timeline: every stage's ops with start/end in seconds since that stage's start of the step,
+            sorted by (stage, start); gathered from all stages.
+        busy_s, idle_s: per stage (list index = stage), compute time and the rest of the step, seconds.
+        idle_fraction: total idle / (p × step time), measured; compare with :attr:`bubble_fraction`.
+        bubble_fraction: the ideal ``(p-1)/(m+p-1)``.
+        step_s: this stage's wall time of the whole step (including waiting for its sends), seconds.
+        nbytes_sent: bytes this stage sent (activations forward plus gradients backward).
+        schedule, p, m: as run.
+    """
+
+    loss: float
+    timeline: list[TimedOp]
+    busy_s: list[float]
+    idle_s: list[float]
+    idle_fraction: float
+    bubble_fraction: float
+    step_s: float
+    nbytes_sent: int
+    schedule: str
+    p: int
+    m: int
+
+
+def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: int,
+                  group: dist.ProcessGroup | None, schedule: str = "1f1b") -> PipelineResult:
+    """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
+
+    Call it on every rank of ``group`` with that rank's stage (group rank s = stage s). It does not zero
+    the gradients and does not step an optimizer: do both around it, as for an ordinary backward.
+
+    Args:
+        stage_module: this rank's stage (from :func:`split_sequential`).
+        inputs: the whole batch's input, shape ``(batch, ...)``; its values are read on stage 0 only, but
+            pass it on every stage: its batch size, dtype and device are used everywhere (the dtype is the
+            activation dtype on every boundary).
+        targets: the whole batch's targets, shape ``(batch, ...)``; read on the last stage only.
+        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch's rows (e.g.
+            ``nn.functional.cross_entropy``); a sum-reduced loss would be scaled wrong by 1/m.
+        m: micro-batches; must divide the batch size (so that the mean of micro-batch means is the
+            batch mean).
+        group: the pipeline group (None: the default group).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+
+    Returns:
+        :class:`PipelineResult` (the same loss, timeline and per-stage times on every stage).
+
+    Raises:
+        ValueError: unknown schedule, m < 1, or a batch size m does not divide.
+        RuntimeError: this rank is not in ``group``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    stage, p = stage_of(group)
+    batch = inputs.shape[0]
+    if not isinstance(m, int) or m < 1 or batch % m != 0:
+        raise ValueError(f"m={m!r} micro-batches must be a positive integer dividing the batch size {batch}")
+    first, last = stage == 0, stage == p - 1
+    dtype, device = inputs.dtype, inputs.device
+    mb_shape = (batch // m,) + tuple(inputs.shape[1:])
+    in_shape, out_shape = agree_boundary_shapes(stage_module, mb_shape, dtype, group, device)
+    my_ops = make_schedule(schedule, p, m)[stage]
+    x_mb = inputs.chunk(m) if first else None
+    y_mb = targets.chunk(m) if last else None
+
+    pending = PendingSends()
+    stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    loss_total = torch.zeros((), dtype=torch.float64)
+    times: list[tuple[str, int, float, float]] = []
+
+    dist.barrier(group=group)  # a common start, so the stages' timelines line up
+    t0 = time.perf_counter()
+    for op in my_ops:
+        j = op.microbatch
+        if op.kind == FORWARD:
+            if first:
+                x = x_mb[j]
+            else:
+                x = recv_forward(in_shape, dtype, group, device).requires_grad_()
+            start = time.perf_counter()
+            out = stage_module(x)
+            if last:
+                loss = loss_fn(out, y_mb[j]) / m
+                loss_total += loss.detach().to(torch.float64)
+                stored[j] = (None if first else x, loss)
+            else:
+                # Store x (to read its .grad after backward) and out (to backpropagate into).
+                stored[j] = (None if first else x, out)
+                send_forward(out, group, pending)
+        else:
+            x, out = stored.pop(j)
+            grad_out = None if last else recv_backward(out_shape, dtype, group, device)
+            start = time.perf_counter()
+            torch.autograd.backward(out, grad_out)  # grad_out None: out is the last stage's scalar loss
+            if not first:
+                send_backward(x.grad, group, pending)
+        times.append((op.kind, j, start - t0, time.perf_counter() - t0))
+    pending.wait_all()  # every send handle waited before the step returns
+    step_s = time.perf_counter() - t0
+
+    # The loss lives on the last stage; share it (one scalar) so every stage returns the same result.
+    loss_buf = loss_total.clone()
+    src = p - 1 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, p - 1)
+    dist.broadcast(loss_buf, src=src, group=group)
+    everyone: list = [None] * p
+    dist.all_gather_object(everyone, times, group=group)
+    timeline = sorted((TimedOp(s, k, j, a, b) for s, ts in enumerate(everyone) for k, j, a, b in ts),
+                      key=lambda t: (t.stage, t.start_s))
+    per_stage = stage_busy_idle(timeline)
+    return PipelineResult(loss=float(loss_buf), timeline=timeline,
+                          busy_s=[per_stage[s][0] for s in range(p)], idle_s=[per_stage[s][1] for s in range(p)],
+                          idle_fraction=idle_fraction(timeline), bubble_fraction=bubble_fraction(p, m),
+                          step_s=step_s, nbytes_sent=pending.nbytes_sent, schedule=schedule, p=p, m=m)

@@ -1,0 +1,302 @@
+"""Pipeline schedules as plain data: which stage runs which forward or backward, in what order.
+
+A model cut into ``p`` contiguous stages processes a batch split into ``m`` micro-batches. A *schedule*
+says, for each stage, the order of its ``2m`` operations: ``F j`` (forward of micro-batch j) and ``B j``
+(backward of micro-batch j). The dependencies are the same for every schedule:
+
+* ``F j`` on stage s needs stage s-1's ``F j`` (its output is this stage's input);
+* ``B j`` on stage s needs stage s+1's ``B j`` (the gradient of this stage's output), and on the last
+  stage its own ``F j`` (the loss).
+
+Two schedules, both synchronous (one optimizer step after all micro-batches, so both compute exactly the
+gradient of the whole batch):
+
+* **GPipe** (Huang et al. 2019, "GPipe: Efficient training of giant neural networks using pipeline
+  parallelism", NeurIPS, §2.2): every stage runs all m forwards, then all m backwards. A stage holds the
+  activations of all m micro-batches at once.
+* **1F1B**, PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient pipeline-parallel DNN training",
+  ICML, §3; and Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using
+  Megatron-LM", SC'21, §2.2.1, Fig. 4 top): stage s runs ``min(p-s-1, m)`` warm-up forwards, then alternates
+  one forward and one backward, then drains the remaining backwards. A stage holds at most ``p - s``
+  micro-batches' activations (at most p), independent of m.
+
+With every forward taking ``t_f`` and every backward ``t_b`` and free communication, both schedules take
+``(m + p - 1)(t_f + t_b)`` per batch, of which each stage computes ``m (t_f + t_b)``; the idle part,
+the *pipeline bubble*, is the fraction
+
+    bubble_fraction(p, m) = (p - 1) / (m + p - 1)
+
+of the step (Huang et al. §2.2 give the ``O((p-1)/(m+p-1))`` overhead; Narayanan et al. SC'21 §2.2.1 write
+the same bubble as ``(p-1)/m`` of the *ideal* time ``m (t_f + t_b)``, see :func:`bubble_time_ratio`).
+1F1B does not shrink the bubble; it bounds memory. :func:`ideal_timeline` replays a schedule under that
+model, and the tests check that its idle fraction equals the formula exactly.
+
+Everything here is pure Python (no torch.distributed), so the figures of the book and the engine in
+:mod:`commlab.parallel.pipeline.engine` use the very same lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+__all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
+           "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline",
+           "bubble_fraction", "bubble_time_ratio", "idle_fraction", "stage_busy_idle"]
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operation of a schedule: ``kind`` (``"F"`` or ``"B"``) of ``microbatch`` on ``stage`` (0-based)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@{self.stage}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedOp:
+    """An operation with its start and end, in seconds (ideal: in units of one forward's time).
+
+    Measured timelines from the engine use seconds since the stage's start of the step; ideal ones from
+    :func:`ideal_timeline` use the forward time as the unit. ``end_s >= start_s`` always.
+    """
+
+    stage: int
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def _check_pm(p: int, m: int) -> None:
+    if not isinstance(p, int) or not isinstance(m, int) or p < 1 or m < 1:
+        raise ValueError(f"a pipeline needs p >= 1 stages and m >= 1 micro-batches (integers), got p={p!r}, m={m!r}")
+
+
+def gpipe_schedule(p: int, m: int) -> list[list[Op]]:
+    """GPipe: on every stage, forwards of micro-batches 0..m-1, then backwards 0..m-1.
+
+    Backwards run in the order the micro-batches arrived (0 first); any order gives the same bubble, and
+    this one lets the last stage start backward on micro-batch 0 as soon as its forwards are done.
+
+    Returns:
+        ``schedule[s]`` = the ordered list of :class:`Op` of stage s (``2m`` each).
+
+    Raises:
+        ValueError: p < 1 or m < 1.
+    """
+    _check_pm(p, m)
+    return [[Op(s, FORWARD, j) for j in range(m)] + [Op(s, BACKWARD, j) for j in range(m)] for s in range(p)]
+
+
+def one_f_one_b_schedule(p: int, m: int) -> list[list[Op]]:
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward / one backward, then the remaining backwards.
+
+    Stage s first runs ``w = min(p - s - 1, m)`` forwards: exactly as many as are needed before the first
+    gradient can come back from the last stage. Then it alternates ``F (w+k)``, ``B k`` for
+    ``k = 0..m-w-1``, and finishes with the last w backwards. The last stage (w = 0) alternates from the
+    start. At most ``w + 1 = p - s`` micro-batches are in flight on stage s.
+
+    Returns:
+        ``schedule[s]`` = the ordered list of :class:`Op` of stage s (``2m`` each).
+
+    Raises:
+        ValueError: p < 1 or m < 1.
+    """
+    _check_pm(p, m)
+    schedule = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        ops = [Op(s, FORWARD, j) for j in range(warmup)]
+        for k in range(m - warmup):
+            ops += [Op(s, FORWARD, warmup + k), Op(s, BACKWARD, k)]
+        ops += [Op(s, BACKWARD, j) for j in range(m - warmup, m)]
+        schedule.append(ops)
+    return schedule
+
+
+#: Schedule generators by name, as accepted by :func:`make_schedule` and the engine.
+SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+
+
+def make_schedule(name: str, p: int, m: int) -> list[list[Op]]:
+    """The schedule called ``name`` (``"gpipe"`` or ``"1f1b"``) for p stages and m micro-batches.
+
+    Raises:
+        ValueError: unknown name, p < 1 or m < 1.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name](p, m)
+
+
+def _dependencies(op: Op, p: int) -> list[tuple[int, str, int]]:
+    """Ops on *other* stages that must finish before ``op`` starts (same-stage order is the schedule's)."""
+    if op.kind == FORWARD:
+        return [(op.stage - 1, FORWARD, op.microbatch)] if op.stage > 0 else []
+    if op.stage < p - 1:
+        return [(op.stage + 1, BACKWARD, op.microbatch)]
+    return []
+
+
+def check_schedule(schedule: Sequence[Sequence[Op]]) -> None:
+    """Check that a schedule is complete and runnable.
+
+    Complete: stage s lists exactly one ``F j`` and one ``B j`` for every micro-batch j, all with
+    ``stage == s``, and ``F j`` before ``B j``. Runnable: replaying it with :func:`ideal_timeline`
+    never waits on an operation that can no longer happen (no deadlock).
+
+    Raises:
+        ValueError: naming the stage and the missing, repeated or misordered operation.
+    """
+    p = len(schedule)
+    if p < 1:
+        raise ValueError("a schedule needs at least one stage")
+    m = len(schedule[0]) // 2
+    for s, ops in enumerate(schedule):
+        seen: dict[tuple[str, int], int] = {}
+        for i, op in enumerate(ops):
+            if op.stage != s:
+                raise ValueError(f"stage {s}'s list holds {op}, an operation of stage {op.stage}")
+            if op.kind not in (FORWARD, BACKWARD):
+                raise ValueError(f"stage {s}: operation kind must be 'F' or 'B', got {op.kind!r}")
+            if (op.kind, op.microbatch) in seen:
+                raise ValueError(f"stage {s} runs {op} twice")
+            if op.kind == BACKWARD and (FORWARD, op.microbatch) not in seen:
+                raise ValueError(f"stage {s} runs {op} before the forward of micro-batch {op.microbatch}")
+            seen[(op.kind, op.microbatch)] = i
+        expected = {(k, j) for k in (FORWARD, BACKWARD) for j in range(m)}
+        if set(seen) != expected or len(ops) != 2 * m:
+            missing = sorted(expected - set(seen))
+            raise ValueError(f"stage {s} must run F and B of micro-batches 0..{m - 1} once each; "
+                             f"missing {missing}, extra {sorted(set(seen) - expected)}")
+    ideal_timeline(schedule)  # raises on a deadlock
+
+
+def in_flight(ops: Sequence[Op]) -> list[int]:
+    """Micro-batches whose activations a stage holds after each of its ops (forwards done minus backwards done)."""
+    count, out = 0, []
+    for op in ops:
+        count += 1 if op.kind == FORWARD else -1
+        out.append(count)
+    return out
+
+
+def max_in_flight(schedule: Sequence[Sequence[Op]]) -> list[int]:
+    """Per stage, the most micro-batches whose activations are stored at once (GPipe: m; 1F1B: ``min(p-s, m)``)."""
+    return [max(in_flight(ops), default=0) for ops in schedule]
+
+
+def ideal_timeline(schedule: Sequence[Sequence[Op]], forward_s: float = 1.0,
+                   backward_ratio: float = 2.0) -> list[TimedOp]:
+    """Replay a schedule with fixed op times and free communication; every op starts as early as it can.
+
+    An op starts when both the previous op of its stage and its dependencies on the neighbouring stages
+    (see the module docstring) have finished.
+
+    Args:
+        schedule: per-stage op lists (as from :func:`make_schedule`).
+        forward_s: time of one forward on any stage (> 0); 1.0 makes the unit "one forward".
+        backward_ratio: backward time / forward time (> 0). 2.0 is the usual estimate: a backward computes
+            the gradients of both the inputs and the weights, two matrix products for one of the forward.
+
+    Returns:
+        All ops as :class:`TimedOp`, sorted by (stage, start).
+
+    Raises:
+        ValueError: non-positive times, or a schedule that deadlocks (names the stuck ops).
+    """
+    if not forward_s > 0 or not backward_ratio > 0:
+        raise ValueError(f"forward_s and backward_ratio must be > 0, got {forward_s!r}, {backward_ratio!r}")
+    p = len(schedule)
+    duration = {FORWARD: forward_s, BACKWARD: forward_s * backward_ratio}
+    end: dict[tuple[int, str, int], float] = {}
+    nxt = [0] * p
+    clock = [0.0] * p
+    out: list[TimedOp] = []
+    total = sum(len(ops) for ops in schedule)
+    while len(out) < total:
+        progressed = False
+        for s in range(p):
+            # Run as many of stage s's ops as are ready; the sweep over stages repeats until all are done.
+            while nxt[s] < len(schedule[s]):
+                op = schedule[s][nxt[s]]
+                deps = _dependencies(op, p)
+                if any(d not in end for d in deps):
+                    break
+                start = max([clock[s]] + [end[d] for d in deps])
+                finish = start + duration[op.kind]
+                end[(s, op.kind, op.microbatch)] = finish
+                clock[s] = finish
+                out.append(TimedOp(s, op.kind, op.microbatch, start, finish))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = [str(schedule[s][nxt[s]]) for s in range(p) if nxt[s] < len(schedule[s])]
+            raise ValueError(f"the schedule deadlocks: every stage waits ({', '.join(stuck)} cannot start)")
+    out.sort(key=lambda t: (t.stage, t.start_s))
+    return out
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Fraction of a pipeline step that a stage is idle: ``(p - 1) / (m + p - 1)``.
+
+    Holds for GPipe and 1F1B alike under the model of :func:`ideal_timeline` (equal stages, free
+    communication), for any backward/forward ratio. Huang et al. 2019 (GPipe, §2.2); Narayanan et al. 2021
+    (SC'21, §2.2.1). p = 4, m = 8: 3/11 = 27 % of the step is bubble.
+
+    Raises:
+        ValueError: p < 1 or m < 1.
+    """
+    _check_pm(p, m)
+    return (p - 1) / (m + p - 1)
+
+
+def bubble_time_ratio(p: int, m: int) -> float:
+    """Bubble time over *ideal* compute time, ``(p - 1) / m``: Narayanan et al. 2021 (SC'21), §2.2.1.
+
+    The same bubble as :func:`bubble_fraction`, measured against ``m (t_f + t_b)`` instead of the whole
+    step; ``f / (1 + f)`` of this ratio f is the bubble fraction.
+
+    Raises:
+        ValueError: p < 1 or m < 1.
+    """
+    _check_pm(p, m)
+    return (p - 1) / m
+
+
+def stage_busy_idle(timeline: Sequence[TimedOp]) -> dict[int, tuple[float, float]]:
+    """Per stage, ``(busy_s, idle_s)``: the sum of its op durations, and the rest of the step.
+
+    The step runs from the earliest start to the latest end over all stages, so a stage that starts late
+    or finishes early is idle for that time too (that is the bubble).
+    """
+    if not timeline:
+        return {}
+    t0 = min(t.start_s for t in timeline)
+    t1 = max(t.end_s for t in timeline)
+    busy: dict[int, float] = {}
+    for t in timeline:
+        busy[t.stage] = busy.get(t.stage, 0.0) + t.duration_s
+    return {s: (b, (t1 - t0) - b) for s, b in sorted(busy.items())}
+
+
+def idle_fraction(timeline: Sequence[TimedOp]) -> float:
+    """Idle time over all stages divided by ``stages × step time`` (0 = no bubble); 0.0 for an empty timeline."""
+    per_stage = stage_busy_idle(timeline)
+    if not per_stage:
+        return 0.0
+    busy = sum(b for b, _ in per_stage.values())
+    total = sum(b + i for b, i in per_stage.values())
+    return 0.0 if total <= 0 else 1.0 - busy / total
