@@ -160,9 +160,11 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
     """Pass activation shapes down the pipeline once, so later messages need no shape header.
 
     Stage 0 takes ``microbatch_shape`` as its input shape; every stage runs ``module`` once on zeros of its
-    input shape (without autograd) to learn its output shape and sends it to the next stage. Costs p-1
-    tiny messages and one extra forward per stage, once per run, not per step. A module whose output shape
-    depends on the values of its input (not only its shape) cannot be pipelined this way.
+    input shape (without autograd, in eval mode) to learn its output shape and sends it to the next stage.
+    Costs p-1 tiny messages and one extra forward of one micro-batch per stage; the engine pays it at the
+    start of every :func:`~commlab.parallel.pipeline.engine.pipeline_step` (before the timed part), which
+    keeps each step self-contained. A module whose output shape depends on the values of its input (not
+    only its shape) cannot be pipelined this way.
 
     Args:
         module: this stage's part of the model.
