@@ -48,7 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--compressors", action="store_true",
                        help="compressor throughput beside the torch primitives, and our PowerSGD hook's DDP step "
                             "time beside PyTorch's (uses --world-size and --rounds)")
+    plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
+    plan.add_argument("--model", required=True, help="a model of data/models.json, e.g. llama3-405b")
+    plan.add_argument("--preset", required=True, help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs to use (a multiple of the preset's devices per node)")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    plan.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    plan.add_argument("--achievable-fraction", type=float, default=None,
+                      help="share of peak FLOP/s the matmuls reach (default 0.5, see time_model)")
+    plan.add_argument("--dp-overlap", type=float, default=0.0, help="share of the DP AllReduce hidden (0..1, default 0)")
+    plan.add_argument("--even-stages", action="store_true", help="only pp values that divide the layer count")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args, parser)
 
     if args.command == "bench":
         from commlab.bench import bench_all_reduce
@@ -141,6 +154,48 @@ def _bench_emulated(args, parser, nbytes) -> int:
     wrong = sum(r.wrong for r in measured.values())
     print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return 0 if wrong == 0 else 1
+
+
+def _plan(args, parser) -> int:
+    from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, list_models, load_model, search
+    from commlab.topology import list_presets
+
+    try:
+        model = load_model(args.model)
+    except KeyError:
+        parser.error(f"unknown model {args.model!r}; choose from {', '.join(list_models())}")
+    if args.preset not in list_presets():
+        parser.error(f"unknown preset {args.preset!r}; choose from {', '.join(list_presets())}")
+    if args.seq is not None:
+        if args.seq < 1:
+            parser.error("--seq must be >= 1")
+        model = model.with_seq(args.seq)
+    if args.top < 1:
+        parser.error("--top must be >= 1")
+    fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
+    try:
+        result = search(model, args.preset, args.gpus, args.global_batch, achievable_fraction=fraction,
+                        dp_overlap=args.dp_overlap, even_stages=args.even_stages)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"# {model.name}: {model.params / 1e9:.1f}B parameters, seq {model.seq}, global batch {args.global_batch} "
+          f"sequences, on {args.gpus} GPUs of {args.preset}; achievable fraction of peak {fraction}")
+    print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
+          f"{result.rejected_for_memory} rejected for memory, "
+          f"{len(result.rejected) - result.rejected_for_memory} for the batch split")
+    if not result.plans:
+        mem = [r.reason for r in result.rejected if r.kind == "memory"]
+        print("# nothing fits" + (f"; smallest need e.g. {min(mem, key=len)}" if mem else ""))
+        return 1
+    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'TP':>7} {'PP':>7} {'bubble':>7} {'DP':>7} "
+            f"{'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
+    print(head)
+    for i, p in enumerate(result.plans[:args.top], 1):
+        r = p.row()
+        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f} {r['compute_s']:>8.3f} {r['tp_s']:>7.3f} {r['pp_s']:>7.3f} "
+              f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>7.1f} {r['tokens_per_s']:>11.4g} "
+              f"{r['tflops_per_gpu']:>12.0f}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,3 +32,7 @@ from commlab.parallel.data_parallel import SyncStats, ZeroOneOptimizer, ZeroStep
 
 __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedule", "pipeline_step",
             "split_sequential", "SyncStats", "sync_gradients", "ZeroOneOptimizer", "ZeroStepStats"]
+
+from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
+
+__all__ += ["PlanLayout", "plan_search", "validate_published"]

@@ -1,0 +1,396 @@
+"""Memory per GPU of a 3D-parallel (TP × PP × DP) transformer training layout.
+
+The model: :class:`ModelConfig` (layers L, hidden h, heads a, ffn, vocab V, sequence s), loaded from
+``data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b,
+ZeRO-1, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
+:class:`MemoryBreakdown` in bytes for the stage that needs the most memory.
+
+What is counted, per GPU (all in bytes):
+
+* **weights** -- bf16, 2 bytes per parameter of the GPU's shard (its pipeline stage's layers, plus the
+  embedding on the first stage and the output layer on the last, all divided by tp);
+* **gradients** -- ``grad_bytes`` per parameter (2 for bf16, 4 for fp32 main gradients);
+* **optimizer states** -- mixed-precision Adam keeps fp32 master weights, momentum and variance, 12 bytes
+  per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"); ZeRO stage 1 shards them over
+  the dp ranks (§5.1, P_os);
+* **activations** -- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", §4: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism; with tensor
+  parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
+  ``s·b·h·(34 + 5·a·s/h)/t``; with full recomputation only each layer's input, ``2·s·b·h`` (``/t`` with
+  sequence parallelism), plus one layer's full activations while it is being recomputed. 1F1B keeps
+  ``min(pp, m)`` micro-batches in flight on the first stage (Narayanan et al. 2021, §2.2.1), times
+  ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3).
+
+Generalisations, stated as assumptions: the MLP part of the 34 (16 of it: the 4h-wide fc1 output and
+activation output) is scaled by ``ffn/(4h)``, and by 1.5 for a gated (SwiGLU) MLP, which stores gate, up
+and their product; with FlashAttention (Dao et al. 2022) the ``5·a·s/h`` score matrices are not stored;
+grouped-query attention's smaller K and V are not credited (slight over-estimate); the last stage adds
+fp32 logits for the loss, ``4·s·b·V/t``; layer norms are counted as if split by tp like the matrices;
+framework workspace, communication buffers and fragmentation are not counted (see ``fits``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STATE_BYTES_PER_PARAM",
+           "load_model", "list_models", "layer_params", "stage_layers", "parameter_count", "stage_params",
+           "activation_bytes_per_layer", "memory_breakdown"]
+
+#: The model table: the repository's ``data/models.json``.
+MODELS_PATH = Path(__file__).resolve().parents[3] / "data" / "models.json"
+
+#: fp32 master weights + Adam momentum + variance: 4 + 4 + 4 bytes per parameter (ZeRO, §3.1).
+ADAM_STATE_BYTES_PER_PARAM = 12
+
+
+def _check_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder-only transformer.
+
+    Attributes:
+        name: label.
+        layers: transformer layers L. hidden: model width h. heads: attention heads a.
+        kv_heads: key/value heads (grouped-query attention); ``heads`` for multi-head attention.
+        ffn: MLP inner width (4h for GPT-3-style models).
+        gated_ffn: SwiGLU-style MLP with three ``h × ffn`` matrices instead of two.
+        vocab: vocabulary size V. seq: training sequence length s (tokens).
+        bias: linear layers have biases and LayerNorm has a bias (GPT); False for Llama (RMSNorm, no biases).
+        learned_positions: an ``s × h`` position-embedding table (GPT); False for rotary embeddings.
+        tied_embeddings: the output layer shares the input embedding matrix.
+        reported_params: the parameter count the source prints (for checking), or None.
+        source: where the numbers come from.
+
+    Raises:
+        ValueError: a size that is not a positive int, ``hidden`` not divisible by ``heads``, or ``heads``
+            not divisible by ``kv_heads``.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    kv_heads: int | None = None
+    gated_ffn: bool = False
+    bias: bool = True
+    learned_positions: bool = True
+    tied_embeddings: bool = True
+    reported_params: float | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        for f in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
+            _check_int(f"model {self.name!r}: {f}", getattr(self, f))
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        _check_int(f"model {self.name!r}: kv_heads", self.kv_heads)
+        if self.hidden % self.heads:
+            raise ValueError(f"model {self.name!r}: hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+
+    @property
+    def params(self) -> int:
+        """Total parameters, embeddings included (see :func:`parameter_count`)."""
+        return parameter_count(self)
+
+    def with_seq(self, seq: int) -> "ModelConfig":
+        """The same model trained at another sequence length (tokens)."""
+        return dataclasses.replace(self, seq=seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a training step.
+
+    Attributes:
+        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (ints >= 1); the GPUs used are tp·pp·dp.
+        micro_batch: sequences per micro-batch b (>= 1).
+        zero1: shard the optimizer states over the dp ranks (ZeRO stage 1).
+        recompute: full activation recomputation (each layer's forward is rerun in the backward pass).
+        interleave: model chunks per GPU v of the interleaved 1F1B schedule (1 = plain 1F1B;
+            Narayanan et al. 2021, §2.2.2).
+        sequence_parallel: Megatron sequence parallelism in the TP group (Korthikanti et al. 2022, §4.2.2):
+            the non-matmul activations are split by tp; communication volume unchanged.
+        flash_attention: attention kernels that do not store the s × s score matrices (Dao et al. 2022).
+
+    Raises:
+        ValueError: a size that is not an int >= 1.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int = 1
+    zero1: bool = False
+    recompute: bool = False
+    interleave: int = 1
+    sequence_parallel: bool = True
+    flash_attention: bool = True
+
+    def __post_init__(self):
+        for f in ("tp", "pp", "dp", "micro_batch", "interleave"):
+            _check_int(f, getattr(self, f))
+
+    @property
+    def gpus(self) -> int:
+        """tp · pp · dp."""
+        return self.tp * self.pp * self.dp
+
+    def short(self) -> str:
+        """A one-line label such as ``tp8 pp16 dp128 b1 v4 zero1 recompute``."""
+        s = f"tp{self.tp} pp{self.pp} dp{self.dp} b{self.micro_batch}"
+        if self.interleave > 1:
+            s += f" v{self.interleave}"
+        if self.zero1:
+            s += " zero1"
+        if self.recompute:
+            s += " recompute"
+        return s
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU on the stage that needs the most (``stage``: ``"first"``, ``"last"`` or ``"only"``).
+
+    Attributes:
+        params: parameters held by this GPU (count, not bytes).
+        weights_bytes, gradients_bytes, optimizer_bytes, activations_bytes: the four parts, bytes.
+        in_flight: micro-batches whose activations the stage holds at once (after the interleaving factor).
+        stage: which pipeline stage this is.
+    """
+
+    params: float
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    in_flight: float
+    stage: str
+
+    @property
+    def total_bytes(self) -> float:
+        """Sum of the four parts, bytes."""
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+
+    def fits(self, device_memory_bytes: float, usable_fraction: float = 1.0) -> bool:
+        """Whether ``total_bytes <= usable_fraction × device_memory_bytes``.
+
+        Nothing here counts the framework's workspace, NCCL buffers or allocator fragmentation; pass
+        ``usable_fraction < 1`` (e.g. 0.9) to keep room for them.
+
+        Raises:
+            ValueError: ``device_memory_bytes <= 0`` or ``usable_fraction`` not in (0, 1].
+        """
+        if not device_memory_bytes > 0:
+            raise ValueError(f"device_memory_bytes must be > 0, got {device_memory_bytes!r}")
+        if not 0 < usable_fraction <= 1:
+            raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
+        return self.total_bytes <= usable_fraction * device_memory_bytes
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+# ----------------------------------------------------------------------------------------- the table
+
+@lru_cache(maxsize=4)
+def _read(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def list_models(path: str | Path | None = None) -> list[str]:
+    """Names of the models in ``path`` (default :data:`MODELS_PATH`), sorted."""
+    return sorted(_read(str(Path(path or MODELS_PATH).resolve())))
+
+
+def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
+    """The model ``name`` of ``data/models.json`` as a :class:`ModelConfig`.
+
+    Raises:
+        KeyError: unknown name; the message lists the known ones.
+        ValueError: a malformed entry (the message names the model and the field).
+    """
+    table = _read(str(Path(path or MODELS_PATH).resolve()))
+    if name not in table:
+        raise KeyError(f"no model {name!r}; known models: {sorted(table)}")
+    entry = dict(table[name])
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+    unknown = set(entry) - fields
+    if unknown:
+        raise ValueError(f"model {name!r}: unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+    return ModelConfig(name=name, **entry)
+
+
+# ----------------------------------------------------------------------------------------- parameters
+
+def layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer layer.
+
+    Attention: Q and output projections ``h·h`` each, K and V ``h·kv`` each with ``kv = kv_heads·h/heads``;
+    MLP: two (three if gated) ``h × ffn`` matrices; with ``bias``: the biases of all of them and two
+    LayerNorms with weight and bias (4h); without: two RMSNorm weights (2h). For a GPT layer this is
+    ``12h² + 13h`` (Narayanan et al. 2021, Eq. 2).
+    """
+    h, f = m.hidden, m.ffn
+    kv = m.kv_heads * (h // m.heads)
+    attn = 2 * h * h + 2 * h * kv
+    mlp = (3 if m.gated_ffn else 2) * h * f
+    if m.bias:
+        extra = (h + 2 * kv) + h + ((2 * f) if m.gated_ffn else f) + h + 4 * h
+    else:
+        extra = 2 * h
+    return attn + mlp + extra
+
+
+def _embedding_params(m: ModelConfig) -> int:
+    return m.vocab * m.hidden + (m.seq * m.hidden if m.learned_positions else 0)
+
+
+def _head_params(m: ModelConfig) -> int:
+    """Final norm plus an untied output layer."""
+    norm = 2 * m.hidden if m.bias else m.hidden
+    return norm + (0 if m.tied_embeddings else m.vocab * m.hidden)
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """All parameters, embeddings included: ``L·layer + V·h (+ s·h learned positions) + final norm
+    (+ V·h untied output layer)``. GPT: ``12Lh² + 13Lh + (V + s)·h + 2h`` (Eq. 2 of Narayanan et al. 2021
+    without the final LayerNorm's 2h)."""
+    return m.layers * layer_params(m) + _embedding_params(m) + _head_params(m)
+
+
+def stage_layers(layers: int, pp: int, interleave: int = 1) -> int:
+    """Layers on the heaviest pipeline stage: ``ceil(L/(pp·v))·v`` (v interleaved chunks per stage; with
+    uneven stages the heaviest holds the rounded-up share, as in Llama 3's pp = 16 over 126 layers).
+
+    Raises:
+        ValueError: a count that is not an int >= 1, or ``pp·v > L`` (a chunk without layers).
+    """
+    for name, v in (("layers", layers), ("pp", pp), ("interleave", interleave)):
+        _check_int(name, v)
+    if pp * interleave > layers:
+        raise ValueError(f"pp·interleave = {pp}·{interleave} exceeds the {layers} layers: some pipeline chunk "
+                         "would hold no layer")
+    return math.ceil(layers / (pp * interleave)) * interleave
+
+
+def stage_params(m: ModelConfig, pp: int, stage: str, interleave: int = 1) -> int:
+    """Parameters of one pipeline stage (not yet divided by tp): :func:`stage_layers` layers, plus the embedding on
+    the first stage and final norm + output layer on the last. With tied embeddings and ``pp > 1`` the last
+    stage keeps its own copy of the embedding matrix for the output layer (as Megatron-LM does).
+
+    Args:
+        stage: ``"first"``, ``"last"`` or ``"only"`` (pp = 1).
+
+    Raises:
+        ValueError: an unknown stage name, or ``"only"`` with ``pp > 1``.
+    """
+    layers = stage_layers(m.layers, pp, interleave) * layer_params(m)
+    if stage == "only" or pp == 1:
+        if pp != 1:
+            raise ValueError("stage 'only' needs pp == 1")
+        return layers + _embedding_params(m) + _head_params(m)
+    if stage == "first":
+        return layers + _embedding_params(m)
+    if stage == "last":
+        return layers + _head_params(m) + (m.vocab * m.hidden if m.tied_embeddings else 0)
+    raise ValueError(f"stage must be 'first', 'last' or 'only', got {stage!r}")
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+def _ffn_mult(m: ModelConfig) -> float:
+    return m.ffn / (4 * m.hidden) * (1.5 if m.gated_ffn else 1.0)
+
+
+def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, sequence_parallel: bool = True,
+                               recompute: bool = False, flash_attention: bool = True) -> float:
+    """Bytes of activations one layer keeps for the backward pass, per micro-batch (Korthikanti et al. 2022,
+    §4): ``s·b·h·(34 + 5·a·s/h)`` unparallelised; ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP;
+    ``s·b·h·(34 + 5·a·s/h)/t`` with TP and sequence parallelism; ``2·s·b·h`` (``/t`` with sequence
+    parallelism) with full recomputation. The MLP's 16 is scaled by ffn/(4h) (and 1.5 for SwiGLU); the
+    ``5·a·s/h`` term is dropped with FlashAttention.
+
+    Raises:
+        ValueError: micro_batch or tp not an int >= 1.
+    """
+    _check_int("micro_batch", micro_batch)
+    _check_int("tp", tp)
+    s, b, h, a = m.seq, micro_batch, m.hidden, m.heads
+    sbh = s * b * h
+    if recompute:
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    mlp = 16 * _ffn_mult(m)
+    scores = 0.0 if flash_attention else 5 * a * s / h
+    if tp == 1 or sequence_parallel:
+        return sbh * (18 + mlp + scores) / tp
+    return sbh * (10 + (8 + mlp) / tp + scores / tp)
+
+
+def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = None,
+                     grad_bytes: int = 2) -> MemoryBreakdown:
+    """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most memory.
+
+    Args:
+        m: the model. layout: the layout.
+        global_batch: sequences per step; sets the number of micro-batches ``m = global_batch/(dp·b)``, which
+            caps the micro-batches in flight at ``min(pp, m)``. None: assume ``m >= pp``.
+        grad_bytes: bytes per gradient element, 2 (bf16) or 4 (fp32 main gradients).
+
+    Returns:
+        the :class:`MemoryBreakdown` of the first or the last stage, whichever totals more.
+
+    Raises:
+        ValueError: ``grad_bytes`` not 2 or 4; ``global_batch`` not a multiple of ``dp·micro_batch``.
+    """
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    L = layout
+    if global_batch is not None:
+        _check_int("global_batch", global_batch)
+        if global_batch % (L.dp * L.micro_batch):
+            raise ValueError(f"global_batch={global_batch} is not a multiple of dp·micro_batch = "
+                             f"{L.dp}·{L.micro_batch}")
+        n_micro = global_batch // (L.dp * L.micro_batch)
+    else:
+        n_micro = L.pp
+    layers = stage_layers(m.layers, L.pp, L.interleave)
+    per_layer = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, L.recompute,
+                                           L.flash_attention)
+    working = 0.0
+    if L.recompute:  # one layer is recomputed at a time and needs its full activations meanwhile
+        working = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, False,
+                                             L.flash_attention)
+    interleave_factor = 1 + (L.pp - 1) / (L.pp * L.interleave) if L.interleave > 1 else 1.0
+    logits = 4 * m.seq * L.micro_batch * m.vocab / L.tp
+
+    def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:
+        p = stage_params(m, L.pp, stage, L.interleave) / L.tp
+        opt = ADAM_STATE_BYTES_PER_PARAM * p / (L.dp if L.zero1 else 1)
+        act = layers * per_layer * in_flight + working + extra_act
+        return MemoryBreakdown(params=p, weights_bytes=2 * p, gradients_bytes=grad_bytes * p,
+                               optimizer_bytes=opt, activations_bytes=act, in_flight=in_flight, stage=stage)
+
+    if L.pp == 1:
+        return build("only", 1.0, logits)
+    first = build("first", min(L.pp, n_micro) * interleave_factor, 0.0)
+    last = build("last", 1.0, logits)
+    return first if first.total_bytes >= last.total_bytes else last

@@ -1,0 +1,252 @@
+"""The 3D-parallelism planner: memory model on hand-computed cases, time-model terms, search, the CLI,
+the widget's pure helpers, and the check against published layouts (Megatron-LM SC'21 Table 1, Llama 3)."""
+
+import math
+import time
+
+import pytest
+
+from commlab.__main__ import main
+from commlab.collectives.ring import ring_all_reduce_seconds
+from commlab.parallel.planner import (Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
+                                      dp_gradient_nbytes, layer_params, list_models, load_model, make_cluster,
+                                      megatron_eq3_flops, memory_breakdown, parameter_count, search, stage_params,
+                                      step_time, tp_all_reduce_nbytes, validate_published, validation_table)
+
+TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
+
+
+# ----------------------------------------------------------------------------------------- parameters
+
+def test_gpt_layer_is_12h2_plus_13h():
+    assert layer_params(TINY) == 12 * 8 * 8 + 13 * 8
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_parameter_count_matches_the_source(name):
+    m = load_model(name)
+    # Megatron prints Eq. 2 rounded to one decimal of a billion (1.65 -> "1.7"); Llama "405B".
+    assert m.params == pytest.approx(m.reported_params, rel=0.03), (name, m.params, m.reported_params)
+
+
+def test_tiny_parameter_count_by_hand():
+    # 2 layers x 872 + word embedding 16x8 + positions 4x8 + final LayerNorm 2x8; output layer tied.
+    assert parameter_count(TINY) == 2 * 872 + 128 + 32 + 16 == 1920
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+def test_memory_single_gpu_by_hand():
+    mem = memory_breakdown(TINY, Layout(1, 1, 1, micro_batch=1, flash_attention=False, sequence_parallel=False))
+    assert mem.params == 1920
+    assert (mem.weights_bytes, mem.gradients_bytes, mem.optimizer_bytes) == (3840, 3840, 12 * 1920)
+    # Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) = 4·1·8·(34 + 5) = 1248 per layer; two layers, plus the
+    # fp32 logits 4·s·b·V = 256.
+    assert mem.activations_bytes == 2 * 1248 + 256
+    assert mem.total_bytes == 3840 * 2 + 23040 + 2752
+    assert mem.fits(mem.total_bytes) and not mem.fits(mem.total_bytes - 1)
+
+
+def test_zero1_shards_only_the_optimizer_states():
+    base = memory_breakdown(TINY, Layout(1, 1, 4), global_batch=4)
+    z = memory_breakdown(TINY, Layout(1, 1, 4, zero1=True), global_batch=4)
+    assert z.optimizer_bytes == base.optimizer_bytes / 4
+    assert (z.weights_bytes, z.gradients_bytes, z.activations_bytes) == (
+        base.weights_bytes, base.gradients_bytes, base.activations_bytes)
+    fp32 = memory_breakdown(TINY, Layout(1, 1, 4), global_batch=4, grad_bytes=4)
+    assert fp32.gradients_bytes == 2 * base.gradients_bytes
+
+
+def test_activation_formulas():
+    sbh = 4 * 1 * 8
+    assert activation_bytes_per_layer(TINY, 1, 1, flash_attention=False) == sbh * 39
+    # TP without sequence parallelism: s·b·h·(10 + 24/t + 5·a·s/(h·t)), t = 2.
+    assert activation_bytes_per_layer(TINY, 1, 2, sequence_parallel=False, flash_attention=False) == sbh * (10 + 12 + 2.5)
+    # With sequence parallelism everything is divided by t.
+    assert activation_bytes_per_layer(TINY, 1, 2, sequence_parallel=True, flash_attention=False) == sbh * 39 / 2
+    # Full recomputation keeps each layer's input: 2·s·b·h.
+    assert activation_bytes_per_layer(TINY, 2, 1, recompute=True) == 2 * 2 * sbh
+    assert activation_bytes_per_layer(TINY, 1, 1, flash_attention=True) == sbh * 34
+
+
+def test_pipeline_first_stage_holds_pp_micro_batches():
+    layout = Layout(1, 2, 1, flash_attention=False, sequence_parallel=False)
+    mem = memory_breakdown(TINY, layout, global_batch=8)  # 8 micro-batches, 2 in flight on stage 0
+    assert mem.stage == "first"
+    assert mem.params == stage_params(TINY, 2, "first") == 872 + 128 + 32
+    assert mem.activations_bytes == 2 * 1248
+    # With only one micro-batch per step, only one is ever in flight.
+    assert memory_breakdown(TINY, layout, global_batch=1).activations_bytes <= 1248 + 256
+
+
+def test_recompute_saves_memory_and_keeps_one_layer_working_set():
+    m = load_model("megatron-1t")
+    full = memory_breakdown(m, Layout(8, 64, 6, recompute=False, flash_attention=False, sequence_parallel=False), 3072)
+    rec = memory_breakdown(m, Layout(8, 64, 6, recompute=True, flash_attention=False, sequence_parallel=False), 3072)
+    assert rec.activations_bytes < full.activations_bytes / 5
+    assert rec.fits(80e9)  # Megatron trained exactly this layout on 80 GB A100s
+    assert not full.fits(80e9)
+
+
+# ----------------------------------------------------------------------------------------- time
+
+def test_tp_bytes_are_not_divided_by_tp():
+    m = load_model("megatron-18.4b")
+    assert tp_all_reduce_nbytes(m, 2) == 2 * 2 * m.seq * m.hidden
+    c = make_cluster("dgx-a100-hdr", 256)
+    t2 = step_time(m, Layout(2, 1, 128, recompute=False), c, 1024)
+    t8 = step_time(m, Layout(8, 1, 32, recompute=False), c, 1024)
+    one8 = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, 1), 8, c.intra.alpha_s, c.intra.beta_s_per_byte)
+    assert t8.tp_s == pytest.approx(4 * m.layers * t8.micro_batches * one8)
+    # Per micro-batch the TP time grows with tp (2(t-1)/t of the bytes per rank), where the article's
+    # formula (bytes / bandwidth / tp) would shrink it fourfold.
+    assert t8.tp_s / t8.micro_batches > t2.tp_s / t2.micro_batches
+    rec = step_time(m, Layout(8, 1, 32, recompute=True), c, 1024)
+    assert rec.tp_s == pytest.approx(t8.tp_s * 6 / 4)
+
+
+def test_dp_bytes_and_link():
+    m = load_model("megatron-1t")
+    layout = Layout(8, 64, 6)
+    nbytes = dp_gradient_nbytes(m, layout)
+    assert nbytes == pytest.approx(max(stage_params(m, 64, "first"), stage_params(m, 64, "last")) / 8 * 2)
+    assert nbytes == pytest.approx(m.params / (8 * 64) * 2, rel=0.1)
+    c = make_cluster("dgx-a100-hdr", 3072)
+    # tp·pp = 512 >= 8 devices per node: every DP peer is on another node; 8 NICs for 8 GPUs, no sharing.
+    assert dp_all_reduce_seconds(nbytes, layout, c) == pytest.approx(
+        ring_all_reduce_seconds(nbytes, 6, c.inter.alpha_s, c.inter.beta_s_per_byte))
+    # pcie node: 2 NICs for 8 GPUs, each NIC carries 4 flows.
+    p = make_cluster("pcie-gen4-node", 3072)
+    assert dp_all_reduce_seconds(nbytes, layout, p) == pytest.approx(
+        ring_all_reduce_seconds(nbytes, 6, p.inter.alpha_s, p.inter.beta_s_per_byte * 4))
+    # dp inside one node: a ring on NVLink.
+    small = Layout(1, 1, 8)
+    assert dp_all_reduce_seconds(1e9, small, c) == pytest.approx(
+        ring_all_reduce_seconds(1e9, 8, c.intra.alpha_s, c.intra.beta_s_per_byte))
+
+
+def test_step_time_terms_and_errors():
+    m = load_model("megatron-145.6b")
+    c = make_cluster("dgx-a100-hdr", 1536)
+    t = step_time(m, Layout(8, 8, 24, recompute=True), c, 2304)
+    assert t.micro_batches == 96
+    assert t.bubble_s == pytest.approx(7 / 96 * (t.compute_s + t.tp_s + t.pp_s))
+    assert t.total_s == pytest.approx(t.compute_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_exposed_s)
+    assert t.tokens_per_s == pytest.approx(2304 * 2048 / t.total_s)
+    hidden = step_time(m, Layout(8, 8, 24, recompute=True), c, 2304, dp_overlap=1.0)
+    assert hidden.dp_exposed_s <= t.dp_exposed_s
+    with pytest.raises(ValueError, match="multiple of dp"):
+        step_time(m, Layout(8, 8, 24), c, 100)
+    with pytest.raises(ValueError, match="achievable_fraction"):
+        step_time(m, Layout(8, 8, 24), c, 2304, achievable_fraction=0)
+
+
+def test_megatron_eq3_flops():
+    m = load_model("megatron-1t")
+    # 502 PFLOP/s aggregate at 163 TFLOP/s per GPU on 3072 GPUs: Eq. 3 is what they divide by time.
+    f = megatron_eq3_flops(m, 3072)
+    assert f == pytest.approx(96 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+
+
+# ----------------------------------------------------------------------------------------- search
+
+def test_search_returns_only_fitting_layouts_with_tp_inside_a_node():
+    res = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536)
+    assert res.plans and res.rejected_for_memory > 0
+    for p in res.plans:
+        assert p.memory.fits(80e9)
+        assert 8 % p.layout.tp == 0
+        assert p.layout.gpus == 512
+    assert [p.step_s for p in res.plans] == sorted(p.step_s for p in res.plans)
+    for r in res.rejected:
+        if r.kind == "memory":
+            assert "GB per GPU" in r.reason
+            assert not memory_breakdown(load_model("megatron-39.1b"), r.layout, 1536).fits(80e9)
+
+
+def test_search_even_stages_and_errors():
+    res = search("megatron-1.7b", "dgx-a100-hdr", 32, 512, even_stages=True)
+    assert all(24 % p.layout.pp == 0 for p in res.plans)
+    with pytest.raises(ValueError, match="multiple of devices_per_node"):
+        search("megatron-1.7b", "dgx-a100-hdr", 30, 512)
+    with pytest.raises(ValueError, match="inside a node"):
+        search("megatron-1.7b", "dgx-a100-hdr", 32, 512, tp_values=[16])
+    with pytest.raises(KeyError, match="known models"):
+        search("gpt-9", "dgx-a100-hdr", 32, 512)
+    with pytest.raises(KeyError, match="known presets"):
+        search("megatron-1.7b", "dgx-z", 32, 512)
+
+
+def test_search_16k_gpus_is_fast():
+    started = time.perf_counter()
+    res = search("llama3-405b", "dgx-h100-ndr", 16384, 2048)
+    elapsed = time.perf_counter() - started
+    print(f"\n16,384-GPU search: {res.candidates} candidates, {len(res.plans)} fit, "
+          f"{res.rejected_for_memory} rejected for memory, {elapsed:.3f} s")
+    assert elapsed < 20
+    assert res.best.layout.tp == 8 and res.best.memory.fits(80e9)
+
+
+# ----------------------------------------------------------------------------------------- published layouts
+
+#: Runs for which the time model (one global achievable fraction, 0.5) lands within ±25 % of the reported
+#: per-GPU throughput. The Llama 3 runs do not; see test_llama3_gap_is_reported.
+HOLDS = ["megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "megatron-39.1b", "megatron-76.1b",
+         "megatron-145.6b", "megatron-310.1b", "megatron-529.6b", "megatron-1t"]
+
+
+@pytest.fixture(scope="module")
+def validation():
+    rows = validate_published()
+    print("\n" + validation_table(rows))
+    return {r.config: r for r in rows}
+
+
+def test_every_top_layout_keeps_tp_inside_a_node(validation):
+    assert len(validation) == 12
+    for r in validation.values():
+        assert r.top_tp_within_node, r
+        assert r.top_step_s <= r.published_step_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("config", HOLDS)
+def test_prediction_within_25_percent(validation, config):
+    r = validation[config]
+    assert r.within, f"{config}: predicted {r.predicted_tflops:.0f} vs reported {r.reported_tflops:.0f} TFLOP/s"
+
+
+def test_llama3_gap_is_reported(validation):
+    # Under-predicted by ~40 %: the memory model forces full recomputation (+1/3 compute) on pp = 16 stages,
+    # and the model has no TP/PP overlap; reported as a gap, not tuned away.
+    for key in ("llama3-405b-8k-8192gpus", "llama3-405b-8k-16384gpus"):
+        r = validation[key]
+        assert r.predicted_tflops < r.reported_tflops
+        assert r.published.startswith("tp8 pp16")
+
+
+# ----------------------------------------------------------------------------------------- CLI and widget
+
+def test_cli_plan(capsys):
+    assert main(["plan", "--model", "megatron-1t", "--preset", "dgx-a100-hdr", "--gpus", "3072",
+                 "--global-batch", "3072", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "rejected for memory" in out and "tp8" in out
+    for argv, msg in ((["--model", "nope"], "unknown model"), (["--preset", "nope"], "unknown preset"),
+                      (["--gpus", "3071"], "multiple of devices_per_node")):
+        base = {"--model": "megatron-1t", "--preset": "dgx-a100-hdr", "--gpus": "3072", "--global-batch": "3072"}
+        base[argv[0]] = argv[1]
+        with pytest.raises(SystemExit):
+            main(["plan"] + [x for kv in base.items() for x in kv])
+        assert msg in capsys.readouterr().err
+
+
+def test_widget_helpers():
+    from commlab.widgets.planner import plan_rows, static_figure, table_html, table_text
+    rows, summary = plan_rows("megatron-18.4b", "dgx-a100-hdr", 256, 1024, top_k=3)
+    assert len(rows) == 3 and summary["fit"] >= 3
+    assert rows[0]["step_s"] <= rows[1]["step_s"]
+    assert "TFLOP/s/GPU" in table_text(rows) and "<table>" in table_html(rows)
+    fig = static_figure("megatron-18.4b", "dgx-a100-hdr", 256, 1024, top_k=3)
+    assert len(fig.axes) == 1
+    import matplotlib.pyplot as plt
+    plt.close(fig)
