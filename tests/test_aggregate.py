@@ -143,3 +143,29 @@ def test_non_finite_input_fails_on_the_rank_that_holds_it():
     with pytest.raises(RankError) as info:
         launch(_non_finite, 2, timeout=30)
     assert info.value.rank == 1 and "FloatingPointError" in str(info.value)
+
+
+def _nan_on_rank_zero_skip_and_continue():
+    import torch
+    import torch.distributed as dist
+    from commlab.compress import aggregate
+    from commlab.compress.sparse import TopK
+
+    rank = dist.get_rank()
+    sums = []
+    for step in range(3):
+        g = torch.full((4,), float(step + 1))
+        if step == 0 and rank == 0:
+            g[0] = float("nan")
+        try:
+            sums.append(float(aggregate(g, TopK(k=4)).sum.sum()))
+        except FloatingPointError as e:
+            sums.append(str(e))
+    return sums
+
+
+def test_a_nan_on_one_rank_makes_every_rank_skip_the_same_step():
+    from commlab import launch
+    out = launch(_nan_on_rank_zero_skip_and_continue, 2, timeout=30)
+    assert out[0] == out[1]  # same error at step 0, then the same sums: no rank drifted
+    assert "rank(s) [0] hold NaN" in out[0][0] and out[0][1:] == [16.0, 24.0]

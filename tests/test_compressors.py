@@ -481,3 +481,28 @@ def test_union_support_of_real_payloads_grows_like_the_formula_for_random_suppor
         union_support_sizes([SignCompressor().compress(_x((8,)))])
     with pytest.raises(ValueError, match="shape"):
         union_support_sizes([payloads[0], TopK(k=1).compress(_x((5,)))])
+
+
+def test_scales_that_float32_cannot_hold_are_refused_not_sent_as_inf():
+    import pytest as _pt
+    import torch as _t
+    from commlab.compress.quantize import QSGD as _Q, RoundingQuantizer as _R
+    from commlab.compress.sign import SignCompressor as _S
+    with _pt.raises(FloatingPointError, match="does not fit in the float32"):
+        _Q().compress(_t.full((4,), 3e38))  # finite entries, but ||v||_2 = 6e38
+    assert _t.isfinite(_S().decompress(_S().compress(_t.full((4,), 3e38)))).all()  # mean taken in float64
+    with _pt.raises(FloatingPointError, match="does not fit in the float32"):
+        _S().compress(_t.tensor([1e300, -1e300], dtype=_t.float64))
+    with _pt.raises(FloatingPointError, match="does not fit in the float32"):
+        _R(8).compress(_t.tensor([1e300, -1e300, 1.0], dtype=_t.float64))
+    with _pt.raises(FloatingPointError, match="does not fit in the float32"):
+        _R(8).compress(_t.tensor([1e-300, 0.0], dtype=_t.float64))
+
+
+def test_random_k_fp16_overflow_on_decompress_is_refused():
+    import pytest as _pt
+    import torch as _t
+    from commlab.compress.sparse import RandomK as _RK
+    comp = _RK(ratio=0.01, seed=0)
+    with _pt.raises(FloatingPointError, match="overflow"):
+        comp.decompress(comp.compress(_t.full((1000,), 700.0, dtype=_t.float16)))

@@ -1,4 +1,4 @@
-"""Compressors beside the torch primitives they rest on, and our PowerSGD hook beside PyTorch's (chapters 4-6).
+"""Compressors beside the torch primitives they rest on, and our PowerSGD hook beside PyTorch's (chapters 4-7).
 
 Two measurements, printed in one run (``python -m commlab bench --compressors``):
 

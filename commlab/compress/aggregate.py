@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
-from commlab.collectives._common import SUPPORTED_DTYPES, CollectiveMismatchError, group_size_and_rank
+from commlab.collectives._common import (SUPPORTED_DTYPES, CollectiveMismatchError, all_gather_single,
+                                         group_size_and_rank)
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.error_feedback import ErrorFeedback
 
@@ -79,6 +80,28 @@ def _agree(payload: Payload, compressor_name: str, group, size: int) -> None:
             "of times); payloads whose sizes depend on the data (topk_global) cannot be aggregated this way")
 
 
+def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
+    """Raise the same ``FloatingPointError`` on every rank if any rank's ``tensor`` holds a NaN or an inf.
+
+    One tiny collective before compressing. Without it the rank with the bad gradient raises alone while
+    its peers wait in the next collective, or, if the caller skips the step there only, the ranks drift
+    one step apart and sum different steps' gradients without any error.
+    """
+    size, _ = group_size_and_rank(group)
+    bad = int(tensor.is_floating_point() and tensor.numel() > 0 and not bool(torch.isfinite(tensor).all()))
+    if size == 1:
+        flags = [bad]
+    else:
+        mine = torch.tensor([bad], dtype=torch.int64, device=tensor.device)
+        everyone = torch.empty(size, dtype=torch.int64, device=tensor.device)
+        all_gather_single(everyone, mine, group=group)
+        flags = everyone.tolist()
+    if any(flags):
+        ranks = [r for r, f in enumerate(flags) if f]
+        raise FloatingPointError(f"{what}: rank(s) {ranks} hold NaN or infinite gradient values; nothing was "
+                                 "sent. Every rank raises this, so all can skip the step together")
+
+
 def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,
               error_feedback: ErrorFeedback | None = None, key: Hashable | None = None) -> Aggregated:
     """Compress ``tensor`` on every rank and return the sum over ranks of the decompressed tensors.
@@ -101,8 +124,11 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
         ValueError: ``error_feedback`` without ``key``, or wrapping a different compressor.
         CollectiveMismatchError: the ranks' payloads differ in size, dtype or meta (on every rank).
         TypeError: a linear compressor whose payload dtype the ring cannot add.
-        FloatingPointError: non-finite input (the compressors' policy), on the rank that holds it.
+        FloatingPointError: non-finite input on any rank (the compressors' policy), raised on every rank
+            before anything is sent, so that all ranks can skip the step together.
     """
+    size, _ = group_size_and_rank(group)
+    agree_finite(tensor, group, "aggregate")
     if error_feedback is not None:
         if key is None:
             raise ValueError("aggregate: error_feedback needs a key naming this tensor's residual (e.g. the "
@@ -114,7 +140,6 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
         payload = error_feedback.compress(tensor, key)
     else:
         payload = compressor.compress(tensor)
-    size, _ = group_size_and_rank(group)
     name = getattr(compressor, "name", type(compressor).__name__)
     _agree(payload, name, group, size)
     nbytes = payload.nbytes

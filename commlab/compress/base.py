@@ -17,8 +17,11 @@ Two properties decide how a compressor's payloads can be aggregated across ranks
 
 NaN/Inf policy (all compressors): :func:`check_finite` raises ``FloatingPointError`` naming the tensor
 when its input holds a NaN or an infinity, before anything is compressed. A silently compressed NaN
-would otherwise be hidden by a scale or a selection and corrupt every rank's model; training code that
-wants to skip such a step (as AMP's grad scaler does) catches the error.
+would otherwise be hidden by a scale or a selection and corrupt every rank's model. Across ranks,
+:func:`commlab.compress.aggregate.aggregate` and the DDP ``compression_hook`` first agree on finiteness, so
+every rank raises together and training code can skip the step on all ranks at once (as AMP's grad
+scaler does). A scale that float32 cannot hold, or a decompressed value that overflows the tensor's dtype,
+raises the same error (:func:`float32_scale`, :func:`check_finite_output`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,32 @@ def check_finite(tensor: torch.Tensor, what: str = "tensor") -> None:
         n_inf = int(torch.isinf(tensor).sum())
         raise FloatingPointError(f"{what} holds {n_nan} NaN and {n_inf} infinite values out of {tensor.numel()}; "
                                  "compression refuses non-finite input (skip this step, or fix its cause)")
+
+
+def float32_scale(value: torch.Tensor, what: str) -> torch.Tensor:
+    """Round a non-negative scale (a norm, a max, a mean) computed in float64 to the float32 that is sent.
+
+    Raises ``FloatingPointError`` when float32 cannot hold it: above about 3.4e38 the scale would become
+    inf and the receiver would rebuild NaN or inf from finite input; a non-zero value below about 1e-45
+    would become 0 and silently zero the whole tensor. Rescale such a tensor before compressing it.
+    """
+    v64 = value.to(torch.float64)
+    v32 = v64.to(torch.float32)
+    if not torch.isfinite(v32) or (v64 > 0 and v32 == 0):
+        raise FloatingPointError(f"{what} = {float(v64):.3e} does not fit in the float32 that is sent "
+                                 "(range about 1.4e-45 .. 3.4e38); rescale the tensor before compressing it")
+    return v32
+
+
+def check_finite_output(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Return ``tensor`` if finite, else raise ``FloatingPointError``: a decompressed value that overflows
+    the original dtype (fp16 above 65504, say, after Random-K's ``numel/k`` scaling) is refused, not
+    returned as inf."""
+    if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(tensor).all():
+        raise FloatingPointError(f"{what}: the decompressed values overflow {tensor.dtype} "
+                                 f"(largest finite {torch.finfo(tensor.dtype).max:.4g}); compress in a wider dtype "
+                                 "or rescale the tensor")
+    return tensor
 
 
 def compression_ratio(tensor: torch.Tensor, payload: Payload) -> float:

@@ -18,6 +18,7 @@ Usage::
 import torch
 import torch.distributed as dist
 
+from commlab.compress.aggregate import agree_finite
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.powersgd import PowerSGDState, _Call, _group
 
@@ -125,6 +126,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     if state.error_feedback:
         x = buffer + state._residual(bucket, buffer)
     comp = state.compressor
+    agree_finite(x, group, "compression_hook")  # every rank raises together, none waits for a lost peer
     payload = comp.compress(x)
     state.last_payload_nbytes = payload.nbytes
     if state.error_feedback:

@@ -1,4 +1,4 @@
-"""PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces (chapter 6).
+"""PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces (chapter 7).
 
 Source: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithm 1 (the compressor) and Algorithm 2 (error

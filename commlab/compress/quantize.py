@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from commlab.compress.base import Payload, check_finite
+from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale
 from commlab.compress.bitpack import pack_nibbles, unpack_nibbles
 
 __all__ = ["QSGD", "RoundingQuantizer", "qsgd_variance_bound"]
@@ -112,7 +112,7 @@ class QSGD:
         n, s = v.numel(), self.levels
         # The norm is computed in float64 (no overflow of the squares) and rounded to float32 *before*
         # it is used, so that the sender's levels are relative to exactly the norm the receiver sees.
-        norm32 = (torch.linalg.vector_norm(v.to(torch.float64)).to(torch.float32) if n
+        norm32 = (float32_scale(torch.linalg.vector_norm(v.to(torch.float64)), "QSGD norm ||v||_2") if n
                   else torch.zeros((), dtype=torch.float32, device=v.device))
         norm = norm32.to(acc)
         if n and norm > 0:
@@ -143,7 +143,7 @@ class QSGD:
         else:
             signed = codes.to(torch.int16)
         out = signed.to(acc) * (norm.to(acc) / payload.meta["levels"])
-        return out.to(payload.dtype).view(payload.shape)
+        return check_finite_output(out.to(payload.dtype).view(payload.shape), "QSGD")
 
 
 class RoundingQuantizer:
@@ -187,7 +187,7 @@ class RoundingQuantizer:
         acc = _acc_dtype(tensor.dtype)
         v = tensor.detach().reshape(-1).to(acc)
         n = v.numel()
-        scale32 = ((v.abs().max() / self.qmax).to(torch.float32) if n
+        scale32 = (float32_scale(v.abs().max().to(torch.float64) / self.qmax, "RoundingQuantizer scale") if n
                    else torch.zeros((), dtype=torch.float32, device=v.device))
         if n and scale32 > 0:
             codes = torch.round(v / scale32.to(acc)).clamp_(-self.qmax, self.qmax).to(torch.int8)
@@ -208,4 +208,5 @@ class RoundingQuantizer:
         else:
             signed = codes
         acc = _acc_dtype(payload.dtype)
-        return (signed.to(acc) * scale.to(acc)).to(payload.dtype).view(payload.shape)
+        return check_finite_output((signed.to(acc) * scale.to(acc)).to(payload.dtype).view(payload.shape),
+                                   "RoundingQuantizer")

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from commlab.compress.base import Payload, check_finite
+from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale
 from commlab.compress.bitpack import pack_bits, unpack_bits
 
 __all__ = ["SignCompressor"]
@@ -49,8 +49,8 @@ class SignCompressor:
         flat = tensor.detach().reshape(-1)
         n = flat.numel()
         acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-        scale = flat.to(acc).abs().mean().to(torch.float32).reshape(1) if n else torch.zeros(0, dtype=torch.float32,
-                                                                                           device=flat.device)
+        scale = (float32_scale(flat.to(torch.float64).abs().mean(), "sign scale mean|g|").reshape(1) if n
+                 else torch.zeros(0, dtype=torch.float32, device=flat.device))
         return Payload({"bits": pack_bits(flat >= 0), "scale": scale}, tensor.shape, tensor.dtype, {})
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -60,4 +60,4 @@ class SignCompressor:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=bits.device)
         acc = torch.float64 if payload.dtype == torch.float64 else torch.float32
         signs = unpack_bits(bits, n).to(acc) * 2 - 1
-        return (signs * scale.to(acc)).to(payload.dtype).view(payload.shape)
+        return check_finite_output((signs * scale.to(acc)).to(payload.dtype).view(payload.shape), "SignCompressor")

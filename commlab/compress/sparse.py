@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from commlab.compress.base import Payload, check_finite
+from commlab.compress.base import Payload, check_finite, check_finite_output
 
 __all__ = ["TopK", "RandomK", "topk_global", "resolve_k", "index_dtype"]
 
@@ -260,4 +260,5 @@ class RandomK:
         values = payload.tensors["values"]
         idx = self.indices(numel, m["k"], m["seed"], m["step"], values.device)
         scale = numel / m["k"] if m["k"] else 1.0
-        return _scatter(Payload({"values": values, "indices": idx}, payload.shape, payload.dtype), scale)
+        return check_finite_output(
+            _scatter(Payload({"values": values, "indices": idx}, payload.shape, payload.dtype), scale), "RandomK")
