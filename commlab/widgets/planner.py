@@ -106,7 +106,8 @@ def static_figure(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus
     ax.set_xlabel("predicted step time (s)")
     ax.set_title(f"{model} on {gpus} GPUs of {preset}, batch {global_batch}: top {len(rows)} of {summary['fit']} "
                  f"layouts that fit ({summary['rejected_for_memory']} rejected for memory)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    # Outside the axes: inside, it would cover the labels at the ends of the bars.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 
