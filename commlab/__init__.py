@@ -10,6 +10,8 @@ Layers, bottom to top (each imports only the ones below it):
   trees and hierarchical AllReduce (chapter 3), all from point-to-point sends, with their cost models.
 * :mod:`commlab.compress` -- gradient compressors behind one protocol, error feedback, aggregation and
   DDP comm hooks (chapters 4-7).
+* :mod:`commlab.parallel` -- device mesh, tensor and pipeline parallelism, DP groups, ZeRO-1 and the
+  layout planner (chapters 10-11).
 * :mod:`commlab.train` -- a small model on real offline data, for real gradients.
 * :mod:`commlab.bench`, :mod:`commlab.viz`, :mod:`commlab.widgets`, :mod:`commlab.exercises` --
   measurements and calibration, figures, the cost calculator, graders.
