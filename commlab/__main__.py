@@ -1,6 +1,6 @@
 """Command line: ``python -m commlab bench ...``.
 
-Later chapters add ``plan`` and ``train`` subcommands here.
+``bench`` measures (collectives, algorithms, emulated topologies, compressors); ``plan`` ranks parallel layouts.
 """
 
 from __future__ import annotations
