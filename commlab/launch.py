@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -387,6 +388,8 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), encoding="utf-8",
                                   line_buffering=True, write_through=True)
     sys.stderr = sys.stdout
+    if faulthandler.is_enabled():  # inherited from pytest or a kernel, still writing to the parent's stderr
+        faulthandler.enable(file=sys.stderr)
     # SIGTERM keeps its default action: a Python handler would not run while the rank is blocked
     # inside a C++ collective. SIGINT (a notebook interrupt reaches the whole process group) is left
     # to the parent, which terminates the ranks itself.
@@ -427,6 +430,10 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
             events.put(("error", rank, time.time(), type(e).__name__, message, tb))
         finally:
             _flush_and_exit(events, 1)
+    # The group is torn down before exiting: a rank that left at once could close its sockets while a slower
+    # peer is still completing the connection mesh. A crash report from that teardown, after the result was
+    # delivered, would only be noise in the rank's output, so the fault handler is off by then.
+    faulthandler.disable()
     try:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -38,7 +38,9 @@ def write(path: str, cells) -> None:
 
 def execute(path: str, timeout: int = 300) -> None:
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": _dir(path)}}).execute()
+    # record_timing=False: per-cell timestamps would make every re-execution a diff of every cell.
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": _dir(path)}}).execute()
     nbformat.write(nb, path)
 
 
