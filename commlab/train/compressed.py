@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
-from commlab.compress.aggregate import aggregate
+from commlab.compress.aggregate import aggregate, agree_finite
 from commlab.compress.base import Compressor
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.train.data_parallel import train_data_parallel
@@ -78,14 +78,10 @@ def compressed_all_reduce(compressor: Compressor | None, error_feedback=None,
     log: list[tuple[int, float, str]] = []
 
     def all_reduce_fn(flat: torch.Tensor) -> torch.Tensor:
-        # The compressors refuse NaN/Inf (commlab.compress.base); agree on it first, so that every rank
-        # raises together instead of one rank raising while the others wait in a collective.
-        bad = torch.tensor([0.0 if bool(torch.isfinite(flat).all()) else 1.0])
-        dist.all_reduce(bad)
-        if bad.item() > 0:
-            raise FloatingPointError(f"step {len(log)}: the gradient of {int(bad.item())} rank(s) holds NaN/Inf; "
-                                     "training diverged (lower the learning rate or compress less)")
+        # Every rank raises together on a NaN/Inf anywhere: aggregate agrees on it before compressing, and
+        # the dense path does the same here.
         if compressor is None:
+            agree_finite(flat, None, f"step {len(log)}: training diverged (lower the learning rate)")
             nbytes = flat.numel() * flat.element_size()
             log.append((nbytes, ring_bytes_sent_per_rank(nbytes, dist.get_world_size(), "all_reduce"),
                         "all_reduce"))
