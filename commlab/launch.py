@@ -430,12 +430,15 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
             events.put(("error", rank, time.time(), type(e).__name__, message, tb))
         finally:
             _flush_and_exit(events, 1)
-    # The group is torn down before exiting: a rank that left at once could close its sockets while a slower
-    # peer is still completing the connection mesh. A crash report from that teardown, after the result was
-    # delivered, would only be noise in the rank's output, so the fault handler is off by then.
+    # Leave together: a rank whose fn was quick could otherwise close its sockets while a slower peer is
+    # still completing gloo's connection mesh inside init_process_group, and that peer would fail with
+    # "connection closed by peer". The result is already delivered; if a peer failed instead, the parent
+    # ends this rank while it waits here. A crash report from the teardown would only be noise in the
+    # rank's output, so the fault handler is off by then.
     faulthandler.disable()
     try:
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the result is already delivered
         pass
