@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from commlab.collectives import (hierarchical_all_reduce, make_hierarchy_groups, recursive_doubling_all_reduce,
                                  rhd_all_reduce, ring_all_reduce, tree_all_reduce)
+from commlab.bench.timing import calls_per_round, count_wrong, time_calls
 from commlab.launch import launch
 from commlab.topology.emulated import EmulatedTopology
 from commlab.topology.links import Link
@@ -58,28 +58,12 @@ class AlgorithmTime:
     wrong: int
 
 
-def _time_call(fn: Callable[[], object], iters: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    slowest = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
-
-
-def _iters(nbytes: int) -> int:
-    return int(min(50, max(1, (2 * 2**20) // max(nbytes, 1))))
-
-
 def _wrong(fn: Callable[[torch.Tensor], object], count: int) -> int:
     data = torch.randn(count, generator=torch.Generator().manual_seed(dist.get_rank()))
     ref = data.clone()
     dist.all_reduce(ref)
     fn(data)
-    bad = (~torch.isclose(data, ref, rtol=1e-5, atol=1e-6)).sum().reshape(1)
-    dist.all_reduce(bad)
-    return int(bad)
+    return count_wrong(data, ref)
 
 
 def _algorithms_round(names: Sequence[str], sizes: Sequence[int]):
@@ -91,7 +75,7 @@ def _algorithms_round(names: Sequence[str], sizes: Sequence[int]):
             wrong = _wrong(fn, count)
             buf = torch.zeros(count)
             fn(buf)  # warm-up
-            out[(name, nbytes)] = (_time_call(lambda: fn(buf), _iters(nbytes)), wrong)
+            out[(name, nbytes)] = (time_calls(lambda: fn(buf), calls_per_round(nbytes, 2 * 2**20, 50)), wrong)
     return out
 
 
@@ -155,7 +139,7 @@ def _emulated_round(topology: EmulatedTopology, nbytes: int, variants: Sequence[
         dist.barrier()
         if dist.get_rank() == 0:
             topology.reset()  # queued NIC time from the warm-up is not this measurement's
-        out[variant] = (_time_call(lambda: fn(buf), 1), wrong)
+        out[variant] = (time_calls(lambda: fn(buf), 1), wrong)
     return out
 
 

@@ -18,13 +18,13 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
+from commlab.bench.timing import calls_per_round, count_wrong, time_calls
 from commlab.collectives import ring_all_reduce
 from commlab.launch import launch
 
@@ -66,12 +66,6 @@ class BenchRow:
         return self.torch_s / self.ours_s
 
 
-def _iters_for(nbytes: int) -> int:
-    # About 8 MiB of payload per timed round, at least one call: small sizes need many calls to rise
-    # above the timer's and the barrier's noise.
-    return int(min(200, max(1, (8 * 2**20) // max(nbytes, 1))))
-
-
 def _measure_one_size(nbytes: int, rounds: int, ours: Callable[[torch.Tensor], object]):
     rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -82,29 +76,19 @@ def _measure_one_size(nbytes: int, rounds: int, ours: Callable[[torch.Tensor], o
     dist.all_reduce(ref)
     got = data.clone()
     ours(got)  # the function that is timed is the function that is checked
-    wrong_count = (~torch.isclose(got, ref, rtol=1e-5, atol=1e-6)).sum().reshape(1)
-    dist.all_reduce(wrong_count)
-    wrong = int(wrong_count)
+    wrong = count_wrong(got, ref)
 
     buf = torch.zeros(count, device=device)
-    iters = _iters_for(nbytes)
+    # About 8 MiB of payload per timed round, at most 200 calls.
+    iters = calls_per_round(nbytes, 8 * 2**20, 200)
     algs = {"ours": lambda: ours(buf), "torch": lambda: dist.all_reduce(buf)}
     for fn in algs.values():
         fn()  # warm-up: first-call costs (buffer allocation, connection set-up) are not the algorithm's
     times = {name: [] for name in algs}
-    slowest = torch.zeros(1, dtype=torch.float64, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for r in range(rounds):
         names = ["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]
         for name in names:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                algs[name]()
-            sync()  # NCCL returns before the GPU is done; time the work, not the launch
-            slowest[0] = (time.perf_counter() - t0) / iters
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[name].append(slowest.item())
+            times[name].append(time_calls(algs[name], iters, device))
     return BenchRow(nbytes=count * 4, count=count, dtype="float32", world_size=n,
                     ours_s=statistics.median(times["ours"]), torch_s=statistics.median(times["torch"]),
                     wrong=wrong)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commlab.bench.timing import calls_per_round, slowest_rank
 from commlab.collectives import p2p
 from commlab.collectives.ring import ring_all_reduce, ring_all_reduce_seconds
 from commlab.launch import launch
@@ -59,12 +60,6 @@ DEFAULT_VALIDATION_SIZES = tuple(4**k * 65536 for k in range(5))
 _METHODS = ("ring_exchange", "pingpong")
 
 
-def _iters_for(nbytes: int, payload: int = 2 * 2**20, most: int = 100) -> int:
-    # About `payload` bytes per timed round: small messages need many calls to rise above the timer's
-    # and the barrier's cost, large ones need only one.
-    return int(min(most, max(1, payload // max(nbytes, 1))))
-
-
 def _check_sizes(sizes: Iterable[int], least: int = 1) -> list[int]:
     sizes = [int(s) for s in sizes]
     if not sizes:
@@ -79,12 +74,6 @@ def _check_common(world_size: int, rounds: int, least_ranks: int) -> None:
         raise ValueError(f"world_size must be an int >= {least_ranks}, got {world_size!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _progress_line(what: str, nbytes: int, rounds_s: Sequence[float]) -> str:
@@ -187,13 +176,13 @@ def _one_round(tasks: Sequence[tuple[str, int]]) -> list[float]:
     for kind, nbytes in tasks:
         call, units = _CALLS[kind](nbytes)
         payload = nbytes * units if kind != "add" else nbytes // dist.get_world_size()
-        iters = _iters_for(payload, most=100 if kind != "add" else 1000)
+        iters = calls_per_round(payload, 2 * 2**20, 100 if kind != "add" else 1000)
         call()  # warm-up: connection set-up and first-touch allocation are not the link's
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             call()
-        out.append(_slowest((time.perf_counter() - t0) / (iters * units)))
+        out.append(slowest_rank((time.perf_counter() - t0) / (iters * units)))
     return out
 
 

@@ -245,6 +245,13 @@ def check_cost_args(nbytes: float, n: int | None = None, **rates: float) -> None
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
+def check_counts(**counts: int) -> None:
+    """Raise ``ValueError`` naming the first count (nodes, devices, NICs, ...) that is not an int >= 1."""
+    for name, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
 def ceil_log2(n: int) -> int:
     """``ceil(log2 n)`` for an integer ``n >= 1``, computed exactly (0 for n = 1)."""
     return (n - 1).bit_length()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from commlab.collectives._common import check_counts
 from commlab.collectives.halving_doubling import (recursive_doubling_all_reduce_seconds,
                                                   rhd_all_reduce_seconds)
 from commlab.collectives.hierarchical import hierarchical_all_reduce_seconds, ring_all_reduce_seconds_on
@@ -110,9 +111,7 @@ def predict_on_cluster(nbytes: float, nodes: int, devices_per_node: int, intra: 
     Raises:
         ValueError: bad counts or sizes.
     """
-    for name, v in (("nodes", nodes), ("devices_per_node", devices_per_node), ("nics_per_node", nics_per_node)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_counts(nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
     placement = [r // devices_per_node for r in range(nodes * devices_per_node)]
     out = {
         "ring, topology order": ring_all_reduce_seconds_on(nbytes, topology_aware_ring(placement), placement,

@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import (as_int64, check_agreement, check_cost_args, chunk_bounds, group_size_and_rank, ring_geometry,
-                                         work_buffer, write_back)
+from commlab.collectives._common import (as_int64, check_agreement, check_cost_args, check_counts, chunk_bounds,
+                                         group_size_and_rank, ring_geometry, work_buffer, write_back)
 from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
                                       ring_all_reduce_seconds)
 from commlab.topology.emulated import EmulatedTopology
@@ -171,13 +171,6 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchyGroups, *, in
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code
 
-def _check_sizes(nbytes, **counts):
-    check_cost_args(nbytes)
-    for name, v in counts.items():
-        if isinstance(v, bool) or not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-
-
 def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node: int, intra: Link,
                                     inter: Link, nics_per_node: int = 1) -> float:
     """α-β time of :func:`hierarchical_all_reduce` on ``nbytes`` bytes, ``nodes`` × ``devices_per_node`` ranks.
@@ -200,7 +193,8 @@ def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node:
     Raises:
         ValueError: a count < 1 or ``nbytes < 0``.
     """
-    _check_sizes(nbytes, nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
+    check_cost_args(nbytes)
+    check_counts(nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
     d = devices_per_node
     share = max(1.0, d / nics_per_node)
     t_intra = ring_all_reduce_seconds(nbytes, d, intra.alpha_s, intra.beta_s_per_byte)
@@ -234,7 +228,8 @@ def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: S
         ValueError: ``order`` not a permutation of ``range(len(placement))``, ``nbytes < 0``, or
             ``nics_per_node < 1``.
     """
-    _check_sizes(nbytes, nics_per_node=nics_per_node)
+    check_cost_args(nbytes)
+    check_counts(nics_per_node=nics_per_node)
     order = [int(r) for r in order]
     n = len(placement)
     if sorted(order) != list(range(n)):
