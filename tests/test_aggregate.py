@@ -139,10 +139,12 @@ def _non_finite():
     return aggregate(x, SignCompressor()).sum
 
 
-def test_non_finite_input_fails_on_the_rank_that_holds_it():
+def test_non_finite_input_fails_on_every_rank_naming_the_rank_that_holds_it():
+    # Every rank raises (they agree before sending), so which one the launcher reports first is a race;
+    # the message names the rank that held the NaN.
     with pytest.raises(RankError) as info:
         launch(_non_finite, 2, timeout=30)
-    assert info.value.rank == 1 and "FloatingPointError" in str(info.value)
+    assert info.value.exc_type == "FloatingPointError" and "rank(s) [1] hold NaN" in str(info.value)
 
 
 def _nan_on_rank_zero_skip_and_continue():
