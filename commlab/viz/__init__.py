@@ -7,3 +7,7 @@ __all__ = ["ring_states", "plot_ring_schedule", "plot_bench"]
 from commlab.viz.pipeline import plot_timeline
 
 __all__ += ["plot_timeline"]
+
+from commlab.viz.overlap import plot_overlap_timeline
+
+__all__ += ["plot_overlap_timeline"]
