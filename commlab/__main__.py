@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--compressors", action="store_true",
                        help="compressor throughput beside the torch primitives, and our PowerSGD hook's DDP step "
                             "time beside PyTorch's (uses --world-size and --rounds)")
+    bench.add_argument("--overlap", action="store_true",
+                       help="bucket size vs step time: our overlapped data parallelism beside DDP with the same "
+                            "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
+                            "capped at the cores, and 2 x --rounds timed steps)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
     plan.add_argument("--model", required=True, help="a model of data/models.json, e.g. llama3-405b")
     plan.add_argument("--preset", required=True, help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr")
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compressors:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), repeats=args.rounds)
+        if args.overlap:
+            from commlab.bench.overlap import print_overlap_bench
+            return print_overlap_bench(world_size=args.world_size, steps=2 * args.rounds)
         if args.emulate:
             return _bench_emulated(args, parser, hi)
         if args.algorithms:

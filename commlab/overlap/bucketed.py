@@ -569,7 +569,8 @@ class BucketedDataParallel(nn.Module):
                 bucket = Bucket(self._bucket_bufs[b], b, b == len(self.buckets) - 1,
                                 [self._params[k] for k in self._members[b]], self._views[b])
                 fut = self._hook(self._hook_state, bucket)
-                if not isinstance(fut, torch.futures.Future):
+                # dist's futures are torch._C.Future; torch.futures.Future wraps the same type.
+                if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
                     raise ValueError(f"the comm hook returned {type(fut).__name__}; it must return a "
                                      "torch.futures.Future of the averaged bucket buffer")
             timing.launched_s = time.perf_counter()

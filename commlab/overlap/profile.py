@@ -142,7 +142,7 @@ def intersection_length(intervals: Sequence[tuple[float, float]], window: tuple[
     return union_length(clipped)
 
 
-#: The MLP of the chapter's measurements and of ``bench --overlap``: 7.7 M parameters (30.6 MiB of float32
+#: The MLP of the chapter's measurements and of ``bench --overlap``: 8.0 M parameters (30.7 MiB of float32
 #: gradients) in tensors from 40 B to 16 MiB, so that 64 KiB, 1 MiB, 25 MiB and one bucket give 6, 4, 2 and 1
 #: buckets; big enough that gloo's AllReduce of it takes about as long as backward on one core.
 MEASURE_WIDTHS = (512, 2048, 2048, 1024, 512, 256, 128, 10)
