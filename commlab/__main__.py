@@ -63,7 +63,20 @@ def main(argv: list[str] | None = None) -> int:
                       help="share of peak FLOP/s the matmuls reach (default 0.5, see time_model)")
     plan.add_argument("--dp-overlap", type=float, default=0.0, help="share of the DP AllReduce hidden (0..1, default 0)")
     plan.add_argument("--even-stages", action="store_true", help="only pp values that divide the layer count")
+    exp = sub.add_parser("experiments", help="chapter 8: train with every compressor, record to data/experiments/")
+    exp_sub = exp.add_subparsers(dest="action", required=True)
+    exp_run = exp_sub.add_parser("run", help="run a grid (resumes: runs already recorded are skipped)")
+    exp_run.add_argument("--grid", default="full", choices=["full", "quick"], help="which grid (default full)")
+    exp_run.add_argument("--out", default=None, help="JSON-lines file (default data/experiments/<grid>.jsonl)")
+    exp_run.add_argument("--fresh", action="store_true", help="discard the recorded runs and start over")
+    exp_val = exp_sub.add_parser("slow-link", help="measure step times on an emulated slow link beside the "
+                                                   "time model's prediction (data/experiments/slow_link.json)")
+    exp_val.add_argument("--out", default=None, help="JSON file (default data/experiments/slow_link.json)")
+    exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
+    exp_tab.add_argument("--records", default=None, help="JSON-lines file (default data/experiments/full.jsonl)")
     args = parser.parse_args(argv)
+    if args.command == "experiments":
+        return _experiments(args)
     if args.command == "plan":
         return _plan(args, parser)
 
@@ -202,6 +215,27 @@ def _plan(args, parser) -> int:
         print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f} {r['compute_s']:>8.3f} {r['tp_s']:>7.3f} {r['pp_s']:>7.3f} "
               f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>7.1f} {r['tokens_per_s']:>11.4g} "
               f"{r['tflops_per_gpu']:>12.0f}")
+    return 0
+
+
+def _experiments(args) -> int:
+    from commlab.experiments import grid
+
+    if args.action == "run":
+        path = args.out or grid.default_path(args.grid)
+        records = grid.run_grid(grid.grid_configs(args.grid), path, fresh=args.fresh)
+        print(f"{len(records)} runs recorded in {path}")
+        return 0
+    if args.action == "slow-link":
+        from commlab.experiments import slow_link
+        result = slow_link.measure(progress=True)
+        path = slow_link.save(result, args.out)
+        print(slow_link.format_table(result))
+        print(f"recorded in {path}")
+        return 0
+    from commlab.experiments import analysis
+    records = grid.load_records(args.records or grid.default_path("full"))
+    print(analysis.format_article_table(analysis.article_table(records)))
     return 0
 
 

@@ -24,11 +24,12 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
+from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.collectives._common import (SUPPORTED_DTYPES, CollectiveMismatchError, all_gather_single,
                                          group_size_and_rank)
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.error_feedback import ErrorFeedback
+from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["Aggregated", "aggregate", "SparseRingFillIn", "sparse_ring_fill_in", "expected_union_support",
            "union_support_sizes"]
@@ -103,7 +104,8 @@ def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
 
 
 def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,
-              error_feedback: ErrorFeedback | None = None, key: Hashable | None = None) -> Aggregated:
+              error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
+              emulate: EmulatedTopology | None = None) -> Aggregated:
     """Compress ``tensor`` on every rank and return the sum over ranks of the decompressed tensors.
 
     Args:
@@ -113,6 +115,10 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
         error_feedback: an :class:`ErrorFeedback` wrapping ``compressor`` (the same object), to compress
             ``tensor + residual`` and keep the new residual under ``key``.
         key: the residual's name; required with ``error_feedback``.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` whose link delays every payload message
+            (chapter 8 measures compression on an emulated slow link this way). Both paths then use
+            commlab's ring (AllReduce, or AllGather in place of ``dist.all_gather``), whose sends the
+            emulation can delay; the small agreement collectives are not delayed.
 
     Returns:
         :class:`Aggregated` with the sum (input shape and dtype), the payload bytes, the bytes each rank
@@ -151,7 +157,7 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
                 raise TypeError(f"aggregate: payload tensor {tname!r} of {name} has dtype {t.dtype}, which the "
                                 "ring cannot add; a linear compressor must send an addable dtype")
             # Agreement was checked above for all payload tensors at once, so the ring skips its own check.
-            summed[tname] = ring_all_reduce(t, group, check=False)
+            summed[tname] = ring_all_reduce(t, group, check=False, emulate=emulate)
         result = compressor.decompress(Payload(summed, payload.shape, payload.dtype, payload.meta))
         return Aggregated(result, nbytes, ring_bytes_sent_per_rank(nbytes, size, "all_reduce"), "all_reduce")
 
@@ -159,6 +165,8 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
     for tname, t in payload.tensors.items():
         if size == 1 or t.numel() == 0:
             parts = [t] * size  # nothing to move (equal sizes were agreed, so every rank skips alike)
+        elif emulate is not None:
+            parts = list(ring_all_gather(t, group, emulate=emulate).view(size, *t.shape).unbind(0))
         else:
             parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t.contiguous(), group=group)

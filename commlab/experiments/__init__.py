@@ -1,0 +1,13 @@
+"""Chapter 8: does compression pay? Training experiments, their records, and the time-to-accuracy model.
+
+* :mod:`~commlab.experiments.corpus`, :mod:`~commlab.experiments.charlm`, :mod:`~commlab.experiments.tasks`:
+  the two tasks (digits MLP; character-level transformer on Python's own documentation).
+* :mod:`~commlab.experiments.methods`: gradient averaging by spec (``"topk:0.01"``), timed.
+* :mod:`~commlab.experiments.harness`: one data-parallel run, recorded step by step.
+* :mod:`~commlab.experiments.grid`: the grids and ``python -m commlab experiments run``.
+"""
+
+from commlab.experiments.harness import RunConfig, RunRecord, run
+from commlab.experiments.methods import describe, make_method, parse_spec
+
+__all__ = ["RunConfig", "RunRecord", "run", "describe", "make_method", "parse_spec"]

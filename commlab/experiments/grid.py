@@ -1,0 +1,130 @@
+"""The experiment grids of chapter 8 and the command that runs them into ``data/experiments/``.
+
+``python -m commlab experiments run --grid full`` trains every method of :data:`FULL_METHODS` on both
+tasks for :data:`FULL_SEEDS`, appending one JSON line per finished run (its whole :class:`RunRecord`,
+config included) to ``data/experiments/full.jsonl``; runs already in the file are skipped, so an
+interrupted grid resumes where it stopped (``--fresh`` starts over). ``--grid quick`` is the lab's short
+version. Progress: a tqdm bar over runs and one line per finished run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Iterable
+
+from commlab.experiments.harness import RunConfig, RunRecord, run
+
+__all__ = ["FULL_METHODS", "FULL_SEEDS", "QUICK_METHODS", "grid_configs", "run_grid", "load_records",
+           "default_path", "DATA_DIR"]
+
+DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "experiments"
+
+#: (spec, error feedback, dense warm-up steps as a share of the run) of the full grid.
+FULL_METHODS: list[tuple[str, bool, float]] = [
+    ("dense", False, 0.0),
+    ("cast:fp16", False, 0.0), ("cast:bf16", False, 0.0),
+    ("int:8", False, 0.0), ("int:4", False, 0.0), ("int:4", True, 0.0), ("qsgd:4", False, 0.0),
+    ("sign", False, 0.0), ("sign", True, 0.0),
+    ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0),
+    ("randomk:0.01", False, 0.0), ("randomk:0.01", True, 0.0),
+    ("powersgd:1", True, 0.0), ("powersgd:2", True, 0.0), ("powersgd:4", True, 0.0), ("powersgd:8", True, 0.0),
+    ("powersgd:4", False, 0.0),
+    # Warm-up: 10 % of the steps dense before compressing (PowerSGD's start_iter, applied to all three).
+    ("topk:0.01", True, 0.1), ("sign", True, 0.1), ("powersgd:1", True, 0.1),
+]
+FULL_SEEDS = (0, 1, 2)
+FULL_TASKS = ("digits", "charlm")
+
+#: The lab's grid: a few methods, one seed, the digits task on 2 ranks, short runs.
+QUICK_METHODS: list[tuple[str, bool, float]] = [
+    ("dense", False, 0.0), ("cast:fp16", False, 0.0), ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0),
+    ("sign", True, 0.0), ("powersgd:2", True, 0.0)]
+
+
+def grid_configs(name: str) -> list[RunConfig]:
+    """The runs of grid ``name`` (``"full"`` or ``"quick"``), in the order they run.
+
+    Raises:
+        ValueError: an unknown grid.
+    """
+    if name == "full":
+        out = []
+        for task in FULL_TASKS:
+            steps = RunConfig(task).resolved().steps
+            for seed in FULL_SEEDS:
+                for spec, ef, warm in FULL_METHODS:
+                    out.append(RunConfig(task, spec, ef, int(round(warm * steps)), seed=seed, world_size=4))
+        return out
+    if name == "quick":
+        return [RunConfig("digits", spec, ef, int(round(warm * 60)), seed=0, world_size=2, steps=60)
+                for spec, ef, warm in QUICK_METHODS]
+    raise ValueError(f"unknown grid {name!r}; choose 'full' or 'quick'")
+
+
+def default_path(name: str) -> pathlib.Path:
+    """Where grid ``name`` is recorded: ``data/experiments/<name>.jsonl``."""
+    return DATA_DIR / f"{name}.jsonl"
+
+
+def load_records(path: str | os.PathLike) -> list[RunRecord]:
+    """Every :class:`RunRecord` of a JSON-lines file written by :func:`run_grid`, in file order.
+
+    Raises:
+        FileNotFoundError: no such file (the message says how to create it).
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments run`")
+    with open(path) as f:
+        return [RunRecord.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+def run_grid(configs: Iterable[RunConfig], path: str | os.PathLike | None = None, *, fresh: bool = False,
+             progress: bool = True) -> list[RunRecord]:
+    """Run ``configs`` one after another; append each record to ``path`` (if given) as it finishes.
+
+    Args:
+        configs: the runs (e.g. :func:`grid_configs`).
+        path: a ``.jsonl`` file; runs whose :attr:`RunConfig.key` it already holds are loaded, not rerun.
+        fresh: truncate ``path`` first.
+        progress: show a tqdm bar (on stderr) and one line per run.
+
+    Returns:
+        The records of ``configs``, in their order.
+    """
+    from tqdm.auto import tqdm
+
+    configs = list(configs)
+    done: dict[str, RunRecord] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and path.exists():
+            path.unlink()
+        if path.exists():
+            for rec in load_records(path):
+                done[RunConfig(**rec.config).key] = rec
+    records = []
+    bar = tqdm(configs, desc="runs", unit="run", disable=not progress, file=sys.stderr)
+    for cfg in bar:
+        key = cfg.key
+        if key in done:
+            records.append(done[key])
+            continue
+        bar.set_postfix_str(f"{cfg.task} {cfg.label} seed {cfg.seed}")
+        rec = run(cfg)
+        records.append(rec)
+        done[key] = rec
+        if path is not None:
+            with open(path, "a") as f:
+                f.write(json.dumps(rec.to_json()) + "\n")
+        if progress:
+            q = "diverged" if rec.diverged_at_step is not None else f"{rec.metric} {rec.final_quality:.4g}"
+            bar.write(f"{cfg.task:7s} {cfg.label:32s} seed {cfg.seed}: {q}, ratio {rec.ratio:.1f}, "
+                      f"{rec.wall_s:.1f} s")
+    return records

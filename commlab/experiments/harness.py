@@ -1,0 +1,247 @@
+"""One data-parallel training run with a chosen gradient-averaging method, recorded step by step.
+
+:func:`run` launches ``config.world_size`` gloo ranks (:func:`commlab.launch`); every rank trains the
+same model on its own mini-batches, averages the gradients with :func:`commlab.experiments.methods.make_method`
+and takes the same optimizer step. Per step each rank records its loss and its seconds of compute
+(forward + backward), encode/decode, communication and the whole step; the parent combines the ranks
+(mean loss; the slowest rank's seconds, since the ranks wait for each other in every collective) into
+a :class:`RunRecord`. Every ``eval_every`` steps the ranks score their shares of the held-out set; that
+time is not part of any step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+
+from commlab.experiments.methods import describe, make_method, parse_spec
+from commlab.experiments.tasks import get_task
+from commlab.topology.emulated import EmulatedTopology
+from commlab.topology.links import Link
+
+__all__ = ["RunConfig", "RunRecord", "run", "train_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run (JSON-serialisable; ``None`` fields take the task's defaults).
+
+    Attributes:
+        task: ``"digits"`` or ``"charlm"`` (:mod:`commlab.experiments.tasks`).
+        method: a method spec (:mod:`commlab.experiments.methods`), e.g. ``"topk:0.01"``.
+        error_feedback: wrap the compressor in error feedback (PowerSGD: its own residuals).
+        warmup_steps: dense steps before compression starts.
+        seed: model initialisation and mini-batch draws (and the compressors' shared randomness).
+        world_size: ranks (>= 2 for anything to be communicated).
+        steps, batch_size, lr, eval_every: the task's defaults when None; ``batch_size`` is per rank.
+        link_bytes_per_s, link_alpha_s: if ``link_bytes_per_s`` is set, every rank sits on its own emulated
+            node behind a link of that bandwidth (bytes/s per direction) and latency (s), which delays each
+            payload message (:class:`commlab.topology.EmulatedTopology`).
+
+    Raises:
+        ValueError: a bad task, method or number (the message says which).
+    """
+
+    task: str
+    method: str = "dense"
+    error_feedback: bool = False
+    warmup_steps: int = 0
+    seed: int = 0
+    world_size: int = 4
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    eval_every: int | None = None
+    link_bytes_per_s: float | None = None
+    link_alpha_s: float = 0.0
+
+    def __post_init__(self):
+        get_task_class_check(self.task)
+        parse_spec(self.method)
+        for name in ("warmup_steps", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"RunConfig.{name} must be an int >= 0, got {v!r}")
+        for name in ("world_size", "steps", "batch_size", "eval_every"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"RunConfig.{name} must be an int >= 1 (or None for the task's default), got {v!r}")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
+            raise ValueError(f"RunConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.link_bytes_per_s is not None and not 0 < self.link_bytes_per_s < math.inf:
+            raise ValueError(f"RunConfig.link_bytes_per_s must be > 0 bytes/s, got {self.link_bytes_per_s!r}")
+        if self.link_bytes_per_s is not None and self.method.startswith("powersgd"):
+            raise ValueError("an emulated link delays commlab's ring collectives only; PowerSGD uses dist.all_reduce")
+
+    def resolved(self) -> "RunConfig":
+        """This config with the task's defaults filled in."""
+        d = get_task_class_check(self.task).defaults
+        return dataclasses.replace(self, steps=self.steps or d.steps, batch_size=self.batch_size or d.batch_size,
+                                   lr=self.lr or d.lr, eval_every=self.eval_every or d.eval_every)
+
+    @property
+    def label(self) -> str:
+        return describe(self.method, self.error_feedback, self.warmup_steps)
+
+    @property
+    def key(self) -> str:
+        """A unique, readable id of the resolved run (used to resume a grid)."""
+        c = self.resolved()
+        link = "" if c.link_bytes_per_s is None else f"|link={c.link_bytes_per_s:g}B/s,{c.link_alpha_s:g}s"
+        return (f"{c.task}|{c.method}|ef={int(c.error_feedback)}|warmup={c.warmup_steps}|seed={c.seed}|"
+                f"n={c.world_size}|steps={c.steps}|bs={c.batch_size}|lr={c.lr:g}|eval={c.eval_every}{link}")
+
+
+def get_task_class_check(name):
+    from commlab.experiments.tasks import TASKS
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """A finished run. Per-step lists have one entry per completed step.
+
+    Attributes:
+        config: the resolved :class:`RunConfig` as a dict.
+        label: e.g. ``"Top-K 1% + EF"``.
+        metric, higher_is_better: the task's quality measure (``"accuracy"`` or ``"perplexity"``).
+        params: parameters of the model; dense_nbytes: bytes of its float32 gradient.
+        payload_nbytes: bytes of one rank's compressed gradient (of the last step; the dense size for dense).
+        bytes_sent_per_rank: bytes each rank sent per compressed step (ring accounting, chapter 4).
+        path: how the payloads were summed (``"all_reduce"``, ``"all_gather"`` or ``"powersgd"``).
+        loss: training loss per step, mean over ranks (nats).
+        compute_s, codec_s, comm_s, step_s: seconds per step, slowest rank.
+        eval_steps, eval_quality: quality after each evaluated step count (0 = the initial model).
+        final_quality: quality of the final model (NaN if the run diverged).
+        diverged_at_step: None, or the step whose gradient held NaN/Inf on some rank (the run stopped there).
+        wall_s: seconds of the whole launch.
+    """
+
+    config: dict
+    label: str
+    metric: str
+    higher_is_better: bool
+    params: int
+    dense_nbytes: int
+    payload_nbytes: int
+    bytes_sent_per_rank: float
+    path: str
+    loss: list[float]
+    compute_s: list[float]
+    codec_s: list[float]
+    comm_s: list[float]
+    step_s: list[float]
+    eval_steps: list[int]
+    eval_quality: list[float]
+    final_quality: float
+    diverged_at_step: int | None
+    wall_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: dense float32 gradient bytes / payload bytes."""
+        return self.dense_nbytes / self.payload_nbytes if self.payload_nbytes else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        # JSON has no NaN: store a diverged run's quality as null.
+        d["final_quality"] = None if math.isnan(self.final_quality) else self.final_quality
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RunRecord":
+        d = dict(d)
+        d["final_quality"] = math.nan if d["final_quality"] is None else d["final_quality"]
+        return cls(**d)
+
+
+def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> dict[str, Any]:
+    """One rank's part of :func:`run` (call inside every rank; ``config`` resolved). Returns plain lists."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    task = get_task(config.task)
+    model = task.build(config.seed)
+    opt = task.optimizer(model, config.lr)
+    params = list(model.parameters())
+    method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate)
+    gen = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
+    out = {k: [] for k in ("loss", "compute_s", "codec_s", "comm_s", "step_s", "evals")}
+    out.update(payload_nbytes=0, bytes_sent_per_rank=0.0, path="", diverged_at_step=None,
+               params=sum(p.numel() for p in params))
+
+    def evaluate(step):
+        model.eval()
+        out["evals"].append((step, *task.evaluate(model, rank, n)))
+        model.train()
+
+    evaluate(0)
+    for step in range(config.steps):
+        t0 = time.perf_counter()
+        batch = task.batch(rank, n, config.batch_size, gen)
+        opt.zero_grad(set_to_none=False)
+        loss = task.loss(model, batch)
+        loss.backward()
+        t1 = time.perf_counter()
+        try:
+            avg, comm = method.average([p.grad for p in params])
+        except FloatingPointError:
+            out["diverged_at_step"] = step
+            break
+        for p, g in zip(params, avg):
+            p.grad.copy_(g)
+        opt.step()
+        out["step_s"].append(time.perf_counter() - t0)
+        out["compute_s"].append(t1 - t0)
+        out["codec_s"].append(comm.codec_s)
+        out["comm_s"].append(comm.comm_s)
+        out["loss"].append(loss.item())
+        out["payload_nbytes"], out["bytes_sent_per_rank"], out["path"] = (
+            comm.payload_nbytes, comm.bytes_sent_per_rank, comm.path)
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            evaluate(step + 1)
+    return out
+
+
+def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:
+    """Launch the ranks, train, and combine their records.
+
+    Raises:
+        ValueError: a bad config. commlab.launch's errors if a rank fails (the message names it).
+    """
+    from commlab.launch import launch
+
+    config = config.resolved()
+    emulate = None
+    if config.link_bytes_per_s is not None:
+        emulate = EmulatedTopology(config.world_size, 1, Link.from_bandwidth(config.link_bytes_per_s,
+                                                                             config.link_alpha_s, "emulated"))
+    t0 = time.perf_counter()
+    ranks = launch(train_rank, config.world_size, config, emulate, timeout=timeout, print_output=False)
+    wall = time.perf_counter() - t0
+    task_cls = get_task_class_check(config.task)
+    r0 = ranks[0]
+    steps = len(r0["loss"])
+    # Every rank evaluated its share at the same steps: add the shares.
+    eval_steps = [e[0] for e in r0["evals"]]
+    quality = []
+    for i in range(len(eval_steps)):
+        total = sum(r["evals"][i][1] for r in ranks)
+        count = sum(r["evals"][i][2] for r in ranks)
+        quality.append(task_cls.quality(total, count))
+    diverged = r0["diverged_at_step"]
+    slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("compute_s", "codec_s", "comm_s", "step_s")}
+    dense_nbytes = r0["params"] * 4
+    return RunRecord(
+        config=dataclasses.asdict(config), label=config.label, metric=task_cls.metric,
+        higher_is_better=task_cls.higher_is_better, params=r0["params"], dense_nbytes=dense_nbytes,
+        payload_nbytes=r0["payload_nbytes"], bytes_sent_per_rank=r0["bytes_sent_per_rank"], path=r0["path"],
+        loss=[sum(r["loss"][i] for r in ranks) / len(ranks) for i in range(steps)], **slowest,
+        eval_steps=eval_steps, eval_quality=quality,
+        final_quality=math.nan if diverged is not None else quality[-1], diverged_at_step=diverged, wall_s=wall)

@@ -1,0 +1,161 @@
+"""Check the time-to-accuracy model on an emulated slow link (``python -m commlab experiments slow-link``).
+
+For each method, one run without emulation measures what the step costs on this machine (compute,
+encode/decode and the machine's own transport: ``base``); then the same run (same seed, so the same
+numbers and the same quality curve) is repeated with every rank behind an emulated link of bandwidth
+B and latency α (:class:`commlab.topology.EmulatedTopology`, one rank per node). The model predicts
+
+    step(B) = base + a·α + b/B        (a, b: :func:`commlab.experiments.time_to_accuracy.comm_coefficients`)
+
+and time to target = the base run's own seconds to the target step + steps × (a·α + b/B) (the first steps
+of a run are slower than the median: connections are set up); the measured values come from the
+emulated runs.
+The break-even bandwidth between each compressor and dense follows from the same model
+(:func:`~commlab.experiments.time_to_accuracy.break_even`); the emulated runs at bandwidths on either side
+of it show whether the predicted winner wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import time
+
+from commlab.experiments.grid import DATA_DIR
+from commlab.experiments.harness import RunConfig, RunRecord, run
+from commlab.experiments.time_to_accuracy import (StepCosts, break_even, comm_coefficients, costs_from_record,
+                                                  steps_to_target)
+
+__all__ = ["DEFAULT_METHODS", "DEFAULT_BYTES_PER_S", "DEFAULT_ALPHA_S", "measure", "save", "load", "format_table"]
+
+DEFAULT_METHODS = (("dense", False), ("cast:fp16", False), ("int:8", False), ("topk:0.01", True), ("sign", True))
+#: Emulated link bandwidths, bytes/s per direction: 5 MB/s (dense communication dominates the character LM's
+#: step) and 50 MB/s (it does not).
+DEFAULT_BYTES_PER_S = (5e6, 50e6)
+DEFAULT_ALPHA_S = 0.5e-3
+
+
+def _median_step(rec: RunRecord, skip: int) -> float:
+    start = max(skip, rec.config["warmup_steps"])
+    return statistics.median(rec.step_s[start:])
+
+
+def measure(task: str = "charlm", world_size: int = 4, steps: int = 120, seed: int = 0, methods=DEFAULT_METHODS,
+            bytes_per_s=DEFAULT_BYTES_PER_S, alpha_s: float = DEFAULT_ALPHA_S, target_fraction: float = 0.75,
+            skip: int = 5, progress: bool = True) -> dict:
+    """Run every method without and with each emulated link; return predicted beside measured times.
+
+    Returns:
+        A JSON-serialisable dict: ``settings``; ``target`` (the dense run's quality at ``target_fraction``
+        of its steps); ``rows``, one per (method, bandwidth) with ``predicted_step_s``, ``measured_step_s``,
+        ``steps_to_target``, ``predicted_tta_s``, ``measured_tta_s`` (seconds to target; measured = the emulated
+        run's own step times summed up to that step); ``break_even``, one per compressor (bytes/s and
+        verdict); ``records``: the runs.
+
+    Raises:
+        ValueError: ``methods`` without ``("dense", False)``, PowerSGD (which the emulation cannot delay),
+            or an emulated run whose quality curve differs from its base run's (the emulation must only
+            add time).
+    """
+    from tqdm.auto import tqdm
+
+    methods = [tuple(m) for m in methods]
+    if ("dense", False) not in methods:
+        raise ValueError("methods must include ('dense', False): it is what every break-even is against")
+    configs = [RunConfig(task, spec, ef, seed=seed, world_size=world_size, steps=steps) for spec, ef in methods]
+    jobs = [(c, None) for c in configs] + [(c, b) for c in configs for b in bytes_per_s]
+    records: dict[tuple, RunRecord] = {}
+    bar = tqdm(jobs, desc="slow link", unit="run", disable=not progress)
+    for cfg, bw in bar:
+        bar.set_postfix_str(f"{cfg.label} @ {'native' if bw is None else f'{bw / 1e6:g} MB/s'}")
+        c = cfg if bw is None else dataclasses.replace(cfg, link_bytes_per_s=bw, link_alpha_s=alpha_s)
+        records[(cfg.method, cfg.error_feedback, bw)] = run(c)
+    dense_base = records[("dense", False, None)]
+    at = target_fraction * dense_base.config["steps"]
+    target = dense_base.eval_quality[next(i for i, s in enumerate(dense_base.eval_steps) if s >= at)]
+    hib = dense_base.higher_is_better
+    rows, base_costs, base_steps = [], {}, {}
+    for spec, ef in methods:
+        base = records[(spec, ef, None)]
+        costs = costs_from_record(base, skip)
+        # Everything measured without emulation goes into the fixed part; the emulated link adds a·α + b·β.
+        base_costs[(spec, ef)] = StepCosts(base.label, _median_step(base, skip), 0.0, costs.payload_nbytes,
+                                           costs.path, costs.world_size, costs.collectives)
+        s_t = steps_to_target(base.eval_steps, base.eval_quality, target, hib)
+        base_steps[(spec, ef)] = s_t
+        a, b = comm_coefficients(costs)
+        for bw in bytes_per_s:
+            rec = records[(spec, ef, bw)]
+            if any(abs(x - y) > 1e-6 * max(1.0, abs(y)) for x, y in zip(rec.eval_quality, base.eval_quality)):
+                raise ValueError(f"{base.label}: the emulated run's quality differs from the base run's")
+            pred = base_costs[(spec, ef)].compute_s + a * alpha_s + b / bw
+            meas = _median_step(rec, skip)
+            rows.append(dict(label=base.label, method=spec, error_feedback=ef, bytes_per_s=bw,
+                             base_step_s=base_costs[(spec, ef)].compute_s, predicted_step_s=pred,
+                             measured_step_s=meas, error_pct=100 * (pred - meas) / meas, steps_to_target=s_t,
+                             # The fixed part as the base run measured it (first steps included), plus the link.
+                             predicted_tta_s=math.inf if s_t is None else sum(base.step_s[:s_t]) + s_t * (pred - base_costs[(spec, ef)].compute_s),
+                             measured_tta_s=math.inf if s_t is None else sum(rec.step_s[:s_t])))
+    dense_c, dense_s = base_costs[("dense", False)], base_steps[("dense", False)]
+    breaks = []
+    for (spec, ef), c in base_costs.items():
+        if spec == "dense":
+            continue
+        be = break_even(dense_c, dense_s, c, base_steps[(spec, ef)], alpha_s)
+        breaks.append(dict(label=c.label, method=spec, error_feedback=ef, bytes_per_s=be.bytes_per_s, verdict=be.verdict))
+    return dict(settings=dict(task=task, world_size=world_size, steps=steps, seed=seed, alpha_s=alpha_s,
+                              bytes_per_s=list(bytes_per_s), target_fraction=target_fraction, skip=skip,
+                              date=time.strftime("%Y-%m-%d")),
+                target=target, metric=dense_base.metric, rows=rows, break_even=breaks,
+                records=[dict(bytes_per_s=k[2], record=r.to_json()) for k, r in records.items()])
+
+
+def _finite(x):
+    return None if isinstance(x, float) and math.isinf(x) else x
+
+
+def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write :func:`measure`'s result as JSON (default ``data/experiments/slow_link.json``); inf becomes null."""
+    path = pathlib.Path(path) if path else DATA_DIR / "slow_link.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean = dict(result, rows=[{k: _finite(v) for k, v in r.items()} for r in result["rows"]])
+    path.write_text(json.dumps(clean, indent=1) + "\n")
+    return path
+
+
+def load(path: str | pathlib.Path | None = None) -> dict:
+    """Read a result written by :func:`save` (null times back to inf).
+
+    Raises:
+        FileNotFoundError: with the command that records it.
+    """
+    path = pathlib.Path(path) if path else DATA_DIR / "slow_link.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments slow-link`")
+    result = json.loads(path.read_text())
+    for r in result["rows"]:
+        for k in ("predicted_tta_s", "measured_tta_s"):
+            if r[k] is None:
+                r[k] = math.inf
+    return result
+
+
+def format_table(result: dict) -> str:
+    """Predicted beside measured step times and times to target, then the predicted break-even bandwidths."""
+    lines = [f"{result['settings']['task']}, {result['settings']['world_size']} ranks, target {result['metric']} "
+             f"{result['target']:.4g}, emulated α = {result['settings']['alpha_s'] * 1e3:g} ms",
+             f"{'method':24s} {'link':>9s} {'step pred':>10s} {'step meas':>10s} {'error':>7s} "
+             f"{'steps':>6s} {'to target pred':>15s} {'meas':>8s}"]
+    for r in result["rows"]:
+        steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        lines.append(f"{r['label']:24s} {r['bytes_per_s'] / 1e6:6g}MB/s {r['predicted_step_s'] * 1e3:8.1f}ms "
+                     f"{r['measured_step_s'] * 1e3:8.1f}ms {r['error_pct']:+6.1f}% {steps:>6s} "
+                     f"{r['predicted_tta_s']:14.1f}s {r['measured_tta_s']:7.1f}s")
+    lines.append("break-even bandwidth against dense (the model, from the runs without emulation):")
+    for b in result["break_even"]:
+        bw = "" if b["bytes_per_s"] is None else f" {b['bytes_per_s'] / 1e6:.3g} MB/s"
+        lines.append(f"  {b['label']:24s} {b['verdict']}{bw}")
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""Time per step, time to a target quality, and the break-even bandwidth of a compressor (chapter 8).
+
+The model. One data-parallel step of a method costs
+
+    T_step(link) = compute + codec + a·α + b·β
+
+where ``compute`` is forward + backward (seconds), ``codec`` the compressor's encode + decode (seconds),
+and the last two terms are the ring collectives of its payload over ``n`` ranks on a link of latency α
+(s) and inverse bandwidth β (s/byte), from :mod:`commlab.collectives.ring`:
+
+* AllReduce of a ``P``-byte payload (linear compressors, dense): a = 2(n-1), b = 2(n-1)/n · P;
+* AllGather of ``n`` payloads (non-linear compressors): a = n-1, b = (n-1) · P;
+* PowerSGD's two AllReduces (P, then Q): a = 4(n-1), b = 2(n-1)/n · P (P = all bytes of both).
+
+``a`` is multiplied by the number of payload tensors (each is its own collective). A method that needs
+``s`` steps to reach a target quality takes ``s · T_step``. Compression pays when that is less than the
+dense run's; since both are linear in β, the break-even is one β* (:func:`break_even`):
+
+    β* = [s_c (C_c + a_c α) - s_d (C_d + a_d α)] / (s_d b_d - s_c b_c),   C = compute + codec,
+
+and compression pays on links slower than 1/β* bytes/s. The model leaves out overlap of communication
+with backward (chapter 9), which shrinks the dense run's exposed communication and so lowers the
+break-even bandwidth further.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Sequence
+
+from commlab.experiments.methods import payload_tensors
+from commlab.collectives.ring import ring_all_gather_seconds, ring_all_reduce_seconds
+from commlab.topology.links import Link
+
+__all__ = ["StepCosts", "comm_coefficients", "comm_seconds", "step_seconds", "costs_from_record",
+           "steps_to_target", "time_to_target", "BreakEven", "break_even"]
+
+PATHS = ("all_reduce", "all_gather", "powersgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """What one step of a method costs apart from the link.
+
+    Attributes:
+        label: the method's name.
+        compute_s: forward + backward seconds; codec_s: encode + decode seconds.
+        payload_nbytes: bytes of one rank's payload; path: one of ``"all_reduce"``, ``"all_gather"``, ``"powersgd"``.
+        world_size: ranks n (>= 1). collectives: payload tensors, each its own collective (>= 1).
+
+    Raises:
+        ValueError: negative seconds or bytes, an unknown path, n < 1.
+    """
+
+    label: str
+    compute_s: float
+    codec_s: float
+    payload_nbytes: float
+    path: str
+    world_size: int
+    collectives: int = 1
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if min(self.compute_s, self.codec_s, self.payload_nbytes) < 0:
+            raise ValueError(f"StepCosts {self.label!r}: seconds and bytes must be >= 0")
+        if self.world_size < 1 or self.collectives < 1:
+            raise ValueError(f"StepCosts {self.label!r}: world_size and collectives must be >= 1")
+
+
+def comm_coefficients(costs: StepCosts) -> tuple[float, float]:
+    """(a, b): the link time of one step is ``a·α + b·β`` (a messages on the critical path, b bytes)."""
+    n, p = costs.world_size, costs.payload_nbytes
+    # Read the coefficients off the ring cost functions themselves, so the two cannot drift apart.
+    if costs.path == "all_gather":
+        a, b = ring_all_gather_seconds(0, n, 1.0, 0.0), ring_all_gather_seconds(n * p, n, 0.0, 1.0)
+    else:
+        a, b = ring_all_reduce_seconds(0, n, 1.0, 0.0), ring_all_reduce_seconds(p, n, 0.0, 1.0)
+        if costs.path == "powersgd":
+            a *= 2
+    return a * costs.collectives, b
+
+
+def comm_seconds(costs: StepCosts, link: Link) -> float:
+    """Seconds of the step's collectives on ``link``: ``a·α + b·β``."""
+    a, b = comm_coefficients(costs)
+    return a * link.alpha_s + b * link.beta_s_per_byte
+
+
+def step_seconds(costs: StepCosts, link: Link) -> float:
+    """Predicted seconds of one step: compute + codec + collectives."""
+    return costs.compute_s + costs.codec_s + comm_seconds(costs, link)
+
+
+def costs_from_record(record, skip: int = 5, collectives: int | None = None) -> StepCosts:
+    """:class:`StepCosts` from a :class:`~commlab.experiments.harness.RunRecord`: medians over its steps.
+
+    ``skip`` first steps (start-up, and dense warm-up steps) are left out. ``collectives`` defaults to the
+    method's payload tensors (:func:`commlab.experiments.methods.payload_tensors`).
+
+    Raises:
+        ValueError: fewer than ``skip + 1`` steps.
+    """
+    start = max(skip, record.config.get("warmup_steps", 0))
+    if len(record.compute_s) <= start:
+        raise ValueError(f"{record.label}: {len(record.compute_s)} steps, need more than {start}")
+    med = lambda xs: statistics.median(xs[start:])  # noqa: E731
+    coll = collectives or payload_tensors(record.config["method"])
+    return StepCosts(record.label, med(record.compute_s), med(record.codec_s), record.payload_nbytes,
+                     record.path, record.config["world_size"], coll)
+
+
+def steps_to_target(eval_steps: Sequence[int], quality: Sequence[float], target: float,
+                    higher_is_better: bool) -> int | None:
+    """First evaluated step count at which ``quality`` meets ``target`` (None if it never does)."""
+    for s, q in zip(eval_steps, quality):
+        if not math.isnan(q) and (q >= target if higher_is_better else q <= target):
+            return s
+    return None
+
+
+def time_to_target(costs: StepCosts, steps: int | None, link: Link) -> float:
+    """``steps · step_seconds`` (inf when the target is never reached)."""
+    return math.inf if steps is None else steps * step_seconds(costs, link)
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakEven:
+    """Where a compressed method and the dense one take equally long to the target.
+
+    Attributes:
+        bytes_per_s: the break-even link bandwidth (bytes/s per direction), or None when there is none.
+        verdict: ``"pays below"`` (compression is faster on links slower than ``bytes_per_s``),
+            ``"pays above"`` (it needs fewer steps but moves more bytes to the target, so it is faster only on
+            links faster than ``bytes_per_s``), ``"never pays"`` (slower at every bandwidth), ``"always pays"`` (faster at every bandwidth), or
+            ``"never reaches target"``.
+    """
+
+    bytes_per_s: float | None
+    verdict: str
+
+
+def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_steps: int | None,
+               alpha_s: float) -> BreakEven:
+    """The bandwidth at which ``comp`` and ``dense`` reach the target in the same time (see module docstring).
+
+    Args:
+        dense, comp: step costs; dense_steps, comp_steps: steps each needs to reach the target (None: never).
+        alpha_s: the link latency α in seconds.
+    """
+    if comp_steps is None:
+        return BreakEven(None, "never reaches target")
+    if dense_steps is None:
+        return BreakEven(None, "always pays")
+    ad, bd = comm_coefficients(dense)
+    ac, bc = comm_coefficients(comp)
+    fixed = comp_steps * (comp.compute_s + comp.codec_s + ac * alpha_s) - dense_steps * (dense.compute_s + dense.codec_s + ad * alpha_s)
+    saved_bytes = dense_steps * bd - comp_steps * bc
+    if saved_bytes == 0:
+        return BreakEven(None, "always pays" if fixed < 0 else "never pays")
+    if saved_bytes < 0:
+        # The compressed run moves more bytes to the target (fewer steps, or an AllGather that grows with n):
+        # it can only win on fixed costs, and only where bytes are cheap.
+        return BreakEven(saved_bytes / fixed, "pays above") if fixed < 0 else BreakEven(None, "never pays")
+    if fixed <= 0:
+        return BreakEven(None, "always pays")
+    return BreakEven(saved_bytes / fixed, "pays below")

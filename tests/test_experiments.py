@@ -1,0 +1,266 @@
+"""Chapter 8's experiment harness: methods agree with torch's collectives, runs record what they claim,
+grids resume, the time model's algebra holds, and the recorded grid is complete."""
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commlab import launch
+from commlab.collectives.ring import ring_all_gather_seconds, ring_all_reduce_seconds
+from commlab.experiments import RunConfig, describe, make_method, parse_spec, run
+from commlab.experiments import analysis, grid, time_to_accuracy as tta
+from commlab.experiments.charlm import CharLMConfig, CharTransformer
+from commlab.experiments.corpus import VOCAB, decode, encode, load_corpus
+from commlab.experiments.methods import payload_tensors
+from commlab.topology import Link
+
+
+# ----------------------------------------------------------------------------------------- specs and config
+
+@pytest.mark.parametrize("spec", ["dense", "cast:fp16", "cast:bf16", "int:8", "int:4", "qsgd:4", "sign",
+                                  "topk:0.01", "randomk:0.5", "powersgd:2"])
+def test_specs_parse(spec):
+    kind, arg = parse_spec(spec)
+    assert kind == spec.split(":")[0]
+    assert describe(spec)
+
+
+@pytest.mark.parametrize("spec, match", [("gzip", "unknown method"), ("topk", "topk:<share"), ("dense:1", "written dense"),
+                                         ("topk:0", "share kept"), ("topk:2", "share kept"), ("int:3", "bits"),
+                                         ("cast:fp8", "fp16 or bf16"), ("powersgd:0", "rank"), ("powersgd:x", "rank")])
+def test_bad_specs_are_named(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(spec)
+
+
+def test_labels():
+    assert describe("topk:0.01", True) == "Top-K 1% + EF"
+    assert describe("powersgd:4", False) == "PowerSGD r=4 no EF"
+    assert describe("sign", True, 30) == "sign (1-bit) + EF, 30 dense steps"
+    assert payload_tensors("topk:0.01") == 2 and payload_tensors("cast:fp16") == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(task="mnist"), "unknown task"), (dict(task="digits", method="zip"), "unknown method"),
+    (dict(task="digits", steps=0), "steps"), (dict(task="digits", lr=-1.0), "lr"),
+    (dict(task="digits", warmup_steps=-1), "warmup_steps"), (dict(task="digits", world_size=0), "world_size"),
+    (dict(task="digits", method="powersgd:1", link_bytes_per_s=1e6), "PowerSGD"),
+    (dict(task="digits", link_bytes_per_s=0.0), "link_bytes_per_s")])
+def test_bad_configs_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**kwargs)
+
+
+def test_config_defaults_and_key():
+    c = RunConfig("charlm", "topk:0.01", True, seed=2).resolved()
+    assert (c.steps, c.batch_size, c.lr, c.eval_every) == (300, 16, 3e-3, 25)
+    assert c.key == RunConfig("charlm", "topk:0.01", True, seed=2).key
+    assert c.key != RunConfig("charlm", "topk:0.01", False, seed=2).key
+
+
+# ----------------------------------------------------------------------------------------- corpus and model
+
+def test_corpus_round_trip_and_split():
+    corpus = load_corpus()
+    assert len(corpus.train) > 300_000 and len(corpus.val) > 30_000
+    assert corpus.train.max() < len(VOCAB) and corpus.train.dtype == torch.int64
+    assert decode(encode("def f(x):\n\treturn x")) == "def f(x):\n\treturn x"
+    assert decode(encode("é")) == "?"
+    with pytest.raises(ValueError, match="val_fraction"):
+        load_corpus(0.0)
+
+
+def test_char_transformer_is_causal():
+    model = CharTransformer(CharLMConfig(block=16), seed=0)
+    x = torch.randint(len(VOCAB), (2, 16))
+    y = x.clone()
+    y[:, 10:] = (y[:, 10:] + 1) % len(VOCAB)
+    with torch.no_grad():
+        assert torch.allclose(model(x)[:, :10], model(y)[:, :10], atol=1e-6)
+        assert not torch.allclose(model(x)[:, 10:], model(y)[:, 10:])
+    with pytest.raises(ValueError, match="longer than the context"):
+        model(torch.zeros(1, 17, dtype=torch.int64))
+    with pytest.raises(ValueError, match="divisible"):
+        CharLMConfig(d_model=10, n_head=4)
+
+
+# ----------------------------------------------------------------------------------------- methods vs torch
+
+def _average_vs_torch(spec):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(33, 17, generator=g), torch.randn(17, generator=g)]
+    method = make_method(spec)
+    avg, comm = method.average(grads)
+    want = [t.clone() for t in grads]
+    for t in want:
+        dist.all_reduce(t)
+        t /= n
+    err = max((a - w).abs().max().item() for a, w in zip(avg, want))
+    return err, [tuple(a.shape) for a in avg], comm
+
+
+@pytest.mark.parametrize("spec, tol", [("dense", 1e-6), ("cast:fp16", 2e-3), ("cast:bf16", 2e-2)])
+def test_dense_and_cast_average_equals_dist_all_reduce(spec, tol):
+    for err, shapes, comm in launch(_average_vs_torch, 3, spec):
+        assert err < tol
+        assert shapes == [(33, 17), (17,)]
+        assert comm.path == "all_reduce"
+        assert comm.payload_nbytes == (33 * 17 + 17) * (4 if spec == "dense" else 2)
+        assert comm.codec_s >= 0 and comm.comm_s > 0
+
+
+def _nan_on_rank_one():
+    grads = [torch.ones(8) * (float("nan") if dist.get_rank() == 1 else 1.0)]
+    try:
+        make_method("topk:0.5").average(grads)
+    except FloatingPointError as e:
+        return str(e)
+    return None
+
+
+def test_nan_gradient_raises_on_every_rank():
+    msgs = launch(_nan_on_rank_one, 2)
+    assert all(m is not None and "rank(s) [1]" in m for m in msgs)
+
+
+def test_powersgd_cannot_be_emulated():
+    from commlab.topology import EmulatedTopology
+    with pytest.raises(ValueError, match="PowerSGD"):
+        make_method("powersgd:1", emulate=EmulatedTopology(2, 1, Link(0.0, 1e-6)))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        make_method("dense", warmup_steps=-2)
+
+
+# ----------------------------------------------------------------------------------------- whole runs
+
+@pytest.fixture(scope="module")
+def short_runs():
+    cfgs = [RunConfig("digits", "dense", world_size=2, steps=12, eval_every=5),
+            RunConfig("digits", "topk:0.01", True, warmup_steps=3, world_size=2, steps=12, eval_every=5),
+            RunConfig("digits", "powersgd:1", True, world_size=2, steps=12, eval_every=5)]
+    return [run(c) for c in cfgs]
+
+
+def test_run_records_every_step(short_runs):
+    dense, topk, psgd = short_runs
+    for r in short_runs:
+        assert len(r.loss) == len(r.step_s) == len(r.compute_s) == 12
+        assert r.eval_steps == [0, 5, 10, 12]
+        assert 0 <= r.final_quality <= 1 and r.diverged_at_step is None
+        assert all(s >= c for s, c in zip(r.step_s, r.compute_s))
+    assert dense.params == 26_122 and dense.payload_nbytes == dense.dense_nbytes == 26_122 * 4
+    assert topk.path == "all_gather" and topk.payload_nbytes == 261 * 8      # 1 % of 26,122: fp32 value + int32 index
+    assert topk.bytes_sent_per_rank == topk.payload_nbytes                    # ring AllGather on 2 ranks: (N-1) payloads
+    assert topk.codec_s[:3] == [0.0, 0.0, 0.0] and min(topk.codec_s[3:]) > 0  # warm-up steps are dense
+    assert psgd.path == "powersgd" and 10 < psgd.ratio < 40
+    # Same seed, same first (dense) steps: the same losses until compression starts.
+    assert topk.loss[:3] == pytest.approx(dense.loss[:3], rel=1e-6)
+
+
+def test_record_json_round_trip(short_runs):
+    r = short_runs[1]
+    back = type(r).from_json(json.loads(json.dumps(r.to_json())))
+    assert back == r and RunConfig(**back.config).key == RunConfig(**r.config).key
+
+
+def test_emulated_link_adds_at_least_its_transfer_time():
+    # 1 MB/s: a dense step must wait at least 2(N-1)/N * 104,488 bytes / 1e6 B/s = 0.104 s for the link
+    # (sleep is a lower bound on any machine, however loaded).
+    r = run(RunConfig("digits", "dense", world_size=2, steps=6, eval_every=6, link_bytes_per_s=1e6, link_alpha_s=0.0))
+    need = 2 * (2 - 1) / 2 * 26_122 * 4 / 1e6
+    assert statistics.median(r.step_s[1:]) >= 0.95 * need
+
+
+def test_grid_resumes_from_its_file(tmp_path):
+    path = tmp_path / "g.jsonl"
+    cfgs = [RunConfig("digits", "dense", world_size=2, steps=4, eval_every=2),
+            RunConfig("digits", "sign", True, world_size=2, steps=4, eval_every=2)]
+    first = grid.run_grid(cfgs[:1], path, progress=False)
+    both = grid.run_grid(cfgs, path, progress=False)
+    assert len(path.read_text().splitlines()) == 2
+    assert both[0] == first[0]                      # loaded, not rerun (a rerun would differ in its timings)
+    assert grid.run_grid(cfgs, path, fresh=True, progress=False)[0] != first[0]
+    with pytest.raises(FileNotFoundError, match="experiments run"):
+        grid.load_records(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown grid"):
+        grid.grid_configs("huge")
+
+
+# ----------------------------------------------------------------------------------------- the time model
+
+def test_comm_coefficients_match_the_ring_cost_functions():
+    link = Link(1e-4, 1e-9)
+    ar = tta.StepCosts("x", 0.0, 0.0, 1e6, "all_reduce", 8)
+    ag = tta.StepCosts("y", 0.0, 0.0, 1e4, "all_gather", 8, collectives=2)
+    ps = tta.StepCosts("z", 0.0, 0.0, 1e5, "powersgd", 8)
+    assert tta.comm_seconds(ar, link) == pytest.approx(ring_all_reduce_seconds(1e6, 8, 1e-4, 1e-9))
+    assert tta.comm_seconds(ag, link) == pytest.approx(ring_all_gather_seconds(8e4, 8, 1e-4, 1e-9) + 7 * 1e-4)
+    assert tta.comm_seconds(ps, link) == pytest.approx(ring_all_reduce_seconds(1e5, 8, 1e-4, 1e-9) + 14 * 1e-4)
+    with pytest.raises(ValueError, match="path"):
+        tta.StepCosts("w", 0.0, 0.0, 1.0, "broadcast", 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-3, 1.0), st.floats(0.0, 0.1), st.floats(1e4, 1e9), st.floats(1.0, 1000.0),
+       st.integers(10, 1000), st.integers(10, 1000), st.integers(2, 64), st.floats(0.0, 1e-3))
+def test_break_even_is_where_the_times_cross(compute, codec, dense_bytes, ratio, s_d, s_c, n, alpha):
+    dense = tta.StepCosts("d", compute, 0.0, dense_bytes, "all_reduce", n)
+    comp = tta.StepCosts("c", compute, codec, dense_bytes / ratio, "all_gather", n)
+    be = tta.break_even(dense, s_d, comp, s_c, alpha)
+    t = lambda c, s, bw: tta.time_to_target(c, s, Link(alpha, 1.0 / bw))  # noqa: E731
+    if be.verdict in ("pays below", "pays above"):
+        b = be.bytes_per_s
+        assert t(comp, s_c, b) == pytest.approx(t(dense, s_d, b), rel=1e-6)
+        slow, fast = t(comp, s_c, b / 2) < t(dense, s_d, b / 2), t(comp, s_c, b * 2) < t(dense, s_d, b * 2)
+        assert (slow, fast) == ((True, False) if be.verdict == "pays below" else (False, True))
+    else:
+        for bw in (1e3, 1e6, 1e9, 1e12):
+            faster = t(comp, s_c, bw) < t(dense, s_d, bw)
+            assert faster == (be.verdict == "always pays") or math.isclose(t(comp, s_c, bw), t(dense, s_d, bw))
+
+
+def test_break_even_verdicts():
+    d = tta.StepCosts("d", 0.1, 0.0, 1e6, "all_reduce", 4)
+    c = tta.StepCosts("c", 0.1, 0.01, 1e4, "all_reduce", 4)
+    assert tta.break_even(d, 100, c, None, 0.0).verdict == "never reaches target"
+    assert tta.break_even(d, None, c, 100, 0.0).verdict == "always pays"
+    assert tta.break_even(d, 100, c, 100, 0.0).verdict == "pays below"
+    # Saves bytes per step but needs 200x the steps: moves more bytes to the target, slower everywhere.
+    assert tta.break_even(d, 100, c, 20_000, 0.0).verdict == "never pays"
+    # 1.5e6 bytes saved per step for 0.01 s of codec: break-even at 1.485e8 B/s (ring AllReduce on 4 ranks).
+    be = tta.break_even(d, 100, c, 100, 0.0)
+    assert be.bytes_per_s == pytest.approx((1.5e6 - 1.5e4) / 0.01)
+    assert tta.steps_to_target([0, 10, 20], [0.1, 0.5, 0.9], 0.5, True) == 10
+    assert tta.steps_to_target([0, 10, 20], [9.0, 5.0, 4.0], 3.0, False) is None
+
+
+# ----------------------------------------------------------------------------------------- analysis
+
+def test_summary_pairs_changes_by_seed(short_runs):
+    rows = analysis.summarize(short_runs)
+    assert [r.label for r in rows] == [s.label for s in short_runs]
+    assert rows[0].change_mean == 0.0
+    d, t = short_runs[0], short_runs[1]
+    assert rows[1].change_mean == pytest.approx(100 * (t.final_quality - d.final_quality))
+    with pytest.raises(ValueError, match="no dense run"):
+        analysis.summarize(short_runs[1:])
+
+
+def test_recorded_full_grid_is_complete_and_tabulates():
+    records = grid.load_records(grid.default_path("full"))
+    keys = {RunConfig(**r.config).key for r in records}
+    assert keys == {c.key for c in grid.grid_configs("full")}
+    rows = analysis.article_table(records)
+    assert [r.row for r in rows] == [c["row"] for c in analysis.load_article_claims()["rows"]]
+    # The article's INT8 row claims 2x against BF16; an INT8 payload is half of BF16 (plus a 4-byte scale).
+    int8 = rows[1]
+    assert int8.ratio_bf16 == pytest.approx(2.0, rel=1e-3) and int8.claimed_ratio == 2.0
+    text = analysis.format_article_table(rows)
+    assert "PowerSGD" in text and "1-bit" in text
