@@ -10,9 +10,13 @@ Layers, bottom to top (each imports only the ones below it):
   trees and hierarchical AllReduce (chapter 3), all from point-to-point sends, with their cost models.
 * :mod:`commlab.compress` -- gradient compressors behind one protocol, error feedback, aggregation and
   DDP comm hooks (chapters 4-7).
+* :mod:`commlab.overlap` -- DDP-style bucketed data parallelism that overlaps each bucket's AllReduce with
+  backward, and its profiler measurement (chapter 9).
 * :mod:`commlab.parallel` -- device mesh, tensor and pipeline parallelism, DP groups, ZeRO-1 and the
   layout planner (chapters 10-11).
 * :mod:`commlab.train` -- a small model on real offline data, for real gradients.
+* :mod:`commlab.experiments` -- does compression pay? Recorded training runs with every compressor, the
+  time-to-accuracy and break-even model, and its check on an emulated slow link (chapter 8).
 * :mod:`commlab.bench`, :mod:`commlab.viz`, :mod:`commlab.widgets`, :mod:`commlab.exercises` --
   measurements and calibration, figures, the cost calculator, graders.
 """

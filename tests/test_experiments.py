@@ -51,7 +51,7 @@ def test_labels():
     (dict(task="digits", steps=0), "steps"), (dict(task="digits", lr=-1.0), "lr"),
     (dict(task="digits", warmup_steps=-1), "warmup_steps"), (dict(task="digits", world_size=0), "world_size"),
     (dict(task="digits", method="powersgd:1", link_bytes_per_s=1e6), "PowerSGD"),
-    (dict(task="digits", link_bytes_per_s=0.0), "link_bytes_per_s")])
+    (dict(task="digits", link_bytes_per_s=0.0), "link_bytes_per_s"), (dict(task="digits", optimizer="lamb"), "optimizer")])
 def test_bad_configs_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RunConfig(**kwargs)
@@ -62,6 +62,11 @@ def test_config_defaults_and_key():
     assert (c.steps, c.batch_size, c.lr, c.eval_every) == (300, 16, 3e-3, 25)
     assert c.key == RunConfig("charlm", "topk:0.01", True, seed=2).key
     assert c.key != RunConfig("charlm", "topk:0.01", False, seed=2).key
+    # The task's own optimizer is the default: naming it changes neither the key nor the comparison group.
+    assert RunConfig("charlm", optimizer="adam").key == RunConfig("charlm").key
+    assert RunConfig("charlm", optimizer="adam").group == "charlm"
+    assert RunConfig("charlm", optimizer="sgd-momentum").group == "charlm/sgd-momentum"
+    assert c.optimizer == "adam" and RunConfig("digits").resolved().optimizer == "sgd"
 
 
 # ----------------------------------------------------------------------------------------- corpus and model
@@ -264,3 +269,40 @@ def test_recorded_full_grid_is_complete_and_tabulates():
     assert int8.ratio_bf16 == pytest.approx(2.0, rel=1e-3) and int8.claimed_ratio == 2.0
     text = analysis.format_article_table(rows)
     assert "PowerSGD" in text and "1-bit" in text
+
+
+# ----------------------------------------------------------------------------------------- lab 8's grader
+
+def test_step_time_grader_passes_the_model_and_names_slips():
+    from commlab.exercises import check_step_time
+
+    def right(c, k, p, path, n, a, b):
+        return c + k + (2 * (n - 1) * a + 2 * (n - 1) / n * p * b if path == "all_reduce" else (n - 1) * a + (n - 1) * p * b)
+
+    def as_all_reduce(c, k, p, path, n, a, b):
+        return c + k + 2 * (n - 1) * a + 2 * (n - 1) / n * p * b
+
+    def no_codec(c, k, p, path, n, a, b):
+        return right(c, 0.0, p, path, n, a, b)
+
+    def broken(*args):
+        raise RuntimeError("oops")
+
+    assert check_step_time(right).passed
+    report = check_step_time(as_all_reduce)
+    assert not report.passed and "priced as an AllReduce" in str(report)
+    assert "encode/decode time is left out" in str(check_step_time(no_codec))
+    assert "raised RuntimeError: oops" in str(check_step_time(broken))
+
+
+def test_cli_prints_the_article_table():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "commlab", "experiments", "table"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "PowerSGD (rank=8)" in out.stdout and "claimed ΔPPL" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "commlab", "experiments", "table", "--records", "/nonexistent.jsonl"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "experiments run" in bad.stderr

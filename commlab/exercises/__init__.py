@@ -7,3 +7,6 @@ __all__ = ["CheckReport", "check_reduce_scatter", "check_all_gather"]
 from commlab.exercises.compression import check_error_feedback
 
 __all__ += ["check_error_feedback"]
+from commlab.exercises.pay import check_step_time
+
+__all__ += ["check_step_time"]

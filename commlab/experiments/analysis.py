@@ -16,21 +16,27 @@ import pathlib
 import statistics
 from typing import Sequence
 
-from commlab.experiments.harness import RunRecord
+from commlab.experiments.harness import RunConfig, RunRecord
 
-__all__ = ["SummaryRow", "summarize", "format_summary", "ArticleRow", "article_table", "format_article_table",
+__all__ = ["run_group", "SummaryRow", "summarize", "format_summary", "ArticleRow", "article_table", "format_article_table",
            "load_article_claims", "dense_target", "group_runs"]
 
 ARTICLE_CLAIMS = pathlib.Path(__file__).resolve().parents[2] / "data" / "article_claims.json"
 
 
+def run_group(rec: RunRecord) -> str:
+    """The record's task, with its optimizer if that is not the task's default (:attr:`RunConfig.group`)."""
+    return RunConfig(**rec.config).group
+
+
 def _method_key(rec: RunRecord) -> tuple:
     c = rec.config
-    return (c["task"], c["method"], bool(c["error_feedback"]), c["warmup_steps"])
+    return (run_group(rec), c["method"], bool(c["error_feedback"]), c["warmup_steps"])
 
 
 def group_runs(records: Sequence[RunRecord]) -> dict[tuple, list[RunRecord]]:
-    """Records grouped by (task, method spec, error feedback, warm-up steps), in first-seen order."""
+    """Records grouped by (task group, method spec, error feedback, warm-up steps), in first-seen order.
+    The task group is the task, or ``task/optimizer`` for runs with another optimizer than the task's."""
     groups: dict[tuple, list[RunRecord]] = collections.OrderedDict()
     for r in records:
         groups.setdefault(_method_key(r), []).append(r)
@@ -85,12 +91,13 @@ class SummaryRow:
 
 
 def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
-    """One :class:`SummaryRow` per method and task (grid order). Needs the dense run of each task and seed.
+    """One :class:`SummaryRow` per method and task group (grid order; ``task`` holds the group, e.g.
+    ``"charlm/sgd-momentum"``). Needs the dense run of each group and seed.
 
     Raises:
-        ValueError: a compressed run whose dense run (same task and seed) is missing.
+        ValueError: a compressed run whose dense run (same group and seed) is missing.
     """
-    dense = {(r.config["task"], r.config["seed"]): r for r in records if r.config["method"] == "dense"}
+    dense = {(run_group(r), r.config["seed"]): r for r in records if r.config["method"] == "dense"}
     rows = []
     for (task, method, ef, warm), runs in group_runs(records).items():
         changes = []
@@ -191,6 +198,7 @@ def format_article_table(rows: Sequence[ArticleRow]) -> str:
 
 
 def dense_target(records: Sequence[RunRecord], task: str, fraction: float = 0.75) -> float:
+    # ``task`` is a task group (:func:`run_group`), e.g. "charlm" or "charlm/sgd-momentum".
     """A target quality: the median over seeds of the dense run's quality at ``fraction`` of its steps
     (the first evaluation at or after that step). Dense runs reach it by construction; a method that
     never does within its run is "never reaches target" in :func:`commlab.experiments.time_to_accuracy.break_even`.
@@ -200,7 +208,7 @@ def dense_target(records: Sequence[RunRecord], task: str, fraction: float = 0.75
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    dense = [r for r in records if r.config["task"] == task and r.config["method"] == "dense"]
+    dense = [r for r in records if run_group(r) == task and r.config["method"] == "dense"]
     if not dense:
         raise ValueError(f"no dense run of {task}")
     values = []

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from commlab.experiments.methods import describe, make_method, parse_spec
-from commlab.experiments.tasks import get_task
+from commlab.experiments.tasks import OPTIMIZERS, TASKS, get_task, make_optimizer
 from commlab.topology.emulated import EmulatedTopology
 from commlab.topology.links import Link
 
@@ -38,6 +38,8 @@ class RunConfig:
         seed: model initialisation and mini-batch draws (and the compressors' shared randomness).
         world_size: ranks (>= 2 for anything to be communicated).
         steps, batch_size, lr, eval_every: the task's defaults when None; ``batch_size`` is per rank.
+        optimizer: one of :data:`commlab.experiments.tasks.OPTIMIZERS`; None: the task's (digits: plain SGD,
+            charlm: Adam).
         link_bytes_per_s, link_alpha_s: if ``link_bytes_per_s`` is set, every rank sits on its own emulated
             node behind a link of that bandwidth (bytes/s per direction) and latency (s), which delays each
             payload message (:class:`commlab.topology.EmulatedTopology`).
@@ -58,9 +60,10 @@ class RunConfig:
     eval_every: int | None = None
     link_bytes_per_s: float | None = None
     link_alpha_s: float = 0.0
+    optimizer: str | None = None
 
     def __post_init__(self):
-        get_task_class_check(self.task)
+        _task_class(self.task)
         parse_spec(self.method)
         for name in ("warmup_steps", "seed"):
             v = getattr(self, name)
@@ -72,6 +75,8 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be an int >= 1 (or None for the task's default), got {v!r}")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
             raise ValueError(f"RunConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"RunConfig.optimizer must be one of {OPTIMIZERS} or None, got {self.optimizer!r}")
         if self.link_bytes_per_s is not None and not 0 < self.link_bytes_per_s < math.inf:
             raise ValueError(f"RunConfig.link_bytes_per_s must be > 0 bytes/s, got {self.link_bytes_per_s!r}")
         if self.link_bytes_per_s is not None and self.method.startswith("powersgd"):
@@ -79,9 +84,17 @@ class RunConfig:
 
     def resolved(self) -> "RunConfig":
         """This config with the task's defaults filled in."""
-        d = get_task_class_check(self.task).defaults
+        d = _task_class(self.task).defaults
         return dataclasses.replace(self, steps=self.steps or d.steps, batch_size=self.batch_size or d.batch_size,
-                                   lr=self.lr or d.lr, eval_every=self.eval_every or d.eval_every)
+                                   lr=self.lr or d.lr, eval_every=self.eval_every or d.eval_every,
+                                   optimizer=self.optimizer or d.optimizer)
+
+    @property
+    def group(self) -> str:
+        """The task, with the optimizer when it is not the task's default (``"charlm/sgd-momentum"``):
+        runs are compared with the dense run of the same group and seed."""
+        default = _task_class(self.task).defaults.optimizer
+        return self.task if self.optimizer in (None, default) else f"{self.task}/{self.optimizer}"
 
     @property
     def label(self) -> str:
@@ -92,12 +105,15 @@ class RunConfig:
         """A unique, readable id of the resolved run (used to resume a grid)."""
         c = self.resolved()
         link = "" if c.link_bytes_per_s is None else f"|link={c.link_bytes_per_s:g}B/s,{c.link_alpha_s:g}s"
+        # The task's own optimizer is left out of the key, so that records made before the field existed match.
+        if c.optimizer != _task_class(c.task).defaults.optimizer:
+            link += f"|opt={c.optimizer}"
         return (f"{c.task}|{c.method}|ef={int(c.error_feedback)}|warmup={c.warmup_steps}|seed={c.seed}|"
                 f"n={c.world_size}|steps={c.steps}|bs={c.batch_size}|lr={c.lr:g}|eval={c.eval_every}{link}")
 
 
-def get_task_class_check(name):
-    from commlab.experiments.tasks import TASKS
+def _task_class(name):
+    """The task class (not an instance: building one loads its data) for ``name``."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name]
@@ -168,7 +184,7 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
     rank, n = dist.get_rank(), dist.get_world_size()
     task = get_task(config.task)
     model = task.build(config.seed)
-    opt = task.optimizer(model, config.lr)
+    opt = make_optimizer(config.optimizer, model, config.lr)
     params = list(model.parameters())
     method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate)
     gen = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
@@ -225,7 +241,7 @@ def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:
     t0 = time.perf_counter()
     ranks = launch(train_rank, config.world_size, config, emulate, timeout=timeout, print_output=False)
     wall = time.perf_counter() - t0
-    task_cls = get_task_class_check(config.task)
+    task_cls = _task_class(config.task)
     r0 = ranks[0]
     steps = len(r0["loss"])
     # Every rank evaluated its share at the same steps: add the shares.

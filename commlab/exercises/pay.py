@@ -1,0 +1,61 @@
+"""Grader for lab 8: the learner's step-time model for a compressed data-parallel step.
+
+The learner writes ``step_seconds(compute_s, codec_s, payload_nbytes, path, n, alpha_s, beta_s_per_byte)``
+returning the predicted seconds of one step: compute + encode/decode + the ring collective of the payload
+(``path`` = ``"all_reduce"`` for linear compressors and dense, ``"all_gather"`` otherwise; one payload
+tensor). The reference is :func:`commlab.experiments.time_to_accuracy.step_seconds`; a wrong answer is
+matched against the usual slips (no α, AllGather priced as AllReduce, bytes not multiplied by the ring
+factor) to say which one it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from commlab.exercises.report import CheckReport
+from commlab.experiments.time_to_accuracy import StepCosts, step_seconds
+from commlab.topology.links import Link
+
+__all__ = ["check_step_time"]
+
+_CASES = [
+    # compute_s, codec_s, payload bytes, path, n, alpha_s, beta_s_per_byte
+    (0.05, 0.0, 4e6, "all_reduce", 4, 1e-4, 1e-9),
+    (0.05, 0.002, 8e4, "all_gather", 4, 1e-4, 1e-9),
+    (0.05, 0.002, 8e4, "all_gather", 64, 5e-6, 4e-11),
+    (0.01, 0.001, 2e6, "all_reduce", 2, 0.0, 1e-8),
+]
+
+
+def _slips(case) -> dict[str, float]:
+    compute, codec, p, path, n, a, b = case
+    ar = 2 * (n - 1) * a + 2 * (n - 1) / n * p * b
+    ag = (n - 1) * a + (n - 1) * p * b
+    right = ar if path == "all_reduce" else ag
+    return {
+        "the latency term is missing (each of the ring's steps pays α)": compute + codec + right - (2 * (n - 1) * a if path == "all_reduce" else (n - 1) * a),
+        "an AllGather of N payloads is priced as an AllReduce of one payload": compute + codec + ar,
+        "the bytes are one payload, not what the ring makes each rank send": compute + codec + (2 * (n - 1) if path == "all_reduce" else n - 1) * a + p * b,
+        "encode/decode time is left out": compute + right,
+    }
+
+
+def check_step_time(fn: Callable) -> CheckReport:
+    """Grade ``fn(compute_s, codec_s, payload_nbytes, path, n, alpha_s, beta_s_per_byte) -> seconds``."""
+    report = CheckReport(f"step-time exercise ({getattr(fn, '__name__', 'fn')})")
+    for case in _CASES:
+        compute, codec, p, path, n, a, b = case
+        want = step_seconds(StepCosts("case", compute, codec, p, path, n), Link(a, b))
+        desc = f"{path}, {p:g}-byte payload, {n} ranks"
+        try:
+            got = float(fn(*case))
+        except Exception as e:  # the learner's code: report any error as a failed case
+            report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+            continue
+        if math.isclose(got, want, rel_tol=1e-6):
+            report.cases.append((desc, True, ""))
+            continue
+        why = next((k for k, v in _slips(case).items() if math.isclose(got, v, rel_tol=1e-6)), None)
+        report.cases.append((desc, False, f"got {got:.6g} s, expected {want:.6g} s" + (f": {why}" if why else "")))
+    return report
