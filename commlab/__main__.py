@@ -219,6 +219,18 @@ def _plan(args, parser) -> int:
 
 
 def _experiments(args) -> int:
+    try:
+        return _experiments_action(args)
+    except (FileNotFoundError, IsADirectoryError, ValueError) as e:
+        print(f"python -m commlab experiments {args.action}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: the runs finished so far are recorded; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+
+
+def _experiments_action(args) -> int:
     from commlab.experiments import grid
 
     if args.action == "run":
@@ -235,7 +247,11 @@ def _experiments(args) -> int:
         return 0
     from commlab.experiments import analysis
     records = grid.load_records(args.records or grid.default_path("full"))
-    print(analysis.format_article_table(analysis.article_table(records)))
+    try:
+        rows = analysis.article_table(records)
+    except ValueError as e:
+        raise ValueError(f"{e}; the table needs the character-LM runs of the full grid (--grid full)") from None
+    print(analysis.format_article_table(rows))
     return 0
 
 

@@ -306,3 +306,60 @@ def test_cli_prints_the_article_table():
     bad = subprocess.run([sys.executable, "-m", "commlab", "experiments", "table", "--records", "/nonexistent.jsonl"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "experiments run" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------- robustness
+
+def test_spec_spellings_are_canonical():
+    for spec, want in (("topk:0.010", "topk:0.01"), ("powersgd:02", "powersgd:2")):
+        with pytest.raises(ValueError, match=want):
+            parse_spec(spec)
+    for spec in ("dense:", "powersgd: 2", 5):
+        with pytest.raises(ValueError):
+            parse_spec(spec)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(task="digits", method="dense", error_feedback=True), "dense has no compressor"),
+    (dict(task="digits", method="sign", error_feedback="no"), "error_feedback"),
+    (dict(task="digits", method="sign", warmup_steps=200), "below the number of steps"),
+    (dict(task="digits", link_alpha_s=1e-3), "needs link_bytes_per_s"),
+    (dict(task="digits", link_bytes_per_s=1e6, link_alpha_s=-1.0), "link_alpha_s"),
+    (dict(task="digits", lr=True), "lr")])
+def test_more_bad_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**kwargs)
+
+
+def test_time_model_rejects_nonsense():
+    c = tta.StepCosts("c", 0.1, 0.0, 1e6, "all_reduce", 4)
+    with pytest.raises(ValueError, match="steps"):
+        tta.time_to_target(c, -5, Link(0.0, 1e-9))
+    with pytest.raises(ValueError, match="alpha_s"):
+        tta.break_even(c, 10, c, 10, float("nan"))
+    for bad in (dict(compute_s=float("nan")), dict(payload_nbytes=float("inf")), dict(world_size=2.5)):
+        with pytest.raises(ValueError):
+            tta.StepCosts(**{**dict(label="x", compute_s=0.1, codec_s=0.0, payload_nbytes=1.0, path="all_reduce",
+                                    world_size=2), **bad})
+    with pytest.raises(ValueError, match="entries"):
+        tta.steps_to_target([0, 10], [1.0], 0.5, True)
+
+
+def test_truncated_record_file_is_repaired_on_resume(tmp_path, short_runs):
+    path = tmp_path / "g.jsonl"
+    path.write_text(json.dumps(short_runs[0].to_json()) + "\n" + json.dumps(short_runs[1].to_json())[:-40])
+    with pytest.raises(ValueError, match="line 2"):
+        grid.load_records(path)
+    cfg = RunConfig(**short_runs[0].config)
+    got = grid.run_grid([cfg], path, progress=False)           # loads run 1, drops the cut-off line 2
+    assert got[0] == short_runs[0]
+    assert len(grid.load_records(path)) == 1 and path.read_text().endswith("\n")
+
+
+def test_mixed_settings_are_refused(short_runs):
+    other = type(short_runs[0]).from_json(
+        {**short_runs[1].to_json(), "config": {**short_runs[1].config, "steps": 13}})
+    with pytest.raises(ValueError, match="different settings"):
+        analysis.summarize(short_runs + [other])
+    with pytest.raises(ValueError, match="twice"):
+        analysis.summarize(short_runs + [short_runs[0]])

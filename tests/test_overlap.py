@@ -431,3 +431,26 @@ def test_bench_overlap_small():
     assert [r.buckets for r in rows] == [3, 1]
     assert all(r.ours_s > 0 and r.ddp_s > 0 and math.isfinite(r.ratio) and 0 <= r.overlap_fraction <= 1
                for r in rows)
+
+
+def _no_sync_step_has_no_record():
+    from commlab.overlap.bucketed import train_step
+    from commlab.overlap.profile import overlap_from_step
+
+    torch.manual_seed(0)
+    model = BucketedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), bucket_cap_bytes=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    synced = train_step(model, opt, nn.functional.mse_loss, x, y)
+    with model.no_sync():
+        skipped = train_step(model, opt, nn.functional.mse_loss, x, y)
+    try:
+        overlap_from_step(skipped)
+        raised = False
+    except ValueError:
+        raised = True
+    return synced.record is not None, skipped.record is None, raised
+
+
+def test_a_no_sync_step_reports_no_overlap():
+    assert launch(_no_sync_step_has_no_record, 2, timeout=60) == [(True, True, True)] * 2

@@ -6,7 +6,8 @@ one bucket for everything), training steps of the same MLP on the same data with
 alternating the two step by step so both see the same machine load, and prints one table: median step
 time of each (slowest rank per step), the ratio ours / DDP, and for ours the overlap fraction, the exposed
 communication and the communication time, from the trainer's own ``time.perf_counter()`` records (the
-profiler's cost would distort the step times; :mod:`commlab.overlap.profile` uses the same definitions).
+profiler's cost would distort the step times; the per-step definitions are those of :mod:`commlab.overlap.profile`,
+and the table gives the median over steps of each per-step figure, where ``OverlapProfile`` sums over steps).
 
 The model (:data:`commlab.overlap.profile.MEASURE_WIDTHS`, 8.0 M parameters, 30.7 MiB of float32 gradients)
 has tensors from 40 B to 16 MiB, so the four caps give 6, 4, 2 and 1 buckets. Ranks are capped at the
@@ -117,7 +118,9 @@ def print_overlap_bench(world_size: int = 2, steps: int = 10) -> int:
 
     cores = os.cpu_count() or 2
     ranks = max(2, min(world_size, cores))
-    if ranks != world_size:
+    if world_size < 2:
+        print(f"# {world_size} rank requested, 2 used: data parallelism needs at least 2 ranks to communicate")
+    elif ranks != world_size:
         print(f"# {world_size} ranks requested, {ranks} used: this machine has {cores} cores, and ranks that "
               "time-share a core measure the scheduler, not the overlap")
     n = sum(p.numel() for p in make_mlp(MEASURE_WIDTHS).parameters())

@@ -14,6 +14,7 @@ import json
 import math
 import pathlib
 import statistics
+import unicodedata
 from typing import Sequence
 
 from commlab.experiments.harness import RunConfig, RunRecord
@@ -34,12 +35,33 @@ def _method_key(rec: RunRecord) -> tuple:
     return (run_group(rec), c["method"], bool(c["error_feedback"]), c["warmup_steps"])
 
 
+def _settings(rec: RunRecord) -> str:
+    """The run's key without its seed: what must be equal for runs to be averaged over seeds."""
+    return "|".join(p for p in RunConfig(**rec.config).key.split("|") if not p.startswith("seed="))
+
+
 def group_runs(records: Sequence[RunRecord]) -> dict[tuple, list[RunRecord]]:
     """Records grouped by (task group, method spec, error feedback, warm-up steps), in first-seen order.
-    The task group is the task, or ``task/optimizer`` for runs with another optimizer than the task's."""
+    The task group is the task, or ``task/optimizer`` for runs with another optimizer than the task's.
+
+    Raises:
+        ValueError: the same run (same settings and seed) twice, or one group holding runs whose other
+            settings differ (steps, ranks, batch, learning rate, link): averaging them would mix
+            experiments. Keep each grid in its own file.
+    """
     groups: dict[tuple, list[RunRecord]] = collections.OrderedDict()
+    seen: set[str] = set()
     for r in records:
+        key = RunConfig(**r.config).key
+        if key in seen:
+            raise ValueError(f"the run {key} appears twice in the records; keep each grid in its own file")
+        seen.add(key)
         groups.setdefault(_method_key(r), []).append(r)
+    for k, runs in groups.items():
+        settings = {_settings(r) for r in runs}
+        if len(settings) > 1:
+            raise ValueError(f"the records mix runs of {k[1]} on {k[0]} with different settings ({sorted(settings)}); "
+                             "keep each grid (e.g. --grid quick and --grid full) in its own file")
     return groups
 
 
@@ -91,20 +113,28 @@ class SummaryRow:
 
 
 def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
-    """One :class:`SummaryRow` per method and task group (grid order; ``task`` holds the group, e.g.
+    """One :class:`SummaryRow` per method and task group (``skip``: first steps, and a run's dense warm-up
+    steps, left out of the timing medians; >= 0) (grid order; ``task`` holds the group, e.g.
     ``"charlm/sgd-momentum"``). Needs the dense run of each group and seed.
 
     Raises:
         ValueError: a compressed run whose dense run (same group and seed) is missing.
     """
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"skip must be an int >= 0, got {skip!r}")
+    groups = group_runs(records)
     dense = {(run_group(r), r.config["seed"]): r for r in records if r.config["method"] == "dense"}
     rows = []
-    for (task, method, ef, warm), runs in group_runs(records).items():
+    for (task, method, ef, warm), runs in groups.items():
         changes = []
         for r in runs:
             d = dense.get((task, r.config["seed"]))
             if d is None:
                 raise ValueError(f"no dense run of {task} with seed {r.config['seed']} to compare {r.label} with")
+            if _settings(d).replace("|dense|ef=0|warmup=0|", "|") != _settings(r).replace(
+                    f"|{method}|ef={int(ef)}|warmup={warm}|", "|"):
+                raise ValueError(f"the dense run of {task}, seed {r.config['seed']}, has other settings than "
+                                 f"{r.label}'s; keep each grid in its own file")
             changes.append(_change(r, d))
         q = _mean_std([r.final_quality for r in runs])
         ch = _mean_std(changes)
@@ -120,19 +150,27 @@ def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
     return rows
 
 
+def _pad(text: str, width: int) -> str:
+    """Left-align ``text`` in ``width`` terminal columns (CJK characters take two)."""
+    cols = sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+    return text + " " * max(0, width - cols)
+
+
 def format_summary(rows: Sequence[SummaryRow]) -> str:
-    """A plain-text table of :func:`summarize`'s rows."""
+    """A plain-text table of :func:`summarize`'s rows: mean ± sample standard deviation over the seeds."""
     lines = []
     for task in dict.fromkeys(r.task for r in rows):
         sub = [r for r in rows if r.task == task]
         unit = "Δ ppl %" if sub[0].metric == "perplexity" else "Δ acc pts"
-        lines.append(f"{task}: final {sub[0].metric} over {sub[0].seeds} seeds")
-        lines.append(f"  {'method':34s} {'ratio':>6s} {'sent/step':>10s} {sub[0].metric:>16s} {unit:>14s}")
+        lines.append(f"{task}: final {sub[0].metric}, mean ± sd over seeds; Δ against dense, paired by seed")
+        lines.append(f"  {'method':34s} {'seeds':>5s} {'ratio':>6s} {'sent/step':>10s} {sub[0].metric:>16s} {unit:>14s}")
         for r in sub:
-            q = "diverged" if math.isnan(r.quality_mean) else f"{r.quality_mean:.4g} ± {r.quality_std:.2g}"
-            ch = "" if math.isnan(r.change_mean) else f"{r.change_mean:+.2f} ± {r.change_std:.2f}"
+            sd = lambda x, f: f" ± {x:{f}}" if r.seeds > 1 else ""  # noqa: E731
+            q = "diverged" if math.isnan(r.quality_mean) else f"{r.quality_mean:.4g}{sd(r.quality_std, '.2g')}"
+            ch = "" if math.isnan(r.change_mean) else f"{r.change_mean:+.2f}{sd(r.change_std, '.2f')}"
             div = f" ({r.diverged} diverged)" if r.diverged else ""
-            lines.append(f"  {r.label:34s} {r.ratio:6.1f} {r.bytes_sent_per_rank / 1024:8.1f}Ki {q:>16s} {ch:>14s}{div}")
+            lines.append(f"  {r.label:34s} {r.seeds:5d} {r.ratio:6.1f} {r.bytes_sent_per_rank / 1024:8.1f}Ki {q:>16s} "
+                         f"{ch:>14s}{div}")
     return "\n".join(lines)
 
 
@@ -189,22 +227,23 @@ def article_table(records: Sequence[RunRecord], task: str = "charlm", claims: di
 def format_article_table(rows: Sequence[ArticleRow]) -> str:
     """Plain-text version of :func:`article_table` for the command line."""
     lines = [f"{'article row':20s} {'ours':22s} {'claimed ratio':>13s} {'ours vs BF16':>12s} {'vs fp32':>8s} "
-             f"{'claimed ΔPPL':>12s} {'measured ΔPPL':>16s}"]
+             f"{'claimed ΔPPL':>12s} {'measured ΔPPL (mean ± sd)':>26s} {'seeds':>5s}"]
     for r in rows:
         meas = "diverged" if math.isnan(r.ppl_change_mean) else f"{r.ppl_change_mean:+.2f} ± {r.ppl_change_std:.2f} %"
-        lines.append(f"{r.row:20s} {r.label:22s} {r.claimed_ratio:12.1f}x {r.ratio_bf16:11.1f}x {r.ratio_fp32:7.1f}x "
-                     f"{r.claimed_ppl_change_pct:+11.1f}% {meas:>16s}")
+        div = f" ({r.diverged} diverged)" if r.diverged else ""
+        lines.append(f"{_pad(r.row, 20)} {r.label:22s} {r.claimed_ratio:12.1f}x {r.ratio_bf16:11.1f}x {r.ratio_fp32:7.1f}x "
+                     f"{r.claimed_ppl_change_pct:+11.1f}% {meas:>26s} {r.seeds:5d}{div}")
     return "\n".join(lines)
 
 
 def dense_target(records: Sequence[RunRecord], task: str, fraction: float = 0.75) -> float:
-    # ``task`` is a task group (:func:`run_group`), e.g. "charlm" or "charlm/sgd-momentum".
-    """A target quality: the median over seeds of the dense run's quality at ``fraction`` of its steps
+    """A target quality for the task group ``task`` (:func:`run_group`, e.g. ``"charlm/sgd-momentum"``): the median over seeds of the dense run's quality at ``fraction`` of its steps
     (the first evaluation at or after that step). Dense runs reach it by construction; a method that
     never does within its run is "never reaches target" in :func:`commlab.experiments.time_to_accuracy.break_even`.
 
     Raises:
-        ValueError: no dense run of ``task``, or ``fraction`` outside (0, 1].
+        ValueError: no dense run of ``task``, one without a finite quality at that step (diverged), or
+            ``fraction`` outside (0, 1].
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
@@ -214,6 +253,9 @@ def dense_target(records: Sequence[RunRecord], task: str, fraction: float = 0.75
     values = []
     for r in dense:
         at = fraction * r.config["steps"]
-        i = next(i for i, s in enumerate(r.eval_steps) if s >= at)
+        i = next((i for i, s in enumerate(r.eval_steps) if s >= at), None)
+        if i is None or r.diverged_at_step is not None or math.isnan(r.eval_quality[i]):
+            raise ValueError(f"the dense run of {task} with seed {r.config['seed']} has no finite quality at step "
+                             f"{at:g} (it stopped at {r.eval_steps[-1]}, diverged at {r.diverged_at_step})")
         values.append(r.eval_quality[i])
     return statistics.median(values)

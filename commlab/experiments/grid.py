@@ -89,8 +89,43 @@ def load_records(path: str | os.PathLike) -> list[RunRecord]:
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments run`")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; give a .jsonl file")
+    records = []
     with open(path) as f:
-        return [RunRecord.from_json(json.loads(line)) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(RunRecord.from_json(json.loads(line)))
+            except (json.JSONDecodeError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}, line {i}: not a run record ({e}). A last line cut short by an "
+                                 "interrupted write is repaired by `python -m commlab experiments run` on the "
+                                 "same file") from None
+    return records
+
+
+def _repair_tail(path: pathlib.Path) -> int:
+    """Drop a last line that is not a complete record (an interrupted write) and make the file end with a
+    newline; return the number of lines dropped (0 or 1). Corrupt lines elsewhere are left for
+    :func:`load_records` to report."""
+    data = path.read_bytes()
+    if not data:
+        return 0
+    lines = data.split(b"\n")
+    tail = lines[-1] if lines[-1].strip() else (lines[-2] if len(lines) > 1 else b"")
+    try:
+        json.loads(tail)
+        ok = True
+    except json.JSONDecodeError:
+        ok = False
+    if ok:
+        if not data.endswith(b"\n"):
+            path.write_bytes(data + b"\n")
+        return 0
+    keep = data[:data.rstrip(b"\n").rfind(b"\n") + 1]
+    path.write_bytes(keep)
+    return 1
 
 
 def run_grid(configs: Iterable[RunConfig], path: str | os.PathLike | None = None, *, fresh: bool = False,
@@ -116,9 +151,12 @@ def run_grid(configs: Iterable[RunConfig], path: str | os.PathLike | None = None
         if fresh and path.exists():
             path.unlink()
         if path.exists():
+            if path.is_file() and _repair_tail(path) and progress:
+                print(f"{path}: dropped an incomplete last line (an interrupted write); that run will be redone",
+                      file=sys.stderr)
             for rec in load_records(path):
                 done[RunConfig(**rec.config).key] = rec
-    records = []
+    records, new = [], 0
     bar = tqdm(configs, desc="runs", unit="run", disable=not progress, file=sys.stderr)
     for cfg in bar:
         key = cfg.key
@@ -127,13 +165,16 @@ def run_grid(configs: Iterable[RunConfig], path: str | os.PathLike | None = None
             continue
         bar.set_postfix_str(f"{cfg.task} {cfg.label} seed {cfg.seed}")
         rec = run(cfg)
+        new += 1
         records.append(rec)
         done[key] = rec
         if path is not None:
             with open(path, "a") as f:
-                f.write(json.dumps(rec.to_json()) + "\n")
+                f.write(json.dumps(rec.to_json(), allow_nan=False) + "\n")
         if progress:
             q = "diverged" if rec.diverged_at_step is not None else f"{rec.metric} {rec.final_quality:.4g}"
             bar.write(f"{cfg.task:7s} {cfg.label:32s} seed {cfg.seed}: {q}, ratio {rec.ratio:.1f}, "
                       f"{rec.wall_s:.1f} s")
+    if progress:
+        print(f"{len(records) - new} runs were already recorded, {new} new", file=sys.stderr)
     return records

@@ -36,7 +36,7 @@ class RunConfig:
         error_feedback: wrap the compressor in error feedback (PowerSGD: its own residuals).
         warmup_steps: dense steps before compression starts.
         seed: model initialisation and mini-batch draws (and the compressors' shared randomness).
-        world_size: ranks (>= 2 for anything to be communicated).
+        world_size: ranks (1 runs, but communicates nothing).
         steps, batch_size, lr, eval_every: the task's defaults when None; ``batch_size`` is per rank.
         optimizer: one of :data:`commlab.experiments.tasks.OPTIMIZERS`; None: the task's (digits: plain SGD,
             charlm: Adam).
@@ -65,6 +65,10 @@ class RunConfig:
     def __post_init__(self):
         _task_class(self.task)
         parse_spec(self.method)
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"RunConfig.error_feedback must be True or False, got {self.error_feedback!r}")
+        if self.method == "dense" and (self.error_feedback or self.warmup_steps):
+            raise ValueError("RunConfig: dense has no compressor, so error_feedback and warmup_steps must be off")
         for name in ("warmup_steps", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -73,12 +77,21 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"RunConfig.{name} must be an int >= 1 (or None for the task's default), got {v!r}")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
+        if self.lr is not None and (isinstance(self.lr, bool) or not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf)):
             raise ValueError(f"RunConfig.lr must be a finite number > 0, got {self.lr!r}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"RunConfig.optimizer must be one of {OPTIMIZERS} or None, got {self.optimizer!r}")
-        if self.link_bytes_per_s is not None and not 0 < self.link_bytes_per_s < math.inf:
-            raise ValueError(f"RunConfig.link_bytes_per_s must be > 0 bytes/s, got {self.link_bytes_per_s!r}")
+        if self.link_bytes_per_s is not None and (isinstance(self.link_bytes_per_s, bool) or not isinstance(
+                self.link_bytes_per_s, (int, float)) or not 0 < self.link_bytes_per_s < math.inf):
+            raise ValueError(f"RunConfig.link_bytes_per_s must be a finite number > 0 (bytes/s), got {self.link_bytes_per_s!r}")
+        if isinstance(self.link_alpha_s, bool) or not isinstance(self.link_alpha_s, (int, float)) or not 0 <= self.link_alpha_s < math.inf:
+            raise ValueError(f"RunConfig.link_alpha_s must be a finite number >= 0 (seconds), got {self.link_alpha_s!r}")
+        if self.link_bytes_per_s is None and self.link_alpha_s:
+            raise ValueError("RunConfig.link_alpha_s needs link_bytes_per_s (there is no emulated link without it)")
+        steps = self.steps or _task_class(self.task).defaults.steps
+        if self.warmup_steps >= steps:
+            raise ValueError(f"RunConfig.warmup_steps ({self.warmup_steps}) must be below the number of steps ({steps}); "
+                             "otherwise nothing is compressed")
         if self.link_bytes_per_s is not None and self.method.startswith("powersgd"):
             raise ValueError("an emulated link delays commlab's ring collectives only; PowerSGD uses dist.all_reduce")
 
@@ -135,7 +148,8 @@ class RunRecord:
         compute_s, codec_s, comm_s, step_s: seconds per step, slowest rank.
         eval_steps, eval_quality: quality after each evaluated step count (0 = the initial model).
         final_quality: quality of the final model (NaN if the run diverged).
-        diverged_at_step: None, or the step whose gradient held NaN/Inf on some rank (the run stopped there).
+        diverged_at_step: None, or the step whose gradient held NaN/Inf on some rank (the run stopped there),
+            or the first evaluated step whose held-out quality was not finite (the run went on; NaN is stored).
         wall_s: seconds of the whole launch.
     """
 
@@ -166,14 +180,20 @@ class RunRecord:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        # JSON has no NaN: store a diverged run's quality as null.
-        d["final_quality"] = None if math.isnan(self.final_quality) else self.final_quality
+        # JSON has no NaN or inf: store a diverged run's qualities and losses as null.
+        clean = lambda x: x if math.isfinite(x) else None  # noqa: E731
+        d["final_quality"] = clean(self.final_quality)
+        d["eval_quality"] = [clean(q) for q in self.eval_quality]
+        d["loss"] = [clean(x) for x in self.loss]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RunRecord":
         d = dict(d)
-        d["final_quality"] = math.nan if d["final_quality"] is None else d["final_quality"]
+        back = lambda x: math.nan if x is None else x  # noqa: E731
+        d["final_quality"] = back(d["final_quality"])
+        d["eval_quality"] = [back(q) for q in d["eval_quality"]]
+        d["loss"] = [back(x) for x in d["loss"]]
         return cls(**d)
 
 
@@ -252,6 +272,11 @@ def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:
         count = sum(r["evals"][i][2] for r in ranks)
         quality.append(task_cls.quality(total, count))
     diverged = r0["diverged_at_step"]
+    # A model whose held-out loss is no longer finite has diverged even if no gradient was NaN yet.
+    bad = next((s for s, q in zip(eval_steps, quality) if not math.isfinite(q)), None)
+    if diverged is None and bad is not None:
+        diverged = bad
+    quality = [q if math.isfinite(q) else math.nan for q in quality]
     slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("compute_s", "codec_s", "comm_s", "step_s")}
     dense_nbytes = r0["params"] * 4
     return RunRecord(

@@ -61,7 +61,13 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     Raises:
         ValueError: unknown kind, a missing or superfluous argument, or an argument out of range.
     """
-    kind, _, arg = spec.partition(":")
+    if not isinstance(spec, str):
+        raise ValueError(f"a method spec is a string such as 'topk:0.01', got {spec!r}")
+    kind, sep, arg = spec.partition(":")
+    if sep and not arg:
+        raise ValueError(f"method {spec!r} ends with ':' but has no argument")
+    if arg != arg.strip():
+        raise ValueError(f"method {spec!r}: no spaces around the argument")
     if kind not in METHOD_KINDS:
         raise ValueError(f"unknown method {spec!r}; kinds: {', '.join(f'{k}:<{v}>' if v else k for k, v in METHOD_KINDS.items())}")
     if (METHOD_KINDS[kind] is None) != (arg == ""):
@@ -80,6 +86,11 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
             raise ValueError
     except ValueError:
         raise ValueError(f"method {spec!r}: the argument of {kind} must be {METHOD_KINDS[kind]}") from None
+    # One spelling per method, so that labels and resume keys do not depend on it ("powersgd:02", "topk:0.010").
+    if kind == "powersgd" and arg != str(int(arg)):
+        raise ValueError(f"method {spec!r}: write it 'powersgd:{int(arg)}'")
+    if kind in ("topk", "randomk") and arg not in (f"{float(arg):g}", repr(float(arg))):
+        raise ValueError(f"method {spec!r}: write it '{kind}:{float(arg):g}'")
     return kind, arg or None
 
 

@@ -128,7 +128,7 @@ def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
     path = pathlib.Path(path) if path else DATA_DIR / "slow_link.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = dict(result, rows=[{k: _finite(v) for k, v in r.items()} for r in result["rows"]])
-    path.write_text(json.dumps(clean, indent=1) + "\n")
+    path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
     return path
 
 
@@ -156,11 +156,12 @@ def format_table(result: dict) -> str:
              f"{'method':24s} {'link':>9s} {'step pred':>10s} {'step meas':>10s} {'error':>7s} "
              f"{'steps':>6s} {'to target pred':>15s} {'meas':>8s}"]
     for r in result["rows"]:
-        steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        steps = "never" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        tta = lambda x: f"{x:.1f}s" if math.isfinite(x) else "never"  # noqa: E731
         lines.append(f"{r['label']:24s} {r['bytes_per_s'] / 1e6:6g}MB/s {r['predicted_step_s'] * 1e3:8.1f}ms "
                      f"{r['measured_step_s'] * 1e3:8.1f}ms {r['error_pct']:+6.1f}% {steps:>6s} "
-                     f"{r['predicted_tta_s']:14.1f}s {r['measured_tta_s']:7.1f}s")
-    lines.append("break-even bandwidth against dense (the model, from the runs without emulation):")
+                     f"{tta(r['predicted_tta_s']):>15s} {tta(r['measured_tta_s']):>8s}")
+    lines.append("break-even bandwidth against dense (the model, from the base runs):")
     for b in result["break_even"]:
         bw = "" if b["bytes_per_s"] is None else f" {b['bytes_per_s'] / 1e6:.3g} MB/s"
         lines.append(f"  {b['label']:24s} {b['verdict']}{bw}")

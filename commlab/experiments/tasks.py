@@ -159,8 +159,10 @@ class CharLMTask:
 
     @staticmethod
     def quality(total, count):
-        """Perplexity from the summed shares of :meth:`evaluate` (nats, characters): exp(mean nats per character)."""
-        return math.exp(total / count)
+        """Perplexity from the summed shares of :meth:`evaluate` (nats, characters): exp(mean nats per character);
+        inf when that overflows a float (a diverging run) or the loss is not finite."""
+        mean = total / count
+        return math.exp(mean) if math.isfinite(mean) and mean < 700 else math.inf
 
 
 TASKS = {"digits": DigitsTask, "charlm": CharLMTask}

@@ -65,10 +65,19 @@ class StepCosts:
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
-        if min(self.compute_s, self.codec_s, self.payload_nbytes) < 0:
-            raise ValueError(f"StepCosts {self.label!r}: seconds and bytes must be >= 0")
-        if self.world_size < 1 or self.collectives < 1:
-            raise ValueError(f"StepCosts {self.label!r}: world_size and collectives must be >= 1")
+        for name in ("compute_s", "codec_s", "payload_nbytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"StepCosts {self.label!r}: {name} must be a finite number >= 0, got {v!r}")
+        for name in ("world_size", "collectives"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"StepCosts {self.label!r}: {name} must be an int >= 1, got {v!r}")
+
+
+def _check_steps(name: str, steps) -> None:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        raise ValueError(f"{name} must be an int >= 0 or None (never reached), got {steps!r}")
 
 
 def comm_coefficients(costs: StepCosts) -> tuple[float, float]:
@@ -104,6 +113,10 @@ def costs_from_record(record, skip: int = 5, collectives: int | None = None) -> 
     Raises:
         ValueError: fewer than ``skip + 1`` steps.
     """
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"skip must be an int >= 0, got {skip!r}")
+    if collectives is not None and (isinstance(collectives, bool) or not isinstance(collectives, int) or collectives < 1):
+        raise ValueError(f"collectives must be an int >= 1 or None (the method's payload tensors), got {collectives!r}")
     start = max(skip, record.config.get("warmup_steps", 0))
     if len(record.compute_s) <= start:
         raise ValueError(f"{record.label}: {len(record.compute_s)} steps, need more than {start}")
@@ -115,7 +128,13 @@ def costs_from_record(record, skip: int = 5, collectives: int | None = None) -> 
 
 def steps_to_target(eval_steps: Sequence[int], quality: Sequence[float], target: float,
                     higher_is_better: bool) -> int | None:
-    """First evaluated step count at which ``quality`` meets ``target`` (None if it never does)."""
+    """First evaluated step count at which ``quality`` meets ``target`` (None if it never does).
+
+    Raises:
+        ValueError: ``eval_steps`` and ``quality`` of different lengths.
+    """
+    if len(eval_steps) != len(quality):
+        raise ValueError(f"eval_steps has {len(eval_steps)} entries, quality {len(quality)}")
     for s, q in zip(eval_steps, quality):
         if not math.isnan(q) and (q >= target if higher_is_better else q <= target):
             return s
@@ -123,7 +142,12 @@ def steps_to_target(eval_steps: Sequence[int], quality: Sequence[float], target:
 
 
 def time_to_target(costs: StepCosts, steps: int | None, link: Link) -> float:
-    """``steps · step_seconds`` (inf when the target is never reached)."""
+    """``steps · step_seconds`` (inf when the target is never reached, ``steps=None``).
+
+    Raises:
+        ValueError: ``steps`` negative or not an int.
+    """
+    _check_steps("steps", steps)
     return math.inf if steps is None else steps * step_seconds(costs, link)
 
 
@@ -149,8 +173,15 @@ def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_
 
     Args:
         dense, comp: step costs; dense_steps, comp_steps: steps each needs to reach the target (None: never).
-        alpha_s: the link latency α in seconds.
+        alpha_s: the link latency α in seconds (finite, >= 0).
+
+    Raises:
+        ValueError: negative or non-integer step counts, or a negative or non-finite α.
     """
+    _check_steps("dense_steps", dense_steps)
+    _check_steps("comp_steps", comp_steps)
+    if isinstance(alpha_s, bool) or not isinstance(alpha_s, (int, float)) or not 0 <= alpha_s < math.inf:
+        raise ValueError(f"alpha_s must be a finite number >= 0 (seconds), got {alpha_s!r}")
     if comp_steps is None:
         return BreakEven(None, "never reaches target")
     if dense_steps is None:

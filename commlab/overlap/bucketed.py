@@ -595,7 +595,8 @@ class StepTimes:
     Attributes:
         loss: the step's loss (a float). start_s, forward_end_s, backward_end_s (backward() returned, which
         includes the wait when it runs in backward), wait_end_s, end_s (optimizer step done).
-        record: the wrapper's :class:`StepRecord` (per-bucket launch/done times, wait interval).
+        record: the wrapper's :class:`StepRecord` of this step (per-bucket launch/done times, wait interval); None
+            for DDP and for a step inside ``no_sync`` (nothing was communicated).
     """
 
     loss: float
@@ -642,4 +643,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     with record_function(RANGE_OPTIMIZER):
         optimizer.step()
     t4 = time.perf_counter()
-    return StepTimes(float(loss.detach()), t0, t1, t2, t3, t4, getattr(model, "last_step", None))
+    # A step inside no_sync communicates nothing: it has no record (last_step still holds the previous one).
+    synced = getattr(model, "_sync_this_backward", True)
+    return StepTimes(float(loss.detach()), t0, t1, t2, t3, t4, getattr(model, "last_step", None) if synced else None)
