@@ -363,3 +363,25 @@ def test_mixed_settings_are_refused(short_runs):
         analysis.summarize(short_runs + [other])
     with pytest.raises(ValueError, match="twice"):
         analysis.summarize(short_runs + [short_runs[0]])
+
+
+def _aggregate_emulated_equals_plain(emu):
+    from commlab.compress import CastCompressor, TopK, aggregate
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = []
+    for comp in (TopK(0.05), CastCompressor(torch.float16)):
+        a = aggregate(x, comp)
+        b = aggregate(x, comp, emulate=emu)
+        out.append((a.path, torch.equal(a.sum, b.sum), a.bytes_sent_per_rank == b.bytes_sent_per_rank))
+    return out
+
+
+def test_aggregate_over_an_emulated_link_gives_the_same_sum():
+    from commlab.topology import EmulatedTopology
+
+    # The emulation only delays messages: both paths (AllGather for Top-K, AllReduce for the cast) must give
+    # the same sums with it as without it.
+    emu = EmulatedTopology(3, 1, Link(0.0, 1e-9))
+    for res in launch(_aggregate_emulated_equals_plain, 3, emu):
+        assert res == [("all_gather", True, True), ("all_reduce", True, True)]
