@@ -302,12 +302,18 @@ def test_orthogonalize_rank_deficient_and_zero_give_no_nan():
     for r in (1, 2, 4):
         zero = orthogonalize_(torch.zeros(6, r))
         assert bool(torch.isfinite(zero).all())
-        dup = torch.randn(6, 1).repeat(1, r)  # rank 1
+        dup = torch.randn(6, 1, generator=torch.Generator().manual_seed(r)).repeat(1, r)  # rank 1
         q = orthogonalize_(dup.clone())
         assert bool(torch.isfinite(q).all())
         assert torch.allclose(q.T @ q, torch.eye(r), atol=1e-5)  # orthonormal even so
     q = orthogonalize_(torch.randn(50, 2))
     assert torch.allclose(q.T @ q, torch.eye(2), atol=1e-5)
+    # Whatever rounding does: duplicated columns, with the second cancelling exactly or leaving noise.
+    for seed in range(200):
+        col = torch.randn(6, 1, generator=torch.Generator().manual_seed(seed))
+        for dup in (col.repeat(1, 2), torch.cat([col, 2 * col], 1), torch.cat([col, -col], 1)):
+            q = orthogonalize_(dup.clone())
+            assert torch.allclose(q.T @ q, torch.eye(2), atol=1e-5), seed
 
 
 def test_compressed_shape_rule_and_exact_bytes():

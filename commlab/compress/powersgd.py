@@ -164,6 +164,16 @@ def orthogonalize_(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
             for _ in range(2):
                 col.sub_(prev @ (prev.T @ col))
         norm = torch.linalg.vector_norm(col)
+        if i > 0 and norm == 0 and bool(torch.linalg.vector_norm(matrix[:, :i]) > 0):
+            # The column was exactly in the span of the previous ones (the projection cancelled to 0.0):
+            # put in the unit vector orthogonal to them built from the coordinate they cover least, so that
+            # the rank is not lost for good (with warm start a zero column of P would stay zero).
+            k = int(torch.argmin(matrix[:, :i].abs().sum(dim=1)))
+            col.zero_()
+            col[k] = 1
+            for _ in range(2):
+                col.sub_(prev @ (prev.T @ col))
+            norm = torch.linalg.vector_norm(col)
         if epsilon > 0:
             col.div_(norm + epsilon)
         else:
