@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if args.world_size < 1 or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
+        modes = [f"--{m}" for m in ("compressors", "overlap", "emulate", "algorithms") if getattr(args, m)]
+        if len(modes) > 1:
+            parser.error(f"{' and '.join(modes)} are separate benchmarks; run them one at a time")
+        if args.overlap and (args.backend != "gloo" or args.check):
+            parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if args.compressors:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), repeats=args.rounds)

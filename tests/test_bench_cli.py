@@ -84,3 +84,13 @@ def test_command_line_rejects_bad_counts(flags):
 def test_command_line_rejects_bad_sizes():
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "-b", "1X"], capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot read '1X' as a size" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlap", "--compressors"], "separate benchmarks"),
+    (["--emulate", "2x2", "--algorithms", "all"], "separate benchmarks"),
+    (["--overlap", "--backend", "nccl"], "--backend and --check do not apply"),
+    (["--overlap", "--check"], "--backend and --check do not apply")])
+def test_command_line_rejects_flags_that_would_be_ignored(flags, message):
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr
