@@ -99,6 +99,8 @@ def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] |
     ax.set_xlabel("time from the start of the step (ms)")
     handles = [Patch(color=c, label=k if k != "wait" else "wait for buckets") for k, c in _COLORS.items()]
     handles.append(Patch(color=_COMM, label="bucket launch → done"))
+    if show_gloo:
+        handles.append(Patch(color="0.5", label="gloo worker thread"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / (rows + 4)), ncol=5,
               fontsize=8, frameon=False)
     if title:
