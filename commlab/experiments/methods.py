@@ -127,19 +127,18 @@ class _TimedCompressor:
     def __init__(self, inner):
         self.inner, self.name, self.linear, self.seconds = inner, inner.name, inner.linear, 0.0
 
-    def compress(self, tensor):
+    def _timed(self, fn, arg):
         t0 = time.perf_counter()
         try:
-            return self.inner.compress(tensor)
+            return fn(arg)
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def compress(self, tensor):
+        return self._timed(self.inner.compress, tensor)
+
     def decompress(self, payload):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.decompress(payload)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        return self._timed(self.inner.decompress, payload)
 
 
 def _compressor(kind: str, arg: str | None, seed: int):
@@ -170,6 +169,9 @@ class Method:
     def __init__(self, spec: str, error_feedback: bool, warmup_steps: int, seed: int,
                  emulate: EmulatedTopology | None):
         self.kind, arg = parse_spec(spec)
+        if self.kind == "powersgd" and emulate is not None:
+            raise ValueError("PowerSGD runs its AllReduces through dist.all_reduce, which an EmulatedTopology "
+                             "cannot delay; measure it without emulate")
         self.warmup_steps, self.emulate, self.step = warmup_steps, emulate, 0
         self.compressor = self.ef = self.powersgd = None
         if self.kind == "powersgd":
@@ -205,9 +207,6 @@ class Method:
         return [a.view_as(g) for a, g in zip(avg.split([g.numel() for g in grads]), grads)], comm
 
     def _powersgd(self, grads, n, t0):
-        if self.emulate is not None:
-            raise ValueError("PowerSGD runs its AllReduces through dist.all_reduce, which an EmulatedTopology "
-                             "cannot delay; measure it without emulate")
         # The three stages of a PowerSGD call, timed apart: what runs between the collectives is encode/decode.
         call = _Call(list(grads), self.powersgd, dist.group.WORLD, list(range(len(grads))), None)
         codec = 0.0
@@ -250,7 +249,4 @@ def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, 
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     kind, _ = parse_spec(spec)
-    if kind == "powersgd" and emulate is not None:
-        raise ValueError("PowerSGD runs its AllReduces through dist.all_reduce, which an EmulatedTopology "
-                         "cannot delay; measure it without emulate")
     return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate)

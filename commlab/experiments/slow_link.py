@@ -26,6 +26,7 @@ import pathlib
 import statistics
 import time
 
+from commlab.experiments.analysis import dense_target
 from commlab.experiments.grid import DATA_DIR
 from commlab.experiments.harness import RunConfig, RunRecord, run
 from commlab.experiments.time_to_accuracy import (StepCosts, break_even, comm_coefficients, costs_from_record,
@@ -80,8 +81,7 @@ def measure(task: str = "charlm", world_size: int = 4, steps: int = 120, seed: i
              else dataclasses.replace(cfg, link_bytes_per_s=bw, link_alpha_s=alpha_s))
         records[(cfg.method, cfg.error_feedback, bw)] = run(c)
     dense_base = records[("dense", False, None)]
-    at = target_fraction * dense_base.config["steps"]
-    target = dense_base.eval_quality[next(i for i, s in enumerate(dense_base.eval_steps) if s >= at)]
+    target = dense_target([dense_base], dense_base.config["task"], target_fraction)
     hib = dense_base.higher_is_better
     rows, base_costs, base_steps = [], {}, {}
     for spec, ef in methods:
