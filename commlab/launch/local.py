@@ -1,7 +1,7 @@
 """Run a function on N ranks with ``torch.distributed`` initialised, from a notebook cell or a script.
 
-This is the only module of commlab that knows about processes, start methods, rendezvous stores
-and timeouts. Everything else receives an initialised default process group.
+The notebook-and-laptop door of :mod:`commlab.launch`: it forks the ranks and owns their start method,
+rendezvous store and timeouts. Everything above receives an initialised default process group.
 
 How it works, and why (the measurements behind each choice are in the course's environment notes):
 

@@ -1,0 +1,86 @@
+"""Which device a group's tensors live on, and a clock that times work on that device.
+
+Everything above :mod:`commlab.launch` asks these two questions instead of testing the backend itself, so
+that the same code runs on gloo (CPU tensors, host clock) and on NCCL (``cuda:LOCAL_RANK`` tensors, CUDA
+events).
+
+* NCCL moves only CUDA tensors, and each rank must use *its* GPU: ``torch.cuda.set_device(LOCAL_RANK)``
+  is done once when the process group is initialised, so "the current CUDA device" is the rank's GPU.
+  A tensor created with a bare ``.cuda()`` before that lands on GPU 0 for every rank.
+* CUDA kernels, NCCL collectives included, run asynchronously: ``time.perf_counter()`` around them
+  measures how long the launch took, not the work. A :class:`Clock` on a CUDA device records CUDA events
+  on the current stream instead (PyTorch's ``torch.cuda.Event(enable_timing=True)``), which complete when
+  the GPU reaches them, and reads them only when a time is asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_device", "Clock", "Mark"]
+
+#: A point in time recorded by :meth:`Clock.mark`: ``time.perf_counter()`` seconds on the CPU, a recorded
+#: ``torch.cuda.Event`` on a GPU.
+Mark = Union[float, "torch.cuda.Event"]
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a tensor must be on to travel through ``group``.
+
+    Returns:
+        ``cuda:<current device>`` when the group's backend is NCCL (the rank's own GPU, which the launcher
+        selected with ``torch.cuda.set_device``), else ``cpu`` (gloo).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...), or under "
+                           "torchrun call commlab.launch.init_from_env() first")
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Clock:
+    """Timestamps of work on one device: the host clock for the CPU, CUDA events for a GPU.
+
+    ``mark()`` is cheap and never waits: on a GPU it records an event on the current stream. Times are
+    read with :meth:`seconds` (since the clock was made) or :meth:`elapsed` (between two marks); on a GPU
+    that waits for the events, so read them after the work of interest, not inside it.
+
+    Args:
+        device: where the timed work runs (a ``torch.device`` or its name); default: the CPU.
+
+    Attributes:
+        device: the device. on_gpu: whether marks are CUDA events.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device("cpu" if device is None else device)
+        self.on_gpu = self.device.type == "cuda"
+        self._origin = self.mark()
+
+    def mark(self) -> Mark:
+        """Record the current point of the device's work (the host's time on the CPU)."""
+        if self.on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed(self, start: Mark, end: Mark) -> float:
+        """Seconds from ``start`` to ``end`` (both made by this clock)."""
+        if self.on_gpu:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def seconds(self, mark: Mark) -> float:
+        """Seconds from the clock's creation to ``mark``."""
+        return self.elapsed(self._origin, mark)
