@@ -125,7 +125,8 @@ def _torch_wrappers_on_the_wire(kind):
             wrapped.register_comm_hook(CompressionHookState(CastCompressor(torch.bfloat16)), compression_hook)
         grads = _train(wrapped, model, batches)
         out[name] = (sorted(set(seen), key=str), grads)
-    return out["ours"][0], out["reference"][0], max(_max_diff(a, b) for a, b in zip(out["ours"][1], out["reference"][1]))
+    diff = max(_max_diff(a, b) for a, b in zip(out["ours"][1], out["reference"][1]))
+    return out["ours"][0], out["reference"][0], diff
 
 
 @pytest.mark.parametrize("kind, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
