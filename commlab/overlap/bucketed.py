@@ -402,6 +402,15 @@ def _ready_hook(wrapper: "weakref.ref[BucketedDataParallel]", k: int):
     return hook
 
 
+def _done_callback(wrapper: "weakref.ref[BucketedDataParallel]", b: int, timing: BucketTiming):
+    """A bucket future's done-callback: records the completion (weakly, like the ready hooks)."""
+    def callback(_fut) -> None:
+        w = wrapper()
+        if w is not None:
+            w._on_done(b, timing)
+    return callback
+
+
 def _remove_all(handles) -> None:
     for h in handles:
         h.remove()
@@ -523,7 +532,7 @@ class BucketedDataParallel(nn.Module):
         self.last_step: StepRecord | None = None
         # The hooks hold the wrapper weakly and are removed when it is collected: a model wrapped again (a
         # notebook cell run twice) must not keep feeding a wrapper nobody steps any more.
-        me = weakref.ref(self)
+        self._me = me = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, k)) for k, p in enumerate(self._params)]
         weakref.finalize(self, _remove_all, list(self._handles))
         for p in self._params:
@@ -829,7 +838,7 @@ class BucketedDataParallel(nn.Module):
                                      "must return a torch.futures.Future of the averaged bucket buffer")
             timing._set("launched_s", self.clock.mark())
         st.futures[b] = fut
-        fut.add_done_callback(lambda _f, b=b, timing=timing: self._on_done(b, timing))
+        fut.add_done_callback(_done_callback(self._me, b, timing))
 
     def _on_done(self, b: int, timing: BucketTiming) -> None:
         # Runs on the thread that completed the future (a gloo worker), or inline if it was already complete,
