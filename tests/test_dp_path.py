@@ -459,3 +459,31 @@ def test_a_dropped_wrapper_no_longer_hooks_its_model():
     """The ready hooks hold the wrapper weakly and go with it; otherwise the dropped wrapper's hooks would still
     fire on the next backward and refuse it ("backward ... without a forward through it")."""
     assert max(launch(_wrap_twice, 2, timeout=60)) <= 1e-6
+
+
+# ------------------------------------------------------------------------------ an experiment method as a hook
+
+def _method_hook_over_buckets(spec, ef):
+    from commlab.experiments.methods import make_method, method_hook
+
+    batches = _batches(3, dist.get_rank())
+    m1, m2 = make_mlp(WIDTHS), make_mlp(WIDTHS)
+    ours = BucketedDataParallel(m1, bucket_cap_bytes=CAP)
+    method = make_method(spec, ef, clock=ours.clock)
+    ours.register_comm_hook(method, method_hook)
+    g1, g2 = _train(ours, m1, batches), _train(DDP(m2, bucket_cap_mb=CAP / 2 ** 20), m2, batches)
+    costs = method.take_costs()
+    return (len(ours.buckets), method.step, len(costs), max(_max_diff(a, b) for a, b in zip(g1, g2)),
+            sorted(method.ef.keys()) if method.ef is not None else None)
+
+
+@pytest.mark.parametrize("spec, ef", [("dense", False), ("sign", True)])
+def test_an_experiment_method_as_comm_hook_over_several_buckets(spec, ef):
+    """Steps are counted once per step (at the last bucket), costs are kept per bucket, and error feedback keeps
+    one residual per bucket; dense through commlab's ring equals DDP."""
+    for buckets, steps, costs, diff, residuals in launch(_method_hook_over_buckets, 2, spec, ef, timeout=90):
+        assert buckets > 1 and steps == 3 and costs == 3 * buckets
+        if spec == "dense":
+            assert diff <= 1e-6
+        else:
+            assert residuals == sorted(["flat"] + [f"flat/{b}" for b in range(1, buckets)])

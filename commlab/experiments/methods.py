@@ -236,7 +236,7 @@ class Method:
             avg, cost = self._powersgd(list(grads), list(range(len(grads))), None)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            total, cost = self._flat_sum(flat)
+            total, cost = self._flat_sum(flat, "flat")
             avg = (total / dist.get_world_size()).split([g.numel() for g in grads])
             avg = [a.view_as(g) for a, g in zip(avg, grads)]
         self.step += 1
@@ -252,7 +252,9 @@ class Method:
             _, cost = self._powersgd(grads, [(bucket.index(), j) for j in range(len(grads))], grads)
             result = bucket.buffer()
         else:
-            total, cost = self._flat_sum(bucket.buffer())
+            # One error-feedback residual per bucket (the buckets of a step differ in size).
+            key = "flat" if bucket.index() == 0 else f"flat/{bucket.index()}"
+            total, cost = self._flat_sum(bucket.buffer(), key)
             result = total / dist.get_world_size()
         self.costs.append(cost)
         if bucket.is_last():
@@ -264,8 +266,9 @@ class Method:
         costs, self.costs = self.costs, []
         return costs
 
-    def _flat_sum(self, flat: torch.Tensor) -> tuple[torch.Tensor, BucketCost]:
-        """The sum over ranks of ``flat`` (dense, or through the compressor), and its cost."""
+    def _flat_sum(self, flat: torch.Tensor, key: str) -> tuple[torch.Tensor, BucketCost]:
+        """The sum over ranks of ``flat`` (dense, or through the compressor; ``key`` names its residual), and its
+        cost."""
         n = dist.get_world_size()
         t0 = self.clock.mark()
         if not self.compressing:
@@ -275,7 +278,7 @@ class Method:
             return total, BucketCost(nbytes, ring_bytes_sent_per_rank(nbytes, n, "all_reduce"), "all_reduce",
                                      t0, self.clock.mark(), ())
         self.compressor.intervals = []
-        out = aggregate(flat, self.compressor, error_feedback=self.ef, key="flat" if self.ef else None,
+        out = aggregate(flat, self.compressor, error_feedback=self.ef, key=key if self.ef else None,
                         emulate=self.emulate)
         return out.sum, BucketCost(out.payload_nbytes, out.bytes_sent_per_rank, out.path, t0, self.clock.mark(),
                                    tuple(self.compressor.intervals))
