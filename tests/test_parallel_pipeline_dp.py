@@ -1,6 +1,4 @@
-"""Pipeline schedules and engine, data-parallel gradient sync inside DP groups, ZeRO-1; on real gloo ranks."""
-
-import math
+"""Pipeline schedules and engine on real gloo ranks."""
 
 import pytest
 import torch
@@ -8,8 +6,6 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import launch
-from commlab.compress import CastCompressor, ErrorFeedback, TopK
-from commlab.parallel.data_parallel import ZeroOneOptimizer, sync_gradients
 from commlab.parallel.pipeline import (BACKWARD, FORWARD, SCHEDULES, Op, bubble_fraction, bubble_time_ratio,
                                        check_schedule, ideal_timeline, idle_fraction, make_schedule,
                                        max_in_flight, pipeline_step, split_sequential)
@@ -191,143 +187,8 @@ def test_measured_idle_fraction_is_a_fraction_and_is_reported_beside_the_formula
     # sharing the cores we saw 0.505 vs 0.497 and once m=8 above m=1: the direction is not asserted.
 
 
-# ------------------------------------------------------------------------------------ data parallel
-
-def _grad_of(rank):
-    # Integer-valued gradients: sums and halves are exact, so the averages can be compared exactly. The last
-    # two entries belong to a parameter without .grad, which sync_gradients treats as zeros.
-    return torch.cat([(torch.arange(35, dtype=torch.float32) % 7 - 3) * (rank + 1), torch.zeros(2)])
-
-
-def _dp_sync_in_groups():
-    rank = dist.get_rank()
-    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # strided DP groups, as on a mesh with pp=2
-    dp = groups[rank % 2]
-    lin = nn.Linear(6, 5, bias=True)  # 35 parameters; a third one without .grad is filled with zeros
-    extra = nn.Parameter(torch.zeros(2))
-    params = [lin.weight, lin.bias, extra]
-    flat = _grad_of(rank)
-    lin.weight.grad = flat[:30].view(5, 6).clone()
-    lin.bias.grad = flat[30:35].clone()
-    dense = sync_gradients(params, dp, bucket_nbytes=40)
-    dense_out = torch.cat([q.grad.reshape(-1) for q in params])
-
-    topk = TopK(k=5)
-    lin.weight.grad = flat[:30].view(5, 6).clone()
-    lin.bias.grad = flat[30:35].clone()
-    extra.grad = None
-    sparse = sync_gradients(params, dp, compressor=topk)
-    sparse_out = torch.cat([q.grad.reshape(-1) for q in params])
-
-    cast = CastCompressor(torch.bfloat16)
-    ef = ErrorFeedback(cast)
-    torch.manual_seed(rank)
-    g = torch.randn(37)
-    lin.weight.grad, lin.bias.grad, extra.grad = g[:30].view(5, 6).clone(), g[30:35].clone(), g[35:].clone()
-    linear = sync_gradients(params, dp, error_feedback=ef)
-    linear_out = torch.cat([q.grad.reshape(-1) for q in params])
-    residual = ef.residual("dp/0")
-    return dense, dense_out, sparse, sparse_out, linear, linear_out, g, residual
-
-
-def test_dp_sync_averages_within_each_dp_group_only():
-    results = launch(_dp_sync_in_groups, 4, timeout=60)
-    members = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
-    topk = TopK(k=5)
-    for rank, (dense, dense_out, sparse, sparse_out, linear, linear_out, g, residual) in enumerate(results):
-        grp = members[rank]
-        expected = sum(_grad_of(r) for r in grp) / 2
-        # Only the group's members are averaged (not all 4 ranks), exactly.
-        assert torch.equal(dense_out, expected)
-        assert dense.group_size == 2 and dense.buckets == 4 and dense.path == "all_reduce"
-        assert dense.dense_nbytes == 37 * 4 and dense.bytes_sent_per_rank == pytest.approx(37 * 4)  # 2(N-1)/N = 1
-        # With Top-K, the average of what each member *sent* (not of the raw gradients).
-        sent = [topk.decompress(topk.compress(_grad_of(r))) for r in grp]
-        torch.testing.assert_close(sparse_out, (sent[0] + sent[1]) / 2, rtol=0, atol=0)
-        assert not torch.equal(sparse_out, expected)
-        assert sparse.path == "all_gather" and sparse.payload_nbytes == 5 * (4 + 4) < sparse.dense_nbytes
-        # bfloat16 with error feedback: close to the mean, payload half the bytes, residual = what was not sent.
-        mean_g = sum(results[r][6] for r in grp) / 2
-        torch.testing.assert_close(linear_out, mean_g, rtol=2e-2, atol=2e-2)
-        assert linear.payload_nbytes == 37 * 2 and linear.path == "all_reduce"
-        torch.testing.assert_close(residual, g - g.to(torch.bfloat16).float(), rtol=0, atol=0)
-
-
-def _zero_one(opt_name):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dp = dist.new_group(list(range(n)))
-    x, y = _batch(24 * n)
-    x, y = x[rank * 24:(rank + 1) * 24], y[rank * 24:(rank + 1) * 24]
-    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[opt_name]
-    zcls, zkw = {"adam": (torch.optim.Adam, dict(lr=1e-2)),
-                 "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}[opt_name]
-    ref, sharded = deep_mlp(hidden=17, depth=2), deep_mlp(hidden=17, depth=2)
-    ref_opt = make(list(ref.parameters()))
-    zero = ZeroOneOptimizer(sharded.parameters(), dp, zcls, **zkw)
-    stats = []
-    for _ in range(3):
-        for model in (ref, sharded):
-            model.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-        sync_gradients(ref, dp)
-        ref_opt.step()
-        stats.append(zero.step())
-    ref_state = sum(t.numel() * t.element_size() for st in ref_opt.state.values() for t in st.values()
-                    if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return ([q.detach() for q in ref.parameters()], [q.detach() for q in sharded.parameters()],
-            stats[-1], zero.state_nbytes(), ref_state, zero.numel, zero.padded_numel)
-
-
-@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
-def test_zero1_equals_the_unsharded_optimizer(opt_name):
-    n = 3
-    results = launch(_zero_one, n, opt_name, timeout=60)
-    for ref_params, zero_params, stats, state_nbytes, ref_state, numel, padded in results:
-        for a, b in zip(ref_params, zero_params):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-        assert numel == 64 * 17 + 17 + 17 * 17 + 17 + 17 * 10 + 10 and padded % n == 0 and padded >= numel
-        # Same bytes as one AllReduce of the padded gradient: 2 (N-1)/N * bytes.
-        assert stats.bytes_sent_per_rank == pytest.approx(2 * (n - 1) / n * padded * 4)
-        # Optimizer state of 1/N of the parameters (ignoring Adam's scalar step counter).
-        per_param = 2 if opt_name == "adam" else 1
-        assert ref_state == per_param * numel * 4
-        assert state_nbytes - (8 if opt_name == "adam" else 0) <= per_param * padded // n * 4
-    # All ranks end with identical parameters.
-    for r in results[1:]:
-        for a, b in zip(results[0][1], r[1]):
-            assert torch.equal(a, b)
-
-
-# ------------------------------------------------------------------------------------ PP x DP together
-
-def _pp_dp():
-    rank = dist.get_rank()
-    # Mesh dp=2 x pp=2: pipelines {0,1} and {2,3}; DP groups join the same stage of both: {0,2}, {1,3}.
-    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    pp, dp = pp_groups[rank // 2], dp_groups[rank % 2]
-    replica = rank // 2
-    x, y = _batch(64)
-    x, y = x[replica * 32:(replica + 1) * 32], y[replica * 32:(replica + 1) * 32]
-    stage = split_sequential(deep_mlp(depth=4), 2)[dist.get_rank(pp)]
-    res = pipeline_step(stage, x, y, nn.functional.cross_entropy, 4, pp, schedule="1f1b")
-    sync_gradients(stage, dp)
-    return res.loss, [q.grad.clone() for q in stage.parameters()]
-
-
-def test_pipelines_side_by_side_with_dp_sync_equal_the_whole_batch():
-    x, y = _batch(64)
-    ref = deep_mlp(depth=4)
-    nn.functional.cross_entropy(ref(x), y).backward()
-    ref_grads = [[q.grad for q in st.parameters()] for st in split_sequential(ref, 2)]
-    results = launch(_pp_dp, 4, timeout=60)
-    for rank, (loss, grads) in enumerate(results):
-        for g, r in zip(grads, ref_grads[rank % 2]):
-            torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
-    # Each pipeline's loss is its own half-batch mean; their average is the whole batch's.
-    full = nn.functional.cross_entropy(deep_mlp(depth=4)(x), y).item()
-    assert (results[0][0] + results[2][0]) / 2 == pytest.approx(full, rel=RTOL)
+# Data parallelism inside DP groups, PP x DP with a pipeline flush, and ZeRO-1: tests/test_dp_path.py and
+# tests/test_zero1.py (through BucketedDataParallel, commlab's one data-parallel path).
 
 
 # ------------------------------------------------------------------------------------ figure

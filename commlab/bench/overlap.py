@@ -5,7 +5,7 @@ one bucket for everything), training steps of the same MLP on the same data with
 :class:`commlab.overlap.BucketedDataParallel` and with ``DistributedDataParallel(bucket_cap_mb=same)``,
 alternating the two step by step so both see the same machine load, and prints one table: median step
 time of each (slowest rank per step), the ratio ours / DDP, and for ours the overlap fraction, the exposed
-communication and the communication time, from the trainer's own ``time.perf_counter()`` records (the
+communication and the communication time, from the trainer's own clock marks (the
 profiler's cost would distort the step times; the per-step definitions are those of :mod:`commlab.overlap.profile`,
 and the table gives the median over steps of each per-step figure, where ``OverlapProfile`` sums over steps).
 

@@ -117,14 +117,37 @@ def ring_geometry(group: dist.ProcessGroup | None, ring: Sequence[int] | None) -
                         next_global=_global(group, nxt), prev_global=_global(group, prv))
 
 
-def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(N, this rank's group rank)``, or RuntimeError if there is no process group or we are not in it."""
+def group_size_and_rank(group: dist.ProcessGroup | None, what: str = "the collective") -> tuple[int, int]:
+    """``(N, this rank's group rank)`` of ``group`` (None: the world), checking that this rank belongs to it.
+
+    The one membership check of the package: the collectives, the compressors' aggregation and hooks,
+    PowerSGD and the data-parallel wrapper all call it, so a rank outside its group gets the same error
+    everywhere instead of an ``IndexError`` or ``AttributeError`` from deep inside. ``dist.new_group``
+    returns ``GroupMember.NON_GROUP_MEMBER`` (an int) to the ranks it leaves out; passing that on is the
+    usual way to get here.
+
+    Args:
+        group: a ProcessGroup, None, or ``GroupMember.NON_GROUP_MEMBER``.
+        what: who asks, for the message (e.g. ``"PowerSGDState"``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or this rank is not a member of ``group``
+            ("rank r is not a member of the process group passed to ...").
+        ValueError: ``group`` is neither a ProcessGroup nor None.
+    """
+    outsider = group is dist.GroupMember.NON_GROUP_MEMBER
+    if group is not None and not outsider and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{what}: process_group must be a torch.distributed ProcessGroup or None, "
+                         f"got {type(group).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or "
                            "call dist.init_process_group first")
-    group_rank = dist.get_rank(group)
+    group_rank = -1 if outsider else dist.get_rank(group)
     if group_rank < 0:
-        raise RuntimeError("this rank is not a member of the process group it called the collective on")
+        hint = (" (dist.new_group returns GroupMember.NON_GROUP_MEMBER to the ranks it leaves out)" if outsider
+                else f" (its ranks: {dist.get_process_group_ranks(group)})")
+        raise RuntimeError(f"rank {dist.get_rank()} is not a member of the process group passed to {what}{hint}; "
+                           "call it only on the group's members, with a group this rank belongs to")
     return dist.get_world_size(group), group_rank
 
 

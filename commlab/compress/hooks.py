@@ -18,6 +18,7 @@ Usage::
 import torch
 import torch.distributed as dist
 
+from commlab.collectives._common import group_size_and_rank
 from commlab.compress.aggregate import agree_finite
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.powersgd import PowerSGDState, _Call, _group
@@ -45,6 +46,7 @@ class CompressionHookState:
 
     Raises:
         ValueError: ``compressor`` does not follow the protocol, or a bad ``process_group``/``error_feedback``.
+        RuntimeError: this rank is not a member of ``process_group``.
     """
 
     def __init__(self, compressor: Compressor, process_group: dist.ProcessGroup | None = None,
@@ -55,8 +57,8 @@ class CompressionHookState:
                              "commlab.compress.base.Compressor (name, linear, compress, decompress)")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}")
+        if process_group is not None:  # None is the world, resolved when the hook runs
+            group_size_and_rank(process_group, "CompressionHookState")
         self.compressor = compressor
         self.process_group = process_group
         self.error_feedback = error_feedback

@@ -64,6 +64,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commlab.collectives._common import group_size_and_rank
+
 __all__ = ["PowerSGDState", "PowerSGDBytes", "powersgd_all_reduce", "powersgd_nbytes", "orthogonalize_",
            "compressed_shape"]
 
@@ -224,7 +226,10 @@ class PowerSGDState:
         total_dense_nbytes, total_sent_nbytes: sums over all compressed calls.
 
     Raises:
-        ValueError: a setting out of range (the message names it and the allowed values).
+        ValueError: a setting out of range (the message names it and the allowed values), or a
+            ``process_group`` that is not a ProcessGroup.
+        RuntimeError: this rank is not a member of ``process_group`` (e.g. it passed the
+            ``GroupMember.NON_GROUP_MEMBER`` that ``dist.new_group`` gives the ranks outside the group).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, rank: int = 1, start_iter: int = 1000,
@@ -257,9 +262,8 @@ class PowerSGDState:
                              f"{orthogonalization_epsilon!r} (0 is safe: zero columns are guarded; 1e-8 is typical otherwise)")
         if not is_int(random_seed) or not 0 <= random_seed < 2 ** 32:
             raise ValueError(f"random_seed must be an int in [0, 2**32), got {random_seed!r}")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, "
-                             f"got {type(process_group).__name__}")
+        if process_group is not None:  # None is the world, resolved when the state is used
+            group_size_and_rank(process_group, "PowerSGDState")
         self.process_group = process_group
         self.rank = int(rank)
         self.start_iter = int(start_iter)
@@ -314,9 +318,12 @@ class _Call:
         for i, t in enumerate(tensors):
             if not t.is_floating_point():
                 raise TypeError(f"PowerSGD averages floating-point tensors; tensor {i} is {t.dtype}")
-        self.tensors, self.state, self.group, self.keys = list(tensors), state, group, list(keys)
-        self.out = out
-        self.world = dist.get_world_size(group)
+        # Detached: the stages write P and Q with out= (and the averages into out), which autograd refuses
+        # for tensors that require grad; gradients handed over by a caller often do (create_graph, hooks).
+        self.tensors = [t.detach() for t in tensors]
+        self.state, self.group, self.keys = state, group, list(keys)
+        self.out = None if out is None else [o.detach() for o in out]
+        self.world, _ = group_size_and_rank(group, "PowerSGD")
         self.layouts = [compressed_shape(t.shape, state.rank, state.min_compression_rate) for t in tensors]
         self.comp = [i for i, lay in enumerate(self.layouts) if lay is not None]
         self.unc = [i for i, lay in enumerate(self.layouts) if lay is None]
@@ -472,10 +479,14 @@ def powersgd_all_reduce(tensors: Sequence[torch.Tensor], state: PowerSGDState,
         The averaged tensors, in their input shapes and dtypes: low-rank approximations of the average
         for compressed matrices, exact averages (up to rounding) for the others. Identical on all ranks.
 
+    Tensors that require grad are fine: the computation runs on detached views (the averages are not part
+    of any autograd graph).
+
     Raises:
         TypeError: a non-floating-point tensor.
         ValueError: a tensor whose shape differs from the state remembered for its key.
         FloatingPointError: some rank's gradient or residual holds NaN or inf (raised on every rank).
+        RuntimeError: this rank is not a member of the group.
     """
     keys = list(range(len(tensors))) if keys is None else list(keys)
     call = _Call(tensors, state, _group(state, group), keys, out)

@@ -2,7 +2,8 @@
 
 * :mod:`~commlab.experiments.corpus`, :mod:`~commlab.experiments.charlm`, :mod:`~commlab.experiments.tasks`:
   the two tasks (digits MLP; character-level transformer on Python's own documentation).
-* :mod:`~commlab.experiments.methods`: gradient averaging by spec (``"topk:0.01"``), timed.
+* :mod:`~commlab.experiments.methods`: gradient averaging by spec (``"topk:0.01"``), timed, as a comm hook of
+  the data-parallel path (:class:`commlab.overlap.BucketedDataParallel`).
 * :mod:`~commlab.experiments.harness`: one data-parallel run, recorded step by step.
 * :mod:`~commlab.experiments.grid`: the grids and ``python -m commlab experiments run``.
 """

@@ -1,12 +1,16 @@
 """One data-parallel training run with a chosen gradient-averaging method, recorded step by step.
 
 :func:`run` launches ``config.world_size`` gloo ranks (:func:`commlab.launch`); every rank trains the
-same model on its own mini-batches, averages the gradients with :func:`commlab.experiments.methods.make_method`
-and takes the same optimizer step. Per step each rank records its loss and its seconds of compute
-(forward + backward), encode/decode, communication and the whole step; the parent combines the ranks
-(mean loss; the slowest rank's seconds, since the ranks wait for each other in every collective) into
-a :class:`RunRecord`. Every ``eval_every`` steps the ranks score their shares of the held-out set; that
-time is not part of any step.
+same model on its own mini-batches through commlab's data-parallel path,
+:class:`commlab.overlap.BucketedDataParallel`, whose comm hook is the method
+(:func:`commlab.experiments.methods.method_hook`): the gradient, in one bucket (reverse registration order),
+is averaged while ``backward()`` runs, and every rank takes the same optimizer step. Per step each rank
+records its loss and its seconds of compute (forward + backward, without the time spent averaging),
+encode/decode, communication (the rest of the averaging, including the wait and the copy back into
+``.grad``) and the whole step; the parent combines the ranks (mean loss; the slowest rank's seconds, since
+the ranks wait for each other in every collective) into a :class:`RunRecord`. Every ``eval_every`` steps the
+ranks score their shares of the held-out set; that time is not part of any step. Model, data and loss live on
+the group's device; times are marks of the wrapper's :class:`commlab.launch.Clock`, read once at the end.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any
 
 import torch
 
-from commlab.experiments.methods import describe, make_method, parse_spec
+from commlab.experiments.methods import describe, make_method, method_hook, parse_spec
 from commlab.experiments.tasks import OPTIMIZERS, TASKS, get_task, make_optimizer
+from commlab.launch.device import group_device
+from commlab.overlap.bucketed import BucketedDataParallel
 from commlab.topology.emulated import EmulatedTopology
 from commlab.topology.links import Link
 
@@ -140,7 +146,7 @@ class RunRecord:
         config: the resolved :class:`RunConfig` as a dict.
         label: e.g. ``"Top-K 1% + EF"``.
         metric, higher_is_better: the task's quality measure (``"accuracy"`` or ``"perplexity"``).
-        params: parameters of the model; dense_nbytes: bytes of its float32 gradient.
+        params: parameters of the model; dense_nbytes: bytes of its gradient (elements times their dtype's size).
         payload_nbytes: bytes of one rank's compressed gradient (of the last step; the dense size for dense).
         bytes_sent_per_rank: bytes each rank sent per compressed step (ring accounting, chapter 4).
         path: how the payloads were summed (``"all_reduce"``, ``"all_gather"`` or ``"powersgd"``).
@@ -175,7 +181,7 @@ class RunRecord:
 
     @property
     def ratio(self) -> float:
-        """Compression ratio: dense float32 gradient bytes / payload bytes."""
+        """Compression ratio: dense gradient bytes / payload bytes."""
         return self.dense_nbytes / self.payload_nbytes if self.payload_nbytes else math.inf
 
     def to_json(self) -> dict[str, Any]:
@@ -202,15 +208,22 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = group_device()
     task = get_task(config.task)
-    model = task.build(config.seed)
-    opt = make_optimizer(config.optimizer, model, config.lr)
+    model = task.build(config.seed).to(device)
     params = list(model.parameters())
-    method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate)
+    dense_nbytes = sum(p.numel() * p.element_size() for p in params)
+    # One bucket for the whole gradient: the compressors see it as one tensor (a global Top-K, chapter 5).
+    wrapped = BucketedDataParallel(model, bucket_cap_bytes=dense_nbytes)
+    clock = wrapped.clock
+    method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate, clock)
+    wrapped.register_comm_hook(method, method_hook)
+    opt = make_optimizer(config.optimizer, model, config.lr)
     gen = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
     out = {k: [] for k in ("loss", "compute_s", "codec_s", "comm_s", "step_s", "evals")}
     out.update(payload_nbytes=0, bytes_sent_per_rank=0.0, path="", diverged_at_step=None,
-               params=sum(p.numel() for p in params))
+               params=sum(p.numel() for p in params), dense_nbytes=dense_nbytes)
+    marked = []
 
     def evaluate(step):
         model.eval()
@@ -219,29 +232,34 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
 
     evaluate(0)
     for step in range(config.steps):
-        t0 = time.perf_counter()
-        batch = task.batch(rank, n, config.batch_size, gen)
+        t0 = clock.mark()
+        batch = tuple(t.to(device) for t in task.batch(rank, n, config.batch_size, gen))
         opt.zero_grad(set_to_none=False)
-        loss = task.loss(model, batch)
-        loss.backward()
-        t1 = time.perf_counter()
         try:
-            avg, comm = method.average([p.grad for p in params])
+            loss = task.loss(wrapped, batch)
+            loss.backward()  # the method averages the bucket inside it, and the wait runs at its end
         except FloatingPointError:
             out["diverged_at_step"] = step
             break
-        for p, g in zip(params, avg):
-            p.grad.copy_(g)
+        t1 = clock.mark()
         opt.step()
-        out["step_s"].append(time.perf_counter() - t0)
-        out["compute_s"].append(t1 - t0)
-        out["codec_s"].append(comm.codec_s)
-        out["comm_s"].append(comm.comm_s)
-        out["loss"].append(loss.item())
-        out["payload_nbytes"], out["bytes_sent_per_rank"], out["path"] = (
-            comm.payload_nbytes, comm.bytes_sent_per_rank, comm.path)
+        marked.append((t0, t1, clock.mark(), wrapped.last_step, method.take_costs(), loss.detach()))
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             evaluate(step + 1)
+    # The marks are read once, after training (on a GPU a wait per step would serialise the run).
+    for t0, t1, t2, rec, costs, loss in marked:
+        # Time the autograd thread spent inside the method (it averages synchronously) and waiting at the end
+        # of backward is averaging, not compute; what the compressor itself took of it is the codec's.
+        averaging = sum(b.launched_s - b.launch_s for b in rec.buckets) + (rec.wait_end_s - rec.wait_start_s)
+        codec = sum(c.codec_s(clock) for c in costs)
+        out["step_s"].append(clock.elapsed(t0, t2))
+        out["compute_s"].append(clock.elapsed(t0, t1) - averaging)
+        out["codec_s"].append(codec)
+        out["comm_s"].append(averaging - codec)
+        out["loss"].append(float(loss))
+        out["payload_nbytes"] = sum(c.payload_nbytes for c in costs)
+        out["bytes_sent_per_rank"] = sum(c.bytes_sent_per_rank for c in costs)
+        out["path"] = costs[0].path
     return out
 
 
@@ -278,7 +296,7 @@ def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:
         diverged = bad
     quality = [q if math.isfinite(q) else math.nan for q in quality]
     slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("compute_s", "codec_s", "comm_s", "step_s")}
-    dense_nbytes = r0["params"] * 4
+    dense_nbytes = r0["dense_nbytes"]
     return RunRecord(
         config=dataclasses.asdict(config), label=config.label, metric=task_cls.metric,
         higher_is_better=task_cls.higher_is_better, params=r0["params"], dense_nbytes=dense_nbytes,

@@ -1,27 +1,30 @@
 """Gradient-averaging methods named by short specs, each timing its encode/decode and its communication.
 
-A *spec* names a method: ``dense`` (commlab's ring AllReduce of the float32 gradient), ``cast:fp16``,
+A *spec* names a method: ``dense`` (commlab's ring AllReduce of the gradient), ``cast:fp16``,
 ``cast:bf16``, ``int:8``, ``int:4`` (:class:`~commlab.compress.quantize.RoundingQuantizer`), ``qsgd:4``
 (QSGD with 4-bit codes), ``sign``, ``topk:0.01``, ``randomk:0.01`` (share kept) and ``powersgd:R`` (rank R).
-A method averages one rank's list of gradients over the group and reports, for that step, the payload
-bytes, the bytes sent per rank, and two timings:
+A :class:`Method` averages one rank's gradients over the group and reports the payload bytes, the bytes sent
+per rank, and the seconds inside the compressor:
 
 * ``codec_s``: seconds inside the compressor's ``compress`` and ``decompress`` (for PowerSGD, the matrix
   products, orthogonalisation and error-feedback arithmetic between its two AllReduces),
-* ``comm_s``: the rest of the averaging call: the collectives (and, for the compressors that
+* ``comm_s``: the rest of the averaging: the collectives (and, for the compressors that
   :func:`commlab.compress.aggregate` handles, its two small agreement collectives and the error-feedback
   bookkeeping).
 
-The compressors of :func:`commlab.compress.aggregate` see the whole flattened gradient as one tensor
-(so Top-K is a global selection, as in chapter 5); PowerSGD sees each parameter's gradient, as its
-DDP hook does (matrices compressed, vectors sent whole).
+In training a method is the comm hook of commlab's data-parallel path (:func:`method_hook` on a
+:class:`commlab.overlap.BucketedDataParallel`): it averages each gradient bucket as it is launched. The
+experiments put the whole gradient in one bucket (reverse registration order, as DDP's buckets), so the
+compressors of :func:`commlab.compress.aggregate` see it as one tensor (Top-K is a global selection, as in
+chapter 5); PowerSGD sees each parameter's gradient in the bucket (``bucket.gradients()``), as its DDP hook
+does (matrices compressed, vectors sent whole). :meth:`Method.average` does the same for a list of tensors
+outside training. Times are marks of a :class:`commlab.launch.Clock` (CUDA events on a GPU), read when asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,12 @@ from commlab.compress.powersgd import PowerSGDState, _Call
 from commlab.compress.quantize import QSGD, RoundingQuantizer
 from commlab.compress.sign import SignCompressor
 from commlab.compress.sparse import RandomK, TopK
+from commlab.launch.device import Clock, Mark
+from commlab.overlap.bucketed import Bucket, completed_future
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["METHOD_KINDS", "StepComm", "parse_spec", "describe", "payload_tensors", "make_method", "Method"]
+__all__ = ["METHOD_KINDS", "StepComm", "BucketCost", "parse_spec", "describe", "payload_tensors", "make_method",
+           "Method", "method_hook"]
 
 #: Spec prefix -> what its argument means.
 METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)", "qsgd": "bits (2, 4 or 8)",
@@ -53,6 +59,31 @@ class StepComm:
     codec_s: float
     comm_s: float
     path: str           # "all_reduce", "all_gather" or "powersgd" (two AllReduces: P, then Q)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCost:
+    """What averaging one bucket cost on this rank: bytes, and clock marks read only when asked.
+
+    Attributes:
+        payload_nbytes, bytes_sent_per_rank, path: as in :class:`StepComm`.
+        start, end: marks around the whole averaging call.
+        codec: ``(start, end)`` marks of every interval inside the compressor (encode, decode; PowerSGD's
+            arithmetic between its collectives).
+    """
+
+    payload_nbytes: int
+    bytes_sent_per_rank: float
+    path: str
+    start: Mark
+    end: Mark
+    codec: tuple[tuple[Mark, Mark], ...]
+
+    def codec_s(self, clock: Clock) -> float:
+        return sum(clock.elapsed(a, b) for a, b in self.codec)
+
+    def seconds(self, clock: Clock) -> float:
+        return clock.elapsed(self.start, self.end)
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
@@ -122,17 +153,18 @@ def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0) -> 
 
 
 class _TimedCompressor:
-    """Forwards to a compressor and adds the seconds spent in compress/decompress to ``seconds``."""
+    """Forwards to a compressor and keeps clock marks around every compress/decompress in ``intervals``."""
 
-    def __init__(self, inner):
-        self.inner, self.name, self.linear, self.seconds = inner, inner.name, inner.linear, 0.0
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.name, self.linear, self.clock = inner, inner.name, inner.linear, clock
+        self.intervals: list[tuple[Mark, Mark]] = []
 
     def _timed(self, fn, arg):
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         try:
             return fn(arg)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.intervals.append((t0, self.clock.mark()))
 
     def compress(self, tensor):
         return self._timed(self.inner.compress, tensor)
@@ -158,81 +190,131 @@ def _compressor(kind: str, arg: str | None, seed: int):
 class Method:
     """One rank's averaging state for a spec (build it with :func:`make_method` inside every rank).
 
-    :meth:`average` takes the gradients of this rank (a list of tensors, the model's parameter order) and
-    returns their average over the group plus a :class:`StepComm`. The first ``warmup_steps`` calls
-    average densely (commlab's ring AllReduce), as PowerSGD's ``start_iter`` does.
+    Register it as the comm hook of a :class:`commlab.overlap.BucketedDataParallel` with
+    ``wrapped.register_comm_hook(method, method_hook)``: each bucket is then averaged by :meth:`average_bucket`,
+    and :attr:`costs` collects one :class:`BucketCost` per bucket until :meth:`take_costs` hands them over.
+    :meth:`average` averages a list of tensors directly (one step). The first ``warmup_steps`` steps average
+    densely (commlab's ring AllReduce), as PowerSGD's ``start_iter`` does; a step ends at the last bucket.
 
-    Raises (from :meth:`average`):
+    Attributes:
+        clock: the :class:`commlab.launch.Clock` of the marks (pass the wrapper's, so that they share its time
+            axis). step: steps completed.
+
+    Raises (from averaging):
         FloatingPointError: a NaN/Inf gradient on any rank, raised on every rank before anything is sent.
     """
 
     def __init__(self, spec: str, error_feedback: bool, warmup_steps: int, seed: int,
-                 emulate: EmulatedTopology | None):
+                 emulate: EmulatedTopology | None, clock: Clock | None = None):
         self.kind, arg = parse_spec(spec)
         if self.kind == "powersgd" and emulate is not None:
             raise ValueError("PowerSGD runs its AllReduces through dist.all_reduce, which an EmulatedTopology "
                              "cannot delay; measure it without emulate")
         self.warmup_steps, self.emulate, self.step = warmup_steps, emulate, 0
+        self.clock = clock if clock is not None else Clock()
         self.compressor = self.ef = self.powersgd = None
+        self.costs: list[BucketCost] = []
         if self.kind == "powersgd":
             # start_iter is handled here (warmup_steps); the state's own counter is used only by the DDP hook.
             self.powersgd = PowerSGDState(rank=int(arg), start_iter=1000, use_error_feedback=error_feedback,
                                           warm_start=True, random_seed=seed)
         elif self.kind != "dense":
-            self.compressor = _TimedCompressor(_compressor(self.kind, arg, seed))
+            self.compressor = _TimedCompressor(_compressor(self.kind, arg, seed), self.clock)
             self.ef = ErrorFeedback(self.compressor) if error_feedback else None
 
+    @property
+    def compressing(self) -> bool:
+        """Whether the current step compresses (not dense, and past the warm-up)."""
+        return self.kind != "dense" and self.step >= self.warmup_steps
+
     def average(self, grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], StepComm]:
-        n = dist.get_world_size()
-        dense = self.kind == "dense" or self.step < self.warmup_steps
+        """Average ``grads`` (this rank's tensors) over the world as one step; returns the averages and the cost.
+
+        Reads the step's times at once (on a GPU that waits for the work); training uses :func:`method_hook`.
+        """
+        if self.kind == "powersgd" and self.compressing:
+            avg, cost = self._powersgd(list(grads), list(range(len(grads))), None)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            total, cost = self._flat_sum(flat, "flat")
+            avg = (total / dist.get_world_size()).split([g.numel() for g in grads])
+            avg = [a.view_as(g) for a, g in zip(avg, grads)]
         self.step += 1
-        t0 = time.perf_counter()
-        if self.kind == "powersgd" and not dense:
-            return self._powersgd(grads, n, t0)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if dense:
-            agree_finite(flat, None, f"step {self.step - 1}: training diverged (lower the learning rate)")
+        codec = cost.codec_s(self.clock)
+        return avg, StepComm(cost.payload_nbytes, cost.bytes_sent_per_rank, codec,
+                             cost.seconds(self.clock) - codec, cost.path)
+
+    def average_bucket(self, bucket: Bucket) -> torch.Tensor:
+        """The average over the world of one bucket (a flat tensor of the bucket's length); records its cost."""
+        if self.kind == "powersgd" and self.compressing:
+            grads = bucket.gradients()
+            # Written into the bucket's own views: the future's value is then the bucket's buffer.
+            _, cost = self._powersgd(grads, [(bucket.index(), j) for j in range(len(grads))], grads)
+            result = bucket.buffer()
+        else:
+            # One error-feedback residual per bucket (the buckets of a step differ in size).
+            key = "flat" if bucket.index() == 0 else f"flat/{bucket.index()}"
+            total, cost = self._flat_sum(bucket.buffer(), key)
+            result = total / dist.get_world_size()
+        self.costs.append(cost)
+        if bucket.is_last():
+            self.step += 1
+        return result
+
+    def take_costs(self) -> list[BucketCost]:
+        """The :class:`BucketCost` of every bucket averaged since the last call (one step's, in training)."""
+        costs, self.costs = self.costs, []
+        return costs
+
+    def _flat_sum(self, flat: torch.Tensor, key: str) -> tuple[torch.Tensor, BucketCost]:
+        """The sum over ranks of ``flat`` (dense, or through the compressor; ``key`` names its residual), and its
+        cost."""
+        n = dist.get_world_size()
+        t0 = self.clock.mark()
+        if not self.compressing:
+            agree_finite(flat, None, f"step {self.step}: training diverged (lower the learning rate)")
             total = ring_all_reduce(flat, check=False, emulate=self.emulate)
             nbytes = flat.numel() * flat.element_size()
-            comm = StepComm(nbytes, ring_bytes_sent_per_rank(nbytes, n, "all_reduce"), 0.0,
-                            time.perf_counter() - t0, "all_reduce")
-        else:
-            self.compressor.seconds = 0.0
-            out = aggregate(flat, self.compressor, error_feedback=self.ef, key="flat" if self.ef else None,
-                            emulate=self.emulate)
-            total, codec = out.sum, self.compressor.seconds
-            comm = StepComm(out.payload_nbytes, out.bytes_sent_per_rank, codec,
-                            time.perf_counter() - t0 - codec, out.path)
-        avg = total / n
-        return [a.view_as(g) for a, g in zip(avg.split([g.numel() for g in grads]), grads)], comm
+            return total, BucketCost(nbytes, ring_bytes_sent_per_rank(nbytes, n, "all_reduce"), "all_reduce",
+                                     t0, self.clock.mark(), ())
+        self.compressor.intervals = []
+        out = aggregate(flat, self.compressor, error_feedback=self.ef, key=key if self.ef else None,
+                        emulate=self.emulate)
+        return out.sum, BucketCost(out.payload_nbytes, out.bytes_sent_per_rank, out.path, t0, self.clock.mark(),
+                                   tuple(self.compressor.intervals))
 
-    def _powersgd(self, grads, n, t0):
-        # The three stages of a PowerSGD call, timed apart: what runs between the collectives is encode/decode.
-        call = _Call(list(grads), self.powersgd, dist.group.WORLD, list(range(len(grads))), None)
-        codec = 0.0
+    def _powersgd(self, grads: list[torch.Tensor], keys: list[Hashable], out):
+        # The three stages of a PowerSGD call, marked apart: what runs between the collectives is encode/decode.
+        clock = self.clock
+        t0 = clock.mark()
+        call = _Call(grads, self.powersgd, dist.group.WORLD, keys, out)
         futs = call.start()
-        t1 = time.perf_counter()
-        codec += t1 - t0
+        t1 = clock.mark()
         for f in futs:
             f.wait()
-        t2 = time.perf_counter()
+        t2 = clock.mark()
         fut = call.middle()
-        t3 = time.perf_counter()
-        codec += t3 - t2
+        t3 = clock.mark()
         fut.wait()
-        t4 = time.perf_counter()
-        out = call.finish()
-        t5 = time.perf_counter()
-        codec += t5 - t4
+        t4 = clock.mark()
+        result = call.finish()
+        t5 = clock.mark()
         b = self.powersgd.last_nbytes
+        n = dist.get_world_size()
         # The collectives were launched inside start()/middle(), so part of their time may count as codec; on
         # gloo the launch returns at once and the work shows up in the waits.
-        return out, StepComm(b.total_nbytes, ring_bytes_sent_per_rank(b.total_nbytes, n, "all_reduce"), codec,
-                             (t5 - t0) - codec, "powersgd")
+        return result, BucketCost(b.total_nbytes, ring_bytes_sent_per_rank(b.total_nbytes, n, "all_reduce"),
+                                  "powersgd", t0, t5, ((t0, t1), (t2, t3), (t4, t5)))
+
+
+def method_hook(method: Method, bucket: Bucket) -> torch.futures.Future:
+    """Comm hook (``BucketedDataParallel.register_comm_hook(method, method_hook)``): average the bucket with
+    ``method``, synchronously, on the autograd thread, and return a completed future of the average."""
+    return completed_future(method.average_bucket(bucket))
 
 
 def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, seed: int = 0,
-                emulate: EmulatedTopology | None = None) -> Method:
+                emulate: EmulatedTopology | None = None, clock: Clock | None = None) -> Method:
     """A :class:`Method` for ``spec`` (see the module docstring).
 
     Args:
@@ -242,6 +324,7 @@ def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, 
         warmup_steps: dense steps before compression starts (>= 0).
         seed: seeds Random-K's shared indices, QSGD's rounding and PowerSGD's initial Q (same on every rank).
         emulate: an emulated slow link that delays the payloads (not for PowerSGD).
+        clock: the clock of the method's time marks (default: the host clock).
 
     Raises:
         ValueError: a bad spec, a negative ``warmup_steps``, or PowerSGD with ``emulate``.
@@ -249,4 +332,4 @@ def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, 
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     kind, _ = parse_spec(spec)
-    return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate)
+    return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate, clock)

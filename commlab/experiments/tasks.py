@@ -7,7 +7,8 @@
   mean cross-entropy in nats (lower is better).
 
 Each rank draws its own mini-batches (from its shard of the digits, or from random windows of the
-corpus under a rank-specific generator), so the global batch is ``world_size * batch_size``. Evaluation is
+corpus under a rank-specific generator, on the CPU; the caller moves them to the model's device), so the
+global batch is ``world_size * batch_size``. Evaluation is
 split across ranks: each rank scores its share of the held-out set and returns (sum, count), which the
 caller adds up, so that no rank waits for another.
 """
@@ -99,8 +100,9 @@ class DigitsTask:
 
     @torch.no_grad()
     def evaluate(self, model, rank, world_size):
+        device = next(model.parameters()).device
         x, y = shard(self.data.x_test, rank, world_size), shard(self.data.y_test, rank, world_size)
-        return float((model(x).argmax(1) == y).sum()), len(y)
+        return float((model(x.to(device)).argmax(1) == y.to(device)).sum()), len(y)
 
     @staticmethod
     def quality(total, count):
@@ -146,13 +148,18 @@ class CharLMTask:
         return x, y
 
     def loss(self, model, batch):
-        return model.loss(*batch)
+        # Computed from model(x), not model.loss(...), so that it runs through a data-parallel wrapper's forward.
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     @torch.no_grad()
     def evaluate(self, model, rank, world_size):
         x, y = shard(self.val_x, rank, world_size), shard(self.val_y, rank, world_size)
         if len(x) == 0:
             return 0.0, 0
+        device = next(model.parameters()).device
+        x, y = x.to(device), y.to(device)
         logits = model(x)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
         return float(nll), y.numel()

@@ -51,16 +51,33 @@ Policies (each tested in ``tests/test_overlap.py``):
   rank if they differ: a mismatch would otherwise hang or pair buffers of different sizes.
 * **No sync.** Inside :meth:`BucketedDataParallel.no_sync` a forward/backward only accumulates into
   ``.grad``; the next synced backward all-reduces the accumulated sum (DDP's ``no_sync``; like DDP, the
-  decision is taken at forward time).
+  decision is taken at forward time). When every backward of a step has to run inside it (a pipeline
+  schedule runs all of its micro-batches' backward passes itself), :meth:`BucketedDataParallel.sync_gradients`
+  averages what accumulated, explicitly, after the pipeline's flush: the same buckets, launched in the same
+  order, through the same comm hook.
+* **Comm hook results.** A hook's future must yield a tensor with the bucket's element count, on the
+  bucket's device, in the bucket's dtype or in the dtype of the buffer the hook put in with
+  :meth:`Bucket.set_buffer` (which *replaces* the buffer, as ``GradBucket.set_buffer`` does; PyTorch's
+  ``fp16_compress_wrapper`` relies on it to send 16 bits). Anything else is refused with a ValueError naming
+  the hook, after every bucket's future has been waited for: a silent cast back would hide a hook that forgot
+  to decompress, or one that moved the gradient to another device.
+* **Devices.** Buckets live on the parameters' device; under NCCL that must be the group's device
+  (:func:`commlab.launch.group_device`: the rank's own GPU), which the constructor checks.
+
+Timing. Every mark (a gradient ready, a launch, a completion, the wait) is taken with the wrapper's
+:class:`commlab.launch.Clock` on the parameters' device: ``time.perf_counter()`` on the CPU, a CUDA event on a
+GPU. On a GPU the host clock would time kernel *launches*; an event completes when the device reaches it. The
+completion mark is taken in the future's done-callback, which for NCCL runs with the collective's stream
+current, so its event completes with the collective. Marks are only turned into seconds when a time is read
+(:class:`StepRecord`, :class:`StepTimes`), so no step pays a host synchronisation for its own timing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
-import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -68,9 +85,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
+
+from commlab.collectives._common import group_size_and_rank
+from commlab.launch.device import Clock, Mark, group_device
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "assign_buckets", "BucketSpec", "Bucket", "BucketTiming", "StepRecord",
-           "BucketedDataParallel", "UnusedParametersError", "LayoutMismatchError", "train_step", "StepTimes"]
+           "BucketedDataParallel", "UnusedParametersError", "LayoutMismatchError", "train_step", "StepTimes",
+           "AllReduceFnState", "all_reduce_fn_hook", "completed_future", "data_parallel_of"]
 
 #: DDP's default bucket cap: 25 MiB (``bucket_cap_mb=25``).
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2 ** 20
@@ -125,27 +147,53 @@ class BucketSpec:
     dtype: torch.dtype
 
 
-@dataclasses.dataclass
-class BucketTiming:
-    """When a bucket moved in one synced step, in ``time.perf_counter()`` seconds of this rank.
+class _Marks:
+    """Named :class:`~commlab.launch.Clock` marks, turned into seconds (since the clock's start) when read."""
+
+    _names: tuple[str, ...] = ()
+
+    def __init__(self, clock: Clock):
+        self._clock = clock
+        self._marks: dict[str, Mark] = {}
+
+    def _set(self, name: str, mark: Mark) -> None:
+        self._marks[name] = mark
+
+    def _seconds(self, name: str) -> float | None:
+        mark = self._marks.get(name)
+        return None if mark is None else self._clock.seconds(mark)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{n}={self._seconds(n)!r}" for n in self._names)
+        return f"{type(self).__name__}({shown})"
+
+
+class BucketTiming(_Marks):
+    """When a bucket moved in one synced step: seconds since the wrapper's clock started (see the module's
+    "Timing"; read lazily, so on a GPU reading waits for the events).
 
     Attributes:
         index: bucket index. nbytes: buffer bytes.
         ready_s: its last gradient was copied in. launch_s / launched_s: the launch call started / returned
-            (a comm hook may do work, and even wait, inside it). done_s: its future completed (None until then).
+            (a comm hook may do work, and even wait, inside it). done_s: its future completed. Each is None
+            until it happened.
     """
 
-    index: int
-    nbytes: int
-    ready_s: float | None = None
-    launch_s: float | None = None
-    launched_s: float | None = None
-    done_s: float | None = None
+    _names = ("ready_s", "launch_s", "launched_s", "done_s")
+
+    def __init__(self, index: int, nbytes: int, clock: Clock):
+        super().__init__(clock)
+        self.index, self.nbytes = index, nbytes
+
+    ready_s = property(lambda self: self._seconds("ready_s"))
+    launch_s = property(lambda self: self._seconds("launch_s"))
+    launched_s = property(lambda self: self._seconds("launched_s"))
+    done_s = property(lambda self: self._seconds("done_s"))
 
 
-@dataclasses.dataclass
-class StepRecord:
-    """One synced backward on this rank (``time.perf_counter()`` seconds).
+class StepRecord(_Marks):
+    """One synced backward (or :meth:`BucketedDataParallel.sync_gradients`) on this rank, in seconds since the
+    wrapper's clock started (read lazily).
 
     Attributes:
         first_grad_s: the first gradient became ready. last_grad_s: the last one did (backward compute over).
@@ -153,11 +201,16 @@ class StepRecord:
         buckets: one :class:`BucketTiming` per bucket, by index.
     """
 
-    buckets: list[BucketTiming]
-    first_grad_s: float | None = None
-    last_grad_s: float | None = None
-    wait_start_s: float | None = None
-    wait_end_s: float | None = None
+    _names = ("first_grad_s", "last_grad_s", "wait_start_s", "wait_end_s")
+
+    def __init__(self, buckets: list[BucketTiming], clock: Clock):
+        super().__init__(clock)
+        self.buckets = buckets
+
+    first_grad_s = property(lambda self: self._seconds("first_grad_s"))
+    last_grad_s = property(lambda self: self._seconds("last_grad_s"))
+    wait_start_s = property(lambda self: self._seconds("wait_start_s"))
+    wait_end_s = property(lambda self: self._seconds("wait_end_s"))
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: int,
@@ -215,21 +268,37 @@ class Bucket:
     ``buffer()`` is the flat gradient buffer (1-D, the bucket's dtype, ``sum(numels)`` elements) holding this
     rank's *un-divided* gradients, as DDP hands them to a hook; ``gradients()`` are views of it shaped like
     ``parameters()``; ``index()`` is the bucket's position; ``is_last()`` is True for the last bucket of a step.
-    The hook returns a ``torch.futures.Future`` whose value is the averaged buffer (a tensor of the buffer's
-    shape, or a list holding one).
+    ``set_buffer(t)`` replaces the buffer for the rest of the hook (``buffer()`` and ``gradients()`` then
+    return ``t`` and views of it), as ``GradBucket.set_buffer`` does; the wrapper's own buffer is left as it
+    was, and the future's value is copied (cast) into it when the step finishes. The hook returns a
+    ``torch.futures.Future`` whose value is the averaged buffer (a tensor of the buffer's element count, on its
+    device, in its dtype or in the dtype of the buffer set with ``set_buffer``; or a list holding one).
     """
 
-    __slots__ = ("_buffer", "_index", "_last", "_params", "_views")
+    __slots__ = ("_buffer", "_original", "_index", "_last", "_params")
 
-    def __init__(self, buffer: torch.Tensor, index: int, last: bool, params: list[nn.Parameter],
-                 views: list[torch.Tensor]):
-        self._buffer, self._index, self._last, self._params, self._views = buffer, index, last, params, views
+    def __init__(self, buffer: torch.Tensor, index: int, last: bool, params: list[nn.Parameter]):
+        self._buffer = self._original = buffer
+        self._index, self._last, self._params = index, last, params
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        """Replace the buffer (torch's ``fp16_compress_wrapper`` puts a float16 copy here, so that the hook it
+        wraps sends 16 bits).
+
+        Raises:
+            ValueError: ``tensor`` is not a 1-D tensor of the bucket's element count, or is on another device.
+        """
+        n = self._original.numel()
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() != n:
+            got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"Bucket.set_buffer: bucket {self._index} needs a 1-D tensor of {n} elements, got {got}")
+        if tensor.device != self._original.device:
+            raise ValueError(f"Bucket.set_buffer: bucket {self._index} lives on {self._original.device}, the new "
+                             f"buffer on {tensor.device}; keep the gradients on the group's device")
+        self._buffer = tensor
 
     def index(self) -> int:
         return self._index
@@ -241,21 +310,114 @@ class Bucket:
         return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._views)
+        views, off = [], 0
+        for p in self._params:
+            views.append(self._buffer[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        return views
+
+
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    """A ``torch.futures.Future`` already holding ``value`` (for a hook that computed its result synchronously).
+
+    A CUDA tensor's future is made with its device, so that a consumer on another stream waits for it.
+    """
+    fut = torch.futures.Future(devices=[value.device]) if value.is_cuda else torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class AllReduceFnState:
+    """State of :func:`all_reduce_fn_hook`: a synchronous ``all_reduce_fn(tensor) -> sum over the group``.
+
+    Args:
+        all_reduce_fn: any function returning the element-wise sum over the ranks of the tensor it is given
+            (same shape): ``commlab.collectives.ring_all_reduce``, a learner's ring from lab 2, or a compressed
+            sum such as :func:`commlab.train.compressed_all_reduce`.
+        process_group: the group ``all_reduce_fn`` sums over, to divide by its size (None: the world).
+
+    Raises:
+        ValueError: ``all_reduce_fn`` is not callable; RuntimeError: this rank is not in ``process_group``.
+    """
+
+    def __init__(self, all_reduce_fn: Callable[[torch.Tensor], torch.Tensor],
+                 process_group: dist.ProcessGroup | None = None):
+        if not callable(all_reduce_fn):
+            raise ValueError(f"all_reduce_fn must be callable, got {type(all_reduce_fn).__name__}")
+        self.all_reduce_fn = all_reduce_fn
+        self.process_group = process_group
+        self.world_size, _ = group_size_and_rank(process_group, "AllReduceFnState")
+
+
+def all_reduce_fn_hook(state: AllReduceFnState, bucket: Bucket) -> torch.futures.Future:
+    """Comm hook that averages a bucket with ``state.all_reduce_fn`` (sum), divided by the group's size.
+
+    The function runs synchronously on the autograd thread when the bucket is launched, so it does not overlap
+    with the rest of backward the way an asynchronous AllReduce does; buckets are still launched in index order
+    on every rank, which is what a hand-written collective needs to pair its messages.
+
+    Returns:
+        A completed future of the average (a new tensor, the bucket's shape and dtype).
+
+    Raises:
+        ValueError: the function returned something of another element count (checked in ``finish``).
+    """
+    total = state.all_reduce_fn(bucket.buffer())
+    if not isinstance(total, torch.Tensor):
+        raise ValueError(f"all_reduce_fn returned {type(total).__name__}; it must return the summed tensor")
+    return completed_future(total / state.world_size)
 
 
 class _State:
     """Per-step bookkeeping (reset at every synced forward)."""
 
-    def __init__(self, n_params: int, n_buckets: int, sizes: list[int], nbytes: list[int]):
+    def __init__(self, n_params: int, n_buckets: int, sizes: list[int], nbytes: list[int], clock: Clock):
         self.ready = [False] * n_params
         self.pending = list(sizes)          # gradients still missing, per bucket
         self.next_to_launch = 0
         self.futures: list[torch.futures.Future | None] = [None] * n_buckets
+        self.hook_buckets: list[Bucket | None] = [None] * n_buckets   # what each hook saw (its buffer may be new)
         self.started = False                # a gradient of this step arrived
         self.finished = False
-        self.callback_queued = False
-        self.record = StepRecord([BucketTiming(i, nbytes[i]) for i in range(n_buckets)])
+        self.record = StepRecord([BucketTiming(i, nbytes[i], clock) for i in range(n_buckets)], clock)
+
+
+# Which wrapper averages a parameter's gradient (weakly held: the registry keeps neither alive). Read by
+# ZeroOneOptimizer, which must not reduce again what a wrapper has already averaged.
+_WRAPPER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def data_parallel_of(param: torch.Tensor) -> "BucketedDataParallel | None":
+    """The :class:`BucketedDataParallel` (still alive) that was last built around ``param``, or None."""
+    ref = _WRAPPER_OF.get(param)
+    return None if ref is None else ref()
+
+
+def _ready_hook(wrapper: "weakref.ref[BucketedDataParallel]", k: int):
+    """The post-accumulate-grad hook of parameter k: marks it ready in its wrapper (if that still exists)."""
+    def hook(param: torch.Tensor) -> None:
+        w = wrapper()
+        if w is not None:
+            w._mark_ready(k, param)
+    return hook
+
+
+def _done_callback(wrapper: "weakref.ref[BucketedDataParallel]", b: int, timing: BucketTiming):
+    """A bucket future's done-callback: records the completion (weakly, like the ready hooks)."""
+    def callback(_fut) -> None:
+        w = wrapper()
+        if w is not None:
+            w._on_done(b, timing)
+    return callback
+
+
+def _remove_all(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _hook_name(hook: Callable) -> str:
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
 
 
 class BucketedDataParallel(nn.Module):
@@ -263,11 +425,15 @@ class BucketedDataParallel(nn.Module):
 
     Forward is the module's own; backward fills buckets and launches their AllReduces while it still runs;
     :meth:`finish` (run automatically at the end of backward unless ``finish_in_backward=False``) waits for
-    them and writes the averages into ``p.grad``.
+    them and writes the averages into ``p.grad``. This is commlab's one data-parallel path: the trainers
+    (:mod:`commlab.train`), the experiments (:mod:`commlab.experiments`), the labs and DP inside a
+    TP x PP x DP mesh (``process_group`` = the DP group; :meth:`sync_gradients` after a pipeline flush) all
+    use it, with a comm hook where they compress or sum with their own collective.
 
     Args:
-        module: the model replica. Its parameters (and buffers) are broadcast from the group's rank 0 at
-            construction (``broadcast_from_rank0``), as DDP does, so replicas start identical.
+        module: the model replica, on the group's device (:func:`commlab.launch.group_device`: the CPU under
+            gloo, the rank's GPU under NCCL). Its parameters (and buffers) are broadcast from the group's rank 0
+            at construction (``broadcast_from_rank0``), as DDP does, so replicas start identical.
         bucket_cap_bytes: bucket size in bytes (default 25 MiB, DDP's); ``1`` gives one bucket per
             parameter, anything >= the model's gradient bytes one bucket for all.
         process_group: the group to average over (None: the world).
@@ -280,13 +446,15 @@ class BucketedDataParallel(nn.Module):
     Attributes:
         buckets: one :class:`BucketSpec` per bucket, in launch order.
         last_step: the :class:`StepRecord` of the latest synced backward (None before the first).
+        clock: the :class:`commlab.launch.Clock` of every mark (on the parameters' device).
+        world_size, rank: the group's size and this rank's rank in it.
 
     Raises:
-        ValueError: a bad ``bucket_cap_bytes``; no parameter requires a gradient; parameters that share
-            storage with each other are fine, but sparse parameters are refused.
+        ValueError: a bad ``bucket_cap_bytes``; no parameter requires a gradient; sparse parameters; under
+            NCCL, parameters that are not on the group's device; a ``process_group`` that is not a group.
         LayoutMismatchError: ranks disagree on parameter names/shapes/dtypes or on ``bucket_cap_bytes``
             (every rank raises it).
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised, or this rank is not a member of ``process_group``.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
@@ -300,17 +468,13 @@ class BucketedDataParallel(nn.Module):
                            ("finish_in_backward", finish_in_backward), ("broadcast_from_rank0", broadcast_from_rank0)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or call "
-                               "dist.init_process_group first")
+        self.world_size, self.rank = group_size_and_rank(process_group, "BucketedDataParallel")
         self.module = module
         self.process_group = process_group
         self.bucket_cap_bytes = bucket_cap_bytes
         self.find_unused_parameters = find_unused_parameters
         self.finish_in_backward = finish_in_backward
         self._group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self._group)
-        self.rank = dist.get_rank(self._group)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -318,6 +482,14 @@ class BucketedDataParallel(nn.Module):
         sparse = [n for n, p in named if p.is_sparse]
         if sparse:
             raise ValueError(f"sparse parameters are not supported (got {sparse}); bucket buffers are dense")
+        device = group_device(self._group)
+        if device.type == "cuda":
+            # NCCL moves only tensors on the rank's own GPU; anything else fails inside the first collective.
+            wrong = [f"{n} on {p.device}" for n, p in named if p.device != device]
+            if wrong:
+                raise ValueError(f"BucketedDataParallel: the group's device is {device} (NCCL), but "
+                                 f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}; move the model there "
+                                 "first: module.to(commlab.launch.group_device(group))")
         self._agree_layout(named)
         if broadcast_from_rank0 and self.world_size > 1:
             self._broadcast_state()
@@ -349,15 +521,22 @@ class BucketedDataParallel(nn.Module):
             self.buckets.append(BucketSpec(b, tuple(self._names[k] for k in members),
                                            tuple(self._params[k].numel() for k in members),
                                            buf.numel() * buf.element_size(), dtype))
+        self.clock = Clock(self._bucket_bufs[0].device)
         self._hook: Callable | None = None
         self._hook_state: Any = None
         self._require_sync = True
         self._sync_this_backward = True
+        self._averaged = False
         self._state: _State | None = None
         self._lock = threading.Lock()  # done-callbacks run on gloo's threads
         self.last_step: StepRecord | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_ready_hook(k))
-                         for k, p in enumerate(self._params)]
+        # The hooks hold the wrapper weakly and are removed when it is collected: a model wrapped again (a
+        # notebook cell run twice) must not keep feeding a wrapper nobody steps any more.
+        self._me = me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, k)) for k, p in enumerate(self._params)]
+        weakref.finalize(self, _remove_all, list(self._handles))
+        for p in self._params:
+            _WRAPPER_OF[p] = me
 
     # ---- construction helpers -------------------------------------------------------------------------
 
@@ -389,6 +568,10 @@ class BucketedDataParallel(nn.Module):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=src, group=self._group)
 
+    def _new_state(self) -> _State:
+        return _State(len(self._params), len(self.buckets), [len(m) for m in self._members],
+                      [s.nbytes for s in self.buckets], self.clock)
+
     # ---- public API -----------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
@@ -398,8 +581,7 @@ class BucketedDataParallel(nn.Module):
         # Like DDP, whether this iteration synchronises is decided at forward time.
         self._sync_this_backward = self._require_sync
         if self._sync_this_backward:
-            self._state = _State(len(self._params), len(self.buckets), [len(m) for m in self._members],
-                                 [s.nbytes for s in self.buckets])
+            self._state = self._new_state()
         with record_function(RANGE_FORWARD):
             return self.module(*args, **kwargs)
 
@@ -420,7 +602,8 @@ class BucketedDataParallel(nn.Module):
         """Forward/backward passes started inside accumulate into ``.grad`` without communicating.
 
         The next forward outside the context starts a synced step whose backward all-reduces the accumulated
-        sum, as DDP's ``no_sync``.
+        sum, as DDP's ``no_sync``; or, when no backward outside it follows (a pipeline schedule that runs every
+        micro-batch itself), :meth:`sync_gradients` averages the accumulated sum explicitly.
         """
         old = self._require_sync
         self._require_sync = False
@@ -429,6 +612,13 @@ class BucketedDataParallel(nn.Module):
         finally:
             self._require_sync = old
 
+    @property
+    def gradients_averaged(self) -> bool:
+        """True when the parameters' ``.grad`` hold this wrapper's averages: the latest backward through it was a
+        synced one (or :meth:`sync_gradients` ran) and finished, and no backward inside :meth:`no_sync` has added
+        local gradients since. :class:`commlab.parallel.ZeroOneOptimizer` reads it so as not to reduce again."""
+        return self._averaged
+
     def pending(self) -> int:
         """Buckets launched in the current step whose future has not been waited for by :meth:`finish`."""
         st = self._state
@@ -436,23 +626,64 @@ class BucketedDataParallel(nn.Module):
             return 0
         return sum(f is not None for f in st.futures)
 
+    def sync_gradients(self) -> None:
+        """Average the gradients accumulated in ``p.grad`` now, explicitly, through the same buckets and hook.
+
+        For a step whose backward passes all ran inside :meth:`no_sync`: a pipeline schedule
+        (:func:`commlab.parallel.pipeline_step`) runs the backward of every micro-batch itself, so none of them
+        can be the synced one. Pass the wrapper as the pipeline's stage inside ``no_sync()``, then call this
+        after the pipeline's flush, before the optimizer step::
+
+            with dp.no_sync():
+                pipeline_step(dp, x, y, loss_fn, m, pp_group)
+            dp.sync_gradients()          # every bucket, in order, over the DP group (and its comm hook)
+
+        Copies each parameter's ``.grad`` into its bucket (scaled by 1/N without a hook), launching each bucket
+        as soon as it is filled, in index order, then runs :meth:`finish`. Call it on every rank of the group.
+        A parameter whose ``.grad`` is None counts as unused (see ``find_unused_parameters``).
+
+        Raises:
+            RuntimeError: a synced backward's buckets are still in flight (call :meth:`finish` first).
+            UnusedParametersError, and whatever :meth:`finish` raises.
+        """
+        st = self._state
+        if st is not None and st.started and not st.finished:
+            raise RuntimeError("sync_gradients: the buckets of a synced backward are still in flight; call "
+                               "finish() first (or run the step's backward passes inside no_sync())")
+        self._state = st = self._new_state()
+        st.started = True
+        now = self.clock.mark()
+        st.record._set("first_grad_s", now)
+        with torch.no_grad():
+            for b, members in enumerate(self._members):
+                for k in members:
+                    grad = self._params[k].grad
+                    if grad is not None:
+                        self._copy_in(k, grad)
+        st.record._set("last_grad_s", self.clock.mark())
+        self.finish()
+
     def finish(self) -> None:
         """Wait for every bucket of the current synced backward and write the averages into ``p.grad``.
 
         Buckets not yet launched (some gradient never arrived) are launched first with zeros in the missing
-        slots, in order, so that every rank issues the same collectives. Idempotent: a second call, or a call
-        with no synced backward since the last, does nothing.
+        slots, in order, so that every rank issues the same collectives. Every future is waited for before any
+        result is checked, so that nothing is left in flight when one is refused. Idempotent: a second call,
+        or a call with no synced backward since the last, does nothing.
 
         Raises:
             UnusedParametersError: some parameters got no gradient and ``find_unused_parameters`` is False
                 (after every collective has completed).
+            ValueError: a comm hook's future yielded something other than the bucket's average: not a tensor,
+                another element count, another device, or another dtype than the bucket's or the one it set
+                with :meth:`Bucket.set_buffer` (the message names the hook).
             Whatever a bucket's future raised (a comm hook's error, a failed collective).
         """
         st = self._state
         if st is None or st.finished or not st.started:
             return
         with record_function(RANGE_WAIT):
-            st.record.wait_start_s = time.perf_counter()
+            st.record._set("wait_start_s", self.clock.mark())
             missing = [k for k, r in enumerate(st.ready) if not r]
             for k in missing:  # zero contribution, then launch what became launchable, in order
                 b, j = self._where[k]
@@ -460,23 +691,27 @@ class BucketedDataParallel(nn.Module):
                 st.ready[k] = True
                 st.pending[b] -= 1
                 if st.pending[b] == 0:
-                    self._mark_bucket_ready(b, time.perf_counter())
+                    self._mark_bucket_ready(b, self.clock.mark())
             if missing:
                 self._launch_ready()
             try:
+                values, failure = [], None
                 for b, fut in enumerate(st.futures):
-                    value = fut.wait()
-                    if isinstance(value, (list, tuple)):
-                        value = value[0]
-                    buf = self._bucket_bufs[b]
-                    if not isinstance(value, torch.Tensor) or value.numel() != buf.numel():
-                        raise ValueError(f"the comm hook's future for bucket {b} yielded "
-                                         f"{type(value).__name__ if not isinstance(value, torch.Tensor) else list(value.shape)}; "
-                                         f"it must yield the averaged buffer ({buf.numel()} elements)")
+                    try:
+                        value = fut.wait()
+                    except BaseException as exc:  # noqa: BLE001 -- re-raised below, once every future is waited
+                        failure = failure or exc
+                        value = None
                     self._on_done(b, st.record.buckets[b])  # no-op if its callback already ran
-                    if value.data_ptr() != buf.data_ptr():
-                        buf.copy_(value.reshape(buf.shape))
                     st.futures[b] = None  # waited: no pending handle left behind
+                    values.append(value)
+                if failure is not None:
+                    raise failure
+                for b, value in enumerate(values):
+                    value = self._check_result(b, value)
+                    buf = self._bucket_bufs[b]
+                    if value.data_ptr() != buf.data_ptr():
+                        buf.copy_(value.reshape(buf.shape))  # casts a buffer the hook set to 16 bits back
             finally:
                 st.finished = True
             globally_unused: set[int] = set()
@@ -495,19 +730,42 @@ class BucketedDataParallel(nn.Module):
                         p.grad = self._views[b][j].clone()
                     else:
                         p.grad.copy_(self._views[b][j])
-            st.record.wait_end_s = time.perf_counter()
+            st.record._set("wait_end_s", self.clock.mark())
             self.last_step = st.record
         if missing and not self.find_unused_parameters:
             raise UnusedParametersError([self._names[k] for k in missing], dist.get_rank())
+        self._averaged = True
+
+    def _check_result(self, b: int, value: Any) -> torch.Tensor:
+        """The tensor a bucket's future yielded, if it can be the bucket's average; else a ValueError."""
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        buf = self._bucket_bufs[b]
+        if self._hook is None:
+            return value  # dist.all_reduce's own future: the buffer itself
+        sent = self._state.hook_buckets[b].buffer()  # the bucket's own buffer, or one the hook set
+        who = f"the comm hook {_hook_name(self._hook)}"
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{who}: its future for bucket {b} yielded {type(value).__name__}; it must yield the "
+                             f"averaged buffer ({buf.numel()} elements of {buf.dtype})")
+        if value.numel() != buf.numel():
+            raise ValueError(f"{who}: its future for bucket {b} yielded a tensor of shape {list(value.shape)}; it "
+                             f"must yield the averaged buffer ({buf.numel()} elements)")
+        if value.device != buf.device:
+            raise ValueError(f"{who}: its future for bucket {b} yielded a tensor on {value.device}, but the bucket "
+                             f"lives on {buf.device}; return the average on the bucket's device")
+        if value.dtype not in (buf.dtype, sent.dtype):
+            allowed = str(buf.dtype) if sent.dtype == buf.dtype else f"{buf.dtype} or {sent.dtype}"
+            raise ValueError(f"{who}: its future for bucket {b} yielded {value.dtype}, but the bucket holds "
+                             f"{buf.dtype}; it must yield {allowed}. Decompress before returning, or, to send "
+                             "another dtype on purpose, put it in with bucket.set_buffer(...) as torch's "
+                             "fp16_compress_wrapper does, and it is cast back here")
+        return value
 
     # ---- backward machinery ---------------------------------------------------------------------------
 
-    def _make_ready_hook(self, k: int):
-        def hook(param: torch.Tensor) -> None:
-            self._mark_ready(k, param)
-        return hook
-
     def _mark_ready(self, k: int, param: torch.Tensor) -> None:
+        self._averaged = False  # .grad now holds (or will hold) local gradients
         if not self._sync_this_backward:
             return  # no_sync: the gradient stays accumulated in .grad
         st = self._state
@@ -520,35 +778,39 @@ class BucketedDataParallel(nn.Module):
         if st.ready[k]:
             raise RuntimeError(f"gradient of {self._names[k]} became ready twice in one synced step (two backward "
                                "passes after one forward?); run forward again, or wrap the first in no_sync()")
-        now = time.perf_counter()
+        now = self.clock.mark()
         if not st.started:
             st.started = True
-            st.record.first_grad_s = now
+            st.record._set("first_grad_s", now)
             if self.finish_in_backward:
                 # Runs once the whole backward graph has executed, before backward() returns (DDP's reducer
                 # queues its finalize_backward the same way).
                 Variable._execution_engine.queue_callback(self.finish)
-        st.record.last_grad_s = now
-        grad = param.grad
-        if grad.is_sparse:
+        st.record._set("last_grad_s", now)
+        if param.grad.is_sparse:
             raise RuntimeError(f"{self._names[k]} has a sparse gradient; bucket buffers are dense")
-        b, j = self._where[k]
         with torch.no_grad():
-            if self._hook is None:
-                # DDP without a hook divides before summing: the sum of N averages cannot overflow where the
-                # sum of N gradients might.
-                torch.mul(grad, 1.0 / self.world_size, out=self._views[b][j])
-            else:
-                self._views[b][j].copy_(grad)
+            self._copy_in(k, param.grad, now)
+
+    def _copy_in(self, k: int, grad: torch.Tensor, now: Mark | None = None) -> None:
+        """Copy parameter k's gradient into its bucket slot; launch what this completes, in order."""
+        st = self._state
+        b, j = self._where[k]
+        if self._hook is None:
+            # DDP without a hook divides before summing: the sum of N averages cannot overflow where the
+            # sum of N gradients might.
+            torch.mul(grad, 1.0 / self.world_size, out=self._views[b][j])
+        else:
+            self._views[b][j].copy_(grad)
         st.ready[k] = True
         st.pending[b] -= 1
         if st.pending[b] == 0:
-            self._mark_bucket_ready(b, now)
+            self._mark_bucket_ready(b, now if now is not None else self.clock.mark())
             self._launch_ready()
 
-    def _mark_bucket_ready(self, b: int, now: float) -> None:
+    def _mark_bucket_ready(self, b: int, now: Mark) -> None:
         with record_function(f"{RANGE_READY}{b}"):
-            self._state.record.buckets[b].ready_s = now
+            self._state.record.buckets[b]._set("ready_s", now)
 
     def _launch_ready(self) -> None:
         st = self._state
@@ -562,54 +824,72 @@ class BucketedDataParallel(nn.Module):
         st = self._state
         timing = st.record.buckets[b]
         with record_function(f"{RANGE_LAUNCH}{b}"):
-            timing.launch_s = time.perf_counter()
+            timing._set("launch_s", self.clock.mark())
             if self._hook is None:
                 fut = dist.all_reduce(self._bucket_bufs[b], group=self._group, async_op=True).get_future()
             else:
                 bucket = Bucket(self._bucket_bufs[b], b, b == len(self.buckets) - 1,
-                                [self._params[k] for k in self._members[b]], self._views[b])
+                                [self._params[k] for k in self._members[b]])
+                st.hook_buckets[b] = bucket
                 fut = self._hook(self._hook_state, bucket)
                 # dist's futures are torch._C.Future; torch.futures.Future wraps the same type.
                 if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
-                    raise ValueError(f"the comm hook returned {type(fut).__name__}; it must return a "
-                                     "torch.futures.Future of the averaged bucket buffer")
-            timing.launched_s = time.perf_counter()
+                    raise ValueError(f"the comm hook {_hook_name(self._hook)} returned {type(fut).__name__}; it "
+                                     "must return a torch.futures.Future of the averaged bucket buffer")
+            timing._set("launched_s", self.clock.mark())
         st.futures[b] = fut
-        fut.add_done_callback(lambda _f, b=b, timing=timing: self._on_done(b, timing))
+        fut.add_done_callback(_done_callback(self._me, b, timing))
 
     def _on_done(self, b: int, timing: BucketTiming) -> None:
         # Runs on the thread that completed the future (a gloo worker), or inline if it was already complete,
         # once that thread holds the GIL; finish() marks the bucket itself if its wait returns first. Whichever
         # comes first records the completion, once, as an instant range: the profiler then sees it on the same
-        # clock as everything else.
+        # clock as everything else. Under NCCL the callback runs with the collective's stream current, so the
+        # CUDA event recorded here completes when the collective does.
         with self._lock:
-            if timing.done_s is None:
+            if "done_s" not in timing._marks:
                 with record_function(f"{RANGE_DONE}{b}"):
-                    timing.done_s = time.perf_counter()
+                    timing._set("done_s", self.clock.mark())
 
 
-@dataclasses.dataclass(frozen=True)
 class StepTimes:
-    """Phases of one :func:`train_step` on this rank, in ``time.perf_counter()`` seconds.
+    """Phases of one :func:`train_step` on this rank, in seconds since ``clock`` started.
+
+    Times and the loss are read lazily (on a GPU, reading one waits for its CUDA event, or for the loss), so
+    that a training loop that keeps the :class:`StepTimes` of every step and reads them at the end makes no
+    host synchronisation per step.
 
     Attributes:
         loss: the step's loss (a float). start_s, forward_end_s, backward_end_s (backward() returned, which
-        includes the wait when it runs in backward), wait_end_s, end_s (optimizer step done).
+        includes the wait when it runs in backward), wait_end_s, end_s (optimizer step done); step_s.
         record: the wrapper's :class:`StepRecord` of this step (per-bucket launch/done times, wait interval); None
             for DDP and for a step inside ``no_sync`` (nothing was communicated).
+        clock: the :class:`commlab.launch.Clock` of the marks (the wrapper's, so that ``record`` and these
+            phases share one time axis).
     """
 
-    loss: float
-    start_s: float
-    forward_end_s: float
-    backward_end_s: float
-    wait_end_s: float
-    end_s: float
-    record: StepRecord | None
+    __slots__ = ("clock", "_marks", "_loss", "record")
+
+    def __init__(self, clock: Clock, marks: Sequence[Mark], loss: torch.Tensor, record: StepRecord | None):
+        self.clock, self._marks, self._loss, self.record = clock, tuple(marks), loss, record
+
+    @property
+    def loss(self) -> float:
+        return float(self._loss)
+
+    start_s = property(lambda self: self.clock.seconds(self._marks[0]))
+    forward_end_s = property(lambda self: self.clock.seconds(self._marks[1]))
+    backward_end_s = property(lambda self: self.clock.seconds(self._marks[2]))
+    wait_end_s = property(lambda self: self.clock.seconds(self._marks[3]))
+    end_s = property(lambda self: self.clock.seconds(self._marks[4]))
 
     @property
     def step_s(self) -> float:
         return self.end_s - self.start_s
+
+    def __repr__(self) -> str:
+        return (f"StepTimes(loss={self.loss:.6g}, step_s={self.step_s:.6g}, "
+                f"record={'yes' if self.record is not None else None})")
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
@@ -617,14 +897,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     """One data-parallel step: zero grads, forward, backward, wait for every bucket, optimizer step.
 
     Works for :class:`BucketedDataParallel` and for ``DistributedDataParallel`` alike (for DDP there is no
-    ``finish``). ``loss_fn(output, *batch[1:])`` gives the loss of ``model(batch[0])``. Each phase runs in a
-    ``record_function`` range (``overlap::forward`` is opened by the wrapper itself, ``overlap::backward``,
-    ``overlap::wait``, ``overlap::optimizer``) that :mod:`commlab.overlap.profile` reads back.
+    ``finish``). ``loss_fn(output, *batch[1:])`` gives the loss of ``model(batch[0])``; the batch must be on the
+    model's device. Each phase runs in a ``record_function`` range (``overlap::forward`` is opened by the
+    wrapper itself, ``overlap::backward``, ``overlap::wait``, ``overlap::optimizer``) that
+    :mod:`commlab.overlap.profile` reads back, and is marked on the wrapper's clock (a CUDA event on a GPU).
 
     Returns:
-        :class:`StepTimes`.
+        :class:`StepTimes` (read lazily).
     """
-    t0 = time.perf_counter()
+    clock = getattr(model, "clock", None)
+    if not isinstance(clock, Clock):
+        clock = Clock(next(model.parameters()).device)
+    t0 = clock.mark()
     optimizer.zero_grad(set_to_none=True)
     if isinstance(model, BucketedDataParallel):
         out = model(batch[0])
@@ -632,17 +916,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
         with record_function(RANGE_FORWARD):
             out = model(batch[0])
     loss = loss_fn(out, *batch[1:])
-    t1 = time.perf_counter()
+    t1 = clock.mark()
     with record_function(RANGE_BACKWARD):
         loss.backward()
-    t2 = time.perf_counter()
+    t2 = clock.mark()
     finish = getattr(model, "finish", None)
     if finish is not None:
         finish()  # a no-op when it already ran at the end of backward
-    t3 = time.perf_counter()
+    t3 = clock.mark()
     with record_function(RANGE_OPTIMIZER):
         optimizer.step()
-    t4 = time.perf_counter()
+    t4 = clock.mark()
     # A step inside no_sync communicates nothing: it has no record (last_step still holds the previous one).
     synced = getattr(model, "_sync_this_backward", True)
-    return StepTimes(float(loss.detach()), t0, t1, t2, t3, t4, getattr(model, "last_step", None) if synced else None)
+    return StepTimes(clock, (t0, t1, t2, t3, t4), loss.detach(),
+                     getattr(model, "last_step", None) if synced else None)

@@ -340,7 +340,8 @@ def measure_overlap(world_size: int, bucket_caps: Sequence[int], widths: Sequenc
 
 
 def overlap_from_step(times) -> tuple[float, float, float]:
-    """Overlap of one step from the trainer's own ``time.perf_counter()`` records, without the profiler.
+    """Overlap of one step from the trainer's own clock marks (the host clock on the CPU, CUDA events on a
+    GPU), without the profiler.
 
     Same definitions as the profile: B = [backward() called, last gradient arrived], U = union over buckets
     of [launch, done], exposed = [last gradient, end of the wait]. Used by the benchmark, where the profiler's own cost would distort the step times.

@@ -10,6 +10,10 @@ every function takes the mesh or the group it communicates over.
   which groups cross nodes).
 * :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators and the tensor-parallel layers
   built from them.
+* :mod:`commlab.parallel.pipeline` -- pipeline schedules (GPipe, 1F1B) and the engine that runs them.
+* :mod:`commlab.parallel.data_parallel` -- DP inside a DP group (it is
+  :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``) and ZeRO-1's sharded
+  optimizer, :class:`ZeroOneOptimizer`.
 """
 
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,
@@ -28,10 +32,10 @@ __all__: list[str] = [
 
 from commlab.parallel.pipeline import (PipelineResult, bubble_fraction, ideal_timeline, make_schedule,
                                        pipeline_step, split_sequential)
-from commlab.parallel.data_parallel import SyncStats, ZeroOneOptimizer, ZeroStepStats, sync_gradients
+from commlab.parallel.data_parallel import ZeroOneOptimizer, ZeroStepStats
 
 __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedule", "pipeline_step",
-            "split_sequential", "SyncStats", "sync_gradients", "ZeroOneOptimizer", "ZeroStepStats"]
+            "split_sequential", "ZeroOneOptimizer", "ZeroStepStats"]
 
 from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
 

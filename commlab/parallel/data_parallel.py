@@ -1,170 +1,53 @@
-"""Data parallelism inside a DP group: gradient averaging (optionally compressed) and ZeRO-1.
+"""Data parallelism inside a DP group: gradient averaging is :class:`~commlab.overlap.BucketedDataParallel`,
+and ZeRO-1 shards the optimizer state.
 
 On a 3D mesh (TP x PP x DP) the ranks that hold the *same* parameters are the ones with the same pipeline
 stage and tensor-parallel shard: they form one DP group, and a gradient is averaged over that group
-only. Every function here takes that group explicitly (DESIGN.md, layer 5); nothing reads a global
+only. Every class here takes that group explicitly (DESIGN.md, layer 5); nothing reads a global
 process-group manager. Build the groups with :mod:`commlab.parallel.mesh` or ``dist.new_group``.
 
-:func:`sync_gradients` flattens the gradients into buckets, sums each bucket over the DP group and
-divides by the group size:
+**Averaging gradients over the DP group** is commlab's one data-parallel path, the bucketed and overlapped
+:class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``; compress on the DP dimension
+with a comm hook on it (:func:`commlab.compress.compression_hook`, :func:`commlab.compress.powersgd_hook`).
+A stage of a pipeline runs all of its micro-batches' backward passes inside the pipeline schedule, so it
+accumulates under ``no_sync()`` and averages once after the flush with
+:meth:`~commlab.overlap.BucketedDataParallel.sync_gradients`::
 
-* without a compressor, with commlab's ring AllReduce (:func:`commlab.collectives.ring_all_reduce`):
-  ``2 (N-1)/N`` of the gradient's bytes sent per rank;
-* with a compressor, with :func:`commlab.compress.aggregate`, which all-reduces linear payloads and
-  all-gathers the others, optionally with error feedback. The *compressed* payload is what travels.
+    dp = BucketedDataParallel(stage, process_group=dp_group)
+    with dp.no_sync():
+        pipeline_step(dp, x, y, loss_fn, m, pp_group)
+    dp.sync_gradients()
 
 The source article's ``Hybrid3DCommunicator.sync_gradients`` (§4.3) computes ``compressed =
 compressor.compress(grad)`` and then all-reduces the uncompressed ``grad``: the compression costs time and
 saves nothing, and the error-feedback state (if any) records a residual that was never withheld. It also
 all-gathers each gradient over the TP group afterwards; a tensor-parallel parameter's gradient is already
 the gradient of the local shard, so that step would turn a shard's gradient into a full-size tensor that
-no longer matches the shard it belongs to. Here the payload is aggregated, and TP is left alone.
+no longer matches the shard it belongs to. With a comm hook the payload is what travels, and TP is left alone.
 
 :class:`ZeroOneOptimizer` is ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory optimizations toward
 training trillion parameter models", SC'20, §5.1, P_os): each of the N ranks keeps the optimizer state
 (Adam's two moments) of 1/N of the parameters only. A step reduce-scatters the gradient (each rank gets
 the sum of its shard), updates its shard, and all-gathers the parameters: the bytes of one AllReduce,
 ``2 (N-1)/N`` of the parameters' bytes, with 1/N of the optimizer memory (ZeRO §7.1 counts the same volume).
+PyTorch's own version is ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab.collectives import (ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank,
-                                 ring_reduce_scatter)
+from commlab.collectives import ring_all_gather, ring_bytes_sent_per_rank, ring_reduce_scatter
 from commlab.collectives._common import group_size_and_rank
-from commlab.compress import Compressor, ErrorFeedback, aggregate
+from commlab.overlap.bucketed import data_parallel_of
 
-__all__ = ["SyncStats", "sync_gradients", "ZeroStepStats", "ZeroOneOptimizer"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncStats:
-    """Bytes of one :func:`sync_gradients` call, on this rank.
-
-    Attributes:
-        group_size: N, ranks in the DP group.
-        dense_nbytes: bytes of the flat gradient (all buckets, uncompressed).
-        payload_nbytes: bytes this rank put into the collective: ``dense_nbytes`` without a compressor, the
-            compressed payloads' bytes with one.
-        bytes_sent_per_rank: bytes this rank sends in the collectives (ring model; see
-            :func:`commlab.compress.aggregate` for the compressed paths). 0 when N = 1.
-        buckets: number of buckets.
-        path: ``"all_reduce"`` (dense, or a linear compressor), ``"all_gather"`` (non-linear compressor) or
-            ``"none"`` (N = 1: nothing to do).
-    """
-
-    group_size: int
-    dense_nbytes: int
-    payload_nbytes: int
-    bytes_sent_per_rank: float
-    buckets: int
-    path: str
-
-
-def _grad_params(model_or_params) -> list[nn.Parameter]:
-    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
-    params = [p for p in params if p.requires_grad]
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"the parameters have several dtypes {sorted(str(d) for d in dtypes)}; flat buckets need "
-                         "one dtype (sync each dtype's parameters in a separate call)")
-    return params
-
-
-def _flat(tensors: list[torch.Tensor], params: list[nn.Parameter], pad_to: int = 0) -> torch.Tensor:
-    """Concatenate (a None entry = zeros of its parameter's shape), zero-padded to ``pad_to`` elements."""
-    parts = [(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(tensors, params)]
-    total = sum(x.numel() for x in parts)
-    if pad_to > total:
-        parts.append(torch.zeros(pad_to - total, dtype=params[0].dtype, device=params[0].device))
-    return torch.cat(parts) if parts else torch.zeros(0)
-
-
-def _bucket_bounds(numel: int, element_size: int, bucket_nbytes: int | None) -> list[tuple[int, int]]:
-    if bucket_nbytes is None or numel == 0:
-        return [(0, numel)]
-    per = max(1, bucket_nbytes // element_size)
-    return [(a, min(a + per, numel)) for a in range(0, numel, per)]
-
-
-def sync_gradients(model: nn.Module | Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
-                   compressor: Compressor | None = None, error_feedback: ErrorFeedback | None = None, *,
-                   bucket_nbytes: int | None = None, key: str = "dp") -> SyncStats:
-    """Replace every gradient by its average over the DP group (and only that group).
-
-    Call after ``backward()`` and before ``optimizer.step()`` on every rank of ``dp_group``, with the same
-    model structure on each (the same pipeline stage and TP shard).
-
-    Args:
-        model: a module, or an iterable of parameters; parameters with ``requires_grad`` False are skipped,
-            a missing ``.grad`` counts as zeros (and is filled in), so every rank sends the same size.
-        dp_group: the data-parallel group (None: the default group).
-        compressor: optional :class:`commlab.compress.Compressor`; the compressed payload is aggregated with
-            :func:`commlab.compress.aggregate` on ``dp_group``.
-        error_feedback: optional :class:`commlab.compress.ErrorFeedback` wrapping ``compressor`` (if
-            ``compressor`` is None, the wrapped one is used). Residuals are kept per bucket under
-            ``f"{key}/{bucket index}"``, so keep the bucket layout fixed between steps.
-        bucket_nbytes: split the flat gradient into buckets of at most this many bytes (None: one bucket).
-            Smaller buckets cost one latency each; DDP's default is 25 MiB.
-        key: prefix of the error-feedback keys (distinct per model when one ErrorFeedback serves several).
-
-    Returns:
-        :class:`SyncStats` (bytes of this call). The averaged gradients are written into ``.grad``; every
-        rank of the group then holds the same gradients (exactly, for the dense and the all-gather paths).
-
-    Raises:
-        ValueError: parameters of several dtypes, ``bucket_nbytes`` < 1, or ``error_feedback`` wrapping a
-            different compressor than ``compressor``.
-        CollectiveMismatchError: the ranks' gradients differ in size (different models), on every rank.
-        RuntimeError: this rank is not in ``dp_group``.
-    """
-    if bucket_nbytes is not None and bucket_nbytes < 1:
-        raise ValueError(f"bucket_nbytes must be >= 1 or None, got {bucket_nbytes!r}")
-    if compressor is None and error_feedback is not None:
-        compressor = error_feedback.compressor
-    n, _ = group_size_and_rank(dp_group)
-    params = _grad_params(model)
-    flat = _flat([p.grad for p in params], params)
-    dense_nbytes = flat.numel() * flat.element_size()
-    bounds = _bucket_bounds(flat.numel(), flat.element_size(), bucket_nbytes)
-    if n == 1:
-        # Nothing to average; the stats say so instead of pretending to communicate.
-        return SyncStats(1, dense_nbytes, 0, 0.0, len(bounds), "none")
-
-    payload_nbytes, sent, path = 0, 0.0, "all_reduce"
-    averaged = torch.empty_like(flat)
-    for i, (a, b) in enumerate(bounds):
-        bucket = flat[a:b]
-        if compressor is None:
-            total = ring_all_reduce(bucket, dp_group)
-            payload_nbytes += bucket.numel() * bucket.element_size()
-            sent += ring_bytes_sent_per_rank(bucket.numel() * bucket.element_size(), n, "all_reduce")
-        else:
-            # The payload, not the raw gradient, goes over the wire (the source article's bug, §4.3).
-            agg = aggregate(bucket, compressor, dp_group, error_feedback=error_feedback,
-                            key=f"{key}/{i}" if error_feedback is not None else None)
-            total, path = agg.sum, agg.path
-            payload_nbytes += agg.payload_nbytes
-            sent += agg.bytes_sent_per_rank
-        averaged[a:b] = total / n
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            new = averaged[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = new.clone()
-            else:
-                p.grad.copy_(new)
-            offset += p.numel()
-    return SyncStats(n, dense_nbytes, payload_nbytes, sent, len(bounds), path)
+__all__ = ["ZeroStepStats", "ZeroOneOptimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,108 +55,282 @@ class ZeroStepStats:
     """Bytes of one :meth:`ZeroOneOptimizer.step`, on this rank (ring model, padded sizes).
 
     Attributes:
-        reduce_scatter_nbytes: sent in the gradient ReduceScatter, ``(N-1)/N * padded gradient bytes``.
+        reduce_scatter_nbytes: sent in the gradient ReduceScatter, ``(N-1)/N * padded gradient bytes``; 0 when
+            the gradients were already averaged by a :class:`~commlab.overlap.BucketedDataParallel`.
         all_gather_nbytes: sent in the parameter AllGather, ``(N-1)/N * padded parameter bytes``.
-        bytes_sent_per_rank: their sum, the same as one ring AllReduce of the gradient.
+        gradients_averaged: whether the step found the gradients averaged already (and reduced nothing).
+        bytes_sent_per_rank: their sum; with local gradients, the same as one ring AllReduce of the gradient.
     """
 
     reduce_scatter_nbytes: float
     all_gather_nbytes: float
+    gradients_averaged: bool = False
 
     @property
     def bytes_sent_per_rank(self) -> float:
         return self.reduce_scatter_nbytes + self.all_gather_nbytes
 
 
-class ZeroOneOptimizer:
-    """ZeRO stage 1: an optimizer whose state is sharded across the DP group.
+def _flat(tensors: list[torch.Tensor | None], params: list[nn.Parameter], pad_to: int) -> torch.Tensor:
+    """Concatenate (a None entry = zeros of its parameter's shape), zero-padded to ``pad_to`` elements."""
+    parts = [(t if t is not None else torch.zeros_like(p)).detach().reshape(-1) for t, p in zip(tensors, params)]
+    total = sum(x.numel() for x in parts)
+    if pad_to > total:
+        parts.append(torch.zeros(pad_to - total, dtype=params[0].dtype, device=params[0].device))
+    return torch.cat(parts)
 
-    The parameters are viewed as one flat vector, zero-padded to a multiple of N and cut into N equal
-    shards; group rank r owns shard r. Each rank keeps a float copy of its shard as the inner optimizer's
-    only parameter, so the optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum) exists
-    for 1/N of the model on each rank. :meth:`step`:
 
-    1. flattens the local gradients and ring-ReduceScatters them over ``dp_group``; rank r receives the
-       sum of shard r, divided by N (the average, as in :func:`sync_gradients`);
-    2. steps the inner optimizer on its shard;
+@dataclasses.dataclass
+class _Shard:
+    """One parameter group's flat layout and this rank's master copy of its shard."""
+
+    params: list[nn.Parameter]      # the group's parameters that require grad
+    numel: int
+    padded_numel: int               # numel rounded up to a multiple of N, so every shard has the same size
+    start: int                      # this rank's first element in the padded flat vector
+    param: nn.Parameter             # the shard: what the inner optimizer updates
+
+    @property
+    def shard_numel(self) -> int:
+        return self.param.numel()
+
+
+def _ranks(group) -> list[int]:
+    return list(range(dist.get_world_size())) if group is None or group is dist.group.WORLD \
+        else dist.get_process_group_ranks(group)
+
+
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: a ``torch.optim.Optimizer`` whose state is sharded across the DP group.
+
+    Each parameter group's parameters are viewed as one flat vector, zero-padded to a multiple of N and cut
+    into N equal shards; group rank r owns shard r. Each rank keeps a copy of its shards as the parameters of
+    an inner ``optimizer_cls``, one inner param group per outer one (same options), so the optimizer state
+    (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum) exists for 1/N of the model on each rank.
+    :meth:`step`:
+
+    1. takes each group's averaged gradient shard: if the gradients are this rank's own (no data-parallel
+       wrapper averaged them), it ring-ReduceScatters them over ``dp_group`` and divides by N; if a
+       :class:`~commlab.overlap.BucketedDataParallel` over the same group has averaged them already
+       (:attr:`~commlab.overlap.BucketedDataParallel.gradients_averaged`), it takes its shard of the average
+       and sends nothing, rather than reducing a second time;
+    2. copies the options of :attr:`param_groups` into the inner groups (so an LR scheduler works), and steps
+       the inner optimizer on the shards;
     3. ring-AllGathers the shards and writes the updated values into every parameter.
 
-    Element-wise optimizers (SGD, momentum, Adam, AdamW) then give the same parameters as the unsharded
-    optimizer after an AllReduce-average, up to the rounding of the gradient sum (different chunking
-    changes the summation order). Anything that needs the whole gradient (global-norm clipping, LAMB's
-    per-tensor trust ratio) is not element-wise and is not supported.
+    How to compose it with data parallelism, then: *instead of* a DP wrapper (each rank's backward leaves local
+    gradients; the step's ReduceScatter + AllGather cost one AllReduce, ZeRO-1's volume), or, when the wrapper
+    is needed for something else (overlap, a comm hook that compresses), *after* it: the gradients arrive
+    averaged and the step adds only the AllGather. Either way nothing is reduced twice.
+
+    Element-wise optimizers (SGD, momentum, Adam, AdamW) give the same parameters as the unsharded optimizer
+    after an AllReduce-average, up to the rounding of the gradient sum (different chunking changes the
+    summation order). Anything that needs the whole gradient (global-norm clipping inside the optimizer,
+    LAMB's per-tensor trust ratio) is not element-wise and is not supported. A parameter whose ``.grad`` is
+    None counts as a zero gradient (momentum still moves it), where torch's optimizers skip it.
 
     Args:
-        params: the model's parameters (``requires_grad`` ones are used; one dtype and device), the same
-            structure on every rank of the group and equal values (as after a broadcast).
+        params: parameters or param-group dicts (``{"params": [...], "lr": ...}``), as for any torch
+            optimizer; the same structure on every rank of the group and equal values (as after a broadcast).
+            Each group's parameters that require grad must share one dtype and device.
         dp_group: the data-parallel group (None: the default group).
-        optimizer_cls: a ``torch.optim.Optimizer`` class, built as ``optimizer_cls([shard], **kwargs)``.
-        **optimizer_kwargs: e.g. ``lr=1e-3``.
+        optimizer_cls: a ``torch.optim.Optimizer`` class (default Adam).
+        **optimizer_kwargs: the defaults of every group, e.g. ``lr=1e-3``, checked by ``optimizer_cls``.
 
     Attributes:
-        shard: this rank's master copy of its shard (a 1-D ``nn.Parameter`` of ``padded_numel / N`` elements).
-        inner: the inner optimizer over ``shard``.
-        numel, padded_numel: parameters in total, and after padding to a multiple of N.
+        param_groups, defaults, state: as for a torch optimizer; ``state`` is the inner optimizer's state,
+            keyed by the shard parameters (1/N of the model's).
+        inner: the inner optimizer over the shards. shards: each group's :class:`_Shard`.
+        numel, padded_numel: parameters in total, and after padding each group to a multiple of N.
         last_step: :class:`ZeroStepStats` of the latest step (None before the first).
 
     Raises:
-        ValueError: no parameters, or parameters of several dtypes or devices.
-        RuntimeError: this rank is not in ``dp_group``.
+        ValueError: no parameters, a group whose parameters differ in dtype or device, ``optimizer_cls`` not an
+            optimizer class, or options it rejects.
+        RuntimeError: this rank is not a member of ``dp_group``.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
-                 optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, **optimizer_kwargs):
-        self.params = _grad_params(list(params))
-        if not self.params:
-            raise ValueError("ZeroOneOptimizer needs at least one parameter with requires_grad=True")
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"ZeroOneOptimizer needs all parameters on one device, got {sorted(map(str, devices))}")
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], dp_group: dist.ProcessGroup | None = None,
+                 optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, **optimizer_kwargs: Any):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), "
+                             f"got {optimizer_cls!r}")
         self.group = dp_group
-        self.n, self.group_rank = group_size_and_rank(dp_group)
-        self.numel = sum(p.numel() for p in self.params)
-        # Padding to a multiple of N makes every shard the same size, which the ring AllGather requires.
-        self.padded_numel = math.ceil(self.numel / self.n) * self.n
-        self.shard_numel = self.padded_numel // self.n
-        start = self.group_rank * self.shard_numel
-        with torch.no_grad():
-            flat = _flat([p.detach() for p in self.params], self.params, self.padded_numel)
-        self.shard = nn.Parameter(flat[start:start + self.shard_numel].clone())
-        self.inner = optimizer_cls([self.shard], **optimizer_kwargs)
+        self.n, self.group_rank = group_size_and_rank(dp_group, "ZeroOneOptimizer")
+        self.optimizer_cls = optimizer_cls
+        # A throwaway instance checks the options and supplies the defaults of every option, so that
+        # param_groups show them all, as the unsharded optimizer's would.
+        probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+        self.shards: list[_Shard] = []
+        self.inner: torch.optim.Optimizer | None = None
+        super().__init__(params, dict(probe.defaults))
+        self.inner = optimizer_cls([self._inner_group(g, sh) for g, sh in zip(self.param_groups, self.shards)])
+        self.state = self.inner.state  # what exists on this rank: the shards' state
         self.last_step: ZeroStepStats | None = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients (the shard's gradient is rebuilt every step)."""
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+    # ---- layout ---------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self) -> ZeroStepStats:
-        """ReduceScatter the gradients, update this rank's shard, AllGather the parameters.
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (torch's rules: its options default to :attr:`defaults`) and shard it."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        params = [p for p in group["params"] if p.requires_grad]
+        where = len(self.param_groups) - 1
+        if len({p.dtype for p in params}) > 1 or len({p.device for p in params}) > 1:
+            raise ValueError(f"ZeroOneOptimizer: param group {where} mixes dtypes or devices "
+                             f"({sorted({f'{p.dtype}@{p.device}' for p in params})}); its flat shards need one of "
+                             "each: put such parameters in separate groups")
+        numel = sum(p.numel() for p in params)
+        # Padding to a multiple of N makes every shard the same size, which the ring AllGather requires.
+        padded = math.ceil(numel / self.n) * self.n
+        per = padded // self.n
+        start = self.group_rank * per
+        if params:
+            with torch.no_grad():
+                value = _flat([p for p in params], params, padded)[start:start + per].clone()
+        else:
+            value = torch.zeros(0)
+        shard = _Shard(params, numel, padded, start, nn.Parameter(value))
+        self.shards.append(shard)
+        if self.inner is not None:
+            self.inner.add_param_group(self._inner_group(group, shard))
 
-        The parameters' ``.grad`` keep this rank's local (not averaged) gradient.
+    @staticmethod
+    def _inner_group(group: dict, shard: _Shard) -> dict:
+        return {**{k: v for k, v in group.items() if k != "params"}, "params": [shard.param]}
 
-        Returns:
-            :class:`ZeroStepStats` (also kept as ``last_step``).
-        """
-        grad = _flat([p.grad for p in self.params], self.params, self.padded_numel)
-        nbytes = grad.numel() * grad.element_size()
-        shard_grad = ring_reduce_scatter(grad, self.group) / self.n
-        self.shard.grad = shard_grad.to(self.shard.dtype)
-        self.inner.step()
-        full = ring_all_gather(self.shard.detach(), self.group)
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.last_step = ZeroStepStats(ring_bytes_sent_per_rank(nbytes, self.n, "reduce_scatter"),
-                                       ring_bytes_sent_per_rank(nbytes, self.n, "all_gather"))
-        return self.last_step
+    @property
+    def numel(self) -> int:
+        return sum(sh.numel for sh in self.shards)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(sh.padded_numel for sh in self.shards)
 
     def state_nbytes(self) -> int:
-        """Bytes of optimizer state held on this rank (tensors in ``inner.state``), about 1/N of unsharded."""
+        """Bytes of optimizer state held on this rank (tensors in the inner state), about 1/N of unsharded."""
         return sum(t.numel() * t.element_size() for st in self.inner.state.values()
                    for t in st.values() if isinstance(t, torch.Tensor))
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def _gradients_averaged(self) -> bool:
+        """Whether a data-parallel wrapper over our group has already averaged every gradient we hold."""
+        params = [p for sh in self.shards for p in sh.params]
+        wrappers = {id(w): w for w in (data_parallel_of(p) for p in params) if w is not None}
+        averaged = [w for w in wrappers.values() if w.gradients_averaged]
+        if not averaged:
+            return False
+        covered = [data_parallel_of(p) in averaged for p in params]
+        if not all(covered):
+            raise ValueError(f"ZeroOneOptimizer: {covered.count(False)} of {len(params)} parameters' gradients were "
+                             "not averaged by the BucketedDataParallel that averaged the others; wrap the whole "
+                             "model, or run its backward inside no_sync() so that this step reduces all of them")
+        mine = _ranks(self.group)
+        for w in averaged:
+            if _ranks(w.process_group) != mine:
+                raise ValueError(f"ZeroOneOptimizer shards over ranks {mine}, but the gradients were averaged by a "
+                                 f"BucketedDataParallel over ranks {_ranks(w.process_group)}; use the same DP group "
+                                 "for both")
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """ReduceScatter the gradients (unless already averaged), update this rank's shards, AllGather the parameters.
+
+        Call it on every rank of the group. The parameters' ``.grad`` are left as they were.
+
+        Args:
+            closure: as for torch optimizers, re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or None. The bytes are in :attr:`last_step` (:class:`ZeroStepStats`).
+
+        Raises:
+            ValueError: only some parameters were averaged by a wrapper, or it averaged over another group.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        averaged = self._gradients_averaged()
+        rs_bytes = ag_bytes = 0.0
+        for group, inner_group, sh in zip(self.param_groups, self.inner.param_groups, self.shards):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+            if sh.numel == 0:
+                continue
+            per = sh.shard_numel
+            # The current values, not a stale copy: the parameters may have been loaded or edited since.
+            sh.param.copy_(_flat(list(sh.params), sh.params, sh.padded_numel)[sh.start:sh.start + per])
+            grad = _flat([p.grad for p in sh.params], sh.params, sh.padded_numel)
+            nbytes = grad.numel() * grad.element_size()
+            if averaged or self.n == 1:
+                shard_grad = grad[sh.start:sh.start + per].clone()
+            else:
+                shard_grad = ring_reduce_scatter(grad, self.group) / self.n
+                rs_bytes += ring_bytes_sent_per_rank(nbytes, self.n, "reduce_scatter")
+            sh.param.grad = shard_grad.to(sh.param.dtype)
+        self.inner.step()
+        for sh in self.shards:
+            if sh.numel == 0:
+                continue
+            full = sh.param.detach() if self.n == 1 else ring_all_gather(sh.param.detach(), self.group)
+            ag_bytes += ring_bytes_sent_per_rank(full.numel() * full.element_size(), self.n, "all_gather")
+            offset = 0
+            for p in sh.params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.last_step = ZeroStepStats(rs_bytes, ag_bytes, averaged)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and the shards' (the shards' are rebuilt every step)."""
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+
+    # ---- state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: its shards' optimizer state, every group's options, and the sharding it belongs to.
+
+        ZeRO-1's state is sharded, so each rank saves (and later loads) its own: ``{"state": {group index:
+        the inner optimizer's state of that group's shard}, "param_groups": [options and parameter indices, as
+        torch's optimizers write them], "zero": {"world_size", "group_rank", "numels"}}``.
+        """
+        inner = self.inner.state_dict()
+        groups, index = [], 0
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(index, index + len(g["params"])))})
+            index += len(g["params"])
+        return {"state": inner["state"], "param_groups": groups,
+                "zero": {"world_size": self.n, "group_rank": self.group_rank,
+                         "numels": [sh.numel for sh in self.shards]}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved on the same group rank of a group of the same size and layout.
+
+        Raises:
+            ValueError: not a ZeroOneOptimizer state dict, saved by another group rank or group size, or for
+                other parameter groups (the message says which).
+        """
+        zero = state_dict.get("zero") if isinstance(state_dict, dict) else None
+        if zero is None:
+            raise ValueError("ZeroOneOptimizer.load_state_dict: this is not a ZeroOneOptimizer state dict (it has no "
+                             "'zero' entry); an unsharded optimizer's state cannot be loaded into one shard")
+        if (zero["world_size"], zero["group_rank"]) != (self.n, self.group_rank):
+            raise ValueError(f"ZeroOneOptimizer.load_state_dict: saved by group rank {zero['group_rank']} of "
+                             f"{zero['world_size']}, loaded on group rank {self.group_rank} of {self.n}; ZeRO-1's "
+                             "state is sharded: each rank loads the state its own group rank saved, in a group of "
+                             "the same size")
+        mine = [sh.numel for sh in self.shards]
+        if list(zero["numels"]) != mine or len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"ZeroOneOptimizer.load_state_dict: saved for param groups of {list(zero['numels'])} "
+                             f"elements, this optimizer has {mine}; build it over the same parameter groups")
+        saved_groups = state_dict["param_groups"]
+        self.inner.load_state_dict({"state": state_dict["state"],
+                                    "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]}
+                                                     for i, g in enumerate(saved_groups)]})
+        for g, saved in zip(self.param_groups, saved_groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        self.state = self.inner.state

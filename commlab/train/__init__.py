@@ -1,4 +1,7 @@
-"""A small model on real offline data, so that the labs move real gradients."""
+"""A small model on real offline data, so that the labs move real gradients, and the trainers that use it.
+
+Both trainers run on commlab's one data-parallel path, :class:`commlab.overlap.BucketedDataParallel`.
+"""
 
 from commlab.train.data import Digits, load_digits_split, shard
 from commlab.train.model import MLP, flat_grad, set_flat_grad

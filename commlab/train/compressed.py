@@ -6,8 +6,10 @@ the way the compressor allows (:func:`commlab.compress.aggregate`: AllReduce for
 AllGather otherwise) and logging the bytes of every step. :func:`train_compressed` runs one training with
 it inside a rank and returns the losses, the test accuracy and the bytes per step.
 
-The whole flat gradient is compressed as one tensor, so Top-K on it is a *global* selection over the
-model (chapter 5 compares it with layer-wise selection).
+The training goes through commlab's one data-parallel path, :class:`commlab.overlap.BucketedDataParallel`,
+with the whole gradient in one bucket: the compressor sees it as one tensor, so Top-K on it is a *global*
+selection over the model (chapter 5 compares it with layer-wise selection). Like every DDP bucket it holds
+the parameters in reverse registration order (the last layer first).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class CompressedRun:
         name: a label, e.g. ``"topk(0.01) + EF"``.
         losses: training loss per step (mean over ranks).
         test_accuracy: accuracy of the final model on the held-out digits.
-        dense_nbytes: bytes of one rank's uncompressed float32 gradient.
+        dense_nbytes: bytes of one rank's uncompressed gradient (elements times their dtype's size).
         payload_nbytes: bytes of one rank's compressed gradient (per step; the dense size for no compressor).
         bytes_sent_per_rank: bytes each rank sends per step to sum the gradient (ring AllReduce of the
             payload for linear compressors, ring AllGather otherwise).
@@ -54,8 +56,8 @@ class CompressedRun:
     diverged_at_step: int | None = None
 
 
-def compressed_all_reduce(compressor: Compressor | None, error_feedback=None,
-                          key: str = "flat_grad") -> Callable[[torch.Tensor], torch.Tensor]:
+def compressed_all_reduce(compressor: Compressor | None, error_feedback=None, key: str = "flat_grad",
+                          group: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """An ``all_reduce_fn(flat_grad) -> sum over ranks`` that compresses with ``compressor``.
 
     Args:
@@ -63,7 +65,8 @@ def compressed_all_reduce(compressor: Compressor | None, error_feedback=None,
         error_feedback: None, True (wrap ``compressor`` in a fresh :class:`ErrorFeedback`), or an
             error-feedback object with ``compressor`` (the same object) and ``compress(tensor, key)``, such
             as the one a learner writes in lab 4.
-        key: the residual's key.
+        key: the residual's key (one residual: call the function with one tensor per step, e.g. one bucket).
+        group: the group to sum over (None: the default group).
 
     Returns:
         The function; its attribute ``log`` is a list with one ``(payload_nbytes, bytes_sent_per_rank,
@@ -81,12 +84,12 @@ def compressed_all_reduce(compressor: Compressor | None, error_feedback=None,
         # Every rank raises together on a NaN/Inf anywhere: aggregate agrees on it before compressing, and
         # the dense path does the same here.
         if compressor is None:
-            agree_finite(flat, None, f"step {len(log)}: training diverged (lower the learning rate)")
+            agree_finite(flat, group, f"step {len(log)}: training diverged (lower the learning rate)")
             nbytes = flat.numel() * flat.element_size()
-            log.append((nbytes, ring_bytes_sent_per_rank(nbytes, dist.get_world_size(), "all_reduce"),
+            log.append((nbytes, ring_bytes_sent_per_rank(nbytes, dist.get_world_size(group), "all_reduce"),
                         "all_reduce"))
-            return ring_all_reduce(flat)
-        out = aggregate(flat, compressor, error_feedback=ef, key=key if ef is not None else None)
+            return ring_all_reduce(flat, group)
+        out = aggregate(flat, compressor, group, error_feedback=ef, key=key if ef is not None else None)
         log.append((out.payload_nbytes, out.bytes_sent_per_rank, out.path))
         return out.sum
 
