@@ -361,27 +361,23 @@ def _context_of_initialised(backend: str | None, env: Mapping[str, str]) -> Dist
                            f"was asked for {backend!r}: call destroy_process_group() first, or ask for {have!r}")
     launcher = detect_launcher(env)
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    def env_int(name):
-        raw = env.get(name)
-        return int(raw) if raw is not None and raw.strip().lstrip("-").isdigit() else None
-
-    if launcher == "slurm":
-        local_rank, local_world, node = env_int("SLURM_LOCALID"), None, env_int("SLURM_NODEID")
-    else:
-        local_rank, local_world, node = env_int("LOCAL_RANK"), env_int("LOCAL_WORLD_SIZE"), env_int("GROUP_RANK")
-    if launcher == "commlab.launch":  # one node: the forked ranks are its processes
-        node = 0
-    if "nccl" in have:
-        device = torch.device("cuda", torch.cuda.current_device())
-        local_rank = device.index if local_rank is None else local_rank
-    else:
-        device = torch.device("cpu")
+    local_rank = local_world = node = None
+    if launcher == "commlab.launch":  # forked ranks: one node, all of them
+        local_rank, local_world, node = rank, world, 0
+    elif launcher != "none":
+        try:
+            job = read_env(env)
+            local_rank, local_world, node = job.local_rank, job.local_world_size, job.node_rank
+        except LauncherEnvError:  # initialised by someone else, from other numbers: keep what the group says
+            pass
+    elif world == 1:
+        local_rank, local_world, node = 0, 1, 0
+    nccl = "nccl" in have
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     if local_rank is None:
-        local_rank = rank if world == 1 or launcher == "commlab.launch" else 0
+        local_rank = device.index if nccl else 0
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                       node_rank=node, backend="nccl" if "nccl" in have else have, device=device,
-                       launcher=launcher if launcher != "none" else "none")
+                       node_rank=node, backend="nccl" if nccl else have, device=device, launcher=launcher)
 
 
 def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEOUT_S) -> DistContext:

@@ -156,7 +156,7 @@ class SendTracker:
         for e in self._entries:
             if _done(e.work):
                 continue
-            if not e.poll_only and (all_orphans or _refs(e) <= _ALONE + 1):  # +1: the loop variable
+            if not e.poll_only and (all_orphans or _refs(e) <= _ALONE):
                 self._orphans.append(e)
             else:
                 keep.append(e)

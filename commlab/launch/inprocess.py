@@ -3,9 +3,12 @@
 Under a cluster launcher every process is one rank of the job. ``launch(fn, N)`` then checks that the job
 has ``N`` ranks, initialises the default process group through :func:`commlab.launch.init_from_env` (unless
 it already is), runs ``fn`` once in this process, and all-gathers the results so that every rank returns the
-same list in rank order, as the forked ranks' results come back to the notebook. What it set up (the
-process group, the thread count, the send tracker) it tears down; a group that existed before is left alone,
-and so is the group after a failure (the job is ending; a teardown could wait on the failed peers).
+same list in rank order, as the forked ranks' results come back to the notebook. The thread count and the
+send tracker are restored when it returns. The process group it initialises stays for the launches after it
+and is destroyed when the process exits: inside a torchrun worker torch does not re-create the default group
+reliably (measured with torch 2.13: the third ``init_process_group`` in one worker, each after a
+``destroy_process_group``, failed to connect to an address left in the agent's store by an earlier one). A
+group that existed before is left alone.
 
 Failures follow the launcher's conventions: a rank whose ``fn`` raises raises :class:`RankError` and its
 process ends with it, which is what torchrun's agent watches for: it stops the node's other workers and its
@@ -23,6 +26,7 @@ rank, the destinations and the bytes.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 import time
@@ -44,6 +48,8 @@ _BOARD_WAIT_S = 2.0
 _STORE_OP_S = 3.0
 # Each in-process launch gets its own keys; every rank calls launch() in the same order, so the counts agree.
 _launches = 0
+_teardown_registered = False
+_failed = False  # set once a launch failed in this process: its group is then not torn down at exit
 
 
 class UnfinishedSendsError(LaunchError, TimeoutError):
@@ -83,7 +89,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
         RankError: ``fn`` raised in this rank, or in the rank whose failure this rank's error reacts to.
         UnfinishedSendsError: sends of this rank never completed.
     """
-    global _launches
+    global _launches, _teardown_registered, _failed
     job = read_env()
     if job.world_size != world_size:
         raise ValueError(
@@ -91,17 +97,19 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
             f"(this is rank {job.rank}): pass world_size={job.world_size}, or start {world_size} processes in all "
             "(torchrun: --nnodes x --nproc-per-node; srun: --ntasks), or call launch() outside the launcher "
             "to fork the ranks here")
-    created = not dist.is_initialized()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads_per_rank)
     start = time.monotonic()
-    failed = True
     try:
         if init_hook is not None:
             init_hook(job.rank)
         # The ranks' collective timeout is the launch's: with no parent process to watch them, it is what
         # bounds a rank stuck in a collective whose peer never comes.
+        created = not dist.is_initialized()
         ctx = init_from_env(backend, timeout=timeout)
+        if created and not _teardown_registered:
+            atexit.register(_destroy_at_exit)
+            _teardown_registered = True
         if ctx.world_size != world_size:
             raise ValueError(f"launch(fn, {world_size}): the process group already initialised here has "
                              f"{ctx.world_size} ranks")
@@ -114,20 +122,25 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                 raise board.fail(exc) from exc
             left = tracker.finish(start + timeout)
         if left:
+            _failed = True
             raise UnfinishedSendsError(ctx.rank, left, timeout)
         try:
-            results = _gather(_to_cpu(result), world_size)
+            return _gather(_to_cpu(result), world_size)
         except Exception as exc:  # noqa: BLE001 - a peer died before the gather
             raise board.fail(exc) from exc
-        failed = False
-        return results
     finally:
         torch.set_num_threads(old_threads)
-        # After a failure the group is left as it is: its peers are failing too and the launcher is ending the
-        # job; tearing it down could wait on them (or on a send still being delivered), and this process
-        # should end with its error now.
-        if created and not failed and dist.is_initialized():
+
+
+def _destroy_at_exit() -> None:
+    # Only a group that is healthy is torn down: after a failure its peers are gone or failing, and the
+    # teardown could wait on them; the process is ending anyway.
+    global _failed
+    if dist.is_initialized() and not _failed:
+        try:
             dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting
+            pass
 
 
 def _gather(result: Any, world_size: int) -> list[Any]:
@@ -162,6 +175,8 @@ class _FailureBoard:
 
     def fail(self, exc: BaseException) -> RankError:
         """The RankError to raise for ``exc``: the root cause's if ``exc`` is a reaction to it, else this one."""
+        global _failed
+        _failed = True
         tb = traceback.format_exc()
         exc_type = type(exc).__name__
         try:
