@@ -72,7 +72,7 @@ def test_a_node_that_never_joins_fails_within_the_join_timeout_naming_who_came()
     (node0,) = run_local_nodes(2, 2, SELFTEST, nodes=[0], run_id=run_id, timeout_s=60, join_timeout_s=5)
     assert node0.returncode == 1 and not node0.stopped
     assert "RendezvousTimeoutError" in node0.output  # torchrun's own word, and all it says
-    assert "did not complete: 1 of 2 nodes had joined (node 0 (" in node0.output
+    assert "did not complete (torchrun's own error is above): 1 of 2 nodes had joined (node 0 (" in node0.output
     assert "never joined: node 1" in node0.output
     assert time.monotonic() - start < 60
     _assert_nothing_left(run_id)

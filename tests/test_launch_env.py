@@ -246,3 +246,33 @@ def test_rank_error_contract_is_the_same_for_forked_ranks():
     with pytest.raises(RankError) as info:
         launch(_raise_in_rank_one, 2, timeout=20)
     assert info.value.rank == 1 and info.value.exc_type == "KeyError"
+
+
+UNMATCHED_JOB = """
+    import torch, torch.distributed as dist
+    from commlab import launch
+
+    def send_nobody_receives():
+        if dist.get_rank() == 1:
+            dist.isend(torch.ones(10), 0)
+        return dist.get_rank()
+
+    launch(send_nobody_receives, 2, timeout=3)
+"""
+
+
+def test_under_srun_a_send_never_received_is_named_on_both_ranks():
+    port = free_port()
+    base = _clean_env(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2",
+                      SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="78", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(UNMATCHED_JOB)],
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], errs  # an error, not a crash at exit
+    named = "rank 1 returned with 1 send still in flight: 1 to rank 0 (40 bytes), not completed 3 s after the launch"
+    assert f"UnfinishedSendsError: {named}" in errs[1]
+    # Rank 0 returned and waited for rank 1 in the results' gather; when rank 1 ended, it named rank 1's error.
+    # (Under srun without torchrun the job's store lives in rank 0's process: were rank 0 the one to fail,
+    # its peers could not read its error from there, and would report their own.)
+    assert f"RankError: rank 1 of 2 failed with UnfinishedSendsError: {named}" in errs[0]

@@ -5,24 +5,16 @@ which process is which; :func:`init_from_env` reads it, checks it, binds the ran
 initialises the default process group with ``init_method="env://"``. With no launcher at all it makes a
 world of one, so ``python train.py`` runs the same script on one process.
 
-Where each number comes from (first match wins):
+Where each number comes from:
 
-==================  ====================================  ===========================================
-                    torchrun (``TORCHELASTIC_RUN_ID`` set)  ``srun`` without torchrun
-==================  ====================================  ===========================================
-rank                ``RANK``                              ``SLURM_PROCID``
-world size          ``WORLD_SIZE``                        ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``)
-local rank          ``LOCAL_RANK``                        ``SLURM_LOCALID``
-local world size    ``LOCAL_WORLD_SIZE``                  this node's entry of ``SLURM_STEP_TASKS_PER_NODE``
-                                                          (else ``SLURM_TASKS_PER_NODE``), e.g. ``4(x2)``
-node rank           ``GROUP_RANK``                        ``SLURM_NODEID``
-MASTER_ADDR         ``MASTER_ADDR`` (torchrun sets it)    ``MASTER_ADDR`` if exported, else the first
-                                                          host of ``SLURM_STEP_NODELIST`` (else
-                                                          ``SLURM_JOB_NODELIST``), read with
-                                                          :func:`slurm_first_host`
-MASTER_PORT         ``MASTER_PORT``                       ``MASTER_PORT`` if exported, else
-                                                          ``20000 + SLURM_JOB_ID % 10000``
-==================  ====================================  ===========================================
+* under torchrun (``TORCHELASTIC_RUN_ID`` set): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``GROUP_RANK`` (the node), ``MASTER_ADDR`` and ``MASTER_PORT``, all set by torchrun for every worker;
+* under ``srun`` without torchrun: rank ``SLURM_PROCID``; world size ``SLURM_STEP_NUM_TASKS`` (else
+  ``SLURM_NTASKS``); local rank ``SLURM_LOCALID``; local world size this node's entry of
+  ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``; Slurm writes e.g. ``4(x2)``); node
+  ``SLURM_NODEID``; ``MASTER_ADDR`` if exported, else the first host of ``SLURM_STEP_NODELIST`` (else
+  ``SLURM_JOB_NODELIST``), read by :func:`slurm_first_host`; ``MASTER_PORT`` if exported, else
+  ``20000 + SLURM_JOB_ID % 10000`` (:func:`slurm_default_port`).
 
 Under ``srun`` the task with ``SLURM_PROCID=0`` hosts the rendezvous store, so ``MASTER_ADDR`` must be its
 host. With Slurm's default block (or cyclic) distribution task 0 runs on the first node of the step, which
@@ -383,7 +375,7 @@ def _context_of_initialised(backend: str | None, env: Mapping[str, str]) -> Dist
 def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEOUT_S) -> DistContext:
     """Initialise the default process group from the launcher's environment and return where this rank is.
 
-    Reads torchrun's or Slurm's variables (table in the module docstring), checks them, and then:
+    Reads torchrun's or Slurm's variables (listed in the module docstring), checks them, and then:
 
     * under NCCL, ``torch.cuda.set_device(local_rank)`` (so that ``.cuda()`` anywhere above lands on this
       rank's GPU) and ``init_process_group("nccl", init_method="env://", timeout=..., device_id=cuda:local_rank)``;

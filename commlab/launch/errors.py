@@ -68,8 +68,9 @@ class LaunchTimeout(LaunchError, TimeoutError):
         if self.unfinished_sends:
             named = "; ".join(describe_unfinished(r, s) for r, s in self.unfinished_sends.items())
             others = [r for r in self.running if r not in self.unfinished_sends]
-            text = (f"launch timed out after {timeout_s:g} s: {named}, and they had not completed by the deadline: "
-                    f"{ADVICE}")
+            many = sum(u.count for sends in self.unfinished_sends.values() for u in sends) > 1
+            text = (f"launch timed out after {timeout_s:g} s: {named}, and {'they' if many else 'it'} had not "
+                    f"completed by the deadline: {ADVICE}")
             if others:
                 text += f". Ranks {others} were still running their function (finished: {self.finished})"
         elif missing:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import sys
 import threading
 import time
@@ -199,11 +200,6 @@ class SendTracker:
             self._prune_locked()
             return len(self._outstanding_locked())
 
-    def delivering(self) -> bool:
-        """Whether the background thread is blocked waiting on a send right now."""
-        with self._cv:
-            return self._waiting_on is not None
-
     def unfinished(self) -> list[UnfinishedSends]:
         """The sends not yet completed, summed per destination (global rank), in destination order."""
         with self._cv:
@@ -235,6 +231,26 @@ class SendTracker:
                 self._cv.wait(timeout=min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, 0.05)
         return self.unfinished()
+
+    def abandon(self) -> None:
+        """Give up on every gloo send still outstanding (after the deadline, when the rank is failing anyway).
+
+        A timed-out wait makes gloo fail every pending operation of the group, the background thread's wait
+        included, so that the thread ends and the process can exit cleanly (a thread still blocked in a wait
+        when the interpreter shuts down aborts it). The group is unusable afterwards.
+        """
+        with self._cv:
+            doomed = [e for e in [self._waiting_on, *self._orphans] if e is not None and not e.poll_only]
+            self._orphans.clear()
+            self._closed = True
+            self._cv.notify_all()
+        for e in doomed[:1]:  # one timed-out wait fails them all
+            try:
+                e.work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the timeout is the point
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def close(self) -> None:
         """Let the background thread end once it has nothing left to wait on."""

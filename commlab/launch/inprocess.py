@@ -17,7 +17,9 @@ cause with its traceback. Only the agent of the failing rank's node can see that
 nodes the first worker to fail is a peer whose connection to the dead rank closed ("Connection closed by
 peer"). So the failing rank first writes its exception into the job's rendezvous store, and a peer whose own
 error is such a reaction reads it and raises :class:`RankError` for the *root cause*, with its own error
-appended: every node's summary then names the same rank.
+appended: every node's summary then names the same rank. (Under torchrun the store lives in each node's
+agent. Under ``srun`` without torchrun it lives in rank 0's process: when rank 0 itself fails, its peers
+cannot read its error any more and report their own; rank 0's output has the root cause.)
 
 Sends still in flight when ``fn`` returns are waited for until the launch's deadline (see
 :mod:`commlab.launch.inflight`); those that never complete raise :class:`UnfinishedSendsError` naming this
@@ -122,8 +124,10 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                 raise board.fail(exc) from exc
             left = tracker.finish(start + timeout)
         if left:
-            _failed = True
-            raise UnfinishedSendsError(ctx.rank, left, timeout)
+            tracker.abandon()  # this process must be able to exit: nothing may stay blocked on those sends
+            err = UnfinishedSendsError(ctx.rank, left, timeout)
+            board.fail(err)  # posted, so that the peers waiting for this rank name it
+            raise err
         try:
             return _gather(_to_cpu(result), world_size)
         except Exception as exc:  # noqa: BLE001 - a peer died before the gather
@@ -177,7 +181,7 @@ class _FailureBoard:
         """The RankError to raise for ``exc``: the root cause's if ``exc`` is a reaction to it, else this one."""
         global _failed
         _failed = True
-        tb = traceback.format_exc()
+        tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ is not None else ""
         exc_type = type(exc).__name__
         try:
             message = str(exc)

@@ -277,7 +277,7 @@ class _Watcher:
             return (f"no rendezvous store answered at {p.host}:{p.port}: node 0 did not start, failed, or had "
                     "already given up. Start node 0 first (or together), with the same --rdzv-endpoint")
         need = f"{p.min_nodes}" if p.min_nodes == p.max_nodes else f"{p.min_nodes} to {p.max_nodes}"
-        text = f"{where} did not complete: {self.joined} of {need} nodes had joined"
+        text = f"{where} did not complete (torchrun's own error is above): {self.joined} of {need} nodes had joined"
         if p.node_rank == 0 and self.names:
             came = ", ".join(f"node {r} ({h})" for r, h in sorted(self.names.items()))
             missing = [r for r in range(p.max_nodes) if r not in self.names]
@@ -304,6 +304,28 @@ def _stop_session(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has started processes (torchrun's workers: the rendezvous completed)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return bool(f.read().split())
+    except OSError:
+        pass
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False  # no /proc: only the nodes' own count tells
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        return True
+            except (OSError, IndexError, ValueError):
+                continue
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -342,7 +364,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if watcher is not None:
             watcher.start()
             deadline = time.monotonic() + plan.join_timeout_s + MARGIN_S
+            # Done watching once the nodes have registered, or once torchrun has started its workers (its
+            # rendezvous completed, whatever the count says: a node may run plain torchrun).
+            next_look = 0.0
             while proc.poll() is None and not watcher.complete.is_set():
+                if time.monotonic() >= next_look:
+                    if _has_children(proc.pid):
+                        watcher.complete.set()
+                        break
+                    next_look = time.monotonic() + 1.0
                 if watcher.state == "not a store":
                     stopped_by_us = "the endpoint is not a rendezvous store"
                     break
