@@ -187,13 +187,17 @@ def _bench_local_torchrun(args, parser, argv) -> int:
             job.append(a)
     print(f"# torchrun: {nodes} local node(s) x {procs} process(es), rendezvous on 127.0.0.1", flush=True)
     results = run_local_nodes(nodes, procs, ["-m", "commlab", *job], timeout_s=600.0, join_timeout_s=60.0)
+    # Global rank 0, which prints the table, is on whichever node torchrun numbered first.
     table = [r for r in results if "# AllReduce" in r.output]
     failed = [r for r in results if r.returncode != 0 or r.stopped]
-    for r in (results if failed or not table else table):
-        if failed or not table:
-            print(f"# --- node {r.node_rank}: exit status {r.returncode}{' (stopped at the deadline)' if r.stopped else ''}")
-        print(r.output.rstrip("\n"), flush=True)
-    return 1 if failed or not table else 0
+    if failed or not table:
+        for r in results:
+            print(f"# --- node {r.node_rank}: exit status {r.returncode}"
+                  f"{' (stopped at the deadline)' if r.stopped else ''}")
+            print(r.output.rstrip("\n"), flush=True)
+        return 1
+    print(table[0].output.rstrip("\n"), flush=True)
+    return 0
 
 
 def _bench_algorithms(args, parser, sizes) -> int:

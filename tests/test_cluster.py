@@ -180,3 +180,44 @@ def test_the_leftover_check_sees_a_process_of_the_job():
         proc.kill()
         proc.wait()
     _assert_nothing_left(token)
+
+
+# ------------------------------------------------------------------ the per-node command's arguments (no processes)
+
+def _torchrun_argv(text, environ=None):
+    from commlab.launch.torchrun import _plan
+    return _plan(text.split(), environ or {})
+
+
+def test_node_zero_hosts_the_store_and_node_rank_is_kept_from_torchrun():
+    plan = _torchrun_argv("--nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:123 "
+                          "--rdzv-id x --rdzv-conf join_timeout=5 -m commlab selftest --fail-rank 1")
+    assert (plan.node_rank, plan.host, plan.port, plan.join_timeout_s) == (1, "h", 123, 5.0)
+    assert plan.argv == ["--rdzv-conf", "join_timeout=5,is_host=0", "--nnodes", "2", "--nproc-per-node", "2",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:123", "--rdzv-id", "x",
+                         "-m", "commlab", "selftest", "--fail-rank", "1"]  # the job's own --fail-rank untouched
+    head = _torchrun_argv("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h --rdzv-id x t.py",
+                          {"SLURM_NODEID": "0"})
+    assert (head.node_rank, head.port) == (0, 29400) and head.argv[:2] == ["--rdzv-conf", "is_host=1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:1 --rdzv-id x t.py",
+     "--nnodes 2 needs --node-rank on every node (0 on the node at --rdzv-endpoint h:1"),
+    ("--nnodes 2 --node-rank 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:1 --rdzv-id x t.py",
+     "--node-rank 2 is out of range: allowed 0..1"),
+    ("--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint h:99999 --rdzv-id x t.py",
+     "the port must be an integer 1..65535"),
+])
+def test_the_per_node_command_refuses_what_cannot_work(argv, message, capsys):
+    from commlab.launch.torchrun import main
+    assert main(argv.split()) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_node_zero_on_a_host_that_is_not_this_machine_is_named():
+    proc = subprocess.run([sys.executable, "-m", "commlab.launch.torchrun", "--nnodes", "2", "--node-rank", "0",
+                           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:29400",
+                           "--rdzv-id", "x", "t.py"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "192.0.2.1 is not an address of this machine, but node 0 hosts the rendezvous store" in proc.stderr

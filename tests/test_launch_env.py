@@ -204,7 +204,8 @@ SRUN_JOB = """
     from commlab.collectives import ring_all_reduce
 
     def work(scale):
-        return (dist.get_rank(), dist.get_world_size(), ring_all_reduce(torch.full((5,), scale * (dist.get_rank() + 1))))
+        x = torch.full((5,), scale * (dist.get_rank() + 1))
+        return dist.get_rank(), dist.get_world_size(), ring_all_reduce(x)
 
     out = launch(work, 2, 10.0)
     assert [(r, n) for r, n, _ in out] == [(0, 2), (1, 2)], out

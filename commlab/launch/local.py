@@ -91,11 +91,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     ``dist.get_world_size()`` work as usual) and destroyed after ``fn`` returns.
 
     Under torchrun, or in an ``srun`` step of several tasks, the ranks are the launcher's processes:
-    ``fn`` then runs once in this process, as its rank of the job, the group is initialised through
+    ``fn`` then runs once in this process, as its rank of the job; the group is initialised through
     :func:`commlab.launch.init_from_env` (unless it already is; it then stays for later launches and is
-    destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`). ``start_method`` and ``print_output`` do not apply there (the
-    launcher owns the processes and their output); ``timeout`` bounds each collective and the wait for sends
-    still in flight.
+    destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`).
+    ``start_method`` and ``print_output`` do not apply there (the launcher owns the processes and their
+    output); ``timeout`` bounds each collective and the wait for sends still in flight.
 
     Args:
         fn: the function each rank runs. With fork (the default on Linux) it may be defined in a

@@ -103,7 +103,9 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
     argv = list(argv)
     try:
         args = get_args_parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed its usage message
+    except SystemExit as e:  # argparse has printed its usage message (or, for --help, torchrun's help)
+        if e.code in (0, None):
+            raise
         raise _Refused("torchrun could not read these arguments (see above)") from e
     # torchrun's own options end where the training script begins.
     tail = [args.training_script, *args.training_script_args]
@@ -117,11 +119,12 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
     if _option_span(opts, ("--node-rank", "--node_rank")) is None:
         if environ.get("SLURM_NODEID", "").strip().isdigit():
             node_rank = int(environ["SLURM_NODEID"])
-            opts += ["--node-rank", str(node_rank)]
+            if not c10d:
+                opts = ["--node-rank", str(node_rank)] + opts
         elif c10d and max_nodes > 1:
             raise _Refused(f"--nnodes {args.nnodes} needs --node-rank on every node (0 on the node at "
-                           f"--rdzv-endpoint {args.rdzv_endpoint}, which hosts the rendezvous; 1 .. "
-                           f"{max_nodes - 1} on the others)")
+                           f"--rdzv-endpoint {args.rdzv_endpoint}, which hosts the rendezvous; 1..{max_nodes - 1} "
+                           "on the others)")
     if not 0 <= node_rank < max_nodes:
         raise _Refused(f"--node-rank {node_rank} is out of range: allowed 0..{max_nodes - 1} (--nnodes {args.nnodes})")
     host, port, run_id, join_timeout = "", 0, args.rdzv_id, _TORCH_JOIN_TIMEOUT_S
@@ -142,12 +145,15 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
             try:
                 join_timeout = float(conf["join_timeout"])
             except ValueError:
-                raise _Refused(f"--rdzv-conf join_timeout={conf['join_timeout']!r} is not a number of seconds") from None
+                raise _Refused(f"--rdzv-conf join_timeout={conf['join_timeout']!r} is not a number of "
+                               "seconds") from None
         conf.setdefault("is_host", "1" if node_rank == 0 else "0")
-        span = _option_span(opts, ("--rdzv-conf", "--rdzv_conf"))
-        if span is not None:
-            del opts[span[0]:span[1]]
-        opts += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+        for names in (("--rdzv-conf", "--rdzv_conf"), ("--node-rank", "--node_rank")):
+            # --node-rank is this command's: torchrun ignores it with c10d, and would print that it does.
+            span = _option_span(opts, names)
+            if span is not None:
+                del opts[span[0]:span[1]]
+        opts = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] + opts
     return _Plan(argv=opts + job, c10d=c10d, node_rank=node_rank, min_nodes=min_nodes, max_nodes=max_nodes,
                  host=host, port=port, run_id=run_id, join_timeout_s=join_timeout)
 
