@@ -2,7 +2,8 @@
 
 Layers, bottom to top (each imports only the ones below it):
 
-* :mod:`commlab.launch` -- run a function on N ranks (gloo or NCCL) from a notebook or a script.
+* :mod:`commlab.launch` -- run a function on N ranks (gloo or NCCL) from a notebook or a script, or as the
+  ranks of a torchrun/SLURM job (``init_from_env``, the per-node torchrun command).
 * :mod:`commlab.arithmetic`, :mod:`commlab.hardware` -- units, the arithmetic of compute versus
   communication, vendor figures (chapter 1).
 * :mod:`commlab.topology` -- links (α, β), cluster presets, ring orders, an emulated multi-node topology.

@@ -1,6 +1,7 @@
 """Command line: ``python -m commlab bench ...``.
 
-``bench`` measures (collectives, algorithms, emulated topologies, compressors); ``plan`` ranks parallel layouts.
+``bench`` measures (collectives, algorithms, emulated topologies, compressors); ``plan`` ranks parallel layouts;
+``selftest`` checks commlab on the world it finds (under torchrun or SLURM, or forked ranks).
 """
 
 from __future__ import annotations
@@ -20,16 +21,27 @@ def _sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["selftest"]:  # its own parser, and torchrun's error-file entry point
+        from commlab.selftest import main as selftest_main
+        return selftest_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m commlab",
                                      description="commlab: benchmarks and tools of the course")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("selftest", add_help=False,
+                   help="check ring AllReduce, a 2-D mesh with a TP layer and a data-parallel step on the world it "
+                        "finds (torchrun, srun, or -n forked ranks); `selftest --help` for its options")
     bench = sub.add_parser("bench", help="nccl-tests-style table: ring AllReduce (ours) vs dist.all_reduce")
-    bench.add_argument("-n", "--world-size", type=int, default=4, help="ranks to launch (default 4)")
+    bench.add_argument("-n", "--world-size", type=int, default=None,
+                       help="ranks to launch (default 4; under torchrun or srun the job's ranks are measured)")
     bench.add_argument("-b", "--min-bytes", default="1K", help="smallest message, e.g. 1K (default 1K)")
     bench.add_argument("-e", "--max-bytes", default="64M", help="largest message, e.g. 64M (default 64M)")
     bench.add_argument("-f", "--step-factor", type=int, default=4, help="size multiplier (default 4)")
     bench.add_argument("-r", "--rounds", type=int, default=5, help="timed rounds per size (default 5)")
     bench.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    bench.add_argument("--torchrun", default=None, metavar="NODESxPROCS",
+                       help="start NODES local torchrun agents of PROCS processes each (e.g. 2x2: two 'nodes' on "
+                            "loopback, through python -m commlab.launch.torchrun) and measure in their world")
     bench.add_argument("--algorithms", default=None, metavar="LIST",
                        help="compare AllReduce algorithms instead: 'all' or a comma list of "
                             "ring,halving-doubling,recursive-doubling,binomial-tree,torch; calibrates α and "
@@ -88,11 +100,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         if args.step_factor < 2 or lo > hi or lo < 4:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
-        if args.world_size < 1 or args.rounds < 1:
+        if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
         modes = [f"--{m}" for m in ("compressors", "overlap", "emulate", "algorithms") if getattr(args, m)]
         if len(modes) > 1:
             parser.error(f"{' and '.join(modes)} are separate benchmarks; run them one at a time")
+        from commlab.launch.inprocess import runs_in_process
+        if args.torchrun or runs_in_process():
+            if modes:
+                parser.error(f"{modes[0]} starts its own ranks; under torchrun (and with --torchrun) only the "
+                             "AllReduce table (ours vs dist.all_reduce) is measured")
+            if args.torchrun:
+                return _bench_local_torchrun(args, parser, argv)
+            return _bench_in_job(args, parser, _sizes(lo, hi, args.step_factor))
+        if args.world_size is None:
+            args.world_size = 4
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if args.compressors:
@@ -111,6 +133,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         return 0 if wrong == 0 else 1
     return 2
+
+
+def _bench_in_job(args, parser, sizes) -> int:
+    """The AllReduce table in the world of the torchrun/srun job this process is a rank of."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from commlab.bench import bench_all_reduce
+    from commlab.launch import init_from_env, read_env
+
+    job = read_env()
+    if args.world_size is not None and args.world_size != job.world_size:
+        parser.error(f"-n {args.world_size} does not match the job's {job.world_size} ranks ({job.launcher})")
+
+    @record  # torchrun's error file gets the root cause and its traceback
+    def run() -> int:
+        import torch.distributed as dist
+
+        created = not dist.is_initialized()
+        # One process group for every size (each launch() below then runs in it, in this process).
+        ctx = init_from_env(args.backend)
+        rows = bench_all_reduce(ctx.world_size, sizes, rounds=args.rounds, check=args.check, backend=args.backend,
+                                progress=ctx.is_main)
+        wrong = sum(r.wrong for r in rows)
+        if ctx.is_main:
+            print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}", flush=True)
+        if created:
+            dist.destroy_process_group()
+        return 0 if wrong == 0 else 1
+
+    return run()
+
+
+def _bench_local_torchrun(args, parser, argv) -> int:
+    """``--torchrun NxP``: the same benchmark in N local torchrun agents of P processes (loopback "nodes")."""
+    from commlab.launch.torchrun import run_local_nodes
+
+    try:
+        nodes, procs = (int(x) for x in args.torchrun.lower().split("x"))
+        if nodes < 1 or procs < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--torchrun takes NODESxPROCS with both >= 1, e.g. 2x2, got {args.torchrun!r}")
+    if args.world_size is not None and args.world_size != nodes * procs:
+        parser.error(f"-n {args.world_size} does not match --torchrun {args.torchrun} ({nodes * procs} ranks)")
+    job, skip = [], False  # the same command for every rank, without --torchrun
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--torchrun":
+            skip = True
+        elif not a.startswith("--torchrun="):
+            job.append(a)
+    print(f"# torchrun: {nodes} local node(s) x {procs} process(es), rendezvous on 127.0.0.1", flush=True)
+    results = run_local_nodes(nodes, procs, ["-m", "commlab", *job], timeout_s=600.0, join_timeout_s=60.0)
+    # Global rank 0, which prints the table, is on whichever node torchrun numbered first.
+    table = [r for r in results if "# AllReduce" in r.output]
+    failed = [r for r in results if r.returncode != 0 or r.stopped]
+    if failed or not table:
+        for r in results:
+            print(f"# --- node {r.node_rank}: exit status {r.returncode}"
+                  f"{' (stopped at the deadline)' if r.stopped else ''}")
+            print(r.output.rstrip("\n"), flush=True)
+        return 1
+    print(table[0].output.rstrip("\n"), flush=True)
+    return 0
 
 
 def _bench_algorithms(args, parser, sizes) -> int:

@@ -28,3 +28,25 @@ def child_pids(pid: int | None = None) -> list[int]:
                 pass
             found.append(int(entry))
     return found
+
+
+def processes_mentioning(token: str) -> list[int]:
+    """PIDs (other than this process) whose command line or environment contains ``token``, read from /proc.
+
+    A torchrun job's agents carry its run id on their command line and its workers in their environment
+    (``TORCHELASTIC_RUN_ID``): after a job ends, nothing should mention its id any more.
+    """
+    needle = token.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                with open(f"/proc/{entry}/{what}", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(entry))
+                        break
+            except OSError:
+                continue
+    return found

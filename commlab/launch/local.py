@@ -21,6 +21,13 @@ How it works, and why (the measurements behind each choice are in the course's e
   other ranks, reaps them, prints every rank's captured output in rank order and raises :class:`RankError`.
   A launch that outlives ``timeout`` raises :class:`LaunchTimeout` naming the ranks that joined, finished
   and are still running. Nothing waits without a deadline.
+* **Sends in flight.** Each rank keeps the handle of every point-to-point send it starts
+  (:mod:`commlab.launch.inflight`): gloo drops a message whose handle is dropped, so a rank that returns
+  right after ``dist.isend`` would otherwise leave its receiver blocked. After ``fn`` returns the rank waits
+  for its unfinished sends (until the launch's deadline) before it reports its result; if they never
+  complete, :class:`LaunchTimeout` names the rank, the destinations and the bytes.
+* **Under torchrun or srun** the ranks already exist: ``launch`` runs ``fn`` in this process instead
+  (:mod:`commlab.launch.inprocess`), so one function serves a notebook cell and a cluster job.
 * **Output.** Each child's file descriptors 1 and 2 are redirected to a per-rank file (so output written
   by C++ code is captured too); the parent prints the files in rank order once all ranks are done,
   each line prefixed with ``[rank r]``. Notebook validation (nbval) then sees deterministic output.
@@ -42,7 +49,11 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
+
+from commlab.launch.env import CHILD_MARKER
+from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
+from commlab.launch.inflight import track_sends
 
 __all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "DEFAULT_TIMEOUT_S"]
 
@@ -58,67 +69,6 @@ _BACKENDS = ("gloo", "nccl")
 _CHILD_TIMEOUT_MARGIN_S = 2.0
 
 
-class LaunchError(RuntimeError):
-    """Base class of the errors :func:`launch` raises after processes have started."""
-
-
-class RankError(LaunchError):
-    """A rank raised an exception or exited without returning.
-
-    Attributes:
-        rank: the failing rank (global rank in ``range(world_size)``).
-        world_size: number of ranks launched.
-        exc_type: name of the exception type raised in that rank (``"SystemExit"``/``"exit code N"``
-            for a rank that exited without raising).
-        exc_message: ``str()`` of that exception.
-        remote_traceback: the traceback text formatted in that rank.
-        outputs: captured output of every rank, in rank order.
-    """
-
-    def __init__(self, rank: int, world_size: int, exc_type: str, exc_message: str,
-                 remote_traceback: str, outputs: Sequence[str] = ()):
-        self.rank = rank
-        self.world_size = world_size
-        self.exc_type = exc_type
-        self.exc_message = exc_message
-        self.remote_traceback = remote_traceback
-        self.outputs = list(outputs)
-        text = f"rank {rank} of {world_size} failed with {exc_type}: {exc_message}"
-        if remote_traceback:
-            text += f"\n\n--- traceback in rank {rank} ---\n{remote_traceback.rstrip()}"
-        super().__init__(text)
-
-
-class LaunchTimeout(LaunchError, TimeoutError):
-    """The launch did not finish within its timeout.
-
-    Attributes:
-        world_size, timeout_s: as passed to :func:`launch`.
-        joined: ranks that reached the rendezvous.
-        finished: ranks that returned a value.
-        running: ranks still running when the deadline passed (they are terminated).
-    """
-
-    def __init__(self, world_size: int, timeout_s: float, joined: Sequence[int],
-                 finished: Sequence[int], outputs: Sequence[str] = ()):
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.joined = sorted(joined)
-        self.finished = sorted(finished)
-        self.running = [r for r in range(world_size) if r not in set(finished)]
-        self.outputs = list(outputs)
-        missing = [r for r in range(world_size) if r not in set(joined)]
-        if missing:
-            text = (f"launch timed out after {timeout_s:g} s: {len(self.joined)} of {world_size} ranks "
-                    f"reached the rendezvous (joined: {self.joined}; never joined: {missing})")
-        else:
-            text = (f"launch timed out after {timeout_s:g} s: all {world_size} ranks joined, "
-                    f"ranks {self.running} were still running (finished: {self.finished}). A rank that "
-                    "skips a collective its peers call, or a loop that never ends, looks like this; "
-                    "pass a larger timeout= if the work is simply long")
-        super().__init__(text)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     world_size: int
@@ -128,6 +78,7 @@ class _Config:
     collective_timeout_s: float
     threads_per_rank: int
     init_hook: Callable[[int], None] | None
+    deadline: float  # time.monotonic() at which the parent gives up (CLOCK_MONOTONIC is system-wide)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -138,6 +89,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     In each rank the default process group is initialised (``dist.get_rank()``,
     ``dist.get_world_size()`` work as usual) and destroyed after ``fn`` returns.
+
+    Under torchrun, or in an ``srun`` step of several tasks, the ranks are the launcher's processes:
+    ``fn`` then runs once in this process, as its rank of the job; the group is initialised through
+    :func:`commlab.launch.init_from_env` (unless it already is; it then stays for later launches and is
+    destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`).
+    ``start_method`` and ``print_output`` do not apply there (the launcher owns the processes and their
+    output); ``timeout`` bounds each collective and the wait for sends still in flight.
 
     Args:
         fn: the function each rank runs. With fork (the default on Linux) it may be defined in a
@@ -159,14 +117,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     Raises:
         ValueError: bad ``world_size``, ``backend``, ``timeout``, ``threads_per_rank`` or
-            ``start_method``; or spawn asked for with a function that cannot be imported by the children.
+            ``start_method``; or spawn asked for with a function that cannot be imported by the children;
+            under torchrun/srun, a ``world_size`` that is not the job's.
         RuntimeError: NCCL asked for with fewer GPUs than ranks, or with CUDA already initialised in the
             parent under fork.
         RankError: a rank raised, or exited without returning. Names the rank, its exception and
             traceback; raised within about a second of the failure.
-        LaunchTimeout: the launch outlived ``timeout`` seconds.
+        LaunchTimeout: the launch outlived ``timeout`` seconds (naming the ranks that returned with sends
+            still in flight, their destinations and bytes, when that is why).
+        UnfinishedSendsError: under torchrun/srun, this rank's sends never completed.
     """
     _validate(fn, world_size, backend, timeout, threads_per_rank)
+    from commlab.launch.inprocess import run_in_process, runs_in_process
+
+    if runs_in_process():
+        return run_in_process(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
+                              threads_per_rank=threads_per_rank, init_hook=init_hook)
+    _check_gpus(backend, world_size)
     start_method = _choose_start_method(fn, start_method, backend)
     ctx = mp.get_context(start_method)
 
@@ -174,7 +141,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     cfg = _Config(world_size=world_size, backend=backend,
                   store_path=os.path.join(workdir, "store"), out_dir=workdir,
                   collective_timeout_s=float(timeout) + _CHILD_TIMEOUT_MARGIN_S, threads_per_rank=threads_per_rank,
-                  init_hook=init_hook)
+                  init_hook=init_hook, deadline=time.monotonic() + float(timeout))
     events = ctx.Queue()
     procs = []
     try:
@@ -185,7 +152,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             # its own process group, so that _reap can end those too.
             p.start()
             procs.append(p)
-        results, failure, timed_out, joined, finished = _wait(procs, events, world_size, timeout)
+        results, failure, timed_out, joined, finished, in_flight = _wait(procs, events, world_size, timeout)
     finally:
         _reap(procs)
         events.close()
@@ -198,7 +165,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         rank, exc_type, message, tb = failure
         raise RankError(rank, world_size, exc_type, message, tb, outputs)
     if timed_out:
-        raise LaunchTimeout(world_size, timeout, joined, finished, outputs)
+        raise LaunchTimeout(world_size, timeout, joined, finished, outputs, unfinished_sends=in_flight)
     return [results[r] for r in range(world_size)]
 
 
@@ -215,6 +182,9 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if isinstance(threads_per_rank, bool) or not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+
+
+def _check_gpus(backend, world_size):
     if backend == "nccl":
         import torch
         n_gpu = torch.cuda.device_count()
@@ -261,28 +231,30 @@ def _wait(procs, events, world_size, timeout):
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
     joined: set[int] = set()
+    in_flight: dict[int, list] = {}  # rank -> unfinished sends it reported when its fn returned
     failures: list[tuple[float, int, str, str, str]] = []
     grace_end = None
     while True:
         now = time.monotonic()
         if len(results) == world_size:
-            return results, None, False, joined, set(results)
+            return results, None, False, joined, set(results), {}
         if grace_end is not None and now >= grace_end:
             break
         if now >= deadline:
-            return results, None, True, joined, set(results)
+            _drain(events, results, joined, failures, in_flight)
+            return results, None, True, joined, set(results), in_flight
         try:
             msg = events.get(timeout=_POLL_S)
         except queue_mod.Empty:
             msg = None
         if msg is not None:
-            _record(msg, results, joined, failures)
+            _record(msg, results, joined, failures, in_flight)
         # A rank that died without reporting (os._exit, a signal, a crash in native code) is only
         # visible through its exit code.
         for rank, p in enumerate(procs):
             if p.exitcode is None or rank in results or any(f[1] == rank for f in failures):
                 continue
-            _drain(events, results, joined, failures)  # its last message may still be in the pipe
+            _drain(events, results, joined, failures, in_flight)  # its last message may still be in the pipe
             if rank in results or any(f[1] == rank for f in failures):
                 continue
             code = p.exitcode
@@ -295,16 +267,19 @@ def _wait(procs, events, world_size, timeout):
     # The root cause is the earliest failure that is not a peer's reaction to it: when one rank dies,
     # the others fail next with "connection closed by peer" and similar, sometimes before the parent
     # has noticed the death itself.
-    primary = [f for f in failures if not _is_peer_fallout(f[3])] or failures
+    primary = [f for f in failures if not is_peer_fallout(f[3])] or failures
     first = min(primary, key=lambda f: f[0])
-    return results, first[1:], False, joined, set(results)
+    return results, first[1:], False, joined, set(results), {}
 
 
-def _record(msg, results, joined, failures):
+def _record(msg, results, joined, failures, in_flight):
     kind, rank = msg[0], msg[1]
     if kind == "joined":
         joined.add(rank)
+    elif kind == "in_flight":
+        in_flight[rank] = msg[2]
     elif kind == "ok":
+        in_flight.pop(rank, None)
         try:
             results[rank] = pickle.loads(msg[2])
         except Exception as e:  # noqa: BLE001
@@ -314,21 +289,12 @@ def _record(msg, results, joined, failures):
         failures.append((msg[2], rank, msg[3], msg[4], msg[5]))
 
 
-def _drain(events, results, joined, failures):
+def _drain(events, results, joined, failures, in_flight):
     while True:
         try:
-            _record(events.get_nowait(), results, joined, failures)
+            _record(events.get_nowait(), results, joined, failures, in_flight)
         except queue_mod.Empty:
             return
-
-
-_PEER_FALLOUT = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                 "read error", "write error", "socket closed", "connection refused")
-
-
-def _is_peer_fallout(message: str) -> bool:
-    low = message.lower()
-    return any(p in low for p in _PEER_FALLOUT)
 
 
 def _reap(procs):
@@ -404,6 +370,9 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
 
         if cfg.init_hook is not None:
             cfg.init_hook(rank)
+        # The marker first: whatever else this process inherited (a notebook started under srun, say), it is
+        # a rank of this launch, never a torchrun worker (commlab.launch.env.detect_launcher reads it).
+        os.environ[CHILD_MARKER] = str(rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cfg.world_size))
         init_kwargs = {}
@@ -417,8 +386,20 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
         dist.init_process_group(cfg.backend, store=store, rank=rank, world_size=cfg.world_size,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                                 **init_kwargs)
-        result = fn(*args, **kwargs)
-        payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
+        with track_sends() as tracker:
+            result = fn(*args, **kwargs)
+            payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
+            # Sends fn started and did not wait for: deliver them before leaving (their receivers may be
+            # blocked on them), and tell the parent whom this rank is waiting for, in case they never complete.
+            unfinished = tracker.unfinished()
+            if unfinished:
+                events.put(("in_flight", rank, unfinished))
+                # A little past the parent's deadline, so that the parent, which names these sends in its
+                # LaunchTimeout, is the one that reports them.
+                left = tracker.finish(cfg.deadline + _CHILD_TIMEOUT_MARGIN_S)
+                if left:
+                    raise LaunchTimeout(cfg.world_size, cfg.collective_timeout_s, range(cfg.world_size), [],
+                                        unfinished_sends={rank: left})
         events.put(("ok", rank, payload))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         tb = traceback.format_exc()

@@ -1,0 +1,223 @@
+"""Two torchrun agents as two "nodes" on loopback, the failures a cluster job meets, and the SLURM template.
+
+Every job here runs the documented per-node command (``python -m commlab.launch.torchrun ...``, started by
+:func:`commlab.launch.torchrun.run_local_nodes`) on gloo, and every test checks that no process of the job is
+left behind. Each case is bounded: ``run_local_nodes`` stops nodes still running at its deadline, and the
+tests assert that none had to be stopped.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from commlab.launch.torchrun import free_port, run_local_nodes
+from tests.helpers import processes_mentioning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SELFTEST = ["-m", "commlab", "selftest"]
+
+
+def _run_id():
+    return f"commlab-test-{uuid.uuid4().hex[:12]}"
+
+
+def _assert_nothing_left(*tokens):
+    """No process mentions any of ``tokens`` (a run id: on the agents' command lines and in the workers'
+    environment) any more."""
+    for _ in range(100):  # processes that are exiting may still be listed for a moment
+        left = sorted({pid for t in tokens for pid in processes_mentioning(t)})
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of the job ({tokens}) still running: {left}")
+
+
+def test_two_nodes_pass_the_selftest():
+    run_id = _run_id()
+    nodes = run_local_nodes(2, 2, SELFTEST, run_id=run_id, timeout_s=150, join_timeout_s=60)
+    assert [(n.returncode, n.stopped) for n in nodes] == [(0, False), (0, False)], [n.output for n in nodes]
+    tables = [n.output for n in nodes if "# commlab selftest" in n.output]
+    assert len(tables) == 1  # printed by global rank 0 only, on whichever node it is
+    table = tables[0]
+    assert "4 rank(s), backend gloo, launcher torchrun" in table
+    assert "mesh 2 (DP) x 2 (TP): TP groups inside a node" in table
+    assert "# 11 of 11 checks passed" in table and "FAILED" not in table
+    _assert_nothing_left(run_id)
+
+
+def test_a_rank_that_raises_is_the_root_cause_on_every_node():
+    run_id = _run_id()
+    nodes = run_local_nodes(2, 2, SELFTEST + ["--fail-rank", "3"], run_id=run_id, timeout_s=150, join_timeout_s=60)
+    assert all(n.returncode != 0 and not n.stopped for n in nodes)
+    for n in nodes:
+        # torchrun's summary, from the error files that record() wrote: on each node the first failure it saw,
+        # which on the node without rank 3 is a peer's reaction, named for what it reacts to.
+        summary = n.output[n.output.index("Root Cause (first observed failure)"):]
+        assert "RankError: rank 3 of 4 failed with RuntimeError: selftest: rank 3 fails on purpose (--fail-rank 3)" \
+            in summary
+        assert 'raise RuntimeError(f"selftest: rank {fail_rank} fails on purpose' in summary  # the traceback
+        assert "error_file:" in summary
+    _assert_nothing_left(run_id)
+
+
+def test_a_node_that_never_joins_fails_within_the_join_timeout_naming_who_came():
+    run_id = _run_id()
+    start = time.monotonic()
+    (node0,) = run_local_nodes(2, 2, SELFTEST, nodes=[0], run_id=run_id, timeout_s=60, join_timeout_s=5)
+    assert node0.returncode == 1 and not node0.stopped
+    assert "RendezvousTimeoutError" in node0.output  # torchrun's own word, and all it says
+    assert "did not complete (torchrun's own error is above): 1 of 2 nodes had joined (node 0 (" in node0.output
+    assert "never joined: node 1" in node0.output
+    assert time.monotonic() - start < 60
+    _assert_nothing_left(run_id)
+
+
+def test_a_port_already_in_use_is_named_at_once():
+    run_id = _run_id()
+    with socket.socket() as holder:  # another program listening on the rendezvous port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(8)
+        port = holder.getsockname()[1]
+        node0, node1 = run_local_nodes(2, 2, SELFTEST, port=port, run_id=run_id, timeout_s=90, join_timeout_s=30)
+    assert node0.returncode == 1 and not node0.stopped
+    assert f"port {port} on 127.0.0.1 is already in use by another program" in node0.output
+    # Node 1 reaches the port but no store answers there; torchrun alone would wait for good.
+    assert node1.returncode != 0 and not node1.stopped
+    assert f"127.0.0.1:{port} accepts connections but does not answer as a torch rendezvous store" in node1.output
+    _assert_nothing_left(run_id)
+
+
+def test_launch_runs_in_process_under_torchrun():
+    run_id = _run_id()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--rdzv-id", run_id, os.path.join(ROOT, "tests", "jobs", "inprocess_job.py")],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"in-process checks passed on rank {r}" in proc.stdout for r in range(2))
+    # --standalone makes its own run id for the workers: they are found by their script instead.
+    _assert_nothing_left(run_id, os.path.join("tests", "jobs", "inprocess_job.py"))
+
+
+def _free_slurm_job_id():
+    # The template derives its port from the job id (20000 + id % 10000): pick an id whose port is free.
+    for job in range(4242, 14242):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 20000 + job % 10000))
+                return job
+            except OSError:
+                continue
+    pytest.skip("no free port in 20000..29999")
+
+
+def _template_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
+def test_the_slurm_template_runs_one_node_without_srun():
+    job = _free_slurm_job_id()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch")],
+                          env=_template_env(SLURM_JOB_ID=str(job), SLURM_JOB_NODELIST="localhost",
+                                            SLURM_JOB_NUM_NODES="1", NPROC_PER_NODE="2", JOIN_TIMEOUT="60"),
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"rendezvous localhost:{20000 + job % 10000} (job {job}): -m commlab selftest" in proc.stdout
+    assert "srun not found: running this node's command directly (one node)" in proc.stdout
+    assert "2 rank(s), backend gloo, launcher torchrun" in proc.stdout
+    assert "# 11 of 11 checks passed" in proc.stdout
+    _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed")
+def test_the_slurm_template_refuses_several_nodes_without_srun():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"), "train.py"],
+                          env=_template_env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "rendezvous n1:20005" in proc.stdout
+    assert "srun not found, and 2 nodes cannot be started from here" in proc.stderr
+
+
+def test_bench_runs_on_two_local_torchrun_nodes():
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--torchrun", "2x2", "-b", "1K", "-e", "4K",
+                           "-f", "4", "-r", "1"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "# torchrun: 2 local node(s) x 2 process(es)" in out
+    assert "# AllReduce, 4 ranks, backend gloo" in out and out.count(" float32 ") == 2
+    assert "# out of bounds values: 0 OK" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--torchrun", "2"], "--torchrun takes NODESxPROCS"),
+    (["--torchrun", "2x2", "-n", "3"], "does not match --torchrun 2x2"),
+    (["--torchrun", "2x2", "--overlap"], "under torchrun (and with --torchrun) only the AllReduce table"),
+])
+def test_bench_torchrun_flag_refuses_what_it_cannot_do(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_the_leftover_check_sees_a_process_of_the_job():
+    # The check above is only worth something if it finds what is there.
+    token = _run_id()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--rdzv-id", token],
+                            env=dict(os.environ, TORCHELASTIC_RUN_ID=token + "-w"))
+    try:
+        assert processes_mentioning(token) == [proc.pid]
+        assert processes_mentioning(f"TORCHELASTIC_RUN_ID={token}-w\0") == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    _assert_nothing_left(token)
+
+
+# ------------------------------------------------------------------ the per-node command's arguments (no processes)
+
+def _torchrun_argv(text, environ=None):
+    from commlab.launch.torchrun import _plan
+    return _plan(text.split(), environ or {})
+
+
+def test_node_zero_hosts_the_store_and_node_rank_is_kept_from_torchrun():
+    plan = _torchrun_argv("--nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:123 "
+                          "--rdzv-id x --rdzv-conf join_timeout=5 -m commlab selftest --fail-rank 1")
+    assert (plan.node_rank, plan.host, plan.port, plan.join_timeout_s) == (1, "h", 123, 5.0)
+    assert plan.argv == ["--rdzv-conf", "join_timeout=5,is_host=0", "--nnodes", "2", "--nproc-per-node", "2",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:123", "--rdzv-id", "x",
+                         "-m", "commlab", "selftest", "--fail-rank", "1"]  # the job's own --fail-rank untouched
+    head = _torchrun_argv("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h --rdzv-id x t.py",
+                          {"SLURM_NODEID": "0"})
+    assert (head.node_rank, head.port) == (0, 29400) and head.argv[:2] == ["--rdzv-conf", "is_host=1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:1 --rdzv-id x t.py",
+     "--nnodes 2 needs --node-rank on every node (0 on the node at --rdzv-endpoint h:1"),
+    ("--nnodes 2 --node-rank 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h:1 --rdzv-id x t.py",
+     "--node-rank 2 is out of range: allowed 0..1"),
+    ("--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint h:99999 --rdzv-id x t.py",
+     "the port must be an integer 1..65535"),
+])
+def test_the_per_node_command_refuses_what_cannot_work(argv, message, capsys):
+    from commlab.launch.torchrun import main
+    assert main(argv.split()) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_node_zero_on_a_host_that_is_not_this_machine_is_named():
+    proc = subprocess.run([sys.executable, "-m", "commlab.launch.torchrun", "--nnodes", "2", "--node-rank", "0",
+                           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:29400",
+                           "--rdzv-id", "x", "t.py"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "192.0.2.1 is not an address of this machine, but node 0 hosts the rendezvous store" in proc.stderr
