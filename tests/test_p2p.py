@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from commlab import RankError, launch
 from commlab.collectives import p2p
+from commlab.collectives.rendezvous import Group, Message, RendezvousDeadlock, simulate_rendezvous
 from commlab.topology import EmulatedTopology, Link
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "commlab"
@@ -143,6 +144,42 @@ def test_an_emulated_link_delays_the_sender_by_at_least_its_time():
     # A sleep lasts at least as long as asked, on any machine: a lower bound only (the sender's; the
     # receiver's clock starts whenever it gets there).
     assert sender_s >= 0.05
+
+
+def test_the_two_rank_cycle_deadlocks_ungrouped_and_completes_grouped():
+    x0, x1 = Message(0, 1, "x0"), Message(1, 0, "x1")
+    ungrouped = [[Group(sends=(x0,)), Group(recvs=(x1,))], [Group(sends=(x1,)), Group(recvs=(x0,))]]
+    with pytest.raises(RendezvousDeadlock, match=r"rank 0 at \[send x0:0->1\]; rank 1 at \[send x1:1->0\]"):
+        simulate_rendezvous(ungrouped)
+    assert simulate_rendezvous([[Group((x0,), (x1,))], [Group((x1,), (x0,))]]) == 1
+    # Rank 1 receiving first also completes ungrouped (the ordering answer; grouping needs no ordering).
+    assert simulate_rendezvous([[Group(sends=(x0,)), Group(recvs=(x1,))],
+                                [Group(recvs=(x0,)), Group(sends=(x1,))]]) == 2
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_grouped_ring_completes_and_a_receive_posted_ahead_of_its_send_deadlocks(n):
+    def msg(step, src):
+        return Message(src, (src + 1) % n, f"c{step}")
+    steps = n - 1
+    grouped = [[Group((msg(s, r),), (msg(s, (r - 1) % n),)) for s in range(steps)] for r in range(n)]
+    assert simulate_rendezvous(grouped) == steps
+    # The old ring's order: step s+1's receive pre-posted in a group of its own, before step s+1's send.
+    preposted = [[Group((msg(0, r),), (msg(0, (r - 1) % n),))]
+                 + [g for s in range(1, steps) for g in (Group(recvs=(msg(s, (r - 1) % n),)),
+                                                          Group(sends=(msg(s, r),)))] for r in range(n)]
+    if steps == 1:
+        assert simulate_rendezvous(preposted) == 1
+    else:
+        with pytest.raises(RendezvousDeadlock):
+            simulate_rendezvous(preposted)
+
+
+def test_an_inconsistent_plan_is_refused():
+    with pytest.raises(ValueError, match=r"message 0 from rank 0 to rank 1 \(x:0->1\) is sent but never received"):
+        simulate_rendezvous([[Group(sends=(Message(0, 1, "x"),))], []])
+    with pytest.raises(ValueError, match="rank 1's group 0 sends y:0->1, which is not its own message"):
+        simulate_rendezvous([[], [Group(sends=(Message(0, 1, "y"),))]])
 
 
 def _calls(tree):

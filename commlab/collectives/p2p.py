@@ -31,6 +31,9 @@ The rule every caller follows:
 3. **Messages between one pair, in one direction, match in the order they were posted**, within a group
    and across groups (no tags are needed when both sides follow the same schedule).
 
+:mod:`commlab.collectives.rendezvous` replays plans of groups under these rules and tells whether they can
+deadlock; the tests run the pipeline's plans and the ring's through it.
+
 What else the primitive does, so that no caller has to:
 
 * **Empty tensors are skipped** on both sides: both neighbours compute the same empty size from the same

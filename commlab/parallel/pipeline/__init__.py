@@ -11,15 +11,15 @@ from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, O
                                                  bubble_time_ratio, check_schedule, gpipe_schedule,
                                                  ideal_timeline, idle_fraction, in_flight, make_schedule,
                                                  max_in_flight, one_f_one_b_schedule, stage_busy_idle)
-from commlab.parallel.pipeline.plan import (ACTIVATION, GRADIENT, CommGroup, Message, PlanDeadlock,
-                                            communication_plan, simulate_rendezvous, ungrouped_plan)
+from commlab.parallel.pipeline.plan import (ACTIVATION, GRADIENT, CommGroup, Message, RendezvousDeadlock,
+                                            communication_plan, simulate_plan, ungrouped_plan)
 from commlab.parallel.pipeline.communications import PendingSends, agree_boundary_shapes, communicate
 from commlab.parallel.pipeline.engine import PipelineResult, pipeline_step, split_sequential
 
 __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
            "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline", "bubble_fraction",
            "bubble_time_ratio", "idle_fraction", "stage_busy_idle",
-           "ACTIVATION", "GRADIENT", "Message", "CommGroup", "PlanDeadlock", "communication_plan",
-           "ungrouped_plan", "simulate_rendezvous",
+           "ACTIVATION", "GRADIENT", "Message", "CommGroup", "RendezvousDeadlock", "communication_plan",
+           "ungrouped_plan", "simulate_plan",
            "PendingSends", "agree_boundary_shapes", "communicate", "PipelineResult", "pipeline_step",
            "split_sequential"]

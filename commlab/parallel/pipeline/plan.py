@@ -22,14 +22,13 @@ on NCCL, each send waits for the other's receive, which is posted behind the oth
 different neighbours; Megatron-LM posts them one after the other, and the simulator shows that either
 form completes, but one group lets both progress at once and keeps one rule for every boundary.
 
-**The simulator** (:func:`simulate_rendezvous`) replays a plan under NCCL's rendezvous rules (NCCL user
-guide, "Point-to-point communication"; :mod:`commlab.collectives.p2p`): each stage runs its groups one
-after another, in order (one stream); a group completes when every send and receive in it has been
-matched; a send and a receive are matched (the k-th message from stage a to stage b with the k-th receive
-on b from a) only while both stages are at the groups that hold them. Computations always finish. If no
-stage can move and some have groups left, the plan deadlocks, and the simulator names the stuck groups.
-The tests run it for GPipe and 1F1B at every ``p <= 8, m <= 16``, and show that the old plan -- every send
-and every receive a group of its own -- deadlocks in the 1F1B steady state.
+**The simulator** (:func:`simulate_plan`) replays a plan under NCCL's rendezvous rules
+(:mod:`commlab.collectives.rendezvous`): each stage runs its groups one after another, in order (one
+stream); a send and a receive meet only while both stages are at the groups that hold them; a group
+completes when all of its messages have met. Computations always finish. If no stage can move and some
+have groups left, the plan deadlocks, and the simulator names the stuck groups. The tests run it for GPipe
+and 1F1B at every ``p <= 8, m <= 16``, and show that the old plan -- every send and every receive a group
+of its own -- deadlocks in the 1F1B steady state.
 """
 
 from __future__ import annotations
@@ -37,10 +36,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
+from commlab.collectives.rendezvous import RendezvousDeadlock, simulate_rendezvous
 from commlab.parallel.pipeline.schedules import FORWARD, Op
 
 __all__ = ["ACTIVATION", "GRADIENT", "Message", "CommGroup", "PlanItem", "communication_plan",
-           "ungrouped_plan", "simulate_rendezvous", "PlanDeadlock"]
+           "ungrouped_plan", "simulate_plan", "RendezvousDeadlock"]
 
 ACTIVATION = "activation"  # the output of F j on stage s, sent to s+1
 GRADIENT = "gradient"  # the gradient w.r.t. the input of B j on stage s, sent to s-1
@@ -81,8 +81,7 @@ class CommGroup:
         return "_".join(parts) or "nothing"
 
     def __str__(self) -> str:
-        msgs = [f"send {m}" for m in self.sends] + [f"recv {m}" for m in self.recvs]
-        return f"[{', '.join(msgs)}]@{self.stage}"
+        return "[" + ", ".join([f"send {m}" for m in self.sends] + [f"recv {m}" for m in self.recvs]) + "]"
 
 
 #: A plan item: a computation of the schedule, or a group of messages.
@@ -139,7 +138,8 @@ def ungrouped_plan(schedule: Sequence[Sequence[Op]]) -> list[list[PlanItem]]:
     """The plan of the engine before grouping: every send and every receive a group of its own, each
     receive just before the computation that needs it, each send just after the one that produced it.
 
-    Kept to show what the simulator catches: under NCCL's rules it deadlocks in the 1F1B steady state.
+    Kept to show what :func:`simulate_plan` catches: under NCCL's rules it deadlocks in the 1F1B steady
+    state.
     """
     p = len(schedule)
     plan = []
@@ -156,79 +156,12 @@ def ungrouped_plan(schedule: Sequence[Sequence[Op]]) -> list[list[PlanItem]]:
     return plan
 
 
-class PlanDeadlock(RuntimeError):
-    """A communication plan cannot complete under NCCL's rendezvous rules; the message names the group
-    each unfinished stage is stuck at."""
-
-
-def simulate_rendezvous(plan: Sequence[Sequence[PlanItem]]) -> int:
-    """Replay ``plan`` under NCCL's rendezvous rules (module docstring); return the number of rounds.
-
-    A round moves every stage whose current group can complete (all its messages matched with the
-    peers' current groups) to its next group; computations in between take no time.
-
-    Returns:
-        The number of rounds until every stage has finished its plan (a measure of how serialised it is).
+def simulate_plan(plan: Sequence[Sequence[PlanItem]]) -> int:
+    """Replay a plan's groups under NCCL's rendezvous rules (:func:`commlab.collectives.rendezvous.
+    simulate_rendezvous`, stages as ranks; computations take no time); return the number of rounds.
 
     Raises:
-        ValueError: the plan is inconsistent: a message sent that no stage receives (or the other way
-            round), or the k-th message between two stages is not the same on both sides.
-        PlanDeadlock: no stage can move and some have groups left.
+        ValueError: the plan is inconsistent (a message sent but never received, or received as another).
+        RendezvousDeadlock: the plan deadlocks; the message names the group each stuck stage waits at.
     """
-    groups = [[it for it in items if isinstance(it, CommGroup)] for items in plan]
-    # Number the messages of each directed pair in posting order: the k-th send a->b meets the k-th
-    # receive on b from a (NCCL and gloo match point-to-point messages between a pair in order).
-    where: dict[tuple[str, int, int, int], tuple[int, Message]] = {}  # (side, a, b, k) -> (group, msg)
-    count: dict[tuple[str, int, int], int] = {}
-    for s, gs in enumerate(groups):
-        for g, grp in enumerate(gs):
-            for side, msgs in (("send", grp.sends), ("recv", grp.recvs)):
-                for msg in msgs:
-                    pair = (side, msg.src, msg.dst)
-                    k = count.get(pair, 0)
-                    count[pair] = k + 1
-                    where[(side, msg.src, msg.dst, k)] = (g, msg)
-    past = {"send": "sent", "recv": "received"}
-    for (side, a, b, k), (_, msg) in where.items():
-        other = "recv" if side == "send" else "send"
-        if (other, a, b, k) not in where:
-            raise ValueError(f"message {k} from stage {a} to stage {b} ({msg}) is {past[side]} but never "
-                             f"{past[other]}")
-        if where[(other, a, b, k)][1] != msg:
-            raise ValueError(f"message {k} from stage {a} to stage {b}: sent as {where[('send', a, b, k)][1]}, "
-                             f"received as {where[('recv', a, b, k)][1]}")
-    # Each transfer (the k-th message from a to b) is held by one group on each side.
-    transfers: list[list[list[tuple[tuple[int, int, int], int, int]]]] = []  # [s][g] = [(id, peer, peer g)]
-    seen: dict[tuple[str, int, int], int] = {}
-    for s, gs in enumerate(groups):
-        transfers.append([])
-        for grp in gs:
-            mine = []
-            for side, msgs in (("send", grp.sends), ("recv", grp.recvs)):
-                for msg in msgs:
-                    pair = (side, msg.src, msg.dst)
-                    k = seen.get(pair, 0)
-                    seen[pair] = k + 1
-                    other = "recv" if side == "send" else "send"
-                    peer = msg.dst if side == "send" else msg.src
-                    mine.append(((msg.src, msg.dst, k), peer, where[(other, msg.src, msg.dst, k)][0]))
-            transfers[s].append(mine)
-    pos = [0] * len(groups)
-    done: set[tuple[int, int, int]] = set()
-    rounds = 0
-    while any(pos[s] < len(gs) for s, gs in enumerate(groups)):
-        # A transfer happens while both stages are at the groups that hold it; a group is complete once
-        # all of its transfers have happened, and its stage then moves on to its next group.
-        matched = {tid for s, gs in enumerate(groups) if pos[s] < len(gs)
-                   for tid, peer, g in transfers[s][pos[s]] if tid not in done and pos[peer] == g}
-        done |= matched
-        movable = [s for s, gs in enumerate(groups) if pos[s] < len(gs)
-                   and all(tid in done for tid, _, _ in transfers[s][pos[s]])]
-        if not movable and not matched:
-            stuck = "; ".join(f"stage {s} at {groups[s][pos[s]]}" for s, gs in enumerate(groups)
-                              if pos[s] < len(gs))
-            raise PlanDeadlock(f"the plan deadlocks under NCCL's rendezvous rules: {stuck}")
-        for s in movable:
-            pos[s] += 1
-        rounds += 1
-    return rounds
+    return simulate_rendezvous([[it for it in items if isinstance(it, CommGroup)] for items in plan])
