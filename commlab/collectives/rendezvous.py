@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-__all__ = ["Message", "Group", "RendezvousDeadlock", "simulate_rendezvous"]
+__all__ = ["Message", "Group", "RendezvousDeadlock", "meetings", "simulate_rendezvous"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,51 @@ class Group:
 
 class RendezvousDeadlock(RuntimeError):
     """A plan cannot complete under NCCL's rendezvous rules; the message names the group each unfinished
-    rank is stuck at."""
+    rank is stuck at.
+
+    Attributes:
+        positions: per rank, the index of the group it is stuck at (its number of groups if it finished).
+    """
+
+    def __init__(self, message: str, positions: Sequence[int]):
+        super().__init__(message)
+        self.positions = list(positions)
+
+
+def meetings(plan: Sequence[Sequence[Any]]) -> list[tuple[Any, int, int]]:
+    """Which group of the receiver each sent message meets (rule 3): ``(message, sender's group index,
+    receiver's group index)`` for every message, in the senders' posting order.
+
+    Raises:
+        ValueError: a group sends a message that is not from its rank (or receives one not to it); a
+            message sent that no rank receives, or the other way round; or the k-th message between two
+            ranks differs between its two sides.
+    """
+    past = {"send": "sent", "recv": "received"}
+    where: dict[tuple[str, int, int, int], tuple[int, Any]] = {}  # (side, src, dst, k) -> (group, message)
+    count: dict[tuple[str, int, int], int] = {}
+    for r, groups in enumerate(plan):
+        for g, grp in enumerate(groups):
+            for side, msgs in (("send", grp.sends), ("recv", grp.recvs)):
+                for msg in msgs:
+                    if (side == "send" and msg.src != r) or (side == "recv" and msg.dst != r):
+                        raise ValueError(f"rank {r}'s group {g} {side}s {msg}, which is not its own message")
+                    pair = (side, msg.src, msg.dst)
+                    k = count.get(pair, 0)
+                    count[pair] = k + 1
+                    where[(side, msg.src, msg.dst, k)] = (g, msg)
+    out = []
+    for (side, a, b, k), (g, msg) in where.items():
+        other = "recv" if side == "send" else "send"
+        if (other, a, b, k) not in where:
+            raise ValueError(f"message {k} from rank {a} to rank {b} ({msg}) is {past[side]} but never "
+                             f"{past[other]}")
+        if side == "send":
+            g_recv, received = where[("recv", a, b, k)]
+            if received != msg:
+                raise ValueError(f"message {k} from rank {a} to rank {b}: sent as {msg}, received as {received}")
+            out.append((msg, g, g_recv))
+    return out
 
 
 def simulate_rendezvous(plan: Sequence[Sequence[Any]]) -> int:
@@ -71,52 +115,25 @@ def simulate_rendezvous(plan: Sequence[Sequence[Any]]) -> int:
         (a measure of how serialised the plan is).
 
     Raises:
-        ValueError: the plan is inconsistent: a message sent that no rank receives (or the other way
-            round), or the k-th message between two ranks differs between its two sides.
+        ValueError: the plan is inconsistent (see :func:`meetings`).
         RendezvousDeadlock: no rank can move and some have groups left.
     """
-    past = {"send": "sent", "recv": "received"}
-    # Number the messages of each directed pair in posting order (rule 3): (side, src, dst, k) -> (g, msg).
-    where: dict[tuple[str, int, int, int], tuple[int, Any]] = {}
-    count: dict[tuple[str, int, int], int] = {}
-    # held[r][g] = [(transfer id, peer rank, the peer's group that holds the other side)], filled below.
-    ids: list[list[list[tuple[str, int, int, int]]]] = []
-    for r, groups in enumerate(plan):
-        ids.append([])
-        for g, grp in enumerate(groups):
-            mine = []
-            for side, msgs in (("send", grp.sends), ("recv", grp.recvs)):
-                for msg in msgs:
-                    if (side == "send" and msg.src != r) or (side == "recv" and msg.dst != r):
-                        raise ValueError(f"rank {r}'s group {g} {side}s {msg}, which is not its own message")
-                    pair = (side, msg.src, msg.dst)
-                    k = count.get(pair, 0)
-                    count[pair] = k + 1
-                    where[(side, msg.src, msg.dst, k)] = (g, msg)
-                    mine.append((side, msg.src, msg.dst, k))
-            ids[r].append(mine)
-    for (side, a, b, k), (_, msg) in where.items():
-        other = "recv" if side == "send" else "send"
-        if (other, a, b, k) not in where:
-            raise ValueError(f"message {k} from rank {a} to rank {b} ({msg}) is {past[side]} but never "
-                             f"{past[other]}")
-        if side == "send" and where[("recv", a, b, k)][1] != msg:
-            raise ValueError(f"message {k} from rank {a} to rank {b}: sent as {msg}, received as "
-                             f"{where[('recv', a, b, k)][1]}")
-    held = [[[((a, b, k), b if side == "send" else a, where[("recv" if side == "send" else "send", a, b, k)][0])
-              for side, a, b, k in mine] for mine in per_rank] for per_rank in ids]
-
+    # held[r][g] = [(message number, peer rank, the peer's group that holds the other side)]
+    held: list[list[list[tuple[int, int, int]]]] = [[[] for _ in groups] for groups in plan]
+    for i, (msg, g_send, g_recv) in enumerate(meetings(plan)):
+        held[msg.src][g_send].append((i, msg.dst, g_recv))
+        held[msg.dst][g_recv].append((i, msg.src, g_send))
     pos = [0] * len(plan)
-    done: set[tuple[int, int, int]] = set()
+    done: set[int] = set()
     rounds = 0
     while any(pos[r] < len(groups) for r, groups in enumerate(plan)):
         current = [r for r, groups in enumerate(plan) if pos[r] < len(groups)]
-        met = {tid for r in current for tid, peer, g in held[r][pos[r]] if tid not in done and pos[peer] == g}
+        met = {i for r in current for i, peer, g in held[r][pos[r]] if i not in done and pos[peer] == g}
         done |= met
-        movable = [r for r in current if all(tid in done for tid, _, _ in held[r][pos[r]])]
+        movable = [r for r in current if all(i in done for i, _, _ in held[r][pos[r]])]
         if not movable and not met:
             stuck = "; ".join(f"rank {r} at {plan[r][pos[r]]}" for r in current)
-            raise RendezvousDeadlock(f"the plan deadlocks under NCCL's rendezvous rules: {stuck}")
+            raise RendezvousDeadlock(f"the plan deadlocks under NCCL's rendezvous rules: {stuck}", pos)
         for r in movable:
             pos[r] += 1
         rounds += 1
