@@ -16,8 +16,9 @@ Why grouped, and not ``dist.isend`` / ``dist.irecv`` one by one:
   ``ncclGroupStart``/``ncclGroupEnd`` (torch 2.13, ``torch/distributed/distributed_c10d.py``, which
   coalesces the list when the backend supports coalescing); its docstring says the order of sends and
   receives inside the list does not matter and cannot deadlock. Gloo does not coalesce: it posts each
-  op of the list as an ordinary ``isend``/``irecv``, so on a laptop the grouped form costs nothing
-  extra and computes exactly what the ungrouped one did.
+  op of the list as an ordinary ``isend``/``irecv``, so on a laptop the grouped form computes exactly
+  what the ungrouped one did. What it can cost there is the latency an ungrouped ring hid by posting its
+  next receive early, which rule 2 below forbids: gloo moves a message only once its receive is posted.
 
 The rule every caller follows:
 

@@ -156,6 +156,10 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
     first, last = stage == 0, stage == p - 1
     dtype = inputs.dtype
     mb_shape = (batch // m,) + tuple(inputs.shape[1:])
+    # A collective over the whole pipeline group before its first point-to-point message: on NCCL the first
+    # batch_isend_irecv on a communicator must involve every rank of the group (torch's docstring), and the
+    # shape agreement's first message involves stages 0 and 1 only.
+    dist.barrier(group=group)
     in_shape, out_shape = agree_boundary_shapes(stage_module, mb_shape, dtype, group, device)
     shapes = {ACTIVATION: in_shape, GRADIENT: out_shape}  # what this stage receives, by kind
     my_plan = communication_plan(make_schedule(schedule, p, m))[stage]
