@@ -153,10 +153,6 @@ class Exchange:
                          f"({t.numel() * t.element_size()} bytes) {where} rank {peer}")
         return "; ".join(parts) or "no messages"
 
-    def is_completed(self) -> bool:
-        """Whether every request has completed (never blocks)."""
-        return all(work.is_completed() for work in self._recv_works + self._send_works)
-
 
 def exchange(sends: Iterable[_Message] = (), recvs: Iterable[_Message] = (),
              group: dist.ProcessGroup | None = None, *,
