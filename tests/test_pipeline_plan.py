@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import launch
-from commlab.parallel.pipeline import (ACTIVATION, BACKWARD, FORWARD, GRADIENT, SCHEDULES, CommGroup, Message,
+from commlab.parallel.pipeline import (ACTIVATION, FORWARD, GRADIENT, SCHEDULES, CommGroup, Message,
                                        Op, RendezvousDeadlock, communication_plan, make_schedule, pipeline_step,
                                        simulate_plan, split_sequential, ungrouped_plan)
 from commlab.parallel.pipeline.communications import activation_nbytes
@@ -19,6 +19,27 @@ ALL_PM = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 def test_the_grouped_plan_cannot_deadlock_for_any_p_up_to_8_and_m_up_to_16(name):
     for p, m in ALL_PM:
         simulate_plan(communication_plan(make_schedule(name, p, m)))  # raises RendezvousDeadlock if stuck
+
+
+def _megatron_form(plan):
+    """The plan with each group whose send and receive go to different neighbours split in two, the send
+    first (how Megatron-LM posts the warm-up and cool-down: send_forward, then recv_forward)."""
+    out = []
+    for items in plan:
+        split = []
+        for it in items:
+            if isinstance(it, CommGroup) and it.sends and it.recvs and it.sends[0].dst != it.recvs[0].src:
+                split += [CommGroup(it.stage, sends=it.sends), CommGroup(it.stage, recvs=it.recvs)]
+            else:
+                split.append(it)
+        out.append(split)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_megatrons_form_with_split_warm_up_and_cool_down_groups_completes_too(name):
+    for p, m in ALL_PM:
+        simulate_plan(_megatron_form(communication_plan(make_schedule(name, p, m))))
 
 
 def test_the_simulator_catches_the_old_ungrouped_plan_in_the_1f1b_steady_state():

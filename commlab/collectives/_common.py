@@ -142,10 +142,9 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
     """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
     One small all-gather of ``4 + len(layout)`` int64 per rank, on the group's device (the cost is one
-    latency). Without it a
-    size mismatch makes the point-to-point phases hang until the operation timeout or, worse, silently
-    mix chunk boundaries; and a problem found on one rank only (a bad ring order) would leave the
-    others waiting for it.
+    latency). Without it a size mismatch makes the point-to-point phases hang until the operation timeout
+    or, worse, silently mix chunk boundaries; and a problem found on one rank only (a bad ring order) would
+    leave the others waiting for it.
 
     Args:
         name: the collective's name, for messages.
