@@ -112,17 +112,17 @@ def _exchange_call(nbytes: int):
     n = dist.get_world_size()
     steps = max(1, n - 1)
     # The ring's own step loop (commlab.collectives.ring), on chunks that are views into one tensor,
-    # receiving into slices of two alternating scratch buffers (ReduceScatter) or straight into the chunks
-    # (AllGather), so that a step costs the same Python and transport work as one of the ring's.
+    # receiving into one scratch buffer (ReduceScatter) or straight into the chunks (AllGather), so that a
+    # step costs the same Python and transport work as one of the ring's.
     data = torch.zeros((steps + 1) * nbytes, dtype=torch.uint8)
     chunks = [data[i * nbytes:(i + 1) * nbytes] for i in range(steps + 1)]
-    scratch = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+    scratch = torch.zeros(nbytes, dtype=torch.uint8)
     geom = ring_geometry(None, None)
 
     def both():
         # A call is the 2(N-1) steps of a ring AllReduce without its additions: one grouped exchange per
         # step, each step's send after the previous step's receive (a ring forwards what it received).
-        _ring_steps(n, geom, None, None, lambda step: (chunks[step], scratch[step % 2], None))
+        _ring_steps(n, geom, None, None, lambda step: (chunks[step], scratch, None))
         _ring_steps(n, geom, None, None, lambda step: (chunks[step], chunks[step + 1], None))
 
     return both, 2 * steps

@@ -189,14 +189,15 @@ def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group,
         return
     # One step = one grouped exchange (commlab.collectives.p2p): send to the successor and receive from
     # the predecessor together, so that NCCL progresses both; the next step's receive is posted with the
-    # next step's send, never ahead of it. Two receive buffers, sized for the largest chunk, alternate
-    # between steps (a step's receive never writes where the previous step's data may still be read).
+    # next step's send, never ahead of it. So one receive buffer, sized for the largest chunk, serves every
+    # step: a step's data has been added before the next step's receive is posted (on a GPU, stream order
+    # keeps the same promise). One buffer, not two, is also half the fresh memory a call touches.
     big = max(c.numel() for c in chunks)
-    scratch = [torch.empty(big, dtype=chunks[0].dtype, device=chunks[0].device) for _ in range(2)]
+    scratch = torch.empty(big, dtype=chunks[0].dtype, device=chunks[0].device)
 
     def buffers(step):
         into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
-        return chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], scratch[step % 2][:into.numel()], into
+        return chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], scratch[:into.numel()], into
 
     _ring_steps(n, geom, group, emulate, buffers)
 
