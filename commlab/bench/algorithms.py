@@ -33,6 +33,10 @@ from commlab.topology.links import Link
 from commlab.topology.ring_order import topology_aware_ring
 
 #: name -> in-place AllReduce of a float32 buffer, run inside a rank.
+# The benchmarks all-reduce float32 tensors; bytes per element from the dtype.
+_DTYPE = torch.float32
+_ITEMSIZE = torch.empty((), dtype=_DTYPE).element_size()
+
 ALGORITHMS: dict[str, Callable[[torch.Tensor], object]] = {
     "ring": lambda buf: ring_all_reduce(buf, inplace=True, check=False),
     "halving-doubling": lambda buf: rhd_all_reduce(buf, inplace=True, check=False),
@@ -59,7 +63,7 @@ class AlgorithmTime:
 
 
 def _wrong(fn: Callable[[torch.Tensor], object], count: int) -> int:
-    data = torch.randn(count, generator=torch.Generator().manual_seed(dist.get_rank()))
+    data = torch.randn(count, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=_DTYPE)
     ref = data.clone()
     dist.all_reduce(ref)
     fn(data)
@@ -69,11 +73,11 @@ def _wrong(fn: Callable[[torch.Tensor], object], count: int) -> int:
 def _algorithms_round(names: Sequence[str], sizes: Sequence[int]):
     out = {}
     for nbytes in sizes:
-        count = nbytes // 4
+        count = nbytes // _ITEMSIZE
         for name in names:
             fn = ALGORITHMS[name]
             wrong = _wrong(fn, count)
-            buf = torch.zeros(count)
+            buf = torch.zeros(count, dtype=_DTYPE)
             fn(buf)  # warm-up
             out[(name, nbytes)] = (time_calls(lambda: fn(buf), calls_per_round(nbytes, 2 * 2**20, 50)), wrong)
     return out
@@ -112,8 +116,8 @@ def measure_algorithms(world_size: int = 4, sizes: Iterable[int] = tuple(4**k * 
     for nbytes in sizes:
         for name in names:
             times = [t for t, _ in samples[(name, nbytes)]]
-            rows.append(AlgorithmTime(name, nbytes // 4 * 4, world_size, statistics.median(times), min(times),
-                                      max(times), max(w for _, w in samples[(name, nbytes)])))
+            rows.append(AlgorithmTime(name, nbytes // _ITEMSIZE * _ITEMSIZE, world_size, statistics.median(times),
+                                      min(times), max(times), max(w for _, w in samples[(name, nbytes)])))
     return rows
 
 
@@ -122,7 +126,7 @@ def _emulated_round(topology: EmulatedTopology, nbytes: int, variants: Sequence[
     placement = list(topology.placement)
     orders = {"ring, round-robin order": topology.round_robin_ring(),
               "ring, topology order": topology_aware_ring(placement)}
-    count = nbytes // 4
+    count = nbytes // _ITEMSIZE
     out = {}
     for variant in variants:
         if variant == "hierarchical":
@@ -134,7 +138,7 @@ def _emulated_round(topology: EmulatedTopology, nbytes: int, variants: Sequence[
             def fn(buf, order=order):
                 return ring_all_reduce(buf, ring=order, inplace=True, check=False, emulate=topology)
         wrong = _wrong(fn, count)
-        buf = torch.zeros(count)
+        buf = torch.zeros(count, dtype=_DTYPE)
         fn(buf)  # warm-up
         dist.barrier()
         if dist.get_rank() == 0:
@@ -167,8 +171,9 @@ def measure_emulated(topology: EmulatedTopology, nbytes: int = 16 * 2**20,
                         print_output=False)[0]
         for v, value in result.items():
             samples[v].append(value)
-    return {v: AlgorithmTime(v, nbytes // 4 * 4, topology.world_size, statistics.median(t for t, _ in s),
-                             min(t for t, _ in s), max(t for t, _ in s), max(w for _, w in s))
+    return {v: AlgorithmTime(v, nbytes // _ITEMSIZE * _ITEMSIZE, topology.world_size,
+                             statistics.median(t for t, _ in s), min(t for t, _ in s), max(t for t, _ in s),
+                             max(w for _, w in s))
             for v, s in samples.items()}
 
 

@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from commlab.bench.timing import calls_per_round, slowest_rank
 from commlab.collectives import p2p
-from commlab.collectives.ring import ring_all_reduce, ring_all_reduce_seconds
+from commlab.collectives._common import ring_geometry
+from commlab.collectives.ring import _ring_steps, ring_all_reduce, ring_all_reduce_seconds
 from commlab.launch import launch
 from commlab.topology.links import Link
 
@@ -58,6 +59,10 @@ DEFAULT_SIZES = tuple(4**k * 4096 for k in range(7))
 DEFAULT_VALIDATION_SIZES = tuple(4**k * 65536 for k in range(5))
 
 _METHODS = ("ring_exchange", "pingpong")
+
+# The collective's tensors are float32; their element size, in bytes, from the dtype itself.
+_DTYPE = torch.float32
+_ITEMSIZE = torch.empty((), dtype=_DTYPE).element_size()
 
 
 def _check_sizes(sizes: Iterable[int], least: int = 1) -> list[int]:
@@ -91,79 +96,50 @@ def _pingpong_call(nbytes: int):
     buf = torch.zeros(nbytes, dtype=torch.uint8)
 
     def bounce():
+        # One message at a time, each through commlab.collectives.p2p like every message of the course.
         if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
+            p2p.exchange(sends=[(buf, 1)]).wait()
+            p2p.exchange(recvs=[(buf, 1)]).wait()
         elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+            p2p.exchange(recvs=[(buf, 0)]).wait()
+            p2p.exchange(sends=[(buf, 0)]).wait()
         # other ranks only take part in the barriers (they are there to load the machine, if asked)
 
     return bounce, 2  # a round trip carries the message twice
 
 
 def _exchange_call(nbytes: int):
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     steps = max(1, n - 1)
-    # Like the ring: chunks are views into one tensor, receives land in slices of two scratch buffers (or
-    # straight into the chunks), and every message goes through commlab.collectives.p2p, so that a step
-    # costs the same Python work as one of the ring's.
+    # The ring's own step loop (commlab.collectives.ring), on chunks that are views into one tensor,
+    # receiving into one scratch buffer (ReduceScatter) or straight into the chunks (AllGather), so that a
+    # step costs the same Python and transport work as one of the ring's.
     data = torch.zeros((steps + 1) * nbytes, dtype=torch.uint8)
     chunks = [data[i * nbytes:(i + 1) * nbytes] for i in range(steps + 1)]
-    scratch = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-
-    def reduce_scatter_like():
-        # The ReduceScatter schedule: the receive of step s+1 is posted before waiting for step s, the send
-        # of step s+1 only after step s has arrived (a ring forwards what it received), at most two sends
-        # in flight.
-        pending = p2p.irecv(scratch[0][:nbytes], prv)
-        sends = [p2p.isend(chunks[0], nxt)]
-        for step in range(steps):
-            current = pending
-            if step + 1 < steps:
-                pending = p2p.irecv(scratch[(step + 1) % 2][:nbytes], prv)
-            p2p.wait(current)
-            if step + 1 < steps:
-                sends.append(p2p.isend(chunks[step + 1], nxt))
-            if len(sends) > 1:
-                p2p.wait(sends.pop(0))
-        for req in sends:
-            p2p.wait(req)
-
-    def all_gather_like():
-        # The AllGather schedule: every receive posted up front, each step forwards what just arrived.
-        recvs = [p2p.irecv(chunks[step + 1], prv) for step in range(steps)]
-        sends = [p2p.isend(chunks[0], nxt)]
-        for step in range(steps):
-            p2p.wait(recvs[step])
-            if step + 1 < steps:
-                sends.append(p2p.isend(chunks[step + 1], nxt))
-        for req in sends:
-            p2p.wait(req)
+    scratch = torch.zeros(nbytes, dtype=torch.uint8)
+    geom = ring_geometry(None, None)
 
     def both():
-        reduce_scatter_like()
-        all_gather_like()
+        # A call is the 2(N-1) steps of a ring AllReduce without its additions: one grouped exchange per
+        # step, each step's send after the previous step's receive (a ring forwards what it received).
+        _ring_steps(n, geom, None, None, lambda step: (chunks[step], scratch, None))
+        _ring_steps(n, geom, None, None, lambda step: (chunks[step], chunks[step + 1], None))
 
-    # A call is the 2(N-1) steps of a ring AllReduce without its additions, scheduled as
-    # commlab.collectives.ring schedules them: a step is timed in the rhythm of a real ring, start-up
-    # and overlap between steps included, not as an isolated exchange.
     return both, 2 * steps
 
 
 def _ring_call(nbytes: int):
     # Zeros, summed in place: repeated sums of random data would overflow, and the speed of add_ on
     # float32 does not depend on the values.
-    buf = torch.zeros(max(1, nbytes // 4))
+    buf = torch.zeros(max(1, nbytes // _ITEMSIZE), dtype=_DTYPE)
     return (lambda: ring_all_reduce(buf, inplace=True, check=False)), 1
 
 
 def _add_call(nbytes: int):
     # One ReduceScatter addition: the largest chunk of an nbytes float32 tensor, as tensor_split cuts it.
-    count, n = max(1, nbytes // 4), dist.get_world_size()
+    count, n = max(1, nbytes // _ITEMSIZE), dist.get_world_size()
     chunk = -(-count // n)
-    a, b = torch.zeros(chunk), torch.zeros(chunk)
+    a, b = torch.zeros(chunk, dtype=_DTYPE), torch.zeros(chunk, dtype=_DTYPE)
     return (lambda: a.add_(b)), 1
 
 
@@ -247,12 +223,11 @@ def ring_exchange(sizes: Iterable[int] = DEFAULT_SIZES, world_size: int = 4, rou
     """Time of one ring step per size: every rank sends n bytes to its successor while receiving n bytes
     from its predecessor, all links busy at once; slowest rank, median over rounds.
 
-    A timed call is the 2(N-1) steps of a ring AllReduce without its additions: N-1 steps scheduled as the
-    ReduceScatter of :mod:`commlab.collectives.ring` schedules them (next receive posted before waiting,
-    a step's send after the previous step's receive, at most two sends in flight), then N-1 as its
-    AllGather does (all receives posted up front); the time is divided by 2(N-1). With N ranks on fewer
-    cores a step's time is set as much by the scheduler as by the copy, and this is the rhythm in which a
-    ring collective meets it.
+    A timed call is the 2(N-1) steps of a ring AllReduce without its additions, run by the ring's own step
+    loop (:mod:`commlab.collectives.ring`): each step one grouped exchange (send to the successor, receive
+    from the predecessor), posted after the previous step's receive, at most two sends in flight; the time
+    is divided by 2(N-1). With N ranks on fewer cores a step's time is set as much by the scheduler as by
+    the copy, and this is the rhythm in which a ring collective meets it.
 
     Args:
         sizes: message sizes in bytes (>= 1), sent as uint8 tensors.
@@ -514,7 +489,7 @@ def ring_model_error(world_sizes: Sequence[int] = (2, 4, 8), sizes: Iterable[int
         raise ValueError("world_sizes must name at least one number of ranks")
     for ws in world_sizes:
         _check_common(ws, rounds, 2)
-    sizes = [(s // 4) * 4 for s in _check_sizes(sizes, least=4)]
+    sizes = [(s // _ITEMSIZE) * _ITEMSIZE for s in _check_sizes(sizes, least=_ITEMSIZE)]
     if calibration_sizes is not None:
         calibration_sizes = _check_sizes(calibration_sizes)
     for ws in world_sizes:  # every fit's sizes are known now: refuse a degenerate one before measuring

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from commlab.launch.device import group_device
+
 # Dtypes the hand-written collectives accept.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.bfloat16, torch.float16,
@@ -162,10 +164,10 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
                     layout_problem: str | None = None, layout_rule: str = "") -> None:
     """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
-    One small all-gather of ``4 + len(layout)`` int64 per rank (the cost is one latency). Without it a
-    size mismatch makes the point-to-point phases hang until the operation timeout or, worse, silently
-    mix chunk boundaries; and a problem found on one rank only (a bad ring order) would leave the
-    others waiting for it.
+    One small all-gather of ``4 + len(layout)`` int64 per rank, on the group's device (the cost is one
+    latency). Without it a size mismatch makes the point-to-point phases hang until the operation timeout
+    or, worse, silently mix chunk boundaries; and a problem found on one rank only (a bad ring order) would
+    leave the others waiting for it.
 
     Args:
         name: the collective's name, for messages.
@@ -193,10 +195,10 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
             raise CollectiveMismatchError(f"{name}: {layout_problem}")
         return
     rule = f" must be {layout_rule}" if layout_rule else " must be valid"
+    # On the group's device (the rank's own GPU under NCCL, which moves only CUDA tensors; a bare .cuda()
+    # would put every rank's tensor on GPU 0 unless the launcher had bound the device).
     mine = torch.tensor([tensor.numel(), _DTYPE_CODE[tensor.dtype], int(supported),
-                         int(layout_problem is None), *layout], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
+                         int(layout_problem is None), *layout], dtype=torch.int64, device=group_device(group))
     width = mine.numel()
     everyone = torch.empty(size * width, dtype=torch.int64, device=mine.device)
     all_gather_single(everyone, mine, group=group)

@@ -1,7 +1,8 @@
-"""Recursive halving-doubling (Rabenseifner) and recursive doubling AllReduce, from ``isend``/``irecv``.
+"""Recursive halving-doubling (Rabenseifner) and recursive doubling AllReduce, from point-to-point exchanges.
 
 Both algorithms pair ranks across the bits of their rank: in a step with distance ``d`` (a power of two)
-rank ``v`` talks to rank ``v XOR d``. Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
+rank ``v`` talks to rank ``v XOR d``, both directions in one grouped exchange
+(:func:`commlab.collectives.p2p.exchange`). Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
 collective communication operations in MPICH", IJHPCA 19(1), section 4.4 (AllReduce); Rabenseifner 2004,
 "Optimization of collective reduction operations", ICCS 2004, LNCS 3036.
 
@@ -161,10 +162,9 @@ def _run(name, core, tensor, group, inplace, check, emulate):
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group, emulate) -> None:
-    # Receive posted first, so the partner's send never waits for it; both directions run at once.
-    r = p2p.irecv(recv, peer, group)
-    s = p2p.isend(send, peer, group, emulate)
-    p2p.wait(r, s)
+    # Both directions of a step in one group (commlab.collectives.p2p): each partner sends and receives at
+    # once, which NCCL only guarantees to progress when the two are grouped.
+    p2p.exchange([(send, peer)], [(recv, peer)], group, emulate=emulate).wait()
 
 
 def _fold(work, rank, n, group, emulate, scratch) -> int | None:
@@ -172,9 +172,9 @@ def _fold(work, rank, n, group, emulate, scratch) -> int | None:
     _, r = power_of_two_layout(n)
     if rank < 2 * r:
         if rank % 2 == 0:
-            p2p.wait(p2p.isend(work, _global(group, rank + 1), group, emulate))
+            p2p.exchange(sends=[(work, _global(group, rank + 1))], group=group, emulate=emulate).wait()
         else:
-            p2p.wait(p2p.irecv(scratch[:work.numel()], _global(group, rank - 1), group))
+            p2p.exchange(recvs=[(scratch[:work.numel()], _global(group, rank - 1))], group=group).wait()
             work.add_(scratch[:work.numel()])
     return virtual_rank(rank, n)
 
@@ -184,9 +184,9 @@ def _unfold(work, rank, n, group, emulate) -> None:
     _, r = power_of_two_layout(n)
     if rank < 2 * r:
         if rank % 2 == 0:
-            p2p.wait(p2p.irecv(work, _global(group, rank + 1), group))
+            p2p.exchange(recvs=[(work, _global(group, rank + 1))], group=group).wait()
         else:
-            p2p.wait(p2p.isend(work, _global(group, rank - 1), group, emulate))
+            p2p.exchange(sends=[(work, _global(group, rank - 1))], group=group, emulate=emulate).wait()
 
 
 def _rhd_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> None:

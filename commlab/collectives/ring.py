@@ -1,9 +1,11 @@
-"""Ring ReduceScatter, AllGather and AllReduce, built from ``isend``/``irecv`` alone.
+"""Ring ReduceScatter, AllGather and AllReduce, built from point-to-point exchanges alone.
 
 The algorithm (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations", J. Parallel Distrib. Comput. 69(2), section 3; the same ring NCCL runs): the ranks
 form a ring; the tensor is cut into N chunks; in each of N-1 steps every rank sends one chunk to its
-successor and receives one from its predecessor.
+successor and receives one from its predecessor. Each step is one grouped exchange
+(:func:`commlab.collectives.p2p.exchange`, i.e. ``batch_isend_irecv``), so that the same code cannot
+deadlock on NCCL, where a send and a receive only progress together inside one group.
 
 * ReduceScatter: the received chunk is added to the local copy of that chunk. After N-1 steps the
   rank at ring position p holds the complete sum of chunk ``order[p]``, i.e. of the chunk whose index is
@@ -185,50 +187,51 @@ def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group,
     n, p = geom.size, geom.position
     if n == 1:
         return
-    # Two receive buffers, sized for the largest chunk: the receive of step s+1 is posted before the
-    # rank waits for step s, so a message is never kept waiting for its receive to be posted.
+    # One step = one grouped exchange (commlab.collectives.p2p): send to the successor and receive from
+    # the predecessor together, so that NCCL progresses both; the next step's receive is posted with the
+    # next step's send, never ahead of it. So one receive buffer, sized for the largest chunk, serves every
+    # step: a step's data has been added before the next step's receive is posted (on a GPU, stream order
+    # keeps the same promise). One buffer, not two, is also half the fresh memory a call touches.
     big = max(c.numel() for c in chunks)
-    scratch = [torch.empty(big, dtype=chunks[0].dtype, device=chunks[0].device) for _ in range(2)]
+    scratch = torch.empty(big, dtype=chunks[0].dtype, device=chunks[0].device)
 
-    def post_recv(step):
+    def buffers(step):
         into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
-        return into, p2p.irecv(scratch[step % 2][:into.numel()], geom.prev_global, group)
+        return chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], scratch[:into.numel()], into
 
-    def post_send(step):
-        return p2p.isend(chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], geom.next_global, group, emulate)
-
-    pending_recv, sends = post_recv(0), [post_send(0)]
-    for step in range(n - 1):
-        into, req = pending_recv
-        if step + 1 < n - 1:
-            pending_recv = post_recv(step + 1)
-        p2p.wait(req)
-        into.add_(scratch[step % 2][:into.numel()])
-        if step + 1 < n - 1:
-            # The chunk just completed for this step is the one to send next.
-            sends.append(post_send(step + 1))
-        if len(sends) > 1:
-            p2p.wait(sends.pop(0))  # at most two sends in flight, like the receives
-    for req in sends:
-        p2p.wait(req)
+    _ring_steps(n, geom, group, emulate, buffers)
 
 
 def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
     n, p = geom.size, geom.position
     if n == 1:
         return
-    # Every step receives into a different chunk, so all receives can be posted up front.
-    recvs = [p2p.irecv(chunks[all_gather_recv_chunk(p, step, n, geom.order)], geom.prev_global, group)
-             for step in range(n - 1)]
-    sends = [p2p.isend(chunks[all_gather_send_chunk(p, 0, n, geom.order)], geom.next_global, group, emulate)]
+    # What arrives in one step is what this rank forwards in the next.
+    _ring_steps(n, geom, group, emulate, lambda step: (
+        chunks[all_gather_send_chunk(p, step, n, geom.order)],
+        chunks[all_gather_recv_chunk(p, step, n, geom.order)], None))
+
+
+def _ring_steps(n: int, geom: RingGeometry, group, emulate, step_buffers) -> None:
+    """The N-1 steps of a ring phase, one grouped exchange each.
+
+    ``step_buffers(step)`` gives ``(send, receive into, add into)`` (``add into`` None: store only). A
+    step's receive is waited for before the next step is posted (the next send forwards what arrived);
+    its send only after (a chunk, once sent, is not written again in the phase), so at most two sends are
+    in flight and the previous step's exchange is released off the critical path; all are done when the
+    phase returns.
+    """
+    previous = None
     for step in range(n - 1):
-        p2p.wait(recvs[step])
-        if step + 1 < n - 1:
-            # What arrived in this step is what this rank forwards in the next.
-            sends.append(p2p.isend(chunks[all_gather_send_chunk(p, step + 1, n, geom.order)], geom.next_global,
-                                   group, emulate))
-    for req in sends:
-        p2p.wait(req)
+        send, recv, add_into = step_buffers(step)
+        ex = p2p.exchange([(send, geom.next_global)], [(recv, geom.prev_global)], group, emulate=emulate)
+        ex.wait_recvs()
+        if add_into is not None:
+            add_into.add_(recv)
+        if previous is not None:
+            previous.wait()
+        previous = ex
+    previous.wait()
 
 
 # ----------------------------------------------------------------------------- α-β cost, beside the code

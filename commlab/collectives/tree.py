@@ -1,4 +1,4 @@
-"""Tree AllReduce: a binomial-tree reduce to a root, then a binomial-tree broadcast, from ``isend``/``irecv``.
+"""Tree AllReduce: a binomial-tree reduce to a root, then a binomial-tree broadcast, from point-to-point messages.
 
 The binomial tree (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
 operations in MPICH", IJHPCA 19(1), sections 4.1 and 4.3): number the ranks relative to the root,
@@ -93,16 +93,20 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     work = work_buffer(tensor, inplace)
     if n > 1 and work.numel() > 0:
         parent, children = binomial_tree(geom.group_rank, n, root)
+        # Every message through commlab.collectives.p2p, one group per step. The reduce receives one child
+        # at a time (into one scratch buffer, added in the same order as always); the broadcast sends to
+        # all children in one group, so that NCCL progresses them together.
         if children:
             scratch = torch.empty_like(work)
             for child in children:
-                p2p.wait(p2p.irecv(scratch, _global(group, child), group))
+                p2p.exchange(recvs=[(scratch, _global(group, child))], group=group).wait()
                 work.add_(scratch)
         if parent is not None:
-            p2p.wait(p2p.isend(work, _global(group, parent), group, emulate))
-            p2p.wait(p2p.irecv(work, _global(group, parent), group))
-        sends = [p2p.isend(work, _global(group, child), group, emulate) for child in reversed(children)]
-        p2p.wait(*sends)
+            p2p.exchange(sends=[(work, _global(group, parent))], group=group, emulate=emulate).wait()
+            p2p.exchange(recvs=[(work, _global(group, parent))], group=group).wait()
+        if children:
+            p2p.exchange(sends=[(work, _global(group, child)) for child in reversed(children)], group=group,
+                         emulate=emulate).wait()
     return write_back(tensor, work, inplace)
 
 

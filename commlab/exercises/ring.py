@@ -1,7 +1,9 @@
 """Graders for lab 2: the learner's ring ReduceScatter and AllGather, run on real gloo ranks.
 
 The learner writes ``fn(x) -> tensor`` to be run inside each rank (using ``dist.get_rank()``,
-``dist.get_world_size()``, ``dist.isend`` and ``dist.irecv``). Each case launches it on N ranks with
+``dist.get_world_size()`` and point-to-point messages: the lab teaches one ``dist.batch_isend_irecv`` of
+``dist.P2POp`` per ring step, the form NCCL needs, and any correct use of ``dist.isend``/``dist.irecv``
+passes too). Each case launches it on N ranks with
 integer-valued data (so sums are exact and any difference is a real mistake), compares with
 commlab's reference, and explains the first difference it finds. While the learner's function runs,
 torch's own collectives are disabled, so a solution that calls them is caught.
@@ -52,8 +54,8 @@ def _only_point_to_point():
 
     def refuse(label):
         def _refuse(*_a, **_k):
-            raise RuntimeError(f"{label} is off-limits in this exercise: build it from "
-                               "dist.isend / dist.irecv")
+            raise RuntimeError(f"{label} is off-limits in this exercise: build it from point-to-point "
+                               "messages (dist.batch_isend_irecv of dist.P2POp, or dist.isend / dist.irecv)")
         return _refuse
 
     for mod, name, label in targets:
@@ -124,6 +126,8 @@ def _explain(kind: str, rank: int, n: int, numel: int, got, expected: torch.Tens
 
 _PEER_HINT = (" -- a rank finished while a neighbour was still sending to it or waiting for it: "
               "wait() on every request before returning")
+_EMPTY_BATCH_HINT = (" -- dist.batch_isend_irecv needs at least one P2POp: when a step has nothing to send "
+                     "or receive (empty chunks), skip the call")
 
 
 def _check(kind: str, fn: Callable, world_sizes: Sequence[int], counts: Sequence[int]) -> CheckReport:
@@ -140,12 +144,14 @@ def _check(kind: str, fn: Callable, world_sizes: Sequence[int], counts: Sequence
                 outs = launch(_run, n, fn, kind, numel, timeout=_CASE_TIMEOUT_S, print_output=False)
             except RankError as e:
                 hint = _PEER_HINT if "by peer" in e.exc_message.lower() else ""
+                if e.exc_type == "IndexError" and "batch_isend_irecv" in e.remote_traceback:
+                    hint = _EMPTY_BATCH_HINT
                 report.cases.append((desc, False, f"rank {e.rank} raised {e.exc_type}: {e.exc_message}{hint}"))
                 continue
             except LaunchTimeout:
                 hung = True
                 report.cases.append((desc, False, f"no result within {_CASE_TIMEOUT_S:g} s: a rank waits for "
-                                     "a message nobody sends (every isend needs the matching irecv on the "
+                                     "a message nobody sends (every send needs the matching receive on the "
                                      "neighbour, and every request must be waited)"))
                 continue
             total = _full_sum(numel, n)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives._common import all_gather_single, as_int64
+from commlab.launch.device import group_device
 
 __all__ = ["MESH_DIMS", "ParallelLayout", "check_order", "check_layout", "build_mesh", "mesh_groups",
            "cross_node_groups", "order_report"]
@@ -313,7 +314,7 @@ def build_mesh(layout: ParallelLayout, world_size: int | None = None, order: Seq
     _agree(layout, order, problem)
     order = tuple(order)
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = group_device(None).type
     mesh = init_device_mesh(device_type, layout.shape(order), mesh_dim_names=order)
     me = dist.get_rank()
     for dim in MESH_DIMS:  # cheap, local: the mesh must agree with the arithmetic the course teaches
@@ -330,14 +331,14 @@ def _agree(layout, order, problem: Exception | None) -> None:
     names = list(order) if not isinstance(order, str) else [order]
     codes = [(MESH_DIMS.index(d) if d in MESH_DIMS else -1) for d in names[:3]]
     codes += [-1] * (3 - len(codes)) + [len(names)]
-    mine = torch.tensor(sizes + codes + [int(problem is None)], dtype=torch.int64)
     n = dist.get_world_size()
     if n == 1:
         if problem is not None:
             raise problem
         return
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
+    # On the world group's device: the rank's own GPU under NCCL (not a bare .cuda(), which is GPU 0 for
+    # every rank unless the device was bound), the CPU under gloo.
+    mine = torch.tensor(sizes + codes + [int(problem is None)], dtype=torch.int64, device=group_device(None))
     everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
     all_gather_single(everyone, mine)
     rows = everyone.view(n, -1).cpu().tolist()

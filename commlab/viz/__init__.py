@@ -11,3 +11,7 @@ __all__ += ["plot_timeline"]
 from commlab.viz.overlap import plot_overlap_timeline
 
 __all__ += ["plot_overlap_timeline"]
+
+from commlab.viz.p2p import plot_rendezvous
+
+__all__ += ["plot_rendezvous"]

@@ -1,26 +1,26 @@
-"""Point-to-point messages between adjacent pipeline stages, over an explicit process group.
+"""Messages between adjacent pipeline stages, over an explicit process group, one grouped exchange each.
 
 The pipeline group's rank *is* the stage index: stage s sends activations forward to stage s+1 and
-receives gradients back from it. Four operations name that traffic (the names Megatron-LM's pipeline
-code uses, Narayanan et al. 2021, SC'21, §2.2):
-
-* :func:`send_forward` (stage s -> s+1, the activation of a micro-batch) and :func:`recv_forward`;
-* :func:`send_backward` (stage s -> s-1, the gradient w.r.t. that stage's output) and :func:`recv_backward`.
+receives gradients back from it. Which messages a stage posts together, and when, is the plan of
+:mod:`~commlab.parallel.pipeline.plan` (data derived from the schedule); :func:`communicate` posts one
+group of that plan as one :func:`commlab.collectives.p2p.exchange` (one ``batch_isend_irecv``), so that a
+send and the receive it must progress with cannot wait on each other under NCCL.
 
 Design choices, and why:
 
-* **Sends return a handle, receives block.** A receive must complete before its data is used, so it
-  waits inside. A send only has to complete before the step ends: if sends blocked, stage s sending an
-  activation to s+1 while s+1 sends a gradient back to s would wait on each other (the classic 1F1B
-  deadlock). The caller keeps the handles in a :class:`PendingSends` and waits for all of them once per
-  step; every handle is waited, none is dropped. The tensor of a pending send is kept alive by the handle
-  list and must not be modified until then.
+* **A group's receives are waited for at once, its sends at the end of the step.** A computation needs its
+  inputs, so :func:`communicate` returns only when the group's receives have arrived. A send only has to
+  complete before the step ends (and before its tensor is modified); the :class:`PendingSends` of the
+  step keeps every exchange, with the tensors it reads, until :meth:`PendingSends.wait_all`; none is
+  dropped, so no message is lost when a rank returns.
 * **Shapes agreed up front.** A receiver must allocate its buffer before the data arrives, so it must
   know the shape. :func:`agree_boundary_shapes` passes them down the pipeline once, before the first
   micro-batch: stage 0 knows the micro-batch shape, runs its own module once on zeros to learn its output
   shape, and sends that shape to stage 1, and so on. After that every message is a bare tensor.
 * **Messages between a pair of stages are matched by order.** Activations only go s -> s+1 and gradients
   only s+1 -> s, each in the order the schedule produces them, so no tags are needed.
+* **Every buffer on the group's device** (:func:`commlab.launch.device.group_device`: the CPU under gloo,
+  the rank's GPU under NCCL, which moves only CUDA tensors).
 
 Empty tensors are not sent (:mod:`commlab.collectives.p2p` skips them on both sides).
 """
@@ -34,36 +34,36 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import p2p
+from commlab.parallel.pipeline.plan import CommGroup
 
-__all__ = ["PendingSends", "stage_of", "neighbour", "send_forward", "recv_forward", "send_backward",
-           "recv_backward", "agree_boundary_shapes", "activation_nbytes"]
+__all__ = ["PendingSends", "stage_of", "neighbour", "stage_rank", "communicate", "agree_boundary_shapes",
+           "activation_nbytes"]
 
 
 class PendingSends:
-    """Handles of sends still in flight, with the tensors they read from; :meth:`wait_all` before reuse.
+    """The exchanges of one step whose sends may still be in flight; :meth:`wait_all` before reuse.
 
     Attributes:
         nbytes_sent: bytes handed to sends so far (the payload; gloo/NCCL headers not counted).
-        count: number of sends posted so far.
+        count: number of messages sent so far (empty tensors not counted).
     """
 
     def __init__(self):
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._pending: list[p2p.Exchange] = []
         self.nbytes_sent = 0
         self.count = 0
 
-    def add(self, handle, tensor: torch.Tensor) -> None:
-        """Remember a send's handle (None for an empty tensor) and keep its tensor alive until waited."""
-        self.count += 1
-        self.nbytes_sent += tensor.numel() * tensor.element_size()
-        if handle is not None:
-            self._pending.append((handle, tensor))
+    def add(self, exchange: p2p.Exchange, sends: int) -> None:
+        """Keep ``exchange`` (and the tensors it reads from) until :meth:`wait_all`; it posted ``sends``
+        messages."""
+        self.count += sends
+        self.nbytes_sent += exchange.nbytes_sent
+        self._pending.append(exchange)
 
     def wait_all(self) -> None:
-        """Wait for every pending send; afterwards their tensors may be freed or modified."""
+        """Wait for every pending exchange; afterwards their tensors may be freed or modified."""
         pending, self._pending = self._pending, []
-        for handle, _ in pending:
-            handle.wait()
+        p2p.wait_all(pending)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -100,53 +100,46 @@ def neighbour(group: dist.ProcessGroup | None, offset: int) -> int:
     return dist.get_global_rank(group, other)
 
 
-def send_forward(activation: torch.Tensor, group: dist.ProcessGroup | None, pending: PendingSends) -> None:
-    """Post the send of an activation (any shape, detached) to the next stage; its handle goes to ``pending``.
-
-    Raises:
-        ValueError: called on the last stage.
-    """
-    t = activation.detach().contiguous()
-    pending.add(p2p.isend(t, neighbour(group, +1), group), t)
+def stage_rank(group: dist.ProcessGroup | None, stage: int) -> int:
+    """Global rank of ``stage`` (its rank in the pipeline group)."""
+    if group is None or group is dist.group.WORLD:
+        return stage
+    return dist.get_global_rank(group, stage)
 
 
-def send_backward(grad: torch.Tensor, group: dist.ProcessGroup | None, pending: PendingSends) -> None:
-    """Post the send of the gradient w.r.t. this stage's input to the previous stage; handle to ``pending``.
+def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor],
+                shapes: dict[str, Sequence[int]], dtype: torch.dtype, group: dist.ProcessGroup | None,
+                pending: PendingSends, device: torch.device | str = "cpu") -> dict[tuple[str, int], torch.Tensor]:
+    """Post one group of the plan as one grouped exchange; return its received tensors once they arrived.
 
-    Raises:
-        ValueError: called on the first stage.
-    """
-    t = grad.detach().contiguous()
-    pending.add(p2p.isend(t, neighbour(group, -1), group), t)
-
-
-def _recv(shape: Sequence[int], dtype: torch.dtype, src: int, group, device) -> torch.Tensor:
-    buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-    p2p.wait(p2p.irecv(buf, src, group))
-    return buf
-
-
-def recv_forward(shape: Sequence[int], dtype: torch.dtype, group: dist.ProcessGroup | None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """Receive the previous stage's activation of the given shape and dtype; blocks until it has arrived.
+    Args:
+        step: the group (its sends and receives; see :mod:`~commlab.parallel.pipeline.plan`).
+        outbox: tensors produced by earlier computations, keyed ``(kind, microbatch)``; each one this group
+            sends is taken out of it (detached, made contiguous).
+        shapes: the shape of a received activation (``shapes["activation"]``, this stage's input) and of a
+            received gradient (``shapes["gradient"]``, this stage's output), as agreed by
+            :func:`agree_boundary_shapes`.
+        dtype: the dtype of every boundary tensor.
+        group: the pipeline group (group rank = stage).
+        pending: where the exchange waits for its sends to complete (the step's :class:`PendingSends`).
+        device: where received tensors are allocated (the group's device).
 
     Returns:
-        A fresh tensor (not requiring grad; the engine turns that on to get the input's gradient).
+        ``{(kind, microbatch): tensor}`` for each receive of the group (fresh tensors, not requiring grad).
 
     Raises:
-        ValueError: called on the first stage.
+        KeyError: the plan sends a tensor no computation has produced (a plan that does not fit the
+            schedule).
     """
-    return _recv(shape, dtype, neighbour(group, -1), group, device)
-
-
-def recv_backward(shape: Sequence[int], dtype: torch.dtype, group: dist.ProcessGroup | None,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """Receive, from the next stage, the gradient w.r.t. this stage's output (shape of that output); blocks.
-
-    Raises:
-        ValueError: called on the last stage.
-    """
-    return _recv(shape, dtype, neighbour(group, +1), group, device)
+    sends = [(outbox.pop((msg.kind, msg.microbatch)).detach().contiguous(), stage_rank(group, msg.dst))
+             for msg in step.sends]
+    received = {(msg.kind, msg.microbatch): torch.empty(tuple(shapes[msg.kind]), dtype=dtype, device=device)
+                for msg in step.recvs}
+    recvs = [(received[(msg.kind, msg.microbatch)], stage_rank(group, msg.src)) for msg in step.recvs]
+    ex = p2p.exchange(sends, recvs, group)
+    ex.wait_recvs()
+    pending.add(ex, len(sends))
+    return received
 
 
 # Shape messages carry at most this many dimensions (a fixed-size int64 buffer, so the receiver can
@@ -183,7 +176,8 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
     if stage == 0:
         in_shape = tuple(int(d) for d in microbatch_shape)
     else:
-        header = _recv((_MAX_DIMS + 1,), torch.int64, neighbour(group, -1), group, device)
+        header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=device)
+        p2p.exchange(recvs=[(header, neighbour(group, -1))], group=group).wait()
         ndim = int(header[0])
         in_shape = tuple(int(d) for d in header[1:1 + ndim])
     was_training = module.training
@@ -199,7 +193,7 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
         header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
         header[0] = len(out_shape)
         header[1:1 + len(out_shape)] = torch.tensor(out_shape, dtype=torch.int64)
-        p2p.wait(p2p.isend(header, neighbour(group, +1), group))
+        p2p.exchange(sends=[(header, neighbour(group, +1))], group=group).wait()
     return in_shape, out_shape
 
 

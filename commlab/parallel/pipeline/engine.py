@@ -4,21 +4,29 @@ Each rank of the pipeline group holds one stage: a contiguous slice of an ``nn.S
 (:func:`split_sequential`). :func:`pipeline_step` splits the batch into m equal micro-batches and runs
 the stage's operations in the order of :mod:`commlab.parallel.pipeline.schedules`:
 
-* forward ``F j``: receive micro-batch j's activation from the previous stage (stage 0 slices the input),
-  run the stage, keep input and output for the backward, post the send of the output;
-* backward ``B j``: receive the gradient of the output from the next stage (the last stage
-  differentiates ``loss_j / m`` instead), backpropagate through the stage, post the send of the input's
-  gradient, drop the stored activations.
+* forward ``F j``: micro-batch j's activation from the previous stage (stage 0 slices the input), run the
+  stage, keep input and output for the backward, hand the output to the next send;
+* backward ``B j``: the gradient of the output from the next stage (the last stage differentiates
+  ``loss_j / m`` instead), backpropagate through the stage, hand the input's gradient to the next send,
+  drop the stored activations.
+
+Between two computations the stage posts one group of messages: what the last computation produced and
+what the next one needs, as the communication plan of :mod:`commlab.parallel.pipeline.plan` says (in the
+1F1B steady state, Megatron-LM's ``send_forward_recv_backward`` and ``send_backward_recv_forward``). The
+plan is data derived from the schedule, and a simulator of NCCL's rendezvous rules checks that it cannot
+deadlock; the engine only executes it.
 
 Gradients accumulate in ``.grad`` over the micro-batches. Each micro-batch loss is a mean over its
 rows divided by m, so with equal micro-batches the accumulated gradient is the gradient of the mean loss
 over the whole batch: the same as running the unsplit model on the batch, up to float rounding
 (tests: ``allclose(rtol=1e-5, atol=1e-6)`` in float32).
 
-Timing: every op is timed with ``time.perf_counter`` from after its receive completed to after its send
-was posted, so the wait for a neighbour counts as idle, the compute as busy. Each stage measures from its
-own start of the step, taken right after a barrier of the pipeline group; the stages' clocks therefore
-agree to within the barrier's skew (microseconds on one machine), which is enough to draw the bubble.
+Timing: every op is timed from after its inputs arrived to the end of its computation, so the wait for a
+neighbour counts as idle, the compute as busy, with a :class:`commlab.launch.device.Clock` on the group's
+device: the host clock on the CPU, CUDA events on a GPU (which complete when the GPU reaches them, so they
+time the kernels rather than their launch). Each stage measures from its own start of the step, taken right
+after a barrier of the pipeline group; the stages' clocks therefore agree to within the barrier's skew
+(microseconds on one machine), which is enough to draw the bubble.
 
 The pipeline group is explicit (DESIGN.md, layer 5): pass the sub-group of the ranks that form this
 pipeline, whose group rank is the stage index. Several pipelines can run side by side in disjoint groups
@@ -28,17 +36,18 @@ pipeline, whose group rank is the stage index. Several pipelines can run side by
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab.parallel.pipeline.communications import (PendingSends, agree_boundary_shapes, recv_backward,
-                                                      recv_forward, send_backward, send_forward, stage_of)
-from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, TimedOp, bubble_fraction,
-                                                 idle_fraction, make_schedule, stage_busy_idle)
+from commlab.launch.device import Clock, group_device
+from commlab.parallel.pipeline.communications import (PendingSends, agree_boundary_shapes, communicate,
+                                                      stage_of, stage_rank)
+from commlab.parallel.pipeline.plan import ACTIVATION, GRADIENT, CommGroup, communication_plan
+from commlab.parallel.pipeline.schedules import (FORWARD, SCHEDULES, TimedOp, bubble_fraction, idle_fraction,
+                                                 make_schedule, stage_busy_idle)
 
 __all__ = ["split_sequential", "PipelineResult", "pipeline_step"]
 
@@ -139,29 +148,42 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
     batch = inputs.shape[0]
     if not isinstance(m, int) or m < 1 or batch % m != 0:
         raise ValueError(f"m={m!r} micro-batches must be a positive integer dividing the batch size {batch}")
+    device = group_device(group)
+    if inputs.device != device or targets.device != device:
+        raise ValueError(f"pipeline_step: the pipeline group's messages travel on {device}, but inputs are on "
+                         f"{inputs.device} and targets on {targets.device}; move the batch (and the stage "
+                         f"module) to {device}")
     first, last = stage == 0, stage == p - 1
-    dtype, device = inputs.dtype, inputs.device
+    dtype = inputs.dtype
     mb_shape = (batch // m,) + tuple(inputs.shape[1:])
+    # A collective over the whole pipeline group before its first point-to-point message: on NCCL the first
+    # batch_isend_irecv on a communicator must involve every rank of the group (torch's docstring), and the
+    # shape agreement's first message involves stages 0 and 1 only.
+    dist.barrier(group=group)
     in_shape, out_shape = agree_boundary_shapes(stage_module, mb_shape, dtype, group, device)
-    my_ops = make_schedule(schedule, p, m)[stage]
+    shapes = {ACTIVATION: in_shape, GRADIENT: out_shape}  # what this stage receives, by kind
+    my_plan = communication_plan(make_schedule(schedule, p, m))[stage]
     x_mb = inputs.chunk(m) if first else None
     y_mb = targets.chunk(m) if last else None
 
     pending = PendingSends()
+    inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not yet used
+    outbox: dict[tuple[str, int], torch.Tensor] = {}  # produced, not yet sent
     stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-    loss_total = torch.zeros((), dtype=torch.float64)
-    times: list[tuple[str, int, float, float]] = []
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    clock = Clock(device)
+    marks: list[tuple[str, int, object, object]] = []
 
     dist.barrier(group=group)  # a common start, so the stages' timelines line up
-    t0 = time.perf_counter()
-    for op in my_ops:
-        j = op.microbatch
-        if op.kind == FORWARD:
-            if first:
-                x = x_mb[j]
-            else:
-                x = recv_forward(in_shape, dtype, group, device).requires_grad_()
-            start = time.perf_counter()
+    t0 = clock.mark()
+    for item in my_plan:
+        if isinstance(item, CommGroup):
+            inbox.update(communicate(item, outbox, shapes, dtype, group, pending, device))
+            continue
+        j = item.microbatch
+        if item.kind == FORWARD:
+            x = x_mb[j] if first else inbox.pop((ACTIVATION, j)).requires_grad_()
+            start = clock.mark()
             out = stage_module(x)
             if last:
                 loss = loss_fn(out, y_mb[j]) / m
@@ -170,22 +192,24 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
             else:
                 # Store x (to read its .grad after backward) and out (to backpropagate into).
                 stored[j] = (None if first else x, out)
-                send_forward(out, group, pending)
+                outbox[(ACTIVATION, j)] = out
         else:
             x, out = stored.pop(j)
-            grad_out = None if last else recv_backward(out_shape, dtype, group, device)
-            start = time.perf_counter()
+            grad_out = None if last else inbox.pop((GRADIENT, j))
+            start = clock.mark()
             torch.autograd.backward(out, grad_out)  # grad_out None: out is the last stage's scalar loss
             if not first:
-                send_backward(x.grad, group, pending)
-        times.append((op.kind, j, start - t0, time.perf_counter() - t0))
-    pending.wait_all()  # every send handle waited before the step returns
-    step_s = time.perf_counter() - t0
+                outbox[(GRADIENT, j)] = x.grad
+        marks.append((item.kind, j, start, clock.mark()))
+    pending.wait_all()  # every exchange waited before the step returns
+    t_end = clock.mark()
+    times = [(kind, j, clock.elapsed(t0, a), clock.elapsed(t0, b)) for kind, j, a, b in marks]
+    step_s = clock.elapsed(t0, t_end)
 
-    # The loss lives on the last stage; share it (one scalar) so every stage returns the same result.
+    # The loss lives on the last stage; share it (one scalar, on the group's device) so every stage returns
+    # the same result.
     loss_buf = loss_total.clone()
-    src = p - 1 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, p - 1)
-    dist.broadcast(loss_buf, src=src, group=group)
+    dist.broadcast(loss_buf, src=stage_rank(group, p - 1), group=group)
     everyone: list = [None] * p
     dist.all_gather_object(everyone, times, group=group)
     timeline = sorted((TimedOp(s, k, j, a, b) for s, ts in enumerate(everyone) for k, j, a, b in ts),
