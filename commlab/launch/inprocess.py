@@ -42,12 +42,15 @@ from commlab.launch.env import detect_launcher, init_from_env, read_env
 from commlab.launch.errors import LaunchError, RankError, is_peer_fallout
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished, track_sends
 
+
 __all__ = ["run_in_process", "UnfinishedSendsError", "runs_in_process"]
 
 # How long a rank whose error is a peer's fallout looks for the root cause in the store, and how long any
 # store operation of this module may take (the store can be hosted by the rank that died).
 _BOARD_WAIT_S = 2.0
 _STORE_OP_S = 3.0
+# Seconds the collectives of an in-process launch outlast its deadline (the fork launcher's children do the same).
+_TIMEOUT_MARGIN_S = 2.0
 # Each in-process launch gets its own keys; every rank calls launch() in the same order, so the counts agree.
 _launches = 0
 _teardown_registered = False
@@ -82,9 +85,9 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                    init_hook: Callable[[int], None] | None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as this rank of the launcher's job; every rank returns all results.
 
-    Arguments as :func:`commlab.launch.launch`. ``timeout`` here bounds every collective (passed to
-    ``init_process_group``) and the wait for sends still in flight after ``fn``; the launcher (torchrun, srun)
-    owns the processes, so nothing here kills a rank that is merely slow.
+    Arguments as :func:`commlab.launch.launch`. ``timeout`` here bounds the wait for sends still in flight
+    after ``fn``, and, 2 s longer, every collective (passed to ``init_process_group``); the launcher (torchrun,
+    srun) owns the processes, so nothing here kills a rank that is merely slow.
 
     Raises:
         ValueError: ``world_size`` differs from the job's (the message gives both and how to start ``N``).
@@ -105,10 +108,12 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
     try:
         if init_hook is not None:
             init_hook(job.rank)
-        # The ranks' collective timeout is the launch's: with no parent process to watch them, it is what
-        # bounds a rank stuck in a collective whose peer never comes.
+        # The ranks' collective timeout is the launch's, plus a margin: with no parent process to watch them,
+        # it is what bounds a rank stuck in a collective whose peer never comes. The margin lets a peer that
+        # gives up on its unfinished sends at the launch's deadline post its error before the ranks waiting
+        # for it time out and would report their own timeout as the cause.
         created = not dist.is_initialized()
-        ctx = init_from_env(backend, timeout=timeout)
+        ctx = init_from_env(backend, timeout=timeout + _TIMEOUT_MARGIN_S)
         if created and not _teardown_registered:
             atexit.register(_destroy_at_exit)
             _teardown_registered = True
