@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--compressors", action="store_true",
                        help="compressor throughput beside the torch primitives, and our PowerSGD hook's DDP step "
                             "time beside PyTorch's (uses --world-size and --rounds)")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="with --compressors: where the throughput is measured (default cpu; the DDP step "
+                            "comparison stays on gloo CPU ranks); the tensor is --max-bytes of float32")
     bench.add_argument("--overlap", action="store_true",
                        help="bucket size vs step time: our overlapped data parallelism beside DDP with the same "
                             "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
@@ -115,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_in_job(args, parser, _sizes(lo, hi, args.step_factor))
         if args.world_size is None:
             args.world_size = 4
+        if args.device != "cpu" and not args.compressors:
+            parser.error("--device applies to --compressors only (the collectives take their device from --backend)")
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if args.compressors:
             from commlab.bench.compressors import print_compressor_bench
-            return print_compressor_bench(world_size=max(2, args.world_size), repeats=args.rounds)
+            return print_compressor_bench(world_size=max(2, args.world_size), numel=max(1, hi // 4),
+                                          repeats=args.rounds, device=args.device)
         if args.overlap:
             from commlab.bench.overlap import print_overlap_bench
             return print_overlap_bench(world_size=args.world_size, steps=2 * args.rounds)

@@ -51,12 +51,17 @@ class ThroughputRow:
         return self.seconds / self.primitive_seconds
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    # On a GPU the kernels run asynchronously: synchronise before reading the clock, so that the work is
+    # timed and not its launch.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm-up: allocator, lazy initialisation
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -75,7 +80,7 @@ def _candidates(x: torch.Tensor, ratio: float):
         return torch.zeros_like(x).index_copy_(0, idx, x.index_select(0, idx))
 
     def randk_prim():
-        idx = torch.randperm(n)[:k]
+        idx = torch.randperm(n, device=x.device)[:k]
         return torch.zeros_like(x).index_copy_(0, idx, x.index_select(0, idx))
 
     def sign_prim():
@@ -107,20 +112,30 @@ def _candidates(x: torch.Tensor, ratio: float):
 
 
 def bench_compressor_throughput(numel: int = 16 * 2 ** 20, repeats: int = 3, ratio: float = 0.01,
-                                seed: int = 0) -> list[ThroughputRow]:
+                                seed: int = 0, device: torch.device | str = "cpu") -> list[ThroughputRow]:
     """Time ``decompress(compress(x))`` of each compressor and its torch primitive on ``numel`` float32 values.
 
     Args:
         numel: elements of the random normal input (default 16 Mi: 64 MiB, far beyond the caches).
         repeats: timed runs; the median is reported.
         ratio: kept fraction for the sparsifiers (default 1 %).
+        device: where the tensor lives and the work runs (``"cuda"``: the current GPU; the clock is read
+            after ``torch.cuda.synchronize``).
+
+    Raises:
+        ValueError: ``numel`` < 1 or ``repeats`` < 1. RuntimeError: ``device`` is CUDA and none is available.
     """
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if numel < 1 or repeats < 1:
+        raise ValueError(f"need numel >= 1 and repeats >= 1, got numel={numel}, repeats={repeats}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for and no CUDA GPU is visible")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
     rows = []
     for comp, prim_name, prim in _candidates(x, ratio):
         payload = comp.compress(x)
-        seconds = _median_seconds(lambda: comp.decompress(comp.compress(x)), repeats)
-        prim_seconds = _median_seconds(prim, repeats)
+        seconds = _median_seconds(lambda: comp.decompress(comp.compress(x)), repeats, device)
+        prim_seconds = _median_seconds(prim, repeats, device)
         rows.append(ThroughputRow(comp.name, prim_name, seconds, prim_seconds, x.numel() * x.element_size(),
                                   payload.nbytes))
     return rows
@@ -182,12 +197,15 @@ def bench_powersgd_ddp(world_size: int = 2, hidden: int = 1024, steps: int = 20,
     return launch(_ddp_steps, world_size, hidden, steps, rank, warmup, timeout=timeout)[0]
 
 
-def print_compressor_bench(world_size: int = 2, numel: int = 16 * 2 ** 20, repeats: int = 3) -> int:
-    """Print both measurements; return 0 (a shell exit status)."""
-    print(f"# compress + decompress of {numel} float32 ({numel * 4 / 2 ** 20:.0f} MiB), "
-          f"median of {repeats}, {torch.get_num_threads()} threads")
+def print_compressor_bench(world_size: int = 2, numel: int = 16 * 2 ** 20, repeats: int = 3,
+                           device: torch.device | str = "cpu") -> int:
+    """Print both measurements (the throughput on ``device``, the DDP steps on gloo CPU ranks); return 0."""
+    device = torch.device(device)
+    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"# compress + decompress of {numel} float32 ({numel * 4 / 2 ** 20:.3g} MiB) on {device}, "
+          f"median of {repeats}, {where}")
     print(f"#{'compressor':>20} {'ratio':>7} {'ours GB/s':>10} {'torch GB/s':>11} {'ours/torch':>11}  torch primitive")
-    for r in bench_compressor_throughput(numel, repeats):
+    for r in bench_compressor_throughput(numel, repeats, device=device):
         print(f" {r.name:>20} {r.nbytes / max(r.payload_nbytes, 1):>7.1f} {r.gb_per_s:>10.2f} "
               f"{r.primitive_gb_per_s:>11.2f} {r.ratio:>11.2f}  {r.primitive}")
     t = bench_powersgd_ddp(world_size)
