@@ -30,15 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab.selftest import Check, format_table
+from torch.distributed.elastic.multiprocessing.errors import record
 
-
-def _max_over_world(value: float, device: torch.device) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from commlab.selftest import Check, _max_over_world, format_table
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -146,21 +140,25 @@ def _dp_rows(device: torch.device) -> list[Check]:
     return rows
 
 
+def _deep_mlp(seed: int, device: torch.device, stages: int) -> nn.Sequential:
+    # At least two modules per stage, however many ranks there are (an 8-GPU node runs 8 stages).
+    torch.manual_seed(seed)
+    hidden = [m for _ in range(max(2, stages)) for m in (nn.Tanh(), nn.Linear(64, 64))]
+    return nn.Sequential(nn.Linear(32, 64), *hidden, nn.Tanh(), nn.Linear(64, 10)).to(device)
+
+
 def _pipeline_rows(device: torch.device) -> list[Check]:
     from commlab.parallel.pipeline import pipeline_step, split_sequential
 
     p, stage = dist.get_world_size(), dist.get_rank()
     x, y = _batch(device, 32)
-    full = _mlp(1, device)
+    full = _deep_mlp(1, device, p)
     nn.functional.cross_entropy(full(x), y).backward()
     rows = []
-    layers = len(full)
     for schedule in ("gpipe", "1f1b"):
         model = copy.deepcopy(full)
         model.zero_grad(set_to_none=True)
-        stages = split_sequential(model, min(p, layers))
-        if p > layers:
-            raise SystemExit(f"gpu_check: at most {layers} pipeline stages, got {p} ranks")
+        stages = split_sequential(model, p)
         result = pipeline_step(stages[stage], x, y, nn.functional.cross_entropy, 4, None, schedule)
         ref = dict(full.named_parameters())
         names = {id(q): k for k, q in model.named_parameters()}
@@ -250,6 +248,7 @@ def _table(part: str, rows: list[Check], world: int, backend: str, launcher: str
         format_table(rows, world, backend, launcher).split("\n", 1)[1]
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("part", choices=["codecs", "steps", "collectives"])
