@@ -83,6 +83,84 @@ def test_a_hook_result_on_another_device_is_refused_naming_the_hook():
     assert "meta_result_hook" in msg and "on meta" in msg and "lives on cpu" in msg
 
 
+def _hook_raising_on_first_call():
+    """A comm hook that raises on its first call only: the step it raised in ends, and the next step (with and
+    without an explicit finish() in between) averages correctly, against the whole batch in one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = {"n": 0}
+
+    def flaky(state, bucket):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("flaky hook: first call fails")
+        buf = bucket.buffer() / world
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    out = {}
+    for explicit_finish in (True, False):
+        calls["n"] = 0
+        model = make_mlp(WIDTHS)
+        wrapped = BucketedDataParallel(model, bucket_cap_bytes=CAP)
+        wrapped.register_comm_hook(None, flaky)
+        x, y = _batches(1, rank)[0]
+        with pytest.raises(RuntimeError, match="first call fails"):
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+        if explicit_finish:
+            with pytest.raises(RuntimeError, match="first call fails"):
+                wrapped.finish()             # raises the hook's error once more, and ends the step
+            wrapped.finish()                 # idempotent
+        assert wrapped.pending() == 0
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        out[explicit_finish] = [p.grad.clone() for p in model.parameters()]
+    return out
+
+
+def test_a_hook_that_raises_ends_its_step_and_the_next_step_is_right():
+    results = launch(_hook_raising_on_first_call, 2, timeout=60)
+    reference = make_mlp(WIDTHS)
+    loss = sum(nn.functional.cross_entropy(reference(x), y) for x, y in (_batches(1, r)[0] for r in range(2)))
+    (loss / 2).backward()
+    want = [p.grad for p in reference.parameters()]
+    for per_rank in results:
+        for grads in per_rank.values():
+            assert _max_diff(grads, want) < 1e-6
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(3, 3)        # registered first: in the last bucket, which finish() launches
+        self.mlp = make_mlp(WIDTHS)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def _hook_raising_inside_finish():
+    model = _WithUnused()
+    wrapped = BucketedDataParallel(model, bucket_cap_bytes=CAP, find_unused_parameters=True,
+                                   finish_in_backward=False)
+
+    def last_bucket_fails(state, bucket):
+        if bucket.is_last():
+            raise RuntimeError("hook fails on the last bucket")
+        return completed_future(bucket.buffer() / dist.get_world_size())
+
+    wrapped.register_comm_hook(None, last_bucket_fails)
+    x, y = _batches(1, dist.get_rank())[0]
+    nn.functional.cross_entropy(wrapped(x), y).backward()   # the last bucket waits for `unused`
+    with pytest.raises(RuntimeError, match="fails on the last bucket"):
+        wrapped.finish()
+    assert wrapped.pending() == 0 and not wrapped.gradients_averaged
+    wrapped(x)                               # the step ended: a new forward is allowed
+    return True
+
+
+def test_a_hook_that_raises_inside_finish_still_ends_the_step():
+    assert launch(_hook_raising_inside_finish, 2, timeout=60) == [True, True]
+
+
 def test_set_buffer_replaces_the_buffer_as_grad_bucket_does():
     param = nn.Parameter(torch.zeros(2, 3))
     original = torch.arange(6, dtype=torch.float32)

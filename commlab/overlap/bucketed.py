@@ -379,6 +379,7 @@ class _State:
         self.hook_buckets: list[Bucket | None] = [None] * n_buckets   # what each hook saw (its buffer may be new)
         self.started = False                # a gradient of this step arrived
         self.finished = False
+        self.failure: BaseException | None = None   # a comm hook raised at launch: nothing more is launched
         self.record = StepRecord([BucketTiming(i, nbytes[i], clock) for i in range(n_buckets)], clock)
 
 
@@ -575,6 +576,13 @@ class BucketedDataParallel(nn.Module):
     # ---- public API -----------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self._state is not None and self._state.failure is not None and not self._state.finished:
+            # The previous step's comm hook raised, and that error reached the caller through backward(): end
+            # the lost step (wait for what was launched) so that training can go on.
+            try:
+                self.finish()
+            except BaseException:  # noqa: BLE001 -- the same error the caller has already seen
+                pass
         if self._state is not None and self._state.started and not self._state.finished:
             raise RuntimeError("the previous synced backward's buckets were never waited for: call finish() "
                                "(or train_step) before the next forward")
@@ -678,6 +686,11 @@ class BucketedDataParallel(nn.Module):
                 another element count, another device, or another dtype than the bucket's or the one it set
                 with :meth:`Bucket.set_buffer` (the message names the hook).
             Whatever a bucket's future raised (a comm hook's error, a failed collective).
+
+        A comm hook that raises when a bucket is launched (in backward, or here) ends the step: the buckets
+        already launched are waited for, no later bucket is launched, ``.grad`` is left as backward wrote it,
+        and that error is raised here (and by backward, if it launched there). If backward raised it and
+        ``finish`` is not called, the next forward ends the lost step itself.
         """
         st = self._state
         if st is None or st.finished or not st.started:
@@ -685,28 +698,34 @@ class BucketedDataParallel(nn.Module):
         with record_function(RANGE_WAIT):
             st.record._set("wait_start_s", self.clock.mark())
             missing = [k for k, r in enumerate(st.ready) if not r]
-            for k in missing:  # zero contribution, then launch what became launchable, in order
-                b, j = self._where[k]
-                self._views[b][j].zero_()
-                st.ready[k] = True
-                st.pending[b] -= 1
-                if st.pending[b] == 0:
-                    self._mark_bucket_ready(b, self.clock.mark())
-            if missing:
-                self._launch_ready()
             try:
-                values, failure = [], None
+                for k in missing:  # zero contribution, then launch what became launchable, in order
+                    b, j = self._where[k]
+                    self._views[b][j].zero_()
+                    st.ready[k] = True
+                    st.pending[b] -= 1
+                    if st.pending[b] == 0:
+                        self._mark_bucket_ready(b, self.clock.mark())
+                if missing:
+                    try:
+                        self._launch_ready()
+                    except BaseException:  # noqa: BLE001 -- a hook raised: kept in st.failure, raised below
+                        pass
+                values = []
                 for b, fut in enumerate(st.futures):
+                    if fut is None:  # never launched: an earlier bucket's hook raised
+                        values.append(None)
+                        continue
                     try:
                         value = fut.wait()
                     except BaseException as exc:  # noqa: BLE001 -- re-raised below, once every future is waited
-                        failure = failure or exc
+                        st.failure = st.failure or exc
                         value = None
                     self._on_done(b, st.record.buckets[b])  # no-op if its callback already ran
                     st.futures[b] = None  # waited: no pending handle left behind
                     values.append(value)
-                if failure is not None:
-                    raise failure
+                if st.failure is not None:
+                    raise st.failure
                 for b, value in enumerate(values):
                     value = self._check_result(b, value)
                     buf = self._bucket_bufs[b]
@@ -815,7 +834,9 @@ class BucketedDataParallel(nn.Module):
     def _launch_ready(self) -> None:
         st = self._state
         n = len(self.buckets)
-        while st.next_to_launch < n and st.pending[st.next_to_launch] == 0:
+        # After a hook raised, later buckets stay unlaunched: the step is lost, and launching them would only
+        # issue collectives this rank never waits for.
+        while st.failure is None and st.next_to_launch < n and st.pending[st.next_to_launch] == 0:
             b = st.next_to_launch
             st.next_to_launch += 1
             self._launch(b)
@@ -831,11 +852,17 @@ class BucketedDataParallel(nn.Module):
                 bucket = Bucket(self._bucket_bufs[b], b, b == len(self.buckets) - 1,
                                 [self._params[k] for k in self._members[b]])
                 st.hook_buckets[b] = bucket
-                fut = self._hook(self._hook_state, bucket)
-                # dist's futures are torch._C.Future; torch.futures.Future wraps the same type.
-                if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
-                    raise ValueError(f"the comm hook {_hook_name(self._hook)} returned {type(fut).__name__}; it "
-                                     "must return a torch.futures.Future of the averaged bucket buffer")
+                try:
+                    fut = self._hook(self._hook_state, bucket)
+                    # dist's futures are torch._C.Future; torch.futures.Future wraps the same type.
+                    if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
+                        raise ValueError(f"the comm hook {_hook_name(self._hook)} returned {type(fut).__name__}; "
+                                         "it must return a torch.futures.Future of the averaged bucket buffer")
+                except BaseException as exc:
+                    # Kept so that finish() waits for the buckets already launched, then raises this, and the
+                    # step ends (the next forward starts afresh) instead of tripping over a missing future.
+                    st.failure = exc
+                    raise
             timing._set("launched_s", self.clock.mark())
         st.futures[b] = fut
         fut.add_done_callback(_done_callback(self._me, b, timing))
