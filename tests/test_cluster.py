@@ -104,6 +104,27 @@ def test_launch_runs_in_process_under_torchrun():
     _assert_nothing_left(run_id, os.path.join("tests", "jobs", "inprocess_job.py"))
 
 
+TIMEOUT_JOB = os.path.join("tests", "jobs", "inprocess_timeout_job.py")
+
+
+def _torchrun_job(nproc, *argv, timeout=120):
+    run_id = _run_id()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "--max-restarts", "0", "--rdzv-id", run_id, os.path.join(ROOT, *argv[:1]),
+                           *argv[1:]], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout)
+    _assert_nothing_left(run_id, argv[0])
+    return proc
+
+
+def test_each_in_process_launch_bounds_its_collectives_by_its_own_timeout():
+    # The first launch (timeout=1) made the group; the second (timeout=20) has rank 0 work alone for 5 s before
+    # an AllReduce: with the first launch's timeout kept, rank 1 would give up after 3 s.
+    proc = _torchrun_job(2, TIMEOUT_JOB, "short_then_long")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"rank {r}: the second launch kept its own timeout" in proc.stdout for r in range(2))
+
+
 def _free_slurm_job_id():
     # The template derives its port from the job id (20000 + id % 10000): pick an id whose port is free.
     for job in range(4242, 14242):

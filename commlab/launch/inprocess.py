@@ -3,8 +3,9 @@
 Under a cluster launcher every process is one rank of the job. ``launch(fn, N)`` then checks that the job
 has ``N`` ranks, initialises the default process group through :func:`commlab.launch.init_from_env` (unless
 it already is), runs ``fn`` once in this process, and all-gathers the results so that every rank returns the
-same list in rank order, as the forked ranks' results come back to the notebook. The thread count and the
-send tracker are restored when it returns. The process group it initialises stays for the launches after it
+same list in rank order, as the forked ranks' results come back to the notebook. The thread count, the
+send tracker and the group's collective timeout (set to the launch's ``timeout`` for its duration) are
+restored when it returns. The process group it initialises stays for the launches after it
 and is destroyed when the process exits: inside a torchrun worker torch does not re-create the default group
 reliably (measured with torch 2.13: the third ``init_process_group`` in one worker, each after a
 ``destroy_process_group``, failed to connect to an address left in the agent's store by an earlier one). A
@@ -29,11 +30,14 @@ rank, the destinations and the bytes.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import datetime
 import pickle
 import threading
 import time
 import traceback
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,7 +47,7 @@ from commlab.launch.errors import LaunchError, RankError, is_peer_fallout
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished, track_sends
 
 
-__all__ = ["run_in_process", "UnfinishedSendsError", "runs_in_process"]
+__all__ = ["run_in_process", "UnfinishedSendsError", "runs_in_process", "collective_timeout"]
 
 # How long a rank whose error is a peer's fallout looks for the root cause in the store, and how long any
 # store operation of this module may take (the store can be hosted by the rank that died).
@@ -86,8 +90,11 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
     """Run ``fn(*args, **kwargs)`` as this rank of the launcher's job; every rank returns all results.
 
     Arguments as :func:`commlab.launch.launch`. ``timeout`` here bounds the wait for sends still in flight
-    after ``fn``, and, 2 s longer, every collective (passed to ``init_process_group``); the launcher (torchrun,
-    srun) owns the processes, so nothing here kills a rank that is merely slow.
+    after ``fn``, and, 2 s longer, every collective of the default group while ``fn`` runs: the group's
+    operation timeout is set for this launch and restored after it (:func:`collective_timeout`), so it is this
+    launch's ``timeout`` whether the group was made by an earlier launch or by :func:`init_from_env` with
+    another one. The launcher (torchrun, srun) owns the processes, so nothing here kills a rank that is
+    merely slow.
 
     Raises:
         ValueError: ``world_size`` differs from the job's (the message gives both and how to start ``N``).
@@ -122,23 +129,55 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                              f"{ctx.world_size} ranks")
         _launches += 1
         board = _FailureBoard(f"commlab/launch/{_launches}/first_failure", ctx.rank, world_size)
-        with track_sends() as tracker:
+        with collective_timeout(timeout + _TIMEOUT_MARGIN_S):
+            with track_sends() as tracker:
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - reported as this rank's (or the root cause's) failure
+                    raise board.fail(exc) from exc
+                left = tracker.finish(start + timeout)
+            if left:
+                tracker.abandon()  # this process must be able to exit: nothing may stay blocked on those sends
+                err = UnfinishedSendsError(ctx.rank, left, timeout)
+                board.fail(err)  # posted, so that the peers waiting for this rank name it
+                raise err
             try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - reported as this rank's (or the root cause's) failure
+                return _gather(_to_cpu(result), world_size)
+            except Exception as exc:  # noqa: BLE001 - a peer died before the gather
                 raise board.fail(exc) from exc
-            left = tracker.finish(start + timeout)
-        if left:
-            tracker.abandon()  # this process must be able to exit: nothing may stay blocked on those sends
-            err = UnfinishedSendsError(ctx.rank, left, timeout)
-            board.fail(err)  # posted, so that the peers waiting for this rank name it
-            raise err
-        try:
-            return _gather(_to_cpu(result), world_size)
-        except Exception as exc:  # noqa: BLE001 - a peer died before the gather
-            raise board.fail(exc) from exc
     finally:
         torch.set_num_threads(old_threads)
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Within the block, every collective of ``group`` (default: the default group) times out after ``seconds``.
+
+    The fork launcher gives each launch a new group with its own timeout; under torchrun the group outlives
+    the launch, so its operation timeout (gloo's and NCCL's, fixed by ``init_process_group``) is set for the
+    block and restored after it, through torch's ``_set_pg_timeout`` (``torch/distributed/distributed_c10d.py``),
+    which sets each backend's default timeout for operations started afterwards. Groups made with
+    ``dist.new_group`` keep the timeout they were made with.
+
+    Warns (``RuntimeWarning``) and leaves the timeout as it is where this torch cannot set it.
+    """
+    pg = dist.group.WORLD if group is None else group
+    try:
+        before = [(dev, pg._get_backend(dev).options._timeout) for dev in pg._device_types]
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+    except Exception as e:  # noqa: BLE001 - a torch without these internals: say so, run anyway
+        warnings.warn(f"this torch cannot change the timeout of an existing process group ({e}): the collectives "
+                      f"of this launch keep the group's own timeout instead of {seconds:g} s", RuntimeWarning,
+                      stacklevel=3)
+        before = []
+    try:
+        yield
+    finally:
+        for dev, td in before:
+            try:
+                pg._get_backend(dev)._set_default_timeout(td)
+            except Exception:  # noqa: BLE001 - the group broke inside the block; the error raised says why
+                pass
 
 
 def _destroy_at_exit() -> None:

@@ -95,7 +95,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     :func:`commlab.launch.init_from_env` (unless it already is; it then stays for later launches and is
     destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`).
     ``start_method`` and ``print_output`` do not apply there (the launcher owns the processes and their
-    output); ``timeout`` bounds each collective and the wait for sends still in flight.
+    output); ``timeout`` bounds each collective (the group's operation timeout is set to it for this launch
+    and restored after, also on a group that existed before) and the wait for sends still in flight.
 
     Args:
         fn: the function each rank runs. With fork (the default on Linux) it may be defined in a
