@@ -125,6 +125,18 @@ def test_each_in_process_launch_bounds_its_collectives_by_its_own_timeout():
     assert all(f"rank {r}: the second launch kept its own timeout" in proc.stdout for r in range(2))
 
 
+def test_under_torchrun_a_rank_that_skips_a_collective_is_named_by_every_rank():
+    # Rank 1 skips an AllReduce; the group was made by init_from_env(timeout=120), the launch has timeout=2.
+    # The job ends in seconds (within this test's 60 s), and whoever reports names the same ranks.
+    proc = _torchrun_job(3, TIMEOUT_JOB, "skip", timeout=60)
+    assert proc.returncode != 0
+    verdict = "all 3 ranks joined, ranks [0, 2] were still running (finished: [1])"
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    assert f"LaunchTimeout: launch timed out after 2 s: {verdict}" in summary, proc.stdout + proc.stderr
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert reports and all(verdict in line for line in reports), reports
+
+
 def _free_slurm_job_id():
     # The template derives its port from the job id (20000 + id % 10000): pick an id whose port is free.
     for job in range(4242, 14242):

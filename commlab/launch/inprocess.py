@@ -25,6 +25,14 @@ cannot read its error any more and report their own; rank 0's output has the roo
 Sends still in flight when ``fn`` returns are waited for until the launch's deadline (see
 :mod:`commlab.launch.inflight`); those that never complete raise :class:`UnfinishedSendsError` naming this
 rank, the destinations and the bytes.
+
+A rank that returns from ``fn`` marks itself finished in the store and waits there (``timeout`` + 1 s at most)
+for the others before the results are gathered. When a rank skips a collective its peers call, the ranks
+that finished thus give up first and raise :class:`LaunchTimeout` naming the ranks still running and those
+that finished (``ranks [0, 1, 3] were still running (finished: [2])``, as the fork launcher says); they post
+it, and the peers whose collective then fails (closed by the finished rank's exit, or at its own timeout)
+raise the same. Under NCCL a collective that times out aborts its process (torch's watchdog), so there the
+finished rank's report, which is the first failure, is the one torchrun's summary shows.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.launch.env import detect_launcher, init_from_env, read_env
-from commlab.launch.errors import LaunchError, RankError, is_peer_fallout
+from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_collective_timeout, is_peer_fallout
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished, track_sends
 
 
@@ -100,6 +108,8 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
         ValueError: ``world_size`` differs from the job's (the message gives both and how to start ``N``).
         RankError: ``fn`` raised in this rank, or in the rank whose failure this rank's error reacts to.
         UnfinishedSendsError: sends of this rank never completed.
+        LaunchTimeout: not every rank finished: a rank skipped a collective, or worked alone past the
+            timeout (names the ranks still running and those that finished).
     """
     global _launches, _teardown_registered, _failed
     job = read_env()
@@ -128,7 +138,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
             raise ValueError(f"launch(fn, {world_size}): the process group already initialised here has "
                              f"{ctx.world_size} ranks")
         _launches += 1
-        board = _FailureBoard(f"commlab/launch/{_launches}/first_failure", ctx.rank, world_size)
+        board = _FailureBoard(f"commlab/launch/{_launches}", ctx.rank, world_size, timeout)
         with collective_timeout(timeout + _TIMEOUT_MARGIN_S):
             with track_sends() as tracker:
                 try:
@@ -141,6 +151,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                 err = UnfinishedSendsError(ctx.rank, left, timeout)
                 board.fail(err)  # posted, so that the peers waiting for this rank name it
                 raise err
+            board.finish()
             try:
                 return _gather(_to_cpu(result), world_size)
             except Exception as exc:  # noqa: BLE001 - a peer died before the gather
@@ -212,17 +223,29 @@ def _to_cpu(obj: Any) -> Any:
 
 
 class _FailureBoard:
-    """The first failure of a launch, kept in the job's store so that every rank can name it."""
+    """The first failure of a launch and the ranks that have finished it, kept in the job's store so that every
+    rank can name them.
 
-    def __init__(self, key: str, rank: int, world_size: int):
-        self.key, self.rank, self.world_size = key, rank, world_size
+    Keys (under ``commlab/launch/<n>/``): ``first_failure`` (the first failure posted, compare-and-set),
+    ``finished`` (a counter), ``finished/<rank>`` (one per rank that returned from ``fn``) and ``over`` (set by
+    the last rank to finish, or with the first failure: what the finished ranks wait for).
+    """
+
+    def __init__(self, prefix: str, rank: int, world_size: int, timeout_s: float):
+        self.prefix, self.rank, self.world_size, self.timeout_s = prefix, rank, world_size, timeout_s
+        self.key = f"{prefix}/first_failure"
         try:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no store: every rank reports its own failure
             self.store = None
 
-    def fail(self, exc: BaseException) -> RankError:
-        """The RankError to raise for ``exc``: the root cause's if ``exc`` is a reaction to it, else this one."""
+    def fail(self, exc: BaseException) -> LaunchError:
+        """The error to raise for ``exc``: the root cause's if ``exc`` is a reaction to it, else this one.
+
+        A peer's fallout ("connection closed by peer") and a collective that timed out look for the first
+        failure posted; a timeout with no failure posted but with ranks that finished becomes the
+        :class:`LaunchTimeout` naming the ranks still running (a rank skipped a collective its peers called).
+        """
         global _failed
         _failed = True
         tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ is not None else ""
@@ -233,26 +256,91 @@ class _FailureBoard:
             message = f"<{exc_type} whose str() raised>"
         if isinstance(exc, RankError):
             return exc
-        if is_peer_fallout(message):
+        fallout, timed_out = is_peer_fallout(message), is_collective_timeout(message)
+        if fallout or timed_out:
             root = self._read()
-            if root is not None and root[0] != self.rank:
-                r, t, m, rtb = root
-                return RankError(r, self.world_size, t, m,
-                                 f"{rtb.rstrip()}\n\n(reported by rank {self.rank}, whose own error followed it: "
-                                 f"{exc_type}: {message})")
-        else:
-            self._post((self.rank, exc_type, message, tb[-20000:]))
+            if root is not None and root["rank"] != self.rank:
+                return self._error_of(root, f"{exc_type}: {message}")
+        if timed_out:
+            finished = self._finished()
+            if finished:
+                return self._verdict(finished)
+        if not fallout:
+            self._post({"rank": self.rank, "type": exc_type, "message": message, "traceback": tb[-20000:]})
         return RankError(self.rank, self.world_size, exc_type, message, tb)
 
-    def _post(self, entry) -> None:
+    def finish(self) -> None:
+        """Say that this rank returned from ``fn`` and wait (the launch's timeout + 1 s at most) until every rank has.
+
+        The ranks agree through the store, not in a collective: a rank that returned while its peers still wait
+        in a collective it skipped would otherwise enter the results' gather, a different collective, whose
+        failure names nobody. Returns when every rank has finished (or without a store, leaving the gather to
+        fail by itself).
+
+        Raises:
+            LaunchTimeout: not every rank finished within the timeout (names the ranks still running and the
+                ones that finished), or a finished rank reported so.
+            RankError: another rank failed (the root cause, as it posted it).
+        """
+        if self.store is None or self.world_size == 1:
+            return
+        if _bounded(lambda: self.store.set(f"{self.prefix}/finished/{self.rank}", "1") or True) is None:
+            return  # the store is gone: the gather reports what happened
+        done = _bounded(lambda: self.store.add(f"{self.prefix}/finished", 1))
+        if done is None:
+            return
+        if done >= self.world_size:
+            _bounded(lambda: self.store.set(f"{self.prefix}/over", "finished"))
+            return
+        # Longer than the launch's timeout, which is when a rank still waiting for its sends posts them, and
+        # shorter than the collectives' (timeout + _TIMEOUT_MARGIN_S), so that a finished rank names the ranks
+        # stuck in a collective it skipped before their own timeouts say only that they waited.
+        wait_s = self.timeout_s + _TIMEOUT_MARGIN_S / 2
+        _bounded(lambda: self.store.wait([f"{self.prefix}/over"], datetime.timedelta(seconds=wait_s)),
+                 wait_s + _STORE_OP_S)
+        if (_bounded(lambda: self.store.add(f"{self.prefix}/finished", 0)) or 0) >= self.world_size:
+            return
+        global _failed
+        _failed = True
+        root = self._read(wait_s=0.0)
+        if root is not None:
+            raise self._error_of(root, None)
+        finished = self._finished()
+        if finished is None:  # the store went away while this rank waited
+            finished = [self.rank]
+        raise self._verdict(finished)
+
+    def _verdict(self, finished: list[int]) -> LaunchTimeout:
+        err = LaunchTimeout(self.world_size, self.timeout_s, range(self.world_size), finished)
+        self._post({"rank": self.rank, "type": "LaunchTimeout", "message": str(err), "traceback": "",
+                    "finished": finished})
+        return err
+
+    def _error_of(self, root: dict, own: str | None) -> LaunchError:
+        """The error this rank raises for the failure ``root`` that another rank posted."""
+        if "finished" in root:  # a timeout: every rank names the same ranks
+            return LaunchTimeout(self.world_size, self.timeout_s, range(self.world_size), root["finished"])
+        note = f"\n\n(reported by rank {self.rank}" + (f", whose own error followed it: {own})" if own else
+                                                         ", which had finished its function)")
+        return RankError(root["rank"], self.world_size, root["type"], root["message"],
+                         f"{root['traceback'].rstrip()}{note}")
+
+    def _finished(self) -> list[int] | None:
+        """The ranks that returned from ``fn`` (None if the store cannot say)."""
+        keys = [f"{self.prefix}/finished/{r}" for r in range(self.world_size)]
+        flags = _bounded(lambda: [self.store.check([k]) for k in keys]) if self.store is not None else None
+        return None if flags is None else [r for r, f in enumerate(flags) if f]
+
+    def _post(self, entry: dict) -> None:
         if self.store is not None:
             _bounded(lambda: self.store.compare_set(self.key, "", pickle.dumps(entry)))
+            _bounded(lambda: self.store.set(f"{self.prefix}/over", "failed"))
 
-    def _read(self):
+    def _read(self, wait_s: float = _BOARD_WAIT_S) -> dict | None:
         if self.store is None:
             return None
-        deadline = time.monotonic() + _BOARD_WAIT_S
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + wait_s
+        while True:
             found = _bounded(lambda: self.store.check([self.key]))
             if found:
                 raw = _bounded(lambda: self.store.get(self.key))
@@ -260,14 +348,14 @@ class _FailureBoard:
                     return pickle.loads(raw) if raw else None
                 except Exception:  # noqa: BLE001
                     return None
-            if found is None:  # the store itself is gone or stuck
+            if found is None or time.monotonic() >= deadline:  # the store itself is gone or stuck, or nothing came
                 return None
             time.sleep(0.05)
-        return None
 
 
-def _bounded(op: Callable[[], Any]) -> Any:
-    """``op()`` in a daemon thread, given up after a few seconds: the store may belong to a process that died."""
+def _bounded(op: Callable[[], Any], limit_s: float = _STORE_OP_S) -> Any:
+    """``op()`` in a daemon thread, given up after ``limit_s`` seconds (None then, or if it raised): the store
+    may belong to a process that died."""
     out: list[Any] = []
 
     def run():
@@ -278,9 +366,5 @@ def _bounded(op: Callable[[], Any]) -> Any:
 
     t = threading.Thread(target=run, daemon=True, name="commlab-failure-board")
     t.start()
-    t.join(_STORE_OP_S)
+    t.join(limit_s)
     return out[0] if out else None
-
-
-
-

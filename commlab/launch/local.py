@@ -127,6 +127,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         LaunchTimeout: the launch outlived ``timeout`` seconds (naming the ranks that returned with sends
             still in flight, their destinations and bytes, when that is why).
         UnfinishedSendsError: under torchrun/srun, this rank's sends never completed.
+
+    Under torchrun/srun a ``LaunchTimeout`` names the ranks still running and those that finished, on every
+    rank that reports (a rank that returns waits at most ``timeout`` + 1 s for the others).
     """
     _validate(fn, world_size, backend, timeout, threads_per_rank)
     from commlab.launch.inprocess import run_in_process, runs_in_process
