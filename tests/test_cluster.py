@@ -170,6 +170,42 @@ def test_the_slurm_template_runs_one_node_without_srun():
     _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
 
 
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
+@pytest.mark.skipif(not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK),
+                    reason="no .venv in this checkout (scripts/setup.sh makes it)")
+def test_the_slurm_template_uses_the_checkouts_venv_with_nothing_on_path():
+    # No PYTHON, no virtual environment activated, a bare PATH: what a batch job on a fresh login gets.
+    job = _free_slurm_job_id()
+    proc = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", f"SLURM_JOB_ID={job}", "SLURM_JOB_NODELIST=localhost",
+                           "NPROC_PER_NODE=2", "JOIN_TIMEOUT=60", "bash", "scripts/slurm/commlab.sbatch"],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"commlab: python {ROOT}/.venv/bin/python" in proc.stdout
+    assert "# 11 of 11 checks passed" in proc.stdout
+    _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
+
+
+def test_the_slurm_template_without_a_python_that_has_commlab_says_what_to_do(tmp_path):
+    bare = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "bash", "-c", "python3 -c 'import commlab'"],
+                          capture_output=True)
+    if bare.returncode == 0:
+        pytest.skip("python3 on /usr/bin can import commlab: the template would use it")
+    copy = tmp_path / "scripts" / "slurm"
+    copy.mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"), copy)  # a checkout without .venv
+    proc = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "SLURM_JOB_ID=5", "SLURM_JOB_NODELIST=localhost",
+                           "bash", "scripts/slurm/commlab.sbatch"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"commlab: no Python with commlab installed: PYTHON is not set, there is no .venv/bin/python in {tmp_path}" \
+        in proc.stderr
+    assert "Run bash scripts/setup.sh in the checkout and submit from there, or export PYTHON=" in proc.stderr
+    bad = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "PYTHON=/bin/true-python", "SLURM_JOB_ID=5",
+                          "SLURM_JOB_NODELIST=localhost", "bash", "scripts/slurm/commlab.sbatch"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and "PYTHON=/bin/true-python cannot import commlab" in bad.stderr
+
+
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed")
 def test_the_slurm_template_refuses_several_nodes_without_srun():
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"), "train.py"],
