@@ -277,3 +277,31 @@ def test_under_srun_a_send_never_received_is_named_on_both_ranks():
     # (Under srun without torchrun the job's store lives in rank 0's process: were rank 0 the one to fail,
     # its peers could not read its error from there, and would report their own.)
     assert f"RankError: rank 1 of 2 failed with UnfinishedSendsError: {named}" in errs[0]
+
+
+def _launch_inside(world):
+    return launch(_raise_in_rank_one, world)
+
+
+def test_launch_inside_a_forked_rank_is_refused():
+    with pytest.raises(RankError) as info:
+        launch(_launch_inside, 2, 2, timeout=20)
+    assert info.value.exc_type == "RuntimeError"
+    assert (f"launch() was called inside rank {info.value.rank} of a launch, whose process group is already "
+            "initialised: call the function directly there") in info.value.exc_message
+
+
+def test_forking_with_a_group_already_initialised_here_is_refused():
+    proc = _python("""
+        from commlab import launch
+        from commlab.launch import init_from_env
+        init_from_env("gloo")
+        try:
+            launch(print, 2)
+        except RuntimeError as e:
+            print(e)
+    """, _clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert ("torch.distributed is already initialised in this process (rank 0 of 1, backend gloo), and the ranks "
+            "launch() forks would inherit that group: call torch.distributed.destroy_process_group() first") \
+        in proc.stdout

@@ -67,6 +67,7 @@ _TIMEOUT_MARGIN_S = 2.0
 _launches = 0
 _teardown_registered = False
 _failed = False  # set once a launch failed in this process: its group is then not torn down at exit
+_running = False  # True while fn of an in-process launch runs (a launch inside it is refused)
 
 
 class UnfinishedSendsError(LaunchError, TimeoutError):
@@ -92,6 +93,11 @@ def runs_in_process() -> bool:
     return door == "slurm" and read_env().world_size > 1
 
 
+def launch_running() -> bool:
+    """Whether this process is inside the function of an in-process launch."""
+    return _running
+
+
 def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
                    timeout: float, threads_per_rank: int,
                    init_hook: Callable[[int], None] | None) -> list[Any]:
@@ -111,7 +117,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
         LaunchTimeout: not every rank finished: a rank skipped a collective, or worked alone past the
             timeout (names the ranks still running and those that finished).
     """
-    global _launches, _teardown_registered, _failed
+    global _launches, _teardown_registered, _failed, _running
     job = read_env()
     if job.world_size != world_size:
         raise ValueError(
@@ -141,10 +147,13 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
         board = _FailureBoard(f"commlab/launch/{_launches}", ctx.rank, world_size, timeout)
         with collective_timeout(timeout + _TIMEOUT_MARGIN_S):
             with track_sends() as tracker:
+                _running = True
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:  # noqa: BLE001 - reported as this rank's (or the root cause's) failure
                     raise board.fail(exc) from exc
+                finally:
+                    _running = False
                 left = tracker.finish(start + timeout)
             if left:
                 tracker.abandon()  # this process must be able to exit: nothing may stay blocked on those sends

@@ -121,7 +121,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             ``start_method``; or spawn asked for with a function that cannot be imported by the children;
             under torchrun/srun, a ``world_size`` that is not the job's.
         RuntimeError: NCCL asked for with fewer GPUs than ranks, or with CUDA already initialised in the
-            parent under fork.
+            parent under fork; ``launch`` called inside a rank of a launch (forked or in-process); forking
+            with ``torch.distributed`` already initialised in this process.
         RankError: a rank raised, or exited without returning. Names the rank, its exception and
             traceback; raised within about a second of the failure.
         LaunchTimeout: the launch outlived ``timeout`` seconds (naming the ranks that returned with sends
@@ -134,9 +135,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     _validate(fn, world_size, backend, timeout, threads_per_rank)
     from commlab.launch.inprocess import run_in_process, runs_in_process
 
+    _refuse_nested()
     if runs_in_process():
         return run_in_process(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                               threads_per_rank=threads_per_rank, init_hook=init_hook)
+    _refuse_initialised_parent()
     _check_gpus(backend, world_size)
     start_method = _choose_start_method(fn, start_method, backend)
     ctx = mp.get_context(start_method)
@@ -186,6 +189,30 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if isinstance(threads_per_rank, bool) or not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+
+
+def _refuse_nested():
+    # A rank of a launch already is one process of an initialised world: a launch inside it would fork ranks
+    # that inherit that group (torch: "trying to initialize the default process group twice").
+    rank = os.environ.get(CHILD_MARKER)
+    if rank is not None:
+        raise RuntimeError(f"launch() was called inside rank {rank} of a launch, whose process group is already "
+                           "initialised: call the function directly there (every rank runs it), or call launch() "
+                           "from the notebook or script that started the ranks")
+    from commlab.launch.inprocess import launch_running
+    if launch_running():
+        raise RuntimeError("launch() was called inside a function that launch() runs under torchrun/srun: call "
+                           "the inner function directly (this process already is one rank of the job)")
+
+
+def _refuse_initialised_parent():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is already initialised in this process (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, backend {dist.get_backend()}), and the ranks launch() forks would inherit "
+            "that group: call torch.distributed.destroy_process_group() first, or run the function directly "
+            "on the group you have")
 
 
 def _check_gpus(backend, world_size):
