@@ -53,6 +53,8 @@ def test_which_launcher(env, launcher):
     ({"RANK": "8"}, "RANK=8 is out of range: this process's global rank (WORLD_SIZE=8), allowed 0..7"),
     ({"RANK": "-1"}, "RANK=-1 is out of range"),
     ({"WORLD_SIZE": "eight"}, "WORLD_SIZE='eight' is not an integer"),
+    ({"WORLD_SIZE": "1_0"}, "WORLD_SIZE='1_0' is not an integer (decimal digits)"),  # int() reads it as 10
+    ({"RANK": "\u0665"}, "RANK='\u0665' is not an integer"),                           # an Arabic-Indic 5
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is out of range"),
     ({"LOCAL_RANK": "4"}, "LOCAL_RANK=4 is out of range: this process's index on its node (LOCAL_WORLD_SIZE=4), "
                           "allowed 0..3"),
@@ -77,6 +79,8 @@ def test_bad_torchrun_variables_are_named_with_value_and_range(change, message):
     ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None},
      "MASTER_ADDR is not set and cannot be taken from Slurm's node list"),
     ({"SLURM_JOB_ID": None}, "MASTER_PORT is not set and SLURM_JOB_ID=None gives no port"),
+    ({"SLURM_JOB_ID": "\u00b2"}, "MASTER_PORT is not set and SLURM_JOB_ID='\u00b2' gives no port"),  # isdigit() accepts it
+    ({"SLURM_STEP_NUM_TASKS": "8_0"}, "SLURM_STEP_NUM_TASKS='8_0' is not an integer"),
 ])
 def test_bad_srun_variables_are_named(change, message):
     env = {k: v for k, v in {**SRUN, **change}.items() if v is not None}

@@ -39,6 +39,7 @@ import dataclasses
 import datetime
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -117,7 +118,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
     c10d = args.rdzv_backend == "c10d" and not args.standalone and bool(args.rdzv_endpoint)
     node_rank = args.node_rank
     if _option_span(opts, ("--node-rank", "--node_rank")) is None:
-        if environ.get("SLURM_NODEID", "").strip().isdigit():
+        if re.fullmatch(r"[0-9]+", environ.get("SLURM_NODEID", "").strip()):
             node_rank = int(environ["SLURM_NODEID"])
             if not c10d:
                 opts = ["--node-rank", str(node_rank)] + opts
@@ -133,7 +134,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
         if not host:  # no port given: torchrun's default
             host, port_text = args.rdzv_endpoint, str(DEFAULT_C10D_PORT)
         host = host.strip("[]")
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        if not re.fullmatch(r"[0-9]+", port_text) or not 1 <= int(port_text) <= 65535:
             raise _Refused(f"--rdzv-endpoint {args.rdzv_endpoint}: the port must be an integer 1..65535")
         port = int(port_text)
         conf = {}
