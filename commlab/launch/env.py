@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 __all__ = ["DistContext", "LauncherEnv", "LauncherEnvError", "init_from_env", "read_env", "detect_launcher",
            "DEFAULT_ENV_TIMEOUT_S",
-           "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER"]
+           "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER", "BACKENDS",
+           "check_timeout"]
 
 #: Seconds a rank waits for its peers, in the rendezvous and in every collective, unless ``timeout=`` says
 #: otherwise. torch's own default is 30 minutes (gloo) or 10 (NCCL): that long, a crashed peer or a rank that
@@ -61,7 +62,8 @@ DEFAULT_ENV_TIMEOUT_S = 120.0
 #: under commlab's own launcher, whatever else its environment inherited.
 CHILD_MARKER = "COMMLAB_LAUNCH_RANK"
 
-_BACKENDS = ("gloo", "nccl")
+#: The backends commlab runs on: gloo (CPU tensors) and NCCL (one GPU per rank).
+BACKENDS = ("gloo", "nccl")
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 
 
@@ -314,13 +316,18 @@ def _read_slurm(env: Mapping[str, str]) -> LauncherEnv:
 def _choose_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS} or None (NCCL when CUDA is available), "
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (NCCL when CUDA is available), "
                          f"got {backend!r}")
     return backend
 
 
-def _check_timeout(timeout) -> float:
+def check_timeout(timeout) -> float:
+    """``timeout`` as float seconds, for every ``timeout=`` of :mod:`commlab.launch`.
+
+    Raises:
+        ValueError: not a positive, finite number (a bool is not one).
+    """
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     return float(timeout)
@@ -407,7 +414,7 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEO
         torch.distributed.DistError (and subclasses): the rendezvous failed, e.g. a peer never came within
             ``timeout``.
     """
-    timeout_s = _check_timeout(timeout)
+    timeout_s = check_timeout(timeout)
     if dist.is_initialized():
         return _context_of_initialised(backend, os.environ)
     chosen = _choose_backend(backend)

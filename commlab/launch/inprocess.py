@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from commlab.launch.device import results_to_cpu
 from commlab.launch.env import detect_launcher, init_from_env, read_env
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_collective_timeout, is_peer_fallout
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished, track_sends
@@ -162,7 +163,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                 raise err
             board.finish()
             try:
-                return _gather(_to_cpu(result), world_size)
+                return _gather(results_to_cpu(result), world_size)
             except Exception as exc:  # noqa: BLE001 - a peer died before the gather
                 raise board.fail(exc) from exc
     finally:
@@ -218,17 +219,6 @@ def _gather(result: Any, world_size: int) -> list[Any]:
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, payload)
     return [pickle.loads(p) for p in everyone]
-
-
-def _to_cpu(obj: Any) -> Any:
-    # A CUDA tensor pickled on rank r would unpickle onto GPU r on every other rank.
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu() if obj.device.type != "cpu" else obj
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(o) for o in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 class _FailureBoard:

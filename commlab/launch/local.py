@@ -51,7 +51,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from commlab.launch.env import CHILD_MARKER
+from commlab.launch.device import results_to_cpu
+from commlab.launch.env import BACKENDS, CHILD_MARKER, check_timeout
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
 from commlab.launch.inflight import track_sends
 
@@ -63,7 +64,6 @@ DEFAULT_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 # After the first failure, how long to keep listening for an earlier-timestamped one from another rank.
 _GRACE_S = 0.3
-_BACKENDS = ("gloo", "nccl")
 # The ranks' own rendezvous and collective timeouts are a little longer than the launch's deadline, so
 # that the parent, which knows which ranks joined and which finished, is the one that reports a stall.
 _CHILD_TIMEOUT_MARGIN_S = 2.0
@@ -113,8 +113,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             (for example to set environment variables or seed a generator).
 
     Returns:
-        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, so
-        tensors come back as ordinary CPU-or-device tensors owned by the parent.
+        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, with
+        every tensor moved to the CPU first (:func:`commlab.launch.device.results_to_cpu`), so tensors come
+        back as CPU tensors owned by the caller. Under torchrun/srun the results are all-gathered: *every*
+        rank receives and holds all ``world_size`` results (memory ``world_size`` x one result per rank, and
+        as much again while they are unpickled), so return small summaries (numbers, errors, a few rows),
+        not model states or activations, from a large job.
 
     Raises:
         ValueError: bad ``world_size``, ``backend``, ``timeout``, ``threads_per_rank`` or
@@ -183,10 +187,9 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_timeout(timeout)
     if isinstance(threads_per_rank, bool) or not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
 
@@ -419,7 +422,7 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
                                 **init_kwargs)
         with track_sends() as tracker:
             result = fn(*args, **kwargs)
-            payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
+            payload = pickle.dumps(results_to_cpu(result))
             # Sends fn started and did not wait for: deliver them before leaving (their receivers may be
             # blocked on them), and tell the parent whom this rank is waiting for, in case they never complete.
             unfinished = tracker.unfinished()
@@ -455,19 +458,6 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     except Exception:  # noqa: BLE001 - the result is already delivered
         pass
     _flush_and_exit(events, 0)
-
-
-def _to_cpu_if_nccl(obj, backend):
-    if backend != "nccl":
-        return obj
-    import torch
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu_if_nccl(o, backend) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_cpu_if_nccl(v, backend) for k, v in obj.items()}
-    return obj
 
 
 def _flush_and_exit(events, code):
