@@ -204,6 +204,16 @@ def format_table(rows: list[Check], world: int, backend: str, launcher: str) -> 
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    # argparse reports the ValueError's message as "argument --timeout: invalid _seconds value" unless it is
+    # an ArgumentTypeError.
+    from commlab.launch.env import check_timeout
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}") from None
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m commlab selftest``; returns the exit status (0: every check passed)."""
@@ -213,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                              "or srun the job's world is used and this must match it if given")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="auto (default): NCCL under a launcher when CUDA is available, else gloo")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole check (default 120)")
+    parser.add_argument("--timeout", type=_seconds, default=120.0,
+                        help="seconds (default 120): with forked ranks, for the whole check; under torchrun or "
+                             "srun, for each collective and for a finished rank's wait for the others")
     parser.add_argument("--fail-rank", type=int, default=None, metavar="R",
                         help="make rank R raise after the first check (to see how a failure is reported)")
     args = parser.parse_args(argv)
@@ -234,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if in_process and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            parser.error(f"--backend nccl needs CUDA GPUs and torch {torch.__version__} sees none here: use "
+                         "--backend gloo (CPU processes)")
+        if not in_process and gpus < world:
+            parser.error(f"--backend nccl puts each forked rank on its own GPU: -n {world} needs {world} GPUs, "
+                         f"{gpus} visible (use -n {gpus}, or --backend gloo)")
     rows = launch(_rank_main, world, args.fail_rank, backend=backend, timeout=args.timeout)[0]
     launcher = read_env().launcher if in_process else "commlab.launch (forked ranks)"
     if printer:

@@ -290,3 +290,20 @@ def test_node_zero_on_a_host_that_is_not_this_machine_is_named():
                            "--rdzv-id", "x", "t.py"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "192.0.2.1 is not an address of this machine, but node 0 hosts the rendezvous store" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "0"], "argument --timeout: must be a positive, finite number of seconds, got '0'"),
+    (["--timeout", "nan"], "argument --timeout: must be a positive, finite number of seconds, got 'nan'"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs and torch"),
+])
+def test_selftest_refuses_bad_arguments_like_argparse(argv, message):
+    if argv[0] == "--backend":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is visible: --backend nccl is valid here")
+    proc = subprocess.run([sys.executable, "-m", "commlab", "selftest", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"python -m commlab selftest: error: {message}" in proc.stderr
+    assert "Traceback" not in proc.stderr
