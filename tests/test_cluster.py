@@ -93,6 +93,28 @@ def test_a_port_already_in_use_is_named_at_once():
     _assert_nothing_left(run_id)
 
 
+def test_a_second_node_zero_is_told_that_a_store_holds_the_port():
+    from commlab.launch.torchrun import _stop_session, node_command
+    run_id, port = _run_id(), free_port()
+    cmd = node_command(0, 2, 1, f"127.0.0.1:{port}", run_id, SELFTEST, join_timeout_s=30, local_addr="127.0.0.1")
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for _ in range(300):  # until node 0's torchrun hosts the store
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # the same --node-rank 0
+    finally:
+        _stop_session(first)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert (f"port {port} on 127.0.0.1 is already taken by a torch rendezvous store: another node 0 runs there "
+            "(was a second node started with --node-rank 0?") in second.stderr
+    _assert_nothing_left(run_id)
+
+
 def test_launch_runs_in_process_under_torchrun():
     run_id = _run_id()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
