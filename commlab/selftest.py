@@ -41,7 +41,7 @@ from commlab.overlap import BucketedDataParallel
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups
 from commlab.parallel.tensor import MLP, ParallelMLP
 
-__all__ = ["Check", "SelftestFailed", "run_checks", "format_table", "main", "RING_SIZES"]
+__all__ = ["Check", "SelftestFailed", "run_checks", "format_table", "main", "RING_SIZES", "max_over_world"]
 
 #: Element counts of the ring AllReduce check (float32): empty, one, odd and not divisible by small worlds.
 RING_SIZES = (0, 1, 7, 1023, 65539)
@@ -67,7 +67,9 @@ class Check:
         return self.max_error <= self.tolerance
 
 
-def _max_over_world(value: float, device: torch.device) -> float:
+def max_over_world(value: float, device: torch.device) -> float:
+    """The largest ``value`` over every rank of the default group (an AllReduce MAX of one float64 on
+    ``device``, the group's device); every rank must call it and gets the same number."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -84,13 +86,13 @@ def _ring_checks(device: torch.device) -> list[Check]:
         got = ring_all_reduce(x)
         scale = ref.abs().max().item() if count else 1.0
         err = (got - ref).abs().max().item() / max(scale, 1e-30) if count else 0.0
-        rows.append(Check(f"ring AllReduce, {count} x float32", _max_over_world(err, device), _FLOAT32_TOL,
+        rows.append(Check(f"ring AllReduce, {count} x float32", max_over_world(err, device), _FLOAT32_TOL,
                           "vs dist.all_reduce"))
     x = torch.arange(13, dtype=torch.int64, device=device) * (rank + 1) - 5
     ref = x.clone()
     dist.all_reduce(ref)
     err = float((ring_all_reduce(x) - ref).abs().max().item())
-    rows.append(Check("ring AllReduce, 13 x int64", _max_over_world(err, device), 0.0, "vs dist.all_reduce"))
+    rows.append(Check("ring AllReduce, 13 x int64", max_over_world(err, device), 0.0, "vs dist.all_reduce"))
     return rows
 
 
@@ -140,7 +142,7 @@ def _tp_checks(tp_group, layout: ParallelLayout, device: torch.device) -> list[C
         grad_err = max(grad_err, (mine.full_weight(grad=True) - ref.weight.grad).abs().max().item(),
                        (mine.full_bias(grad=True) - ref.bias.grad).abs().max().item())
     errs["weight gradients"] = grad_err
-    return [Check(f"TP MLP (tp={layout.tp}, float64) {what}", _max_over_world(e, device), _FLOAT64_TOL,
+    return [Check(f"TP MLP (tp={layout.tp}, float64) {what}", max_over_world(e, device), _FLOAT64_TOL,
                   "vs the full MLP") for what, e in errs.items()]
 
 
@@ -162,7 +164,7 @@ def _dp_check(dp_group, device: torch.device) -> Check:
     err = max((p.grad - q.grad).abs().max().item()
               for p, q in zip(wrapped.module.parameters(), reference.parameters()))
     return Check(f"BucketedDataParallel step (dp={dp}, {len(wrapped.buckets)} buckets, float64)",
-                 _max_over_world(err, device), _FLOAT64_TOL, "vs the whole batch in one process")
+                 max_over_world(err, device), _FLOAT64_TOL, "vs the whole batch in one process")
 
 
 def run_checks(fail_rank: int | None = None) -> list[Check]:
@@ -202,6 +204,16 @@ def format_table(rows: list[Check], world: int, backend: str, launcher: str) -> 
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    # argparse reports the ValueError's message as "argument --timeout: invalid _seconds value" unless it is
+    # an ArgumentTypeError.
+    from commlab.launch.env import check_timeout
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}") from None
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m commlab selftest``; returns the exit status (0: every check passed)."""
@@ -211,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                              "or srun the job's world is used and this must match it if given")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="auto (default): NCCL under a launcher when CUDA is available, else gloo")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole check (default 120)")
+    parser.add_argument("--timeout", type=_seconds, default=120.0,
+                        help="seconds (default 120): with forked ranks, for the whole check; under torchrun or "
+                             "srun, for each collective and for a finished rank's wait for the others")
     parser.add_argument("--fail-rank", type=int, default=None, metavar="R",
                         help="make rank R raise after the first check (to see how a failure is reported)")
     args = parser.parse_args(argv)
@@ -232,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if in_process and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            parser.error(f"--backend nccl needs CUDA GPUs and torch {torch.__version__} sees none here: use "
+                         "--backend gloo (CPU processes)")
+        if not in_process and gpus < world:
+            parser.error(f"--backend nccl puts each forked rank on its own GPU: -n {world} needs {world} GPUs, "
+                         f"{gpus} visible (use -n {gpus}, or --backend gloo)")
     rows = launch(_rank_main, world, args.fail_rank, backend=backend, timeout=args.timeout)[0]
     launcher = read_env().launcher if in_process else "commlab.launch (forked ranks)"
     if printer:

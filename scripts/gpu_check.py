@@ -32,7 +32,7 @@ from torch import nn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from commlab.selftest import Check, _max_over_world, format_table
+from commlab.selftest import Check, format_table, max_over_world as _max_over_world
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -93,6 +93,28 @@ def test_a_port_already_in_use_is_named_at_once():
     _assert_nothing_left(run_id)
 
 
+def test_a_second_node_zero_is_told_that_a_store_holds_the_port():
+    from commlab.launch.torchrun import _stop_session, node_command
+    run_id, port = _run_id(), free_port()
+    cmd = node_command(0, 2, 1, f"127.0.0.1:{port}", run_id, SELFTEST, join_timeout_s=30, local_addr="127.0.0.1")
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for _ in range(300):  # until node 0's torchrun hosts the store
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # the same --node-rank 0
+    finally:
+        _stop_session(first)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert (f"port {port} on 127.0.0.1 is already taken by a torch rendezvous store: another node 0 runs there "
+            "(was a second node started with --node-rank 0?") in second.stderr
+    _assert_nothing_left(run_id)
+
+
 def test_launch_runs_in_process_under_torchrun():
     run_id = _run_id()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -102,6 +124,39 @@ def test_launch_runs_in_process_under_torchrun():
     assert all(f"in-process checks passed on rank {r}" in proc.stdout for r in range(2))
     # --standalone makes its own run id for the workers: they are found by their script instead.
     _assert_nothing_left(run_id, os.path.join("tests", "jobs", "inprocess_job.py"))
+
+
+TIMEOUT_JOB = os.path.join("tests", "jobs", "inprocess_timeout_job.py")
+
+
+def _torchrun_job(nproc, *argv, timeout=120):
+    run_id = _run_id()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "--max-restarts", "0", "--rdzv-id", run_id, os.path.join(ROOT, *argv[:1]),
+                           *argv[1:]], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout)
+    _assert_nothing_left(run_id, argv[0])
+    return proc
+
+
+def test_each_in_process_launch_bounds_its_collectives_by_its_own_timeout():
+    # The first launch (timeout=1) made the group; the second (timeout=20) has rank 0 work alone for 5 s before
+    # an AllReduce: with the first launch's timeout kept, rank 1 would give up after 3 s.
+    proc = _torchrun_job(2, TIMEOUT_JOB, "short_then_long")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"rank {r}: the second launch kept its own timeout" in proc.stdout for r in range(2))
+
+
+def test_under_torchrun_a_rank_that_skips_a_collective_is_named_by_every_rank():
+    # Rank 1 skips an AllReduce; the group was made by init_from_env(timeout=120), the launch has timeout=2.
+    # The job ends in seconds (within this test's 60 s), and whoever reports names the same ranks.
+    proc = _torchrun_job(3, TIMEOUT_JOB, "skip", timeout=60)
+    assert proc.returncode != 0
+    verdict = "all 3 ranks joined, ranks [0, 2] were still running (finished: [1])"
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    assert f"LaunchTimeout: launch timed out after 2 s: {verdict}" in summary, proc.stdout + proc.stderr
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert reports and all(verdict in line for line in reports), reports
 
 
 def _free_slurm_job_id():
@@ -135,6 +190,42 @@ def test_the_slurm_template_runs_one_node_without_srun():
     assert "2 rank(s), backend gloo, launcher torchrun" in proc.stdout
     assert "# 11 of 11 checks passed" in proc.stdout
     _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
+@pytest.mark.skipif(not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK),
+                    reason="no .venv in this checkout (scripts/setup.sh makes it)")
+def test_the_slurm_template_uses_the_checkouts_venv_with_nothing_on_path():
+    # No PYTHON, no virtual environment activated, a bare PATH: what a batch job on a fresh login gets.
+    job = _free_slurm_job_id()
+    proc = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", f"SLURM_JOB_ID={job}", "SLURM_JOB_NODELIST=localhost",
+                           "NPROC_PER_NODE=2", "JOIN_TIMEOUT=60", "bash", "scripts/slurm/commlab.sbatch"],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"commlab: python {ROOT}/.venv/bin/python" in proc.stdout
+    assert "# 11 of 11 checks passed" in proc.stdout
+    _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
+
+
+def test_the_slurm_template_without_a_python_that_has_commlab_says_what_to_do(tmp_path):
+    bare = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "bash", "-c", "python3 -c 'import commlab'"],
+                          capture_output=True)
+    if bare.returncode == 0:
+        pytest.skip("python3 on /usr/bin can import commlab: the template would use it")
+    copy = tmp_path / "scripts" / "slurm"
+    copy.mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"), copy)  # a checkout without .venv
+    proc = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "SLURM_JOB_ID=5", "SLURM_JOB_NODELIST=localhost",
+                           "bash", "scripts/slurm/commlab.sbatch"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"commlab: no Python with commlab installed: PYTHON is not set, there is no .venv/bin/python in {tmp_path}" \
+        in proc.stderr
+    assert "Run bash scripts/setup.sh in the checkout and submit from there, or export PYTHON=" in proc.stderr
+    bad = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "PYTHON=/bin/true-python", "SLURM_JOB_ID=5",
+                          "SLURM_JOB_NODELIST=localhost", "bash", "scripts/slurm/commlab.sbatch"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and "PYTHON=/bin/true-python cannot import commlab" in bad.stderr
 
 
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed")
@@ -221,3 +312,20 @@ def test_node_zero_on_a_host_that_is_not_this_machine_is_named():
                            "--rdzv-id", "x", "t.py"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "192.0.2.1 is not an address of this machine, but node 0 hosts the rendezvous store" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "0"], "argument --timeout: must be a positive, finite number of seconds, got '0'"),
+    (["--timeout", "nan"], "argument --timeout: must be a positive, finite number of seconds, got 'nan'"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs and torch"),
+])
+def test_selftest_refuses_bad_arguments_like_argparse(argv, message):
+    if argv[0] == "--backend":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is visible: --backend nccl is valid here")
+    proc = subprocess.run([sys.executable, "-m", "commlab", "selftest", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"python -m commlab selftest: error: {message}" in proc.stderr
+    assert "Traceback" not in proc.stderr

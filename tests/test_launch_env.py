@@ -53,6 +53,8 @@ def test_which_launcher(env, launcher):
     ({"RANK": "8"}, "RANK=8 is out of range: this process's global rank (WORLD_SIZE=8), allowed 0..7"),
     ({"RANK": "-1"}, "RANK=-1 is out of range"),
     ({"WORLD_SIZE": "eight"}, "WORLD_SIZE='eight' is not an integer"),
+    ({"WORLD_SIZE": "1_0"}, "WORLD_SIZE='1_0' is not an integer (decimal digits)"),  # int() reads it as 10
+    ({"RANK": "\u0665"}, "RANK='\u0665' is not an integer"),                           # an Arabic-Indic 5
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is out of range"),
     ({"LOCAL_RANK": "4"}, "LOCAL_RANK=4 is out of range: this process's index on its node (LOCAL_WORLD_SIZE=4), "
                           "allowed 0..3"),
@@ -77,6 +79,8 @@ def test_bad_torchrun_variables_are_named_with_value_and_range(change, message):
     ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None},
      "MASTER_ADDR is not set and cannot be taken from Slurm's node list"),
     ({"SLURM_JOB_ID": None}, "MASTER_PORT is not set and SLURM_JOB_ID=None gives no port"),
+    ({"SLURM_JOB_ID": "\u00b2"}, "MASTER_PORT is not set and SLURM_JOB_ID='\u00b2' gives no port"),  # isdigit() accepts it
+    ({"SLURM_STEP_NUM_TASKS": "8_0"}, "SLURM_STEP_NUM_TASKS='8_0' is not an integer"),
 ])
 def test_bad_srun_variables_are_named(change, message):
     env = {k: v for k, v in {**SRUN, **change}.items() if v is not None}
@@ -277,3 +281,31 @@ def test_under_srun_a_send_never_received_is_named_on_both_ranks():
     # (Under srun without torchrun the job's store lives in rank 0's process: were rank 0 the one to fail,
     # its peers could not read its error from there, and would report their own.)
     assert f"RankError: rank 1 of 2 failed with UnfinishedSendsError: {named}" in errs[0]
+
+
+def _launch_inside(world):
+    return launch(_raise_in_rank_one, world)
+
+
+def test_launch_inside_a_forked_rank_is_refused():
+    with pytest.raises(RankError) as info:
+        launch(_launch_inside, 2, 2, timeout=20)
+    assert info.value.exc_type == "RuntimeError"
+    assert (f"launch() was called inside rank {info.value.rank} of a launch, whose process group is already "
+            "initialised: call the function directly there") in info.value.exc_message
+
+
+def test_forking_with_a_group_already_initialised_here_is_refused():
+    proc = _python("""
+        from commlab import launch
+        from commlab.launch import init_from_env
+        init_from_env("gloo")
+        try:
+            launch(print, 2)
+        except RuntimeError as e:
+            print(e)
+    """, _clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert ("torch.distributed is already initialised in this process (rank 0 of 1, backend gloo), and the ranks "
+            "launch() forks would inherit that group: call torch.distributed.destroy_process_group() first") \
+        in proc.stdout

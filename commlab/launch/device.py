@@ -16,12 +16,12 @@ events).
 from __future__ import annotations
 
 import time
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_device", "Clock", "Mark"]
+__all__ = ["group_device", "Clock", "Mark", "results_to_cpu"]
 
 #: A point in time recorded by :meth:`Clock.mark`: ``time.perf_counter()`` seconds on the CPU, a recorded
 #: ``torch.cuda.Event`` on a GPU.
@@ -45,6 +45,22 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def results_to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it on the CPU (inside plain lists, tuples and dicts), for a rank's result.
+
+    A CUDA tensor pickled on rank r unpickles onto GPU r in whichever process reads it (the parent of forked
+    ranks, or every rank after the in-process gather), so results travel on the CPU. Containers of other
+    types (named tuples, dataclasses) are passed as they are.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu() if obj.device.type != "cpu" else obj
+    if type(obj) in (list, tuple):
+        return type(obj)(results_to_cpu(o) for o in obj)
+    if type(obj) is dict:
+        return {k: results_to_cpu(v) for k, v in obj.items()}
+    return obj
 
 
 class Clock:

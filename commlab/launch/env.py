@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 __all__ = ["DistContext", "LauncherEnv", "LauncherEnvError", "init_from_env", "read_env", "detect_launcher",
            "DEFAULT_ENV_TIMEOUT_S",
-           "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER"]
+           "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER", "BACKENDS",
+           "check_timeout"]
 
 #: Seconds a rank waits for its peers, in the rendezvous and in every collective, unless ``timeout=`` says
 #: otherwise. torch's own default is 30 minutes (gloo) or 10 (NCCL): that long, a crashed peer or a rank that
@@ -61,7 +62,9 @@ DEFAULT_ENV_TIMEOUT_S = 120.0
 #: under commlab's own launcher, whatever else its environment inherited.
 CHILD_MARKER = "COMMLAB_LAUNCH_RANK"
 
-_BACKENDS = ("gloo", "nccl")
+#: The backends commlab runs on: gloo (CPU tensors) and NCCL (one GPU per rank).
+BACKENDS = ("gloo", "nccl")
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
 
 
 class LauncherEnvError(ValueError):
@@ -133,10 +136,10 @@ def _int_var(env: Mapping[str, str], name: str, low: int, high: int | None, what
         if default is not None:
             return default
         raise LauncherEnvError(f"{name} is not set: it must hold {what}" + (f"; {hint}" if hint else ""))
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise LauncherEnvError(f"{name}={raw!r} is not an integer: it must hold {what}") from None
+    # Decimal digits only: int() would also read "1_0" as 10 and non-ASCII digits, which no launcher writes.
+    if not _DECIMAL.fullmatch(raw.strip()):
+        raise LauncherEnvError(f"{name}={raw!r} is not an integer (decimal digits): it must hold {what}")
+    value = int(raw.strip())
     if value < low or (high is not None and value > high):
         allowed = f"{low}..{high}" if high is not None else f">= {low}"
         raise LauncherEnvError(f"{name}={value} is out of range: {what}, allowed {allowed}"
@@ -189,7 +192,7 @@ def slurm_tasks_on_node(tasks_per_node: str, node_index: int) -> int:
     """
     counts: list[int] = []
     for part in (tasks_per_node or "").split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        m = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", part)
         if not m:
             raise ValueError(f"cannot read tasks per node {tasks_per_node!r} (Slurm's syntax is e.g. '4(x2),3')")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
@@ -299,7 +302,7 @@ def _read_slurm(env: Mapping[str, str]) -> LauncherEnv:
                 "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)") from None
     if not (env.get("MASTER_PORT") or "").strip():
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        if job is None or not job.strip().isdigit():
+        if job is None or not re.fullmatch(r"[0-9]+", job.strip()):
             raise LauncherEnvError(f"MASTER_PORT is not set and SLURM_JOB_ID={job!r} gives no port to derive "
                                    "it from: export MASTER_PORT=<a free port on the MASTER_ADDR host>")
         export["MASTER_PORT"] = str(slurm_default_port(int(job)))
@@ -313,13 +316,18 @@ def _read_slurm(env: Mapping[str, str]) -> LauncherEnv:
 def _choose_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS} or None (NCCL when CUDA is available), "
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (NCCL when CUDA is available), "
                          f"got {backend!r}")
     return backend
 
 
-def _check_timeout(timeout) -> float:
+def check_timeout(timeout) -> float:
+    """``timeout`` as float seconds, for every ``timeout=`` of :mod:`commlab.launch`.
+
+    Raises:
+        ValueError: not a positive, finite number (a bool is not one).
+    """
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     return float(timeout)
@@ -406,7 +414,7 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEO
         torch.distributed.DistError (and subclasses): the rendezvous failed, e.g. a peer never came within
             ``timeout``.
     """
-    timeout_s = _check_timeout(timeout)
+    timeout_s = check_timeout(timeout)
     if dist.is_initialized():
         return _context_of_initialised(backend, os.environ)
     chosen = _choose_backend(backend)

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished
 
-__all__ = ["LaunchError", "RankError", "LaunchTimeout", "is_peer_fallout"]
+__all__ = ["LaunchError", "RankError", "LaunchTimeout", "is_peer_fallout", "is_collective_timeout"]
 
 
 class LaunchError(RuntimeError):
@@ -93,3 +93,15 @@ def is_peer_fallout(message: str) -> bool:
     rather than a failure of its own."""
     low = message.lower()
     return any(p in low for p in _PEER_FALLOUT)
+
+
+# gloo: "Timed out waiting 3000ms for recv operation to complete"; NCCL (TORCH_NCCL_BLOCKING_WAIT): "... ran for
+# 3000 milliseconds before timing out"; a store: "wait timeout after 3000ms".
+_TIMED_OUT = ("timed out waiting", "before timing out", "wait timeout")
+
+
+def is_collective_timeout(message: str) -> bool:
+    """Whether an error message is a collective (or store wait) that gave up at its timeout: the rank waited for
+    peers that never came, which says nothing about why they did not."""
+    low = message.lower()
+    return any(p in low for p in _TIMED_OUT)

@@ -51,7 +51,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from commlab.launch.env import CHILD_MARKER
+from commlab.launch.device import results_to_cpu
+from commlab.launch.env import BACKENDS, CHILD_MARKER, check_timeout
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
 from commlab.launch.inflight import track_sends
 
@@ -63,7 +64,6 @@ DEFAULT_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 # After the first failure, how long to keep listening for an earlier-timestamped one from another rank.
 _GRACE_S = 0.3
-_BACKENDS = ("gloo", "nccl")
 # The ranks' own rendezvous and collective timeouts are a little longer than the launch's deadline, so
 # that the parent, which knows which ranks joined and which finished, is the one that reports a stall.
 _CHILD_TIMEOUT_MARGIN_S = 2.0
@@ -95,7 +95,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     :func:`commlab.launch.init_from_env` (unless it already is; it then stays for later launches and is
     destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`).
     ``start_method`` and ``print_output`` do not apply there (the launcher owns the processes and their
-    output); ``timeout`` bounds each collective and the wait for sends still in flight.
+    output); ``timeout`` bounds each collective (the group's operation timeout is set to it for this launch
+    and restored after, also on a group that existed before) and the wait for sends still in flight.
 
     Args:
         fn: the function each rank runs. With fork (the default on Linux) it may be defined in a
@@ -112,27 +113,37 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             (for example to set environment variables or seed a generator).
 
     Returns:
-        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, so
-        tensors come back as ordinary CPU-or-device tensors owned by the parent.
+        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, with
+        every tensor moved to the CPU first (:func:`commlab.launch.device.results_to_cpu`), so tensors come
+        back as CPU tensors owned by the caller. Under torchrun/srun the results are all-gathered: *every*
+        rank receives and holds all ``world_size`` results (memory ``world_size`` x one result per rank, and
+        as much again while they are unpickled), so return small summaries (numbers, errors, a few rows),
+        not model states or activations, from a large job.
 
     Raises:
         ValueError: bad ``world_size``, ``backend``, ``timeout``, ``threads_per_rank`` or
             ``start_method``; or spawn asked for with a function that cannot be imported by the children;
             under torchrun/srun, a ``world_size`` that is not the job's.
         RuntimeError: NCCL asked for with fewer GPUs than ranks, or with CUDA already initialised in the
-            parent under fork.
+            parent under fork; ``launch`` called inside a rank of a launch (forked or in-process); forking
+            with ``torch.distributed`` already initialised in this process.
         RankError: a rank raised, or exited without returning. Names the rank, its exception and
             traceback; raised within about a second of the failure.
         LaunchTimeout: the launch outlived ``timeout`` seconds (naming the ranks that returned with sends
             still in flight, their destinations and bytes, when that is why).
         UnfinishedSendsError: under torchrun/srun, this rank's sends never completed.
+
+    Under torchrun/srun a ``LaunchTimeout`` names the ranks still running and those that finished, on every
+    rank that reports (a rank that returns waits at most ``timeout`` + 1 s for the others).
     """
     _validate(fn, world_size, backend, timeout, threads_per_rank)
     from commlab.launch.inprocess import run_in_process, runs_in_process
 
+    _refuse_nested()
     if runs_in_process():
         return run_in_process(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                               threads_per_rank=threads_per_rank, init_hook=init_hook)
+    _refuse_initialised_parent()
     _check_gpus(backend, world_size)
     start_method = _choose_start_method(fn, start_method, backend)
     ctx = mp.get_context(start_method)
@@ -176,12 +187,35 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_timeout(timeout)
     if isinstance(threads_per_rank, bool) or not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+
+
+def _refuse_nested():
+    # A rank of a launch already is one process of an initialised world: a launch inside it would fork ranks
+    # that inherit that group (torch: "trying to initialize the default process group twice").
+    rank = os.environ.get(CHILD_MARKER)
+    if rank is not None:
+        raise RuntimeError(f"launch() was called inside rank {rank} of a launch, whose process group is already "
+                           "initialised: call the function directly there (every rank runs it), or call launch() "
+                           "from the notebook or script that started the ranks")
+    from commlab.launch.inprocess import launch_running
+    if launch_running():
+        raise RuntimeError("launch() was called inside a function that launch() runs under torchrun/srun: call "
+                           "the inner function directly (this process already is one rank of the job)")
+
+
+def _refuse_initialised_parent():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is already initialised in this process (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, backend {dist.get_backend()}), and the ranks launch() forks would inherit "
+            "that group: call torch.distributed.destroy_process_group() first, or run the function directly "
+            "on the group you have")
 
 
 def _check_gpus(backend, world_size):
@@ -388,7 +422,7 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
                                 **init_kwargs)
         with track_sends() as tracker:
             result = fn(*args, **kwargs)
-            payload = pickle.dumps(_to_cpu_if_nccl(result, cfg.backend))
+            payload = pickle.dumps(results_to_cpu(result))
             # Sends fn started and did not wait for: deliver them before leaving (their receivers may be
             # blocked on them), and tell the parent whom this rank is waiting for, in case they never complete.
             unfinished = tracker.unfinished()
@@ -424,19 +458,6 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     except Exception:  # noqa: BLE001 - the result is already delivered
         pass
     _flush_and_exit(events, 0)
-
-
-def _to_cpu_if_nccl(obj, backend):
-    if backend != "nccl":
-        return obj
-    import torch
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu_if_nccl(o, backend) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_cpu_if_nccl(v, backend) for k, v in obj.items()}
-    return obj
 
 
 def _flush_and_exit(events, code):

@@ -17,7 +17,8 @@ torchrun 2.13 lacks in three failures, each measured with two agents on one mach
   host the store there and, if it cannot, connects as a client to whatever listens on the port. A client's
   handshake with a program that is not a torch store has no timeout: torchrun then hangs, silently, for good
   (measured: over 150 s with ``read_timeout=10``). Here node 0 checks the port before torchrun starts and
-  stops at once, naming it; a node whose endpoint accepts connections but never answers as a store gives
+  stops at once, naming it, and saying so when what holds it is a torch store (another node 0: two nodes
+  started with ``--node-rank 0``, or another job on the same port); a node whose endpoint accepts connections but never answers as a store gives
   up after :data:`PROBE_S` seconds and says so.
 * **Which node hosts the store.** torchrun ignores ``--node-rank`` with c10d (it prints so) and guesses the
   host from host names. Here ``--node-rank`` decides: node 0 gets ``is_host=1`` in ``--rdzv-conf`` and the
@@ -39,6 +40,7 @@ import dataclasses
 import datetime
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +62,7 @@ MARGIN_S = 30.0
 #: torchrun's port for ``--rdzv-endpoint HOST`` without one (``torch/distributed/elastic/rendezvous``).
 DEFAULT_C10D_PORT = 29400
 _TORCH_JOIN_TIMEOUT_S = 600.0  # torchrun's default join_timeout
+_PORT_PROBE_S = 3.0  # node 0's look at a taken port: a torch store answers in milliseconds
 _POLL_S = 0.5
 
 
@@ -117,7 +120,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
     c10d = args.rdzv_backend == "c10d" and not args.standalone and bool(args.rdzv_endpoint)
     node_rank = args.node_rank
     if _option_span(opts, ("--node-rank", "--node_rank")) is None:
-        if environ.get("SLURM_NODEID", "").strip().isdigit():
+        if re.fullmatch(r"[0-9]+", environ.get("SLURM_NODEID", "").strip()):
             node_rank = int(environ["SLURM_NODEID"])
             if not c10d:
                 opts = ["--node-rank", str(node_rank)] + opts
@@ -133,7 +136,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
         if not host:  # no port given: torchrun's default
             host, port_text = args.rdzv_endpoint, str(DEFAULT_C10D_PORT)
         host = host.strip("[]")
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        if not re.fullmatch(r"[0-9]+", port_text) or not 1 <= int(port_text) <= 65535:
             raise _Refused(f"--rdzv-endpoint {args.rdzv_endpoint}: the port must be an integer 1..65535")
         port = int(port_text)
         conf = {}
@@ -174,6 +177,12 @@ def _port_taken(host: str, port: int) -> str | None:
             return None
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                state, _ = _store_client(host, port, _PORT_PROBE_S)
+                if state == "store":
+                    return (f"port {port} on {host} is already taken by a torch rendezvous store: another node 0 "
+                            "runs there (was a second node started with --node-rank 0? only the node at "
+                            "--rdzv-endpoint is 0, the others 1..N-1), or a torchrun of another job uses this "
+                            "port. Give each node its own --node-rank, or pick another port for --rdzv-endpoint")
                 return (f"port {port} on {host} is already in use by another program, so the rendezvous store "
                         f"cannot start there. Pick another port for --rdzv-endpoint (`ss -ltnp 'sport = :{port}'` "
                         "on this node shows who holds it)")
@@ -185,6 +194,34 @@ def _port_taken(host: str, port: int) -> str | None:
         finally:
             s.close()
     return f"cannot bind {host}:{port}: {last}"
+
+
+def _store_client(host: str, port: int, wait_s: float):
+    """What answers at ``host:port``: ``("store", client)`` (a torch TCPStore), ``("not a store", None)`` (it
+    accepts connections but the store handshake, which has no timeout of its own, did not finish within
+    ``wait_s``) or ``("nothing", None)`` (nothing listens, or the handshake failed)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError:
+        return "nothing", None
+    import torch.distributed as dist
+
+    box: list = []
+
+    def make():
+        try:
+            box.append(dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=wait_s)))
+        except Exception as e:  # noqa: BLE001
+            box.append(e)
+
+    t = threading.Thread(target=make, daemon=True)
+    t.start()
+    t.join(wait_s)
+    if not box:
+        return "not a store", None
+    return ("nothing", None) if isinstance(box[0], Exception) else ("store", box[0])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -219,30 +256,10 @@ class _Watcher:
 
     def _connect(self):
         """A TCPStore client, or None while nothing listens; sets state "not a store" if the handshake hangs."""
-        p = self.plan
-        try:
-            with socket.create_connection((p.host, p.port), timeout=1.0):
-                pass
-        except OSError:
-            return None
-        import torch.distributed as dist
-
-        box: list = []
-
-        def make():
-            try:
-                box.append(dist.TCPStore(p.host, p.port, is_master=False, wait_for_workers=False,
-                                         timeout=datetime.timedelta(seconds=PROBE_S)))
-            except Exception as e:  # noqa: BLE001
-                box.append(e)
-
-        t = threading.Thread(target=make, daemon=True)  # the handshake has no timeout of its own
-        t.start()
-        t.join(PROBE_S)
-        if not box:
+        state, store = _store_client(self.plan.host, self.plan.port, PROBE_S)
+        if state == "not a store":
             self.state = "not a store"
-            return None
-        return box[0] if not isinstance(box[0], Exception) else None
+        return store
 
     def _run(self):
         p = self.plan

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from commlab import launch
+from commlab import RankError, launch
 from commlab.collectives import ring_all_reduce
 from commlab.launch import detect_launcher
 
@@ -46,6 +46,11 @@ def main():
         raise AssertionError("a world-size mismatch was accepted")
     except ValueError as e:
         assert f"launch(fn, {world + 1}) runs under torchrun, whose job has {world} rank(s)" in str(e), e
+    try:
+        launch(launch, world, rank_and_size, world)  # a launch inside a launched function
+        raise AssertionError("a nested launch was accepted")
+    except RankError as e:
+        assert "launch() was called inside a function that launch() runs under torchrun/srun" in str(e), e
     print(f"in-process checks passed on rank {rank}", flush=True)
 
 
