@@ -32,7 +32,7 @@ from torch import nn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from commlab.selftest import Check, format_table, max_over_world as _max_over_world
+from commlab.selftest import Check, format_table, max_over_world
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -122,11 +122,11 @@ def _dp_rows(device: torch.device) -> list[Check]:
             spread = flat.clone()
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
             err = (spread - flat).abs().max().item() if bool(torch.isfinite(flat).all()) else float("inf")
-            rows.append(Check(f"BucketedDataParallel, {name}", _max_over_world(err, device), 1e-6,
+            rows.append(Check(f"BucketedDataParallel, {name}", max_over_world(err, device), 1e-6,
                               "finite and equal on every rank"))
         else:
             err = max(_rel_err(g, r) for g, r in zip(grads, ref_grads))
-            rows.append(Check(f"BucketedDataParallel, {name}", _max_over_world(err, device), tol,
+            rows.append(Check(f"BucketedDataParallel, {name}", max_over_world(err, device), tol,
                               f"{len(model.buckets)} buckets vs the whole batch in one process"))
         rec = model.last_step
         order_bad = 0
@@ -135,7 +135,7 @@ def _dp_rows(device: torch.device) -> list[Check]:
             order_bad += sum(t is None or t < 0 for t in times + [b.done_s])
             order_bad += sum(a > b_ + 1e-6 for a, b_ in zip(times, times[1:]))
         rows.append(Check(f"  clock marks of {name}: present, >= 0, ready <= launch <= launched",
-                          float(_max_over_world(order_bad, device)), 0.0,
+                          float(max_over_world(order_bad, device)), 0.0,
                           f"last gradient {rec.last_grad_s * 1e3:.3f} ms, wait ended {rec.wait_end_s * 1e3:.3f} ms"))
     return rows
 
@@ -163,7 +163,7 @@ def _pipeline_rows(device: torch.device) -> list[Check]:
         ref = dict(full.named_parameters())
         names = {id(q): k for k, q in model.named_parameters()}
         err = max(_rel_err(q.grad, ref[names[id(q)]].grad) for q in stages[stage].parameters())
-        rows.append(Check(f"pipeline {schedule}, {p} stage(s), 4 micro-batches: gradients", _max_over_world(err, device),
+        rows.append(Check(f"pipeline {schedule}, {p} stage(s), 4 micro-batches: gradients", max_over_world(err, device),
                           1e-5, f"loss {result.loss:.6f} vs the unpipelined model"))
         bad = sum(op.start_s < 0 or op.end_s < op.start_s for op in result.timeline)
         rows.append(Check(f"  {schedule} timeline: {len(result.timeline)} ops, start >= 0, end >= start",
@@ -191,7 +191,7 @@ def _zero_rows(device: torch.device) -> list[Check]:
         opt.step()
     err = max(_rel_err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     # Adam divides by the root of tiny second moments, which magnifies the rounding of the sharded sum.
-    return [Check(f"ZeRO-1 (Adam, {n} shard(s)), 3 steps: parameters", _max_over_world(err, device), 1e-4,
+    return [Check(f"ZeRO-1 (Adam, {n} shard(s)), 3 steps: parameters", max_over_world(err, device), 1e-4,
                   "vs torch.optim.Adam on the whole batch")]
 
 
@@ -226,16 +226,16 @@ def _collective_rows(device: torch.device) -> list[Check]:
         ref = x.clone()
         dist.all_reduce(ref)
         for name, fn in algorithms:
-            rows.append(Check(f"{name}, {count} x float32", _max_over_world(_rel_err(fn(x), ref), device), 1e-5,
+            rows.append(Check(f"{name}, {count} x float32", max_over_world(_rel_err(fn(x), ref), device), 1e-5,
                               "vs dist.all_reduce"))
         a, b = chunk_bounds(count, n)[rank]
         rows.append(Check(f"ring ReduceScatter, {count} x float32",
-                          _max_over_world(_rel_err(ring_reduce_scatter(x), ref[a:b]), device), 1e-5,
+                          max_over_world(_rel_err(ring_reduce_scatter(x), ref[a:b]), device), 1e-5,
                           "vs dist.all_reduce's chunk"))
         gathered = torch.empty(n * count, device=device)
         all_gather_single(gathered, x)
         rows.append(Check(f"ring AllGather, {count} x float32",
-                          _max_over_world(_rel_err(ring_all_gather(x), gathered), device), 0.0,
+                          max_over_world(_rel_err(ring_all_gather(x), gathered), device), 0.0,
                           "vs dist.all_gather_into_tensor"))
     return rows
 
