@@ -59,6 +59,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab.collectives._common import group_size_and_rank
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["Exchange", "exchange", "wait_all"]
@@ -171,10 +172,15 @@ def exchange(sends: Iterable[_Message] = (), recvs: Iterable[_Message] = (),
         An :class:`Exchange`. Messages with an empty tensor are left out (the peer leaves out its side).
 
     Raises:
+        RuntimeError: this rank is not a member of ``group`` (torch would only warn and post nothing, so
+            the caller's receive buffers would silently keep their old contents); the message names the
+            rank and the group's global ranks.
         ValueError: a peer that is not an int, is this rank itself, or is not a member of ``group``; or
             tensors on different devices (one group runs on one device).
     """
     me = dist.get_rank()
+    if group is not None and group is not dist.group.WORLD:
+        group_size_and_rank(group, "exchange")
     ops: list[dist.P2POp] = []
     tensors: list[torch.Tensor] = []
     peers: list[int] = []
