@@ -29,6 +29,17 @@ The rule every caller follows:
    sends step s+1, blocks that send until the receive completes -- and the receive completes only after
    the peer's step-s+1 send, which waits the same way. Post the next step's receive with the next step's
    send, not before it.
+
+   How strict this is on torch depends on the communicator torch picks. For an ungrouped ``isend``/``irecv``
+   PyTorch's ``ProcessGroupNCCL`` keys the communicator and its stream by the peer pair (``"low:high"``;
+   ``pointToPoint`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``, and a maintainer's answer in
+   pytorch/pytorch issue #132852): ungrouped operations to *different* peers then run on different streams
+   and do not queue behind each other, so a bare 3-rank ring would probably not hang there. Operations to
+   the same peer always share a stream, so the hazards that remain are the same-pair ones -- a 2-rank
+   ring, where successor and predecessor are one rank, and 1F1B's activation and gradient between the
+   same two stages -- and the order of the groups themselves. A group created with its device (as
+   commlab's launchers do) may use the group's own communicator for point-to-point in recent torch
+   versions, which brings the one-stream picture back; the rule holds in every case.
 3. **Messages between one pair, in one direction, match in the order they were posted**, within a group
    and across groups (no tags are needed when both sides follow the same schedule).
 
