@@ -185,7 +185,8 @@ def exchange(sends: Iterable[_Message] = (), recvs: Iterable[_Message] = (),
     Raises:
         RuntimeError: this rank is not a member of ``group`` (torch would only warn and post nothing, so
             the caller's receive buffers would silently keep their old contents); the message names the
-            rank and the group's global ranks.
+            rank, and the group's global ranks where the group object knows them (``dist.new_group``
+            gives the ranks it leaves out only ``GroupMember.NON_GROUP_MEMBER``).
         ValueError: a peer that is not an int, is this rank itself, or is not a member of ``group``; or
             tensors on different devices (one group runs on one device).
     """
