@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--device applies to --compressors only (the collectives take their device from --backend)")
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
+        if modes and (args.backend != "gloo" or args.check):
+            # These benchmarks start their own gloo ranks (--compressors times its kernels on --device); a flag
+            # they would ignore is refused, so that a table never says less than the command line asked for.
+            parser.error(f"{modes[0]} starts its own gloo ranks; --backend and --check apply to the AllReduce "
+                         "table only (python -m commlab bench --backend nccl, one GPU per rank)")
+        if args.backend == "nccl":
+            _check_nccl_ranks(parser, args.world_size)
         if args.compressors:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), numel=max(1, hi // 4),
@@ -151,6 +158,8 @@ def _bench_in_job(args, parser, sizes) -> int:
     job = read_env()
     if args.world_size is not None and args.world_size != job.world_size:
         parser.error(f"-n {args.world_size} does not match the job's {job.world_size} ranks ({job.launcher})")
+    if args.backend == "nccl":
+        _check_nccl_ranks(parser, 1)  # this process's own GPU; the job's other ranks check theirs
 
     @record  # torchrun's error file gets the root cause and its traceback
     def run() -> int:
@@ -171,6 +180,21 @@ def _bench_in_job(args, parser, sizes) -> int:
     return run()
 
 
+def _check_nccl_ranks(parser, ranks: int) -> None:
+    """Refuse ``--backend nccl`` as a usage error (exit 2, no traceback) when this machine cannot give each
+    of ``ranks`` local ranks its own GPU."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        parser.error("--backend nccl needs CUDA GPUs (NCCL moves only GPU tensors) and this machine has none "
+                     f"visible (torch {torch.__version__}, CUDA {'built in' if torch.version.cuda else 'not built in'}); "
+                     "use --backend gloo to run on CPU processes")
+    if visible < ranks:
+        parser.error(f"--backend nccl puts each rank on its own GPU: -n {ranks} needs {ranks} GPUs, {visible} "
+                     f"visible; pass -n {visible} or fewer")
+
+
 def _bench_local_torchrun(args, parser, argv) -> int:
     """``--torchrun NxP``: the same benchmark in N local torchrun agents of P processes (loopback "nodes")."""
     from commlab.launch.torchrun import run_local_nodes
@@ -183,6 +207,8 @@ def _bench_local_torchrun(args, parser, argv) -> int:
         parser.error(f"--torchrun takes NODESxPROCS with both >= 1, e.g. 2x2, got {args.torchrun!r}")
     if args.world_size is not None and args.world_size != nodes * procs:
         parser.error(f"-n {args.world_size} does not match --torchrun {args.torchrun} ({nodes * procs} ranks)")
+    if args.backend == "nccl":
+        _check_nccl_ranks(parser, nodes * procs)  # every local "node" is on this machine
     job, skip = [], False  # the same command for every rank, without --torchrun
     for a in argv:
         if skip:

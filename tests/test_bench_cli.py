@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from commlab.__main__ import main
 from commlab.bench import BenchRow, algbw_bytes_per_s, bench_all_reduce, busbw_bytes_per_s, format_table, parse_size
@@ -90,7 +91,22 @@ def test_command_line_rejects_bad_sizes():
     (["--overlap", "--compressors"], "separate benchmarks"),
     (["--emulate", "2x2", "--algorithms", "all"], "separate benchmarks"),
     (["--overlap", "--backend", "nccl"], "--backend and --check do not apply"),
-    (["--overlap", "--check"], "--backend and --check do not apply")])
+    (["--overlap", "--check"], "--backend and --check do not apply"),
+    # Before, these ran on gloo and printed a gloo table as if nothing had been asked.
+    (["--algorithms", "ring", "--backend", "nccl"], "--algorithms starts its own gloo ranks; --backend and --check "
+     "apply to the AllReduce table only"),
+    (["--emulate", "2x2", "--backend", "nccl"], "--emulate starts its own gloo ranks"),
+    (["--algorithms", "all", "--check"], "--algorithms starts its own gloo ranks"),
+    (["--compressors", "--backend", "nccl"], "--compressors starts its own gloo ranks")])
 def test_command_line_rejects_flags_that_would_be_ignored(flags, message):
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("flags", [[], ["--torchrun", "1x2"]])
+def test_bench_on_nccl_without_a_gpu_is_a_usage_error_not_a_traceback(flags):
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--backend", "nccl", *flags],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--backend nccl needs CUDA GPUs" in proc.stderr and "use --backend gloo" in proc.stderr

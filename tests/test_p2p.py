@@ -109,6 +109,27 @@ def test_a_bad_peer_or_mixed_devices_are_refused_before_anything_is_posted(kind,
     assert words in info.value.exc_message
 
 
+def _outsider_exchanges():
+    group = dist.new_group([0, 1])
+    if dist.get_rank() != 2:
+        return None
+    got = torch.zeros(3)
+    try:
+        p2p.exchange([(torch.ones(3), 0)], [(got, 1)], group=group).wait()
+    except RuntimeError as e:
+        return str(e), got.tolist()
+    return "no error", got.tolist()
+
+
+def test_a_rank_outside_the_group_is_refused_instead_of_posting_nothing():
+    # torch itself only warns ("does not belong to the given group") and returns no requests, so the wait
+    # "succeeds" and the receive buffer keeps its old contents.
+    *_, (message, got) = launch(_outsider_exchanges, 3, timeout=30)
+    assert message.startswith("rank 2 is not a member of the process group passed to exchange")
+    assert "NON_GROUP_MEMBER" in message
+    assert got == [0.0] * 3
+
+
 def _nobody_sends():
     if dist.get_rank() == 0:
         ex = p2p.exchange(recvs=[(torch.empty(5), 1)])

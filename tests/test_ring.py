@@ -135,6 +135,10 @@ def _mismatched(kind):
         x = torch.ones(10 + (rank == 2))
     elif kind == "dtype":
         x = torch.ones(10, dtype=torch.float64 if rank == 1 else torch.float32)
+    elif kind == "device":
+        # A tensor off the group's device (under NCCL: a CPU tensor) on one rank; gloo's device is the CPU,
+        # so the meta device stands in for "not the group's device" here.
+        x = torch.ones(10, device="meta" if rank == 1 else "cpu")
     else:
         x = torch.ones(10)
     ring = [0, 1, 2] if (kind != "ring" or rank != 0) else [0, 2, 1]
@@ -149,6 +153,8 @@ def _mismatched(kind):
     ("size", "rank 2: 11 elements of float32"),
     ("dtype", "rank 1: 10 elements of float64"),
     ("ring", "ranks passed different ring orders"),
+    ("device", "every rank's tensor must be on its process group's device (cpu: the rank's own GPU under NCCL, "
+     "the CPU under gloo), but rank 1: meta; move it there first"),
 ])
 def test_a_mismatch_gives_the_same_clear_error_on_every_rank(kind, expected):
     messages = launch(_mismatched, 3, kind, timeout=20)

@@ -27,6 +27,7 @@ from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
 from commlab.bench.timing import calls_per_round, count_wrong, time_calls
 from commlab.collectives import ring_all_reduce
 from commlab.launch import launch
+from commlab.launch.device import group_device
 
 DEFAULT_SIZES = tuple(2**k for k in range(10, 27, 2))  # 1 KiB ... 64 MiB, every factor of 4
 
@@ -68,7 +69,7 @@ class BenchRow:
 
 def _measure_one_size(nbytes: int, rounds: int, ours: Callable[[torch.Tensor], object]):
     rank, n = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = group_device()  # the rank's own GPU under NCCL, the CPU under gloo
     count = nbytes // 4
     g = torch.Generator().manual_seed(rank)
     data = torch.randn(count, generator=g).to(device)

@@ -164,10 +164,15 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
                     layout_problem: str | None = None, layout_rule: str = "") -> None:
     """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
-    One small all-gather of ``4 + len(layout)`` int64 per rank, on the group's device (the cost is one
+    One small all-gather of ``6 + len(layout)`` int64 per rank, on the group's device (the cost is one
     latency). Without it a size mismatch makes the point-to-point phases hang until the operation timeout
-    or, worse, silently mix chunk boundaries; and a problem found on one rank only (a bad ring order) would
-    leave the others waiting for it.
+    or, worse, silently mix chunk boundaries; and a problem found on one rank only (a bad ring order, a
+    tensor on the wrong device) would leave the others waiting for it.
+
+    The tensor must be on the group's device (:func:`commlab.launch.device.group_device`: the rank's own
+    GPU under NCCL, the CPU under gloo), since NCCL moves only CUDA tensors and a CPU tensor would fail
+    later, inside a point-to-point phase, with only the peers waiting. An empty tensor moves nothing and
+    may be anywhere.
 
     Args:
         name: the collective's name, for messages.
@@ -182,23 +187,30 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
 
     Raises:
         TypeError: some rank's dtype is not in :data:`SUPPORTED_DTYPES` (on every rank).
-        ValueError: some rank's layout is invalid (on every rank; a CollectiveMismatchError).
+        ValueError: some rank's tensor is not on the group's device, or some rank's layout is invalid (on
+            every rank; a CollectiveMismatchError naming the ranks and their devices).
         CollectiveMismatchError: the ranks disagree; the message lists what each rank passed,
             identically on every rank.
     """
     size, _ = group_size_and_rank(group)
     supported = tensor.dtype in SUPPORTED_DTYPES
+    device = group_device(group)
+    on_device = tensor.numel() == 0 or tensor.device == device
     if size == 1:
         if not supported:
             raise TypeError(_unsupported_message(name, [(0, _DTYPE_CODE[tensor.dtype])]))
+        if not on_device:
+            raise CollectiveMismatchError(_device_message(name, device, [(0, *_device_code(tensor.device))]))
         if layout_problem:
             raise CollectiveMismatchError(f"{name}: {layout_problem}")
         return
     rule = f" must be {layout_rule}" if layout_rule else " must be valid"
     # On the group's device (the rank's own GPU under NCCL, which moves only CUDA tensors; a bare .cuda()
     # would put every rank's tensor on GPU 0 unless the launcher had bound the device).
-    mine = torch.tensor([tensor.numel(), _DTYPE_CODE[tensor.dtype], int(supported),
-                         int(layout_problem is None), *layout], dtype=torch.int64, device=group_device(group))
+    where = (-1, -1) if on_device else _device_code(tensor.device)
+    mine = torch.tensor([tensor.numel(), _DTYPE_CODE[tensor.dtype], int(supported), int(layout_problem is None),
+                         *where, *layout],
+                        dtype=torch.int64, device=device)
     width = mine.numel()
     everyone = torch.empty(size * width, dtype=torch.int64, device=mine.device)
     all_gather_single(everyone, mine, group=group)
@@ -206,6 +218,10 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
     bad_dtype = [(r, row[1]) for r, row in enumerate(rows) if not row[2]]
     if bad_dtype:
         raise TypeError(_unsupported_message(name, bad_dtype))
+    bad_device = [(r, row[4], row[5]) for r, row in enumerate(rows) if row[4] >= 0]
+    if bad_device:
+        raise CollectiveMismatchError(_device_message(name, device, bad_device))
+    rows = [row[:4] + row[6:] for row in rows]  # the layout follows the first four columns again
     bad_layout = [(r, row[4:]) for r, row in enumerate(rows) if not row[3]]
     if bad_layout and layout_problem and len(bad_layout) == size and len({tuple(lay) for _, lay in bad_layout}) == 1:
         # Every rank passed the same invalid layout, so every rank found the same problem: say it plainly.
@@ -229,6 +245,25 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
             parts.append(f"ranks passed different {layout_name}s ({described}); every rank must pass the "
                          f"same {layout_name}.")
         raise CollectiveMismatchError(f"{name}: " + " ".join(parts))
+
+
+# Device types a rank can name to the others by number (anything else shows as "another device").
+_DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu")
+
+
+def _device_code(device: torch.device) -> tuple[int, int]:
+    kind = _DEVICE_TYPES.index(device.type) if device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+    return kind, -1 if device.index is None else device.index
+
+
+def _device_message(name: str, device: torch.device, bad: list[tuple[int, int, int]]) -> str:
+    def show(kind: int, index: int) -> str:
+        base = _DEVICE_TYPES[kind] if kind < len(_DEVICE_TYPES) else "another device"
+        return base if index < 0 else f"{base}:{index}"
+    who = ", ".join(f"rank {r}: {show(kind, index)}" for r, kind, index in bad)
+    return (f"{name}: every rank's tensor must be on its process group's device ({device.type}: the rank's own "
+            f"GPU under NCCL, the CPU under gloo), but {who}; move it there first "
+            "(commlab.launch.device.group_device(group) names it)")
 
 
 def _unsupported_message(name: str, bad: list[tuple[int, int]]) -> str:

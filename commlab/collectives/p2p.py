@@ -29,6 +29,17 @@ The rule every caller follows:
    sends step s+1, blocks that send until the receive completes -- and the receive completes only after
    the peer's step-s+1 send, which waits the same way. Post the next step's receive with the next step's
    send, not before it.
+
+   How strict this is on torch depends on the communicator torch picks. For an ungrouped ``isend``/``irecv``
+   PyTorch's ``ProcessGroupNCCL`` keys the communicator and its stream by the peer pair (``"low:high"``;
+   ``pointToPoint`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``, and a maintainer's answer in
+   pytorch/pytorch issue #132852): ungrouped operations to *different* peers then run on different streams
+   and do not queue behind each other, so a bare 3-rank ring would probably not hang there. Operations to
+   the same peer always share a stream, so the hazards that remain are the same-pair ones -- a 2-rank
+   ring, where successor and predecessor are one rank, and 1F1B's activation and gradient between the
+   same two stages -- and the order of the groups themselves. A group created with its device (as
+   commlab's launchers do) may use the group's own communicator for point-to-point in recent torch
+   versions, which brings the one-stream picture back; the rule holds in every case.
 3. **Messages between one pair, in one direction, match in the order they were posted**, within a group
    and across groups (no tags are needed when both sides follow the same schedule).
 
@@ -59,6 +70,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab.collectives._common import group_size_and_rank
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["Exchange", "exchange", "wait_all"]
@@ -171,10 +183,16 @@ def exchange(sends: Iterable[_Message] = (), recvs: Iterable[_Message] = (),
         An :class:`Exchange`. Messages with an empty tensor are left out (the peer leaves out its side).
 
     Raises:
+        RuntimeError: this rank is not a member of ``group`` (torch would only warn and post nothing, so
+            the caller's receive buffers would silently keep their old contents); the message names the
+            rank, and the group's global ranks where the group object knows them (``dist.new_group``
+            gives the ranks it leaves out only ``GroupMember.NON_GROUP_MEMBER``).
         ValueError: a peer that is not an int, is this rank itself, or is not a member of ``group``; or
             tensors on different devices (one group runs on one device).
     """
     me = dist.get_rank()
+    if group is not None and group is not dist.group.WORLD:
+        group_size_and_rank(group, "exchange")
     ops: list[dist.P2POp] = []
     tensors: list[torch.Tensor] = []
     peers: list[int] = []

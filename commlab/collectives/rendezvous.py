@@ -15,7 +15,12 @@ for ``ncclSend``/``ncclRecv`` (NCCL user guide, "Point-to-point communication" a
 
 If no rank can move while some have groups left, the plan deadlocks, and the simulator names the group
 each unfinished rank is stuck at. This is the strict model: gloo, whose ``isend``/``irecv`` progress on
-their own, completes every plan that passes here, and a plan that deadlocks here can hang on NCCL.
+their own, completes every plan that passes here, and a plan that deadlocks here can hang on NCCL. It is
+stricter than torch may be: for ungrouped operations PyTorch's ``ProcessGroupNCCL`` uses one communicator
+and stream per peer pair (pytorch/pytorch issue #132852; ``getKeySendRecv`` in
+``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``), so rule 1 holds per pair there rather than per
+rank, and the hangs that certainly remain are between one pair (a 2-rank ring, 1F1B between two stages)
+or come from the order of groups (see :mod:`commlab.collectives.p2p`, rule 2).
 
 Two plans show the point of grouping (:mod:`commlab.collectives.p2p`): two ranks that each send to the
 other and then receive, every message a group of its own, deadlock (each send waits for a receive that

@@ -13,7 +13,8 @@ from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, O
                                                  max_in_flight, one_f_one_b_schedule, stage_busy_idle)
 from commlab.parallel.pipeline.plan import (ACTIVATION, GRADIENT, CommGroup, Message, RendezvousDeadlock,
                                             communication_plan, simulate_plan, ungrouped_plan)
-from commlab.parallel.pipeline.communications import PendingSends, agree_boundary_shapes, communicate
+from commlab.parallel.pipeline.communications import (Boundary, PendingSends, agree_boundary_shapes, agree_step,
+                                                      communicate)
 from commlab.parallel.pipeline.engine import PipelineResult, pipeline_step, split_sequential
 
 __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
@@ -21,5 +22,6 @@ __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule"
            "bubble_time_ratio", "idle_fraction", "stage_busy_idle",
            "ACTIVATION", "GRADIENT", "Message", "CommGroup", "RendezvousDeadlock", "communication_plan",
            "ungrouped_plan", "simulate_plan",
-           "PendingSends", "agree_boundary_shapes", "communicate", "PipelineResult", "pipeline_step",
+           "PendingSends", "Boundary", "agree_step", "agree_boundary_shapes", "communicate", "PipelineResult",
+           "pipeline_step",
            "split_sequential"]

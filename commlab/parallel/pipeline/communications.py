@@ -13,10 +13,15 @@ Design choices, and why:
   complete before the step ends (and before its tensor is modified); the :class:`PendingSends` of the
   step keeps every exchange, with the tensors it reads, until :meth:`PendingSends.wait_all`; none is
   dropped, so no message is lost when a rank returns.
-* **Shapes agreed up front.** A receiver must allocate its buffer before the data arrives, so it must
-  know the shape. :func:`agree_boundary_shapes` passes them down the pipeline once, before the first
-  micro-batch: stage 0 knows the micro-batch shape, runs its own module once on zeros to learn its output
-  shape, and sends that shape to stage 1, and so on. After that every message is a bare tensor.
+* **Arguments, shapes and dtypes agreed up front.** :func:`agree_step` first makes every stage agree on
+  (schedule, m, batch size) with one small all-gather, so that a stage called differently fails at once,
+  on every stage, instead of hanging or failing inside a computation. A receiver must allocate its buffer
+  before the data arrives, so it must know the shape and dtype: :func:`agree_boundary_shapes` passes them
+  down the pipeline once, before the first micro-batch: stage 0 knows the micro-batch shape and the input
+  dtype (which may be an integer type, for an embedding), runs its own module once on zeros to learn its
+  output's shape and dtype, and sends both to stage 1, and so on. After that every message is a bare
+  tensor, and the sender checks each one against the agreed :class:`Boundary` before posting it (a
+  mismatched message would make gloo abort or NCCL read garbage).
 * **Messages between a pair of stages are matched by order.** Activations only go s -> s+1 and gradients
   only s+1 -> s, each in the order the schedule produces them, so no tags are needed.
 * **Every buffer on the group's device** (:func:`commlab.launch.device.group_device`: the CPU under gloo,
@@ -27,6 +32,7 @@ Empty tensors are not sent (:mod:`commlab.collectives.p2p` skips them on both si
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -34,10 +40,37 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import p2p
-from commlab.parallel.pipeline.plan import CommGroup
+from commlab.collectives._common import _ALL_DTYPES, _DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
+from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
+from commlab.parallel.pipeline.schedules import SCHEDULES
 
-__all__ = ["PendingSends", "stage_of", "neighbour", "stage_rank", "communicate", "agree_boundary_shapes",
-           "activation_nbytes"]
+__all__ = ["PendingSends", "Boundary", "stage_of", "neighbour", "stage_rank", "communicate", "agree_step",
+           "agree_boundary_shapes", "activation_nbytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """What crosses this stage's two boundaries for one micro-batch, as the stages agreed before the first.
+
+    Attributes:
+        in_shape, in_dtype: the activation this stage receives from stage s-1 (on stage 0: one micro-batch
+            of the model's input) and, the same, the gradient it sends back to s-1.
+        out_shape, out_dtype: the activation it sends forward to stage s+1 and the gradient it receives
+            back from s+1.
+    """
+
+    in_shape: tuple[int, ...]
+    in_dtype: torch.dtype
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+
+    def received(self, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of a received message of ``kind`` (activation: the input; gradient: the output)."""
+        return (self.in_shape, self.in_dtype) if kind == ACTIVATION else (self.out_shape, self.out_dtype)
+
+    def sent(self, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of a sent message of ``kind`` (activation: the output; gradient: the input)."""
+        return (self.out_shape, self.out_dtype) if kind == ACTIVATION else (self.in_shape, self.in_dtype)
 
 
 class PendingSends:
@@ -73,15 +106,11 @@ def stage_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(stage, number of stages)``: this rank's rank in the pipeline group, and the group's size.
 
     Raises:
-        RuntimeError: torch.distributed not initialised, or this rank not in ``group``.
+        RuntimeError: torch.distributed not initialised, or this rank not in ``group`` (the package's one
+            membership check, :func:`commlab.collectives._common.group_size_and_rank`).
     """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised; run inside commlab.launch(...) or call "
-                           "dist.init_process_group first")
-    stage = dist.get_rank(group)
-    if stage < 0:
-        raise RuntimeError(f"global rank {dist.get_rank()} is not a member of the pipeline group it was given")
-    return stage, dist.get_world_size(group)
+    p, stage = group_size_and_rank(group, "the pipeline")
+    return stage, p
 
 
 def neighbour(group: dist.ProcessGroup | None, offset: int) -> int:
@@ -107,19 +136,17 @@ def stage_rank(group: dist.ProcessGroup | None, stage: int) -> int:
     return dist.get_global_rank(group, stage)
 
 
-def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor],
-                shapes: dict[str, Sequence[int]], dtype: torch.dtype, group: dist.ProcessGroup | None,
-                pending: PendingSends, device: torch.device | str = "cpu") -> dict[tuple[str, int], torch.Tensor]:
+def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor], boundary: Boundary,
+                group: dist.ProcessGroup | None, pending: PendingSends,
+                device: torch.device | str = "cpu") -> dict[tuple[str, int], torch.Tensor]:
     """Post one group of the plan as one grouped exchange; return its received tensors once they arrived.
 
     Args:
         step: the group (its sends and receives; see :mod:`~commlab.parallel.pipeline.plan`).
         outbox: tensors produced by earlier computations, keyed ``(kind, microbatch)``; each one this group
             sends is taken out of it (detached, made contiguous).
-        shapes: the shape of a received activation (``shapes["activation"]``, this stage's input) and of a
-            received gradient (``shapes["gradient"]``, this stage's output), as agreed by
+        boundary: the shapes and dtypes of what this stage sends and receives, as agreed by
             :func:`agree_boundary_shapes`.
-        dtype: the dtype of every boundary tensor.
         group: the pipeline group (group rank = stage).
         pending: where the exchange waits for its sends to complete (the step's :class:`PendingSends`).
         device: where received tensors are allocated (the group's device).
@@ -130,10 +157,23 @@ def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor],
     Raises:
         KeyError: the plan sends a tensor no computation has produced (a plan that does not fit the
             schedule).
+        ValueError: a tensor to send whose shape or dtype is not the agreed one (a module whose output shape
+            depends on its input's values, not only on its shape), naming the stage and the micro-batch;
+            raised before anything of the group is posted.
     """
-    sends = [(outbox.pop((msg.kind, msg.microbatch)).detach().contiguous(), stage_rank(group, msg.dst))
-             for msg in step.sends]
-    received = {(msg.kind, msg.microbatch): torch.empty(tuple(shapes[msg.kind]), dtype=dtype, device=device)
+    sends = []
+    for msg in step.sends:
+        tensor = outbox.pop((msg.kind, msg.microbatch)).detach().contiguous()
+        shape, dtype = boundary.sent(msg.kind)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"stage {msg.src}: the {msg.kind} of micro-batch {msg.microbatch} for stage {msg.dst} has shape "
+                f"{tuple(tensor.shape)} and dtype {_name(tensor.dtype)}, but the stages agreed on {shape} "
+                f"{_name(dtype)} from a dry run on zeros before the first micro-batch; a pipeline stage's "
+                "output shape and dtype must depend only on its input's shape and dtype, not on its values")
+        sends.append((tensor, stage_rank(group, msg.dst)))
+    received = {(msg.kind, msg.microbatch): torch.empty(boundary.received(msg.kind)[0],
+                                                        dtype=boundary.received(msg.kind)[1], device=device)
                 for msg in step.recvs}
     recvs = [(received[(msg.kind, msg.microbatch)], stage_rank(group, msg.src)) for msg in step.recvs]
     ex = p2p.exchange(sends, recvs, group)
@@ -142,59 +182,158 @@ def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor],
     return received
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def agree_step(schedule, m, batch: int, problem: str | None, group: dist.ProcessGroup | None,
+               device: torch.device | str = "cpu") -> None:
+    """Make every stage agree on (schedule, m, batch size), or raise the same error on every stage.
+
+    One all-gather of 4 int64 per stage over the pipeline group (one latency). It is also the collective
+    over the whole group that NCCL needs before the group's first point-to-point message (torch's
+    ``batch_isend_irecv`` docstring). Without it, stages running different schedules wait for messages
+    that never come until the timeout, and a different m or batch size fails inside a computation.
+
+    Args:
+        schedule: this stage's schedule name.
+        m: this stage's number of micro-batches.
+        batch: this stage's batch size.
+        problem: this stage's own verdict on its arguments (None if valid), e.g. "m=3 does not divide the
+            batch size 8"; a stage with a problem makes every stage raise.
+        group: the pipeline group; group rank = stage.
+
+    Raises:
+        ValueError: some stage's arguments are invalid (the message gives each such stage's ``problem``), or
+            the stages disagree (it lists every stage's schedule, m and batch size); the same message on
+            every stage.
+    """
+    names = sorted(SCHEDULES)
+    code = names.index(schedule) if isinstance(schedule, str) and schedule in names else -1
+    mine = torch.tensor([code, as_int64(m), as_int64(batch), int(problem is None)], dtype=torch.int64,
+                        device=device)
+    p = dist.get_world_size(group)
+    everyone = torch.empty(p * 4, dtype=torch.int64, device=mine.device)
+    all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(p, 4).cpu().tolist()
+    invalid = [s for s, row in enumerate(rows) if not row[3]]
+    if not invalid and len({tuple(row[:3]) for row in rows}) == 1:
+        return
+    if invalid:
+        # Only the failure path pays for this second collective: every stage learns every stage's own
+        # verdict, so that all raise the same message (and whichever error a launcher reports says it).
+        problems: list = [None] * p
+        dist.all_gather_object(problems, problem, group=group)
+        if len(set(problems)) == 1:
+            raise ValueError(f"pipeline_step: {problem} (on every stage)")
+        raise ValueError("pipeline_step: " + "; ".join(f"stage {s}: {problems[s]}" for s in invalid))
+    described = "; ".join(
+        f"stage {s}: schedule {names[c]!r}, m={mm}, batch {b}" for s, (c, mm, b, _) in enumerate(rows))
+    raise ValueError(f"pipeline_step: every stage must be called with the same schedule, m and batch size "
+                     f"({described})")
+
+
 # Shape messages carry at most this many dimensions (a fixed-size int64 buffer, so the receiver can
-# allocate it without knowing anything).
+# allocate it without knowing anything). Layout: [ok, ndim, dims..., dtype code].
 _MAX_DIMS = 8
+_HEADER = _MAX_DIMS + 3
 
 
 def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dtype: torch.dtype,
-                          group: dist.ProcessGroup | None,
-                          device: torch.device | str = "cpu") -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Pass activation shapes down the pipeline once, so later messages need no shape header.
+                          group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> Boundary:
+    """Pass activation shapes and dtypes down the pipeline once, so later messages need no header.
 
-    Stage 0 takes ``microbatch_shape`` as its input shape; every stage runs ``module`` once on zeros of its
-    input shape (without autograd, in eval mode) to learn its output shape and sends it to the next stage.
-    Costs p-1 tiny messages and one extra forward of one micro-batch per stage; the engine pays it at the
-    start of every :func:`~commlab.parallel.pipeline.engine.pipeline_step` (before the timed part), which
-    keeps each step self-contained. A module whose output shape depends on the values of its input (not
-    only its shape) cannot be pipelined this way.
+    Stage 0 takes ``microbatch_shape`` and ``dtype`` as its input; every stage runs ``module`` once on zeros
+    of its input shape and dtype (without autograd, in eval mode) to learn its output's shape and dtype and
+    sends both to the next stage. Costs p-1 tiny messages, one extra forward of one micro-batch per stage
+    and one all-gather of one int64 per stage at the end, which tells every stage whether each stage
+    succeeded (so a stage that fails here makes every stage raise instead of leaving its neighbours
+    waiting); the engine pays it at the start of every :func:`~commlab.parallel.pipeline.engine.pipeline_step`
+    (before the timed part), which keeps each step self-contained. A module whose output shape depends on
+    the values of its input (not only its shape) cannot be pipelined this way: :func:`communicate` refuses
+    its first message of another shape.
 
     Args:
         module: this stage's part of the model.
         microbatch_shape: shape of one micro-batch of the model's input (used on stage 0 only, ignored
             elsewhere, but pass it everywhere).
-        dtype: activation dtype on every boundary.
+        dtype: the model's input dtype (used on stage 0 only; an integer dtype for an embedding is fine).
         group: the pipeline group; group rank = stage.
+        device: the group's device, where the headers and the dry run's zeros are allocated.
 
     Returns:
-        ``(input_shape, output_shape)`` of this stage's module for one micro-batch.
+        This stage's :class:`Boundary` (input and output shape and dtype for one micro-batch).
 
     Raises:
-        ValueError: an output with more than 8 dimensions.
+        ValueError: an output with more than 8 dimensions, or an output with an integer or bool dtype on a
+            stage other than the last (no gradient can flow back through it), on that stage.
+        RuntimeError: on every other stage when some stage failed here (naming it); the failing stage
+            raises its own error (also the module's own exception from the dry run).
     """
     stage, p = stage_of(group)
+    failure: BaseException | None = None
+    upstream_ok = True
     if stage == 0:
-        in_shape = tuple(int(d) for d in microbatch_shape)
+        in_shape, in_dtype = tuple(int(d) for d in microbatch_shape), dtype
     else:
-        header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=device)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         p2p.exchange(recvs=[(header, neighbour(group, -1))], group=group).wait()
-        ndim = int(header[0])
-        in_shape = tuple(int(d) for d in header[1:1 + ndim])
+        values = header.cpu().tolist()
+        upstream_ok, ndim = bool(values[0]), values[1]
+        in_shape = tuple(values[2:2 + ndim])
+        in_dtype = _ALL_DTYPES[values[-1]] if upstream_ok else dtype
+    out_shape, out_dtype = (), in_dtype
+    if upstream_ok:
+        try:
+            out_shape, out_dtype = _dry_run(module, in_shape, in_dtype, device)
+            if stage < p - 1:
+                if len(out_shape) > _MAX_DIMS:
+                    raise ValueError(f"stage {stage}'s output has {len(out_shape)} dimensions; at most "
+                                     f"{_MAX_DIMS} can be announced to the next stage")
+                if not (out_dtype.is_floating_point or out_dtype.is_complex):
+                    raise ValueError(f"stage {stage}'s output has dtype {_name(out_dtype)}; every boundary after "
+                                     "the model's input must carry a floating-point activation, since the "
+                                     "gradient flows back through it (only stage 0's input may be an integer)")
+        except Exception as e:  # noqa: BLE001 -- re-raised below, after the other stages were told
+            failure = e
+    ok = upstream_ok and failure is None
+    if stage < p - 1:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        if ok:
+            header[:2 + len(out_shape)] = torch.tensor([1, len(out_shape), *out_shape], dtype=torch.int64)
+            header[-1] = _DTYPE_CODE[out_dtype]
+        p2p.exchange(sends=[(header, neighbour(group, +1))], group=group).wait()
+    # 0: failed here, 1: fine, 2: skipped because a stage before failed.
+    status = torch.tensor([0 if failure is not None else (1 if upstream_ok else 2)], dtype=torch.int64,
+                          device=device)
+    everyone = torch.empty(p, dtype=torch.int64, device=status.device)
+    all_gather_single(everyone, status, group=group)
+    failed = [s for s, v in enumerate(everyone.cpu().tolist()) if v == 0]
+    if failed:
+        # The failure path only: every stage learns the failing stage's error, so that whichever error a
+        # launcher reports names the cause.
+        errors: list = [None] * p
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(errors, mine, group=group)
+        if failure is not None:
+            raise failure
+        raise RuntimeError("pipeline_step: " + "; ".join(f"stage {s} failed while the stages agreed on their "
+                                                          f"boundary shapes ({errors[s]})" for s in failed)
+                           + f"; stage {stage} stops too")
+    return Boundary(in_shape, in_dtype, out_shape, out_dtype)
+
+
+def _dry_run(module: nn.Module, in_shape: tuple[int, ...], in_dtype: torch.dtype,
+             device) -> tuple[tuple[int, ...], torch.dtype]:
     was_training = module.training
     # eval() so that a dry run cannot update running statistics (BatchNorm) or draw dropout masks.
     module.eval()
-    with torch.no_grad():
-        out_shape = tuple(module(torch.zeros(in_shape, dtype=dtype, device=device)).shape)
-    module.train(was_training)
-    if stage < p - 1:
-        if len(out_shape) > _MAX_DIMS:
-            raise ValueError(f"stage {stage}'s output has {len(out_shape)} dimensions; at most {_MAX_DIMS} "
-                             "can be announced to the next stage")
-        header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
-        header[0] = len(out_shape)
-        header[1:1 + len(out_shape)] = torch.tensor(out_shape, dtype=torch.int64)
-        p2p.exchange(sends=[(header, neighbour(group, +1))], group=group).wait()
-    return in_shape, out_shape
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(in_shape, dtype=in_dtype, device=device))
+    finally:
+        module.train(was_training)
+    return tuple(out.shape), out.dtype
 
 
 def activation_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

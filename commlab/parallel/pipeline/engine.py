@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.launch.device import Clock, group_device
-from commlab.parallel.pipeline.communications import (PendingSends, agree_boundary_shapes, communicate,
-                                                      stage_of, stage_rank)
+from commlab.parallel.pipeline.communications import (PendingSends, agree_boundary_shapes, agree_step,
+                                                      communicate, stage_of, stage_rank)
 from commlab.parallel.pipeline.plan import ACTIVATION, GRADIENT, CommGroup, communication_plan
 from commlab.parallel.pipeline.schedules import (FORWARD, SCHEDULES, TimedOp, bubble_fraction, idle_fraction,
                                                  make_schedule, stage_busy_idle)
@@ -124,9 +124,10 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
 
     Args:
         stage_module: this rank's stage (from :func:`split_sequential`).
-        inputs: the whole batch's input, shape ``(batch, ...)``; its values are read on stage 0 only, but
-            pass it on every stage: its batch size, dtype and device are used everywhere (the dtype is the
-            activation dtype on every boundary).
+        inputs: the whole batch's input, shape ``(batch, ...)``; its values and dtype are read on stage 0
+            only (an integer dtype for an embedding is fine: each boundary's dtype is the previous stage's
+            output dtype, passed down with its shape), but pass it on every stage: its batch size and
+            device are used everywhere.
         targets: the whole batch's targets, shape ``(batch, ...)``; read on the last stage only.
         loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch's rows (e.g.
             ``nn.functional.cross_entropy``); a sum-reduced loss would be scaled wrong by 1/m.
@@ -139,32 +140,42 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
         :class:`PipelineResult` (the same loss, timeline and per-stage times on every stage).
 
     Raises:
-        ValueError: unknown schedule, m < 1, or a batch size m does not divide.
-        RuntimeError: this rank is not in ``group``.
+        ValueError: on every stage: unknown schedule, m not an integer >= 1 or not dividing the batch size,
+            the batch on another device than the group's, or stages called with different schedules, m or
+            batch sizes (the message lists each stage's). On the stage concerned (the others wait for
+            it until the timeout): a tensor to send whose shape or dtype differs from the one agreed
+            before the first micro-batch (an output shape that depends on the input's values), naming the
+            stage and micro-batch.
+        RuntimeError: this rank is not in ``group``; on the stage concerned, a stage whose output does not
+            depend on its input (no gradient to send back), naming the stage and micro-batch; on every
+            stage, when a stage failed while the boundary shapes were agreed (its dry run raised, or its
+            output is an integer tensor that is not the last stage's).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
     stage, p = stage_of(group)
-    batch = inputs.shape[0]
-    if not isinstance(m, int) or m < 1 or batch % m != 0:
-        raise ValueError(f"m={m!r} micro-batches must be a positive integer dividing the batch size {batch}")
+    batch = inputs.shape[0] if inputs.dim() > 0 else 0
     device = group_device(group)
-    if inputs.device != device or targets.device != device:
-        raise ValueError(f"pipeline_step: the pipeline group's messages travel on {device}, but inputs are on "
-                         f"{inputs.device} and targets on {targets.device}; move the batch (and the stage "
-                         f"module) to {device}")
-    first, last = stage == 0, stage == p - 1
-    dtype = inputs.dtype
-    mb_shape = (batch // m,) + tuple(inputs.shape[1:])
+    # Each stage judges its own arguments; agree_step then makes every stage raise if any stage found a
+    # problem or the stages disagree, instead of leaving the others waiting for messages.
+    problem = None
+    if schedule not in SCHEDULES:
+        problem = f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}"
+    elif isinstance(m, bool) or not isinstance(m, int) or m < 1 or batch % m != 0:
+        problem = f"m={m!r} micro-batches must be a positive integer dividing the batch size {batch}"
+    elif inputs.device != device or targets.device != device:
+        problem = (f"the pipeline group's messages travel on {device}, but inputs are on {inputs.device} and "
+                   f"targets on {targets.device}; move the batch (and the stage module) to {device}")
     # A collective over the whole pipeline group before its first point-to-point message: on NCCL the first
     # batch_isend_irecv on a communicator must involve every rank of the group (torch's docstring), and the
     # shape agreement's first message involves stages 0 and 1 only.
-    dist.barrier(group=group)
-    in_shape, out_shape = agree_boundary_shapes(stage_module, mb_shape, dtype, group, device)
-    shapes = {ACTIVATION: in_shape, GRADIENT: out_shape}  # what this stage receives, by kind
+    agree_step(schedule, m, batch, problem, group, device)
+    first, last = stage == 0, stage == p - 1
+    mb_shape = (batch // m,) + tuple(inputs.shape[1:])
     my_plan = communication_plan(make_schedule(schedule, p, m))[stage]
     x_mb = inputs.chunk(m) if first else None
     y_mb = targets.chunk(m) if last else None
+    # The boundary pass ends with an all-gather over the pipeline group, which is also the stages' common
+    # start of the step (so that their timelines line up).
+    boundary = agree_boundary_shapes(stage_module, mb_shape, inputs.dtype, group, device)
 
     pending = PendingSends()
     inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not yet used
@@ -174,11 +185,10 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
     clock = Clock(device)
     marks: list[tuple[str, int, object, object]] = []
 
-    dist.barrier(group=group)  # a common start, so the stages' timelines line up
     t0 = clock.mark()
     for item in my_plan:
         if isinstance(item, CommGroup):
-            inbox.update(communicate(item, outbox, shapes, dtype, group, pending, device))
+            inbox.update(communicate(item, outbox, boundary, group, pending, device))
             continue
         j = item.microbatch
         if item.kind == FORWARD:
@@ -199,6 +209,12 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor, targets: torch.
             start = clock.mark()
             torch.autograd.backward(out, grad_out)  # grad_out None: out is the last stage's scalar loss
             if not first:
+                if x.grad is None:
+                    raise RuntimeError(
+                        f"stage {stage}: backward of micro-batch {j} left no gradient on the stage's input, so "
+                        f"there is nothing to send back to stage {stage - 1}: the stage's output does not depend "
+                        "on the activation it received (a detach(), a constant output, or an input it ignores); "
+                        "a pipeline stage must compute from its input")
                 outbox[(GRADIENT, j)] = x.grad
         marks.append((item.kind, j, start, clock.mark()))
     pending.wait_all()  # every exchange waited before the step returns
