@@ -222,3 +222,62 @@ def test_an_exception_whose_str_fails_is_still_reported():
     with pytest.raises(RankError) as info:
         launch(fn, 1)
     assert info.value.exc_type == "Weird"
+
+
+_KILLED_PARENT = """
+import os, sys, time
+from commlab.launch import launch
+def body(path):
+    with open(f"{path}.{os.getpid()}", "w"):
+        pass
+    time.sleep(120)
+if __name__ == "__main__":
+    launch(body, 3, sys.argv[1], timeout=300)
+"""
+
+
+@pytest.mark.parametrize("watcher", [False, True], ids=["pdeathsig", "watcher-thread"])
+def test_ranks_of_a_killed_parent_end_with_it(tmp_path, watcher):
+    """`timeout 60 python script.py` sends SIGTERM to the parent only (each rank leads its own process group):
+    the ranks must not live on, blocked, after it. The watcher thread is the path off Linux."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    source = _KILLED_PARENT
+    if watcher:  # take the non-Linux path: the kernel is not asked to watch the parent
+        source = source.replace("from commlab.launch import launch",
+                                "from commlab.launch import launch, local\nlocal._USE_PDEATHSIG = False")
+    script.write_text(source)
+    marker = tmp_path / "rank"
+    parent = subprocess.Popen([sys.executable, str(script), str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank.*"))) < 3:
+            assert parent.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("rank.*")]
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in pids if _is_running(p)]
+        assert not alive, f"ranks {alive} outlived their parent"
+    finally:
+        parent.kill()
+        for p in tmp_path.glob("rank.*"):
+            try:
+                os.kill(int(p.name.split(".")[1]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _is_running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"   # a zombie has exited
+    except FileNotFoundError:
+        return False

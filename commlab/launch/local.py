@@ -47,6 +47,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -378,6 +379,38 @@ def _print_outputs(outputs):
 
 # ------------------------------------------------------------------------------------------ child side
 
+_USE_PDEATHSIG = sys.platform.startswith("linux")  # else a watcher thread (see _die_with_parent)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank when the process that started it dies.
+
+    A rank leads its own process group, so a signal sent to the parent's group (``timeout`` around a script,
+    a notebook kernel killed or restarted) no longer reaches it, and a parent that dies cannot reap it. Without
+    this the ranks of a killed parent live on, blocked in the rendezvous or a collective, holding memory and
+    cores. On Linux the kernel delivers SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG)``); elsewhere a
+    daemon thread polls the parent id (gloo's and NCCL's waits release the GIL, so the thread runs while the
+    rank is blocked in one).
+    """
+    if _USE_PDEATHSIG:
+        try:
+            import ctypes
+            pr_set_pdeathsig = 1  # <linux/prctl.h>
+            if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0:
+                if os.getppid() != parent_pid:  # the parent died before the kernel was asked to watch it
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="commlab-parent-watch", daemon=True).start()
+
+
 def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     # Everything this rank writes, from Python or from C++, goes to its own file.
     out_path = os.path.join(cfg.out_dir, f"rank{rank}.out")
@@ -396,6 +429,7 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # this rank leads a process group: the parent ends it with everything it started
+    _die_with_parent(os.getppid())
 
     try:
         import torch
