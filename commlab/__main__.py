@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from commlab.bench.metrics import parse_size
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                          "table only (python -m commlab bench --backend nccl, one GPU per rank)")
         if args.backend == "nccl":
             _check_nccl_ranks(parser, args.world_size)
+        if args.compressors and args.device == "cuda":
+            _check_cuda(parser, "--device cuda")
         if args.compressors:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), numel=max(1, hi // 4),
@@ -180,16 +183,22 @@ def _bench_in_job(args, parser, sizes) -> int:
     return run()
 
 
-def _check_nccl_ranks(parser, ranks: int) -> None:
-    """Refuse ``--backend nccl`` as a usage error (exit 2, no traceback) when this machine cannot give each
-    of ``ranks`` local ranks its own GPU."""
+def _check_cuda(parser, flag: str, why: str = "", instead: str = "") -> int:
+    """The number of visible CUDA GPUs; none is a usage error (exit 2, no traceback) naming ``flag``."""
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
-        parser.error("--backend nccl needs CUDA GPUs (NCCL moves only GPU tensors) and this machine has none "
-                     f"visible (torch {torch.__version__}, CUDA {'built in' if torch.version.cuda else 'not built in'}); "
-                     "use --backend gloo to run on CPU processes")
+        parser.error(f"{flag} needs CUDA GPUs{why} and this machine has none visible (torch {torch.__version__}, "
+                     f"CUDA {'built in' if torch.version.cuda else 'not built in'}){instead}")
+    return visible
+
+
+def _check_nccl_ranks(parser, ranks: int) -> None:
+    """Refuse ``--backend nccl`` as a usage error (exit 2, no traceback) when this machine cannot give each
+    of ``ranks`` local ranks its own GPU."""
+    visible = _check_cuda(parser, "--backend nccl", " (NCCL moves only GPU tensors)",
+                          "; use --backend gloo to run on CPU processes")
     if visible < ranks:
         parser.error(f"--backend nccl puts each rank on its own GPU: -n {ranks} needs {ranks} GPUs, {visible} "
                      f"visible; pass -n {visible} or fewer")
@@ -276,12 +285,17 @@ def _bench_emulated(args, parser, nbytes) -> int:
     from commlab.bench.calibrate import calibrate
     from commlab.topology import EmulatedTopology, Link
 
+    # Each option checked in the unit the user typed, so that the message names the option at fault.
+    if not (math.isfinite(args.inter_gbps) and args.inter_gbps > 0):
+        parser.error(f"--inter-gbps must be a finite number of Gb/s > 0, got {args.inter_gbps:g}")
+    if not (math.isfinite(args.inter_alpha_us) and args.inter_alpha_us >= 0):
+        parser.error(f"--inter-alpha-us must be a finite number of microseconds >= 0, got {args.inter_alpha_us:g}")
+    link = Link.from_bandwidth(args.inter_gbps * 1e9 / 8, args.inter_alpha_us * 1e-6, "emulated")
     try:
         nodes, devices = (int(x) for x in args.emulate.lower().split("x"))
-        topology = EmulatedTopology(nodes, devices, Link.from_bandwidth(args.inter_gbps * 1e9 / 8,
-                                                                        args.inter_alpha_us * 1e-6, "emulated"))
+        topology = EmulatedTopology(nodes, devices, link)
     except ValueError as e:
-        parser.error(f"--emulate takes NODESxDEVICES with both >= 1, e.g. 2x4 ({e})")
+        parser.error(f"--emulate takes NODESxDEVICES with both >= 1, e.g. 2x4, got {args.emulate!r} ({e})")
     print(f"# calibrating the real transport on {topology.world_size} ranks ...", flush=True)
     fit = calibrate(world_size=max(2, topology.world_size), rounds=args.rounds, progress=False)
     print(f"# {fit}", flush=True)

@@ -110,3 +110,24 @@ def test_bench_on_nccl_without_a_gpu_is_a_usage_error_not_a_traceback(flags):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--backend nccl needs CUDA GPUs" in proc.stderr and "use --backend gloo" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_compressors_on_cuda_without_a_gpu_is_a_usage_error_not_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--compressors", "--device", "cuda"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--device cuda needs CUDA GPUs" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--inter-gbps", "-1"], "--inter-gbps must be a finite number of Gb/s > 0, got -1"),
+    (["--inter-gbps", "nan"], "--inter-gbps must be a finite number of Gb/s > 0, got nan"),
+    (["--inter-alpha-us", "-5"], "--inter-alpha-us must be a finite number of microseconds >= 0, got -5"),
+    ([], "--emulate takes NODESxDEVICES with both >= 1, e.g. 2x4, got '2x0'")])
+def test_emulated_link_errors_name_the_option_in_its_own_unit(flags, message):
+    """Before, a bad link was blamed on --emulate and shown in bytes/s or seconds."""
+    emulate = "2x0" if not flags else "2x2"
+    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--emulate", emulate, *flags],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
