@@ -48,7 +48,8 @@ fi
 
 : > "$OUT"
 {
-  echo "# commlab GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), dry run: $DRY, backend $BACKEND, GPUs: $NGPU"
+  if [ "$DRY" = 1 ]; then WHAT="CPU ranks standing in for GPUs: $NGPU"; else WHAT="GPUs: $NGPU"; fi
+  echo "# commlab GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), dry run: $DRY, backend $BACKEND, $WHAT"
   "$PY" -c "import torch; print('# torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL',
             '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-')"
   [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/# GPU: /'
