@@ -1,0 +1,209 @@
+"""The capstone's GPT: one readable decoder-only transformer, and the two ways it is cut for 3D parallelism.
+
+The model is GPT-2's layout at toy size (Radford et al. 2019, "Language Models are Unsupervised Multitask
+Learners", §2.3: pre-norm blocks, a final LayerNorm, learned positions), trained on characters of the course's
+offline corpus (:mod:`commlab.experiments.corpus`). Its attention and MLP are commlab's own blocks
+(:class:`commlab.parallel.tensor.SelfAttention`, :class:`~commlab.parallel.tensor.MLP`), so that
+
+* **TP** is real: :func:`parallelize` swaps each block's attention and MLP for the tensor-parallel layers built
+  from them (Megatron-LM, Shoeybi et al. 2019, §3: heads split across the group, column-parallel ``qkv``/``fc1``,
+  row-parallel ``proj``/``fc2``; one AllReduce forward and one backward per block). The embeddings, LayerNorms
+  and the output head stay replicated on the TP group (no vocabulary-parallel embedding: at this vocabulary
+  size it would only add communication). Their gradients are equal on every TP rank, because their inputs are.
+* **PP** is real: :func:`pipeline_stages` cuts the block list into ``pp`` consecutive stages, the embedding in
+  the first and the final LayerNorm and head in the last, for :func:`commlab.parallel.pipeline.pipeline_step`.
+
+Every rank builds the whole model from the same seed and then keeps its shard: the parallel model is then
+checkable against the single-process one (the tests compare losses and gradients in float64).
+
+Shapes: token ids ``(batch, seq)`` int64 -> logits ``(batch, seq, vocab)``; ``seq <= config.block``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+from commlab.experiments.corpus import VOCAB
+from commlab.parallel.tensor import MLP, ParallelMLP, ParallelSelfAttention, SelfAttention
+
+__all__ = ["GPTConfig", "GPT", "Block", "Embedding", "Head", "build_gpt", "check_layout", "parallelize",
+           "pipeline_stages", "lm_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the capstone GPT.
+
+    Attributes:
+        vocab: tokens in the vocabulary (default: the corpus's characters).
+        block: the longest sequence (positions learned).
+        layers: transformer blocks.
+        hidden: the model width; ``hidden % heads == 0``.
+        heads: attention heads.
+        ffn: the MLP's inner width (4 x hidden in GPT-2).
+    """
+
+    vocab: int = len(VOCAB)
+    block: int = 32
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    ffn: int = 256
+
+    def __post_init__(self):
+        for name in ("vocab", "block", "layers", "hidden", "heads", "ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an int >= 1, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTConfig: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+
+    @property
+    def params(self) -> int:
+        """Parameters of the whole (unsharded) model."""
+        h, f = self.hidden, self.ffn
+        per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        return (self.vocab + self.block) * h + self.layers * per_block + 2 * h + (h * self.vocab + self.vocab)
+
+
+def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int | None = None) -> None:
+    """Refuse a layout that does not divide the model or the world, naming the numbers; pure, no process group.
+
+    Call it before creating any group, so that a bad command line fails at once on every rank.
+
+    Raises:
+        ValueError: ``tp``, ``pp`` or ``dp`` not an int >= 1; ``heads % tp`` (a head's softmax needs all of its
+            dimensions), ``ffn % tp`` (column-parallel ``fc1``), ``layers % pp`` (every stage gets the same number
+            of blocks), or ``world_size != tp * pp * dp``.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    problems = []
+    if config.heads % tp:
+        problems.append(f"heads ({config.heads}) is not divisible by tp ({tp}): each TP rank computes whole heads")
+    if config.ffn % tp:
+        problems.append(f"ffn ({config.ffn}) is not divisible by tp ({tp}): fc1's columns are split evenly")
+    if config.layers % pp:
+        problems.append(f"layers ({config.layers}) is not divisible by pp ({pp}): each stage gets the same number "
+                        "of blocks")
+    if world_size is not None and world_size != tp * pp * dp:
+        problems.append(f"the world has {world_size} ranks but tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}")
+    if problems:
+        raise ValueError(f"layout tp={tp} pp={pp} dp={dp} does not fit the model: " + "; ".join(problems))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ``(batch, seq)`` int64 -> ``(batch, seq, hidden)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.block = config.block
+        self.tok = nn.Embedding(config.vocab, config.hidden)
+        self.pos = nn.Embedding(config.block, config.hidden)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[-1]
+        if seq > self.block:
+            raise ValueError(f"sequence of {seq} tokens is longer than the model's block ({self.block})")
+        return self.tok(idx) + self.pos(torch.arange(seq, device=idx.device))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``; ``(b, s, h) -> (b, s, h)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden)
+        self.attn: nn.Module = SelfAttention(config.hidden, config.heads, causal=True)
+        self.ln2 = nn.LayerNorm(config.hidden)
+        self.mlp: nn.Module = MLP(config.hidden, config.ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output projection: ``(b, s, hidden) -> (b, s, vocab)`` logits."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(config.hidden)
+        self.out = nn.Linear(config.hidden, config.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Module):
+    """The whole model: :class:`Embedding`, ``config.layers`` :class:`Block` s, :class:`Head`."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.head = Head(config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_gpt(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
+    """The full model with weights drawn from ``seed`` (the same on every rank), without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(config)
+    return model.to(dtype)
+
+
+def parallelize(model: GPT, tp_group: dist.ProcessGroup | None) -> GPT:
+    """Shard every block's attention and MLP over ``tp_group``, in place; returns ``model``.
+
+    Each rank of the group must hold the same full model (:func:`build_gpt` with one seed). With a group of one
+    rank the layers are swapped all the same (and communicate nothing), so every layout runs the same code.
+
+    Raises:
+        ValueError: heads or ffn not divisible by the group's size (from the TP layers).
+    """
+    for block in model.blocks:
+        block.attn = ParallelSelfAttention(block.attn, tp_group)
+        block.mlp = ParallelMLP(block.mlp, tp_group)
+    return model
+
+
+def pipeline_stages(model: GPT, pp: int) -> list[nn.Sequential]:
+    """Cut ``model`` into ``pp`` stages of ``layers / pp`` consecutive blocks each, for ``pipeline_step``.
+
+    Stage 0 starts with the embedding (its input is the int64 token ids), the last stage ends with the head (its
+    output the logits). The stages share the model's modules (no copy).
+
+    Raises:
+        ValueError: ``layers % pp`` (see :func:`check_layout`).
+    """
+    layers = len(model.blocks)
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or layers % pp:
+        raise ValueError(f"layers ({layers}) must be divisible by pp ({pp!r})")
+    per = layers // pp
+    stages = []
+    for s in range(pp):
+        parts: list[nn.Module] = [model.embed] if s == 0 else []
+        parts += list(model.blocks[s * per:(s + 1) * per])
+        if s == pp - 1:
+            parts.append(model.head)
+        stages.append(nn.Sequential(*parts))
+    return stages
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (nats): logits ``(b, s, vocab)``, targets ``(b, s)`` int64."""
+    return Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
