@@ -1,0 +1,68 @@
+"""The capstone's training script (labs/capstone/train.py): every TP x PP x DP layout gives the single-process
+run's per-step losses (same seed, same global batch, float64), on 8 real gloo ranks; its command line refuses a
+layout that does not divide, and runs under torchrun."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commlab import launch
+from labs.capstone.train import Options, parse_args, train
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+TOL = 1e-9   # float64; the layouts differ only in the order of their sums (TP AllReduces, DP averaging)
+
+
+def _opts(tp, pp, dp):
+    # The same global batch (8 sequences) whatever the layout: 2 per micro-batch, 4 / dp micro-batches.
+    return Options(tp=tp, pp=pp, dp=dp, micro_batch=2, micro_batches=4 // dp, steps=STEPS, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return launch(train, 1, _opts(1, 1, 1), timeout=120)[0]
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1)])
+def test_every_layout_gives_the_single_process_losses(single_process, tp, pp, dp):
+    results = launch(train, 8, _opts(tp, pp, dp), timeout=180, print_output=False)
+    for losses in results:
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, single_process)) < TOL, (losses, single_process)
+    assert single_process[-1] < single_process[0]   # it trains
+
+
+def test_a_layout_that_does_not_divide_is_a_usage_error():
+    proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--tp", "3", "--pp", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "heads (4) is not divisible by tp (3)" in proc.stderr and "layers (4) is not divisible by pp (3)" in proc.stderr
+
+
+def test_a_world_that_does_not_match_the_layout_is_refused_on_every_rank():
+    from commlab import RankError
+    with pytest.raises(RankError, match="the world has 2 ranks but tp x pp x dp = 1 x 1 x 4 = 4"):
+        launch(train, 2, _opts(1, 1, 4), timeout=60, print_output=False)
+
+
+def test_flags_read_at_a_glance():
+    opts = parse_args(["--tp", "2", "--pp", "2", "--dp", "2", "--micro-batch", "4", "--micro-batches", "8",
+                       "--schedule", "gpipe", "--steps", "7", "--dtype", "float64"])
+    assert dataclasses.replace(opts) == Options(tp=2, pp=2, dp=2, micro_batch=4, micro_batches=8, schedule="gpipe",
+                                                steps=7, dtype="float64")
+    assert opts.global_batch == 64
+
+
+def test_the_script_runs_under_torchrun_as_2x2x2(tmp_path):
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                           str(ROOT / "labs/capstone/train.py"), "--tp", "2", "--pp", "2", "--dp", "2",
+                           "--steps", "3", "--log-file", str(log)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp=2 pp=2 dp=2: loss" in proc.stdout
+    assert len(log.read_text().splitlines()) == 3
