@@ -42,7 +42,7 @@ from commlab.overlap.bucketed import Bucket, completed_future
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["METHOD_KINDS", "StepComm", "BucketCost", "parse_spec", "describe", "payload_tensors", "make_method",
-           "Method", "method_hook"]
+           "Method", "method_hook", "compressor_for"]
 
 #: Spec prefix -> what its argument means.
 METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)", "qsgd": "bits (2, 4 or 8)",
@@ -171,6 +171,18 @@ class _TimedCompressor:
 
     def decompress(self, payload):
         return self._timed(self.inner.decompress, payload)
+
+
+def compressor_for(spec: str, seed: int = 0):
+    """The :class:`commlab.compress.base.Compressor` a method spec names (``"topk:0.01"``, ``"int:8"``, ...), for
+    :class:`commlab.compress.CompressionHookState`; None for ``"dense"`` and ``"powersgd:R"``, which are no
+    compressor of that kind (PowerSGD keeps its state in :class:`commlab.compress.PowerSGDState`).
+
+    Raises:
+        ValueError: a spec :func:`parse_spec` refuses.
+    """
+    kind, arg = parse_spec(spec)
+    return None if kind in ("dense", "powersgd") else _compressor(kind, arg, seed)
 
 
 def _compressor(kind: str, arg: str | None, seed: int):

@@ -35,7 +35,9 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: its own folder and the checkout's root on the path
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from commlab.compress import CompressionHookState, PowerSGDState, compression_hook, powersgd_hook  # noqa: E402
 from commlab.experiments.corpus import load_corpus  # noqa: E402
+from commlab.experiments.methods import compressor_for, parse_spec  # noqa: E402
 from commlab.launch.device import group_device  # noqa: E402
 from commlab.overlap import BucketedDataParallel  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
@@ -60,6 +62,8 @@ class Options:
     steps: int = 20
     seed: int = 0
     lr: float = 3e-3
+    compressor: str = "dense"
+    error_feedback: bool = True
     dtype: str = "float32"
     backend: str | None = None
     log: str | None = None
@@ -83,6 +87,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    p.add_argument("--compressor", default="dense", metavar="SPEC",
+                   help="how the DP dimension averages gradients: dense (default), powersgd:R, topk:RATIO, "
+                        "randomk:RATIO, int:8, int:4, qsgd:BITS, sign, cast:bf16, cast:fp16")
+    p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                   help="compress without error feedback (default: with it, for every compressor but the casts)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                    help="default: NCCL when CUDA is present, else gloo")
@@ -97,6 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if f.name != "model"})
     try:
         check_layout(opts.model, opts.tp, opts.pp, opts.dp)
+        parse_spec(opts.compressor)
     except ValueError as e:
         p.error(str(e))
     return opts
@@ -136,6 +146,7 @@ class Trainer:
         parallelize(model, self.groups["tp"])
         self.module = pipeline_stages(model, opts.pp)[self.stage]
         self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
+        register_dp_sync(self.dp, opts, self.groups["dp"])
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
         self.ids = load_corpus().train
 
@@ -154,6 +165,28 @@ class Trainer:
         loss = torch.tensor([result.loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
         return float(loss.item()) / opts.dp
+
+
+def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:
+    """Give ``dp`` the comm hook of ``opts.compressor`` over the DP ``group`` (none for dense: the AllReduce).
+
+    PowerSGD (Vogels et al. 2019, Algorithm 1) with its error feedback and warm start, compressing from the
+    second step (``start_iter=2``: the first is averaged densely, as torch's hook requires with error feedback);
+    the other compressors through :func:`commlab.compress.compression_hook`, with error feedback unless
+    ``--no-error-feedback`` or a cast (a cast loses too little to need it).
+    """
+    kind, arg = parse_spec(opts.compressor)
+    if kind == "dense":
+        return
+    if kind == "powersgd":
+        state = PowerSGDState(process_group=group, rank=int(arg), start_iter=2,
+                              use_error_feedback=opts.error_feedback, warm_start=opts.error_feedback,
+                              random_seed=opts.seed)
+        dp.register_comm_hook(state, powersgd_hook)
+        return
+    ef = opts.error_feedback and kind != "cast"
+    dp.register_comm_hook(CompressionHookState(compressor_for(opts.compressor, opts.seed), group, ef),
+                          compression_hook)
 
 
 def train(opts: Options) -> list[float]:
