@@ -91,3 +91,33 @@ def test_an_unknown_compressor_is_a_usage_error():
     proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--compressor", "topk:2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "the argument of topk must be share kept in (0, 1]" in proc.stderr
+
+
+def _resume_case(tmp_path, saved, resumed, dtype):
+    tp, pp, dp = saved
+    whole = _opts(*saved)
+    whole = dataclasses.replace(whole, steps=6, dtype=dtype)
+    uninterrupted = launch(train, tp * pp * dp, whole, timeout=180, print_output=False)[0]
+    ckpt = str(tmp_path / "ckpt")
+    first = dataclasses.replace(whole, steps=3, ckpt_dir=ckpt, ckpt_every=3)
+    launch(train, tp * pp * dp, first, timeout=180, print_output=False)
+    second = dataclasses.replace(_opts(*resumed), steps=6, dtype=dtype, ckpt_dir=ckpt, resume=True)
+    rest = launch(train, resumed[0] * resumed[1] * resumed[2], second, timeout=180, print_output=False)[0]
+    return uninterrupted[3:], rest
+
+
+def test_resume_gives_the_uninterrupted_losses_bitwise(tmp_path):
+    want, got = _resume_case(tmp_path, (2, 2, 2), (2, 2, 2), "float32")
+    assert got == want           # bitwise: the same layout, the same arithmetic
+
+
+@pytest.mark.parametrize("resumed", [(1, 2, 4), (2, 2, 1), (4, 1, 2)])
+def test_resume_under_another_layout_reshards_and_continues(tmp_path, resumed):
+    want, got = _resume_case(tmp_path, (2, 2, 2), resumed, "float64")
+    assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) < TOL, (got, want)
+
+
+def test_checkpoint_flags_without_a_directory_are_a_usage_error():
+    proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--resume"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--ckpt-every and --resume need --ckpt-dir" in proc.stderr

@@ -42,6 +42,7 @@ from commlab.launch.device import group_device  # noqa: E402
 from commlab.overlap import BucketedDataParallel  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
+from labs.capstone import checkpoint  # noqa: E402
 from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
 
 __all__ = ["Options", "parse_args", "Trainer", "global_batch", "main"]
@@ -67,6 +68,9 @@ class Options:
     dtype: str = "float32"
     backend: str | None = None
     log: str | None = None
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: bool = False
     model: GPTConfig = GPTConfig()
 
     @property
@@ -99,7 +103,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     # "--log" for an ambiguous abbreviation of its --log-dir / --logs-specs.
     p.add_argument("--log-file", dest="log", metavar="FILE.jsonl", default=None,
                    help="one JSON line per step (rank 0 writes it)")
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                   help="where checkpoints go (torch.distributed.checkpoint, loadable under any layout)")
+    p.add_argument("--ckpt-every", type=int, default=0, metavar="N", help="save every N steps (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt-dir (if there is one), under this layout")
     args = p.parse_args(argv)
+    if (args.ckpt_every or args.resume) and not args.ckpt_dir:
+        p.error("--ckpt-every and --resume need --ckpt-dir")
+    if args.ckpt_every < 0:
+        p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     for name in ("micro_batch", "micro_batches", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -143,7 +156,8 @@ class Trainer:
         self.dp_rank = dist.get_rank(self.groups["dp"])
         self.stage = dist.get_rank(self.groups["pp"])
         model = build_gpt(opts.model, opts.seed, DTYPES[opts.dtype]).to(self.device)
-        parallelize(model, self.groups["tp"])
+        self.full_shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.model = parallelize(model, self.groups["tp"])
         self.module = pipeline_stages(model, opts.pp)[self.stage]
         self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
         register_dp_sync(self.dp, opts, self.groups["dp"])
@@ -190,16 +204,23 @@ def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.Proces
 
 
 def train(opts: Options) -> list[float]:
-    """Run ``opts.steps`` steps in the current process group; the per-step losses, the same on every rank."""
+    """Run steps up to ``opts.steps`` in the current process group (from the newest checkpoint's next step with
+    ``resume``); the losses of the steps it ran, the same on every rank."""
     trainer = Trainer(opts)
+    start = 0
+    if opts.resume and checkpoint.latest_step(opts.ckpt_dir) is not None:
+        start = checkpoint.load(opts.ckpt_dir, trainer.model, trainer.module, trainer.optimizer,
+                                trainer.full_shapes) + 1
     losses = []
-    log = open(opts.log, "w", encoding="utf-8") if opts.log and dist.get_rank() == 0 else None
+    log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and dist.get_rank() == 0 else None
     try:
-        for step in range(opts.steps):
+        for step in range(start, opts.steps):
             losses.append(trainer.step(step))
             if log is not None:
                 log.write(json.dumps({"step": step, "loss": losses[-1]}) + "\n")
                 log.flush()
+            if opts.ckpt_every and (step + 1) % opts.ckpt_every == 0:
+                checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.module, trainer.optimizer)
     finally:
         if log is not None:
             log.close()

@@ -197,6 +197,15 @@ class ColumnParallelLinear(nn.Module):
             return None
         return _unrows(_gather_all(self.bias.grad if grad else self.bias, self.group), self.fused)
 
+    def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """Any tensor laid out as this rank's ``weight`` or ``bias`` shard (``name``; e.g. an optimizer's moment of
+        it), reassembled to the full layer's shape over the group. Every rank of the group must call it."""
+        return _unrows(_gather_all(local, self.group), self.fused)
+
+    def take_shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's shard of a full-layer-shaped ``weight`` or ``bias`` tensor (the inverse of :meth:`gather_full`)."""
+        return _rows(full, group_size(self.group), group_rank(self.group), self.fused)
+
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A``'s input columns split across the TP group; the partial sums all-reduced (g).
@@ -253,6 +262,20 @@ class RowParallelLinear(nn.Module):
         if self.bias is None:
             return None
         return (self.bias.grad if grad else self.bias).detach().clone()
+
+    def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """Any tensor laid out as this rank's ``weight`` or ``bias`` (``name``), reassembled to the full layer's
+        shape: the weight's columns gathered over the group, the bias (not sharded) copied. Every rank of the
+        group must call it."""
+        if name == "bias":
+            return local.detach().clone()
+        return torch.cat(_gather_all(local, self.group), dim=1)
+
+    def take_shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's part of a full-layer-shaped ``weight`` or ``bias`` (the inverse of :meth:`gather_full`)."""
+        if name == "bias":
+            return full.detach().clone()
+        return full.chunk(group_size(self.group), dim=1)[group_rank(self.group)].clone()
 
 
 # -- the parallel blocks -------------------------------------------------------------------------------------
