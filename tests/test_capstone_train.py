@@ -3,6 +3,7 @@ run's per-step losses (same seed, same global batch, float64), on 8 real gloo ra
 layout that does not divide, and runs under torchrun."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,11 +62,17 @@ def test_the_script_runs_under_torchrun_as_2x2x2(tmp_path):
     log = tmp_path / "log.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                            str(ROOT / "labs/capstone/train.py"), "--tp", "2", "--pp", "2", "--dp", "2",
-                           "--steps", "3", "--log-file", str(log)],
+                           "--steps", "3", "--micro-batches", "2", "--log-file", str(log)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tp=2 pp=2 dp=2: loss" in proc.stdout
-    assert len(log.read_text().splitlines()) == 3
+    assert "tp=2 pp=2 dp=2: loss" in proc.stdout and "tokens/s, MFU" in proc.stdout
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    for line in lines:
+        assert line["step_s"] >= line["pipeline_s"] >= line["compute_s"] > 0
+        assert line["dp_sync_s"] > 0 and line["optimizer_s"] > 0
+        assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_s"])
+        assert 0 < line["mfu"] < 1
 
 
 def test_powersgd_on_the_dp_dimension_trains_below_a_stated_loss():

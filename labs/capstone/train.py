@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from typing import Sequence
 
 import torch
@@ -42,10 +43,13 @@ from commlab.launch.device import group_device  # noqa: E402
 from commlab.overlap import BucketedDataParallel  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
 from labs.capstone import checkpoint  # noqa: E402
 from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
 
-__all__ = ["Options", "parse_args", "Trainer", "global_batch", "main"]
+__all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "model_flops_per_token",
+           "measure_gemm_flops", "train", "main"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -135,6 +139,69 @@ def global_batch(step: int, opts: Options, ids: torch.Tensor) -> tuple[torch.Ten
     return x, y
 
 
+def model_flops_per_token(config: GPTConfig) -> float:
+    """Model FLOPs of one training token (forward + backward), no recomputation counted.
+
+    Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1: a forward pass costs
+    ``2 N + 2 n_layer n_ctx d_attn`` per token, with N the non-embedding parameters; backward twice that, so
+    ``6 N + 6 n_layer n_ctx d_attn`` in all. Here ``n_ctx`` is the block length and ``d_attn`` the hidden size.
+    """
+    h, f = config.hidden, config.ffn
+    non_embedding = config.layers * (4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h)
+    return 6.0 * non_embedding + 6.0 * config.layers * config.block * h
+
+
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 256, seconds: float = 0.2) -> float:
+    """This rank's dense matrix-multiply rate (FLOP/s) on ``device``, measured now: the denominator of MFU.
+
+    Measured while every rank measures (call it on all ranks together), so that on a shared CPU it is the share
+    of the machine each rank gets, and on a GPU the chip's rate at this size and dtype, not its datasheet peak.
+    """
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    count, start = 0, time.perf_counter()
+    while True:
+        for _ in range(8):
+            a @ b
+        count += 8
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2.0 * n ** 3 * count / elapsed
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One step, measured on every rank and combined (the slowest rank's seconds, since every step ends together).
+
+    Attributes:
+        step, loss: the step index and the global batch's mean loss (nats).
+        step_s: wall seconds of the whole step (slowest rank).
+        pipeline_s: seconds in the pipeline schedule (forward, backward, TP and PP communication, bubble).
+        compute_s: of those, the busiest stage's computing seconds (the TP AllReduces inside its layers included;
+            they are not yet timed apart).
+        bubble_s: of those, the idlest stage's waiting seconds (the bubble, and waits for PP messages).
+        dp_sync_s: seconds averaging the gradients over DP after the flush (the comm hook's, too).
+        optimizer_s: seconds in the optimizer step.
+        tokens_per_s: tokens of the global batch per second of ``step_s``.
+        mfu: model FLOP/s (:func:`model_flops_per_token`) over the world's measured GEMM rate.
+    """
+
+    step: int
+    loss: float
+    step_s: float
+    pipeline_s: float
+    compute_s: float
+    bubble_s: float
+    dp_sync_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+
+
 class Trainer:
     """This rank's part of a TP x PP x DP run: its groups, its stage (wrapped for DP) and its optimizer.
 
@@ -163,22 +230,38 @@ class Trainer:
         register_dp_sync(self.dp, opts, self.groups["dp"])
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
         self.ids = load_corpus().train
+        self.clock = self.dp.clock
+        dist.barrier()
+        self.gemm_flops = measure_gemm_flops(self.device, DTYPES[opts.dtype])
 
-    def step(self, step: int) -> float:
-        """One optimizer step on the global batch of ``step``; returns its mean loss (nats), the same on every rank."""
+    def step(self, step: int) -> StepStats:
+        """One optimizer step on the global batch of ``step``, measured; the same :class:`StepStats` on every rank."""
         opts = self.opts
         x, y = global_batch(step, opts, self.ids)
         share = opts.micro_batch * opts.micro_batches
         rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
         x, y = x[rows].to(self.device), y[rows].to(self.device)
+        clock = self.clock
+        t0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dp.no_sync():
             result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"], opts.schedule)
+        t1 = clock.mark()
         self.dp.sync_gradients()
+        t2 = clock.mark()
         self.optimizer.step()
+        t3 = clock.mark()
         loss = torch.tensor([result.loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
-        return float(loss.item()) / opts.dp
+        seconds = [clock.elapsed(t0, t3), clock.elapsed(t0, t1), max(result.busy_s), max(result.idle_s),
+                   clock.elapsed(t1, t2), clock.elapsed(t2, t3)]
+        slowest = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s = slowest.tolist()
+        tokens = opts.global_batch * opts.model.block
+        achieved = model_flops_per_token(opts.model) * tokens / step_s
+        return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s,
+                         tokens / step_s, achieved / (self.gemm_flops * dist.get_world_size()))
 
 
 def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:
@@ -203,38 +286,62 @@ def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.Proces
                           compression_hook)
 
 
-def train(opts: Options) -> list[float]:
+def train(opts: Options, stats: list | None = None) -> list[float]:
     """Run steps up to ``opts.steps`` in the current process group (from the newest checkpoint's next step with
-    ``resume``); the losses of the steps it ran, the same on every rank."""
+    ``resume``); the losses of the steps it ran, the same on every rank. Each step's :class:`StepStats` is
+    appended to ``stats`` if given, written as a JSON line to ``opts.log`` by rank 0, and shown in a progress bar
+    on rank 0 when its stderr is a terminal."""
     trainer = Trainer(opts)
     start = 0
     if opts.resume and checkpoint.latest_step(opts.ckpt_dir) is not None:
         start = checkpoint.load(opts.ckpt_dir, trainer.model, trainer.module, trainer.optimizer,
                                 trainer.full_shapes) + 1
     losses = []
-    log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and dist.get_rank() == 0 else None
+    rank0 = dist.get_rank() == 0
+    log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and rank0 else None
+    bar = tqdm(range(start, opts.steps), desc=f"tp={opts.tp} pp={opts.pp} dp={opts.dp}", unit="step",
+               disable=None if rank0 else True)
     try:
-        for step in range(start, opts.steps):
-            losses.append(trainer.step(step))
+        for step in bar:
+            st = trainer.step(step)
+            losses.append(st.loss)
+            if stats is not None:
+                stats.append(st)
+            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{st.tokens_per_s:.0f}", refresh=False)
             if log is not None:
-                log.write(json.dumps({"step": step, "loss": losses[-1]}) + "\n")
+                log.write(json.dumps(dataclasses.asdict(st)) + "\n")
                 log.flush()
             if opts.ckpt_every and (step + 1) % opts.ckpt_every == 0:
                 checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.module, trainer.optimizer)
     finally:
+        bar.close()
         if log is not None:
             log.close()
     return losses
+
+
+def _summary(stats: list[StepStats]) -> str:
+    """Medians of the steps after the first (which pays for warm-up), one line per quantity."""
+    import statistics
+    steady = stats[1:] or stats
+    med = {k: statistics.median(getattr(s, k) for s in steady)
+           for k in ("step_s", "pipeline_s", "compute_s", "bubble_s", "dp_sync_s", "optimizer_s", "tokens_per_s", "mfu")}
+    return (f"step {med['step_s'] * 1e3:.1f} ms (median of {len(steady)}): pipeline {med['pipeline_s'] * 1e3:.1f} ms "
+            f"[busiest stage computing {med['compute_s'] * 1e3:.1f} ms, idlest waiting {med['bubble_s'] * 1e3:.1f} ms], "
+            f"DP sync {med['dp_sync_s'] * 1e3:.1f} ms, optimizer {med['optimizer_s'] * 1e3:.1f} ms; "
+            f"{med['tokens_per_s']:.0f} tokens/s, MFU {100 * med['mfu']:.1f} % of the measured GEMM rate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     from commlab.launch import init_from_env
     ctx = init_from_env(backend=opts.backend)
-    losses = train(opts)
-    if ctx.rank == 0:
+    stats: list[StepStats] = []
+    losses = train(opts, stats)
+    if ctx.rank == 0 and losses:
         print(f"tp={opts.tp} pp={opts.pp} dp={opts.dp}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"in {opts.steps} steps")
+              f"in {len(losses)} steps")
+        print(_summary(stats))
     return 0
 
 
