@@ -309,3 +309,18 @@ def test_forking_with_a_group_already_initialised_here_is_refused():
     assert ("torch.distributed is already initialised in this process (rank 0 of 1, backend gloo), and the ranks "
             "launch() forks would inherit that group: call torch.distributed.destroy_process_group() first") \
         in proc.stdout
+
+
+def test_a_torchrun_restart_makes_a_fresh_group(tmp_path):
+    """torchrun --max-restarts 1 after a rank died: with env:// the new attempt read the dead attempt's gloo
+    addresses from the agent's store and hung or was refused (torch 2.13); init_from_env prefixes each attempt."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).parent / "jobs" / "restart_job.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "1", str(job)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 1 rank 0: sum 2" in proc.stdout and "attempt 1 rank 1: sum 2" in proc.stdout

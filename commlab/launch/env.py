@@ -380,6 +380,24 @@ def _context_of_initialised(backend: str | None, env: Mapping[str, str]) -> Dist
                        node_rank=node, backend="nccl" if nccl else have, device=device, launcher=launcher)
 
 
+def _attempt_store(plan, timeout: datetime.timedelta) -> dist.Store:
+    """The torchrun job's store, seen through a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    Why not ``env://``: after a restart (``--max-restarts``) torchrun's workers reach the same agent-hosted
+    store as the attempt before, and the keys the dead attempt's process group left there (gloo's peer
+    addresses) are read by the new one, which then connects to processes that no longer exist (measured with
+    torch 2.13: the restarted group hung, or gloo's connectFullMesh was refused). A prefix per attempt keeps
+    each attempt's keys apart. The store is hosted by the agent (``TORCHELASTIC_USE_AGENT_STORE=True``, what
+    torchrun does) or else by rank 0, as ``env://`` would do.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, plan.world_size, is_master=not agent and plan.rank == 0, timeout=timeout,
+                          multi_tenant=not agent)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"commlab/attempt_{attempt}", store)
+
+
 def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEOUT_S) -> DistContext:
     """Initialise the default process group from the launcher's environment and return where this rank is.
 
@@ -430,6 +448,9 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEO
         # A world of one needs no rendezvous: an in-memory store, so no port is taken and nothing resolves
         # a host name.
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=td, **kwargs)
+    elif plan.launcher == "torchrun":
+        dist.init_process_group(chosen, store=_attempt_store(plan, td), rank=plan.rank,
+                                world_size=plan.world_size, timeout=td, **kwargs)
     else:
         os.environ.update(plan.exports)
         dist.init_process_group(chosen, init_method="env://", timeout=td, **kwargs)
