@@ -128,3 +128,36 @@ def test_checkpoint_flags_without_a_directory_are_a_usage_error():
     proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--resume"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--ckpt-every and --resume need --ckpt-dir" in proc.stderr
+
+
+def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), str(ROOT / "labs/capstone/train.py"), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+def _last_loss(path):
+    return json.loads(path.read_text().splitlines()[-1])["loss"]
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
+    """torchrun --max-restarts 1: rank 1 exits before step 5; the job restarts, resumes from step 3's checkpoint
+    and ends with the uninterrupted run's final loss, bitwise (same layout, float32)."""
+    common = ["--pp", "2", "--dp", "2", "--steps", "8"]
+    whole = tmp_path / "whole.jsonl"
+    assert _torchrun(tmp_path, *common, "--log-file", str(whole)).returncode == 0
+    log = tmp_path / "restarted.jsonl"
+    proc = _torchrun(tmp_path, *common, "--log-file", str(log), "--ckpt-dir", str(tmp_path / "ckpt"),
+                     "--ckpt-every", "4", "--resume", "--fail-at-step", "5", "--fail-rank", "1", restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1: exiting before step 5" in proc.stderr
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 4, 5, 6, 7]          # step 4 ran again: the checkpoint was after step 3
+    assert _last_loss(log) == _last_loss(whole)
+
+
+def test_a_killed_rank_without_restarts_fails_the_job_naming_it(tmp_path):
+    proc = _torchrun(tmp_path, "--dp", "2", "--steps", "6", "--fail-at-step", "2", "--fail-rank", "1", nproc=2)
+    assert proc.returncode != 0
+    assert "rank 1: exiting before step 2" in proc.stderr
+    assert "exitcode  : 13" in proc.stderr and "rank      : 1" in proc.stderr

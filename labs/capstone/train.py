@@ -75,6 +75,8 @@ class Options:
     ckpt_dir: str | None = None
     ckpt_every: int = 0
     resume: bool = False
+    fail_at_step: int | None = None
+    fail_rank: int = 0
     model: GPTConfig = GPTConfig()
 
     @property
@@ -112,6 +114,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--ckpt-every", type=int, default=0, metavar="N", help="save every N steps (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt-dir (if there is one), under this layout")
+    p.add_argument("--fail-at-step", type=int, default=None, metavar="K",
+                   help="a test of restarts: rank --fail-rank exits (code 13) before step K, on the job's first "
+                        "attempt only (TORCHELASTIC_RESTART_COUNT 0), as a crashed process would")
+    p.add_argument("--fail-rank", type=int, default=0, metavar="R", help="the rank --fail-at-step stops (default 0)")
     args = p.parse_args(argv)
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
@@ -303,6 +309,7 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
                disable=None if rank0 else True)
     try:
         for step in bar:
+            _maybe_fail(opts, step, log)
             st = trainer.step(step)
             losses.append(st.loss)
             if stats is not None:
@@ -318,6 +325,20 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
         if log is not None:
             log.close()
     return losses
+
+
+def _maybe_fail(opts: Options, step: int, log) -> None:
+    """``--fail-at-step``: end this rank abruptly (no cleanup, as a crash would) on the first attempt only, so
+    that torchrun's restart (``--max-restarts``) runs the job again from its newest checkpoint."""
+    if opts.fail_at_step != step or dist.get_rank() != opts.fail_rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if log is not None:
+        log.flush()
+    print(f"rank {opts.fail_rank}: exiting before step {step} (--fail-at-step, a test of restarts)",
+          file=sys.stderr, flush=True)
+    os._exit(13)
 
 
 def _summary(stats: list[StepStats]) -> str:
