@@ -161,3 +161,15 @@ def test_a_killed_rank_without_restarts_fails_the_job_naming_it(tmp_path):
     assert proc.returncode != 0
     assert "rank 1: exiting before step 2" in proc.stderr
     assert "exitcode  : 13" in proc.stderr and "rank      : 1" in proc.stderr
+
+
+def test_zero1_gives_the_same_losses_as_adam(single_process):
+    results = launch(train, 8, dataclasses.replace(_opts(2, 2, 2), zero1=True), timeout=180, print_output=False)
+    for losses in results:
+        assert max(abs(a - b) for a, b in zip(losses, single_process)) < TOL
+
+
+def test_zero1_with_checkpoints_is_refused_for_now():
+    proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--zero1", "--ckpt-dir", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--zero1 with --ckpt-dir is not supported yet" in proc.stderr

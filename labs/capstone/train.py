@@ -41,6 +41,7 @@ from commlab.experiments.corpus import load_corpus  # noqa: E402
 from commlab.experiments.methods import compressor_for, parse_spec  # noqa: E402
 from commlab.launch.device import group_device  # noqa: E402
 from commlab.overlap import BucketedDataParallel  # noqa: E402
+from commlab.parallel import ZeroOneOptimizer  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -67,6 +68,7 @@ class Options:
     steps: int = 20
     seed: int = 0
     lr: float = 3e-3
+    zero1: bool = False
     compressor: str = "dense"
     error_feedback: bool = True
     dtype: str = "float32"
@@ -97,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    p.add_argument("--zero1", action="store_true",
+                   help="shard Adam's state over the DP group (ZeRO stage 1, commlab.parallel.ZeroOneOptimizer)")
     p.add_argument("--compressor", default="dense", metavar="SPEC",
                    help="how the DP dimension averages gradients: dense (default), powersgd:R, topk:RATIO, "
                         "randomk:RATIO, int:8, int:4, qsgd:BITS, sign, cast:bf16, cast:fp16")
@@ -121,6 +125,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     args = p.parse_args(argv)
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
+    if args.zero1 and args.ckpt_dir:
+        p.error("--zero1 with --ckpt-dir is not supported yet: the checkpoint stores Adam's moments per parameter, "
+                "and ZeRO-1 holds them per DP shard; drop one of the two")
     if args.ckpt_every < 0:
         p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     for name in ("micro_batch", "micro_batches", "steps"):
@@ -234,7 +241,12 @@ class Trainer:
         self.module = pipeline_stages(model, opts.pp)[self.stage]
         self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
         register_dp_sync(self.dp, opts, self.groups["dp"])
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
+        if opts.zero1:
+            # After the DP wrapper: the gradients arrive averaged, and the step adds only the AllGather.
+            self.optimizer = ZeroOneOptimizer(self.module.parameters(), dp_group=self.groups["dp"],
+                                              optimizer_cls=torch.optim.Adam, lr=opts.lr)
+        else:
+            self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
         self.ids = load_corpus().train
         self.clock = self.dp.clock
         dist.barrier()
