@@ -173,3 +173,13 @@ def test_zero1_with_checkpoints_is_refused_for_now():
     proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--zero1", "--ckpt-dir", "x"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--zero1 with --ckpt-dir is not supported yet" in proc.stderr
+
+
+def test_profile_writes_a_chrome_trace_per_rank_with_the_course_ranges(tmp_path):
+    out = tmp_path / "prof"
+    launch(train, 2, Options(pp=2, steps=2, profile=str(out)), timeout=120, print_output=False)
+    for rank in (0, 1):
+        trace = json.loads((out / f"rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert {"capstone::step0", "capstone::step1"} <= names
+        assert any(n.startswith("overlap::") for n in names)

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 if __package__ in (None, ""):  # run as a script: its own folder and the checkout's root on the path
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
@@ -77,6 +78,7 @@ class Options:
     ckpt_dir: str | None = None
     ckpt_every: int = 0
     resume: bool = False
+    profile: str | None = None
     fail_at_step: int | None = None
     fail_rank: int = 0
     model: GPTConfig = GPTConfig()
@@ -118,6 +120,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--ckpt-every", type=int, default=0, metavar="N", help="save every N steps (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt-dir (if there is one), under this layout")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch.profiler Chrome trace per rank to DIR/rank<R>.json (open it in Perfetto)")
     p.add_argument("--fail-at-step", type=int, default=None, metavar="K",
                    help="a test of restarts: rank --fail-rank exits (code 13) before step K, on the job's first "
                         "attempt only (TORCHELASTIC_RESTART_COUNT 0), as a crashed process would")
@@ -319,10 +323,12 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
     log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and rank0 else None
     bar = tqdm(range(start, opts.steps), desc=f"tp={opts.tp} pp={opts.pp} dp={opts.dp}", unit="step",
                disable=None if rank0 else True)
+    profiler = _profiler(opts, trainer.device)
     try:
         for step in bar:
             _maybe_fail(opts, step, log)
-            st = trainer.step(step)
+            with record_function(f"capstone::step{step}"):
+                st = trainer.step(step)
             losses.append(st.loss)
             if stats is not None:
                 stats.append(st)
@@ -336,7 +342,25 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
         bar.close()
         if log is not None:
             log.close()
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            os.makedirs(opts.profile, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(opts.profile, f"rank{dist.get_rank()}.json"))
     return losses
+
+
+def _profiler(opts: Options, device: torch.device):
+    """A started ``torch.profiler.profile`` over every step (CPU, and CUDA on a GPU), or None without --profile.
+
+    The trace shows commlab's own ranges: ``capstone::step<k>``, the pipeline's and the DP wrapper's
+    (``overlap::...``), beside torch's operators and the collectives."""
+    if not opts.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.__enter__()
+    return prof
 
 
 def _maybe_fail(opts: Options, step: int, log) -> None:
