@@ -183,3 +183,16 @@ def test_profile_writes_a_chrome_trace_per_rank_with_the_course_ranges(tmp_path)
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert {"capstone::step0", "capstone::step1"} <= names
         assert any(n.startswith("overlap::") for n in names)
+
+
+def test_ddp_as_the_dp_wrapper_gives_the_same_losses(single_process):
+    """The benchmark's reference (torch's DDP at 1 x 1 x 4) trains the same model to the same losses."""
+    opts = dataclasses.replace(_opts(1, 1, 4), dp_impl="ddp")
+    for losses in launch(train, 4, opts, timeout=120, print_output=False):
+        assert max(abs(a - b) for a, b in zip(losses, single_process)) < TOL
+
+
+def test_ddp_with_a_pipeline_is_a_usage_error():
+    proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--dp-impl", "ddp", "--pp", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--dp-impl ddp runs with --pp 1" in proc.stderr

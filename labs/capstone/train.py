@@ -23,6 +23,7 @@ One step, on every rank (the pieces are the course's own):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,8 +41,9 @@ if __package__ in (None, ""):  # run as a script: its own folder and the checkou
 from commlab.compress import CompressionHookState, PowerSGDState, compression_hook, powersgd_hook  # noqa: E402
 from commlab.experiments.corpus import load_corpus  # noqa: E402
 from commlab.experiments.methods import compressor_for, parse_spec  # noqa: E402
-from commlab.launch.device import group_device  # noqa: E402
+from commlab.launch.device import Clock, group_device  # noqa: E402
 from commlab.overlap import BucketedDataParallel  # noqa: E402
+from commlab.overlap.bucketed import DEFAULT_BUCKET_CAP_BYTES  # noqa: E402
 from commlab.parallel import ZeroOneOptimizer  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
@@ -70,6 +72,7 @@ class Options:
     seed: int = 0
     lr: float = 3e-3
     zero1: bool = False
+    dp_impl: str = "commlab"
     compressor: str = "dense"
     error_feedback: bool = True
     dtype: str = "float32"
@@ -101,6 +104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    p.add_argument("--dp-impl", choices=["commlab", "ddp"], default="commlab",
+                   help="the DP wrapper: commlab's BucketedDataParallel (default) or torch's "
+                        "DistributedDataParallel (same bucket cap; with --pp 1 and a dense --compressor only, "
+                        "for the benchmark against it)")
     p.add_argument("--zero1", action="store_true",
                    help="shard Adam's state over the DP group (ZeRO stage 1, commlab.parallel.ZeroOneOptimizer)")
     p.add_argument("--compressor", default="dense", metavar="SPEC",
@@ -129,6 +136,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     args = p.parse_args(argv)
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
+    if args.dp_impl == "ddp" and (args.pp != 1 or args.compressor != "dense"):
+        p.error("--dp-impl ddp runs with --pp 1 and --compressor dense only (DDP's backward cannot be driven by "
+                "a pipeline schedule, and the compressors are commlab's hooks)")
     if args.zero1 and args.ckpt_dir:
         p.error("--zero1 with --ckpt-dir is not supported yet: the checkpoint stores Adam's moments per parameter, "
                 "and ZeRO-1 holds them per DP shard; drop one of the two")
@@ -243,8 +253,15 @@ class Trainer:
         self.full_shapes = {name: p.shape for name, p in model.named_parameters()}
         self.model = parallelize(model, self.groups["tp"])
         self.module = pipeline_stages(model, opts.pp)[self.stage]
-        self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
-        register_dp_sync(self.dp, opts, self.groups["dp"])
+        if opts.dp_impl == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            cap_mb = DEFAULT_BUCKET_CAP_BYTES / 2 ** 20
+            self.dp = DistributedDataParallel(self.module, process_group=self.groups["dp"], bucket_cap_mb=cap_mb)
+            self.clock = Clock(self.device)
+        else:
+            self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
+            register_dp_sync(self.dp, opts, self.groups["dp"])
+            self.clock = self.dp.clock
         if opts.zero1:
             # After the DP wrapper: the gradients arrive averaged, and the step adds only the AllGather.
             self.optimizer = ZeroOneOptimizer(self.module.parameters(), dp_group=self.groups["dp"],
@@ -252,7 +269,6 @@ class Trainer:
         else:
             self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
         self.ids = load_corpus().train
-        self.clock = self.dp.clock
         dist.barrier()
         self.gemm_flops = measure_gemm_flops(self.device, DTYPES[opts.dtype])
 
@@ -266,16 +282,22 @@ class Trainer:
         clock = self.clock
         t0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        with self.dp.no_sync():
-            result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"], opts.schedule)
-        t1 = clock.mark()
-        self.dp.sync_gradients()
-        t2 = clock.mark()
+        if opts.pp == 1:
+            busy, idle, mean_loss = self._accumulate(x, y)
+            t1 = t2 = clock.mark()   # the DP AllReduces overlap the last micro-batch's backward
+            compute_s, wait_s = busy, idle
+        else:
+            with self.dp.no_sync():
+                result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"], opts.schedule)
+            t1 = clock.mark()
+            self.dp.sync_gradients()
+            t2 = clock.mark()
+            compute_s, wait_s, mean_loss = max(result.busy_s), max(result.idle_s), result.loss
         self.optimizer.step()
         t3 = clock.mark()
-        loss = torch.tensor([result.loss], dtype=torch.float64, device=self.device)
+        loss = torch.tensor([mean_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
-        seconds = [clock.elapsed(t0, t3), clock.elapsed(t0, t1), max(result.busy_s), max(result.idle_s),
+        seconds = [clock.elapsed(t0, t3), clock.elapsed(t0, t1), compute_s, wait_s,
                    clock.elapsed(t1, t2), clock.elapsed(t2, t3)]
         slowest = torch.tensor(seconds, dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -284,6 +306,21 @@ class Trainer:
         achieved = model_flops_per_token(opts.model) * tokens / step_s
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s,
                          tokens / step_s, achieved / (self.gemm_flops * dist.get_world_size()))
+
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        """No pipeline (``pp == 1``): the micro-batches one after another, gradients accumulated inside
+        ``no_sync`` but for the last, whose backward averages them over DP overlapped with its computation (as
+        DDP does). Returns (seconds computing, 0 seconds idle, the mean of the micro-batches' losses)."""
+        m = self.opts.micro_batches
+        clock, start, total = self.clock, self.clock.mark(), 0.0
+        for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
+            ctx = self.dp.no_sync() if j < m - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = lm_loss(self.dp(xj), yj) / m
+                loss.backward()
+            total += float(loss.detach())
+        return clock.elapsed(start, clock.mark()), 0.0, total
 
 
 def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:
