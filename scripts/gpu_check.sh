@@ -12,6 +12,7 @@
 #   4. bucketed DP (plain, commlab hook, torch's fp16 wrapper, PowerSGD), pipeline GPipe/1F1B, ZeRO-1 and the
 #      digits trainer on CUDA under torchrun, with their clock marks;
 #   5. bench --backend nccl (commlab ring vs dist.all_reduce) under torchrun at world size 1;
+#   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
 #   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter and AllGather on NCCL, the steps of 4 and the
 #      AllReduce table on all GPUs.
 # --dry-run runs step 6 on 2 gloo ranks, so that every step's logic runs in CI. The exit status is the number
@@ -81,6 +82,8 @@ step "4. DP, pipeline, ZeRO-1, trainer on $DEVICE (torchrun, world $ONE)" 120 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE scripts/gpu_check.py steps
 step "5. bench --backend $BACKEND, world $ONE" 120 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
+step "5b. capstone, $BACKEND, world $ONE: tokens/s, MFU, time split" 150 \
+  "${TORCHRUN[@]}" --nproc-per-node $ONE labs/capstone/train.py --dp $ONE --steps 20 --backend $BACKEND
 if [ "$NGPU" -ge 2 ]; then
   step "6a. collectives on $NGPU ranks ($BACKEND)" 120 "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py collectives
   step "6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks ($BACKEND)" 120 \

@@ -28,12 +28,12 @@ def test_dry_run_passes_every_step_and_writes_one_report(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr + report
     assert "# 0 step(s) failed" in report
     for part in ("commlab selftest:", "gpu_check codecs on cpu", "compress + decompress of", "gpu_check steps:",
-                 "busbw ours/torch", "gpu_check collectives:"):
+                 "busbw ours/torch", "gpu_check collectives:", "tokens/s, MFU"):
         assert part in report, part
     # Every table's checks passed, none was skipped silently.
     assert "FAILED" not in report and "TIMEOUT" not in report
     summary = report[report.index("# summary"):].splitlines()[1:-1]
-    assert len(summary) == 8 and all(line.startswith("ok ") for line in summary), summary  # steps 1-5, 6a-6c
+    assert len(summary) == 9 and all(line.startswith("ok ") for line in summary), summary  # 1-5, 5b, 6a-6c
 
 
 def test_bad_argument_and_missing_gpu_are_refused(tmp_path):
