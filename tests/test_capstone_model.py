@@ -33,9 +33,11 @@ def _reference():
     return model, float(loss.detach())
 
 
-def test_parameter_count_formula_matches_the_model():
+def test_parameter_count_formula_matches_the_model_and_the_planner():
     model = build_gpt(CONFIG, SEED)
     assert CONFIG.params == sum(p.numel() for p in model.parameters())
+    from commlab.parallel.planner import parameter_count
+    assert parameter_count(CONFIG.planner_config()) == CONFIG.params
 
 
 @pytest.mark.parametrize("tp, pp, dp, world, words", [

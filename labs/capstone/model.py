@@ -63,12 +63,19 @@ class GPTConfig:
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
+    def planner_config(self) -> "ModelConfig":
+        """The same model as the planner describes models (:class:`commlab.parallel.planner.ModelConfig`), for its
+        FLOP, memory and step-time formulas: GPT-style (biases, LayerNorm, learned positions), untied head."""
+        from commlab.parallel.planner import ModelConfig
+        return ModelConfig(name="capstone", layers=self.layers, hidden=self.hidden, heads=self.heads, ffn=self.ffn,
+                           vocab=self.vocab, seq=self.block, tied_embeddings=False, source="labs/capstone/model.py")
+
     @property
     def params(self) -> int:
         """Parameters of the whole (unsharded) model."""
         h, f = self.hidden, self.ffn
         per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return (self.vocab + self.block) * h + self.layers * per_block + 2 * h + (h * self.vocab + self.vocab)
+        return (self.vocab + self.block) * h + self.layers * per_block + 2 * h + h * self.vocab
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int | None = None) -> None:
@@ -130,12 +137,12 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the output projection: ``(b, s, hidden) -> (b, s, vocab)`` logits."""
+    """Final LayerNorm and the output projection (no bias): ``(b, s, hidden) -> (b, s, vocab)`` logits."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln = nn.LayerNorm(config.hidden)
-        self.out = nn.Linear(config.hidden, config.vocab)
+        self.out = nn.Linear(config.hidden, config.vocab, bias=False)  # GPT-2's output layer has no bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))

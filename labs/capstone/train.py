@@ -46,14 +46,14 @@ from commlab.overlap import BucketedDataParallel  # noqa: E402
 from commlab.overlap.bucketed import DEFAULT_BUCKET_CAP_BYTES  # noqa: E402
 from commlab.parallel import ZeroOneOptimizer  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
+from commlab.parallel.planner import model_flops_per_token  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from labs.capstone import checkpoint  # noqa: E402
 from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
 
-__all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "model_flops_per_token",
-           "measure_gemm_flops", "train", "main"]
+__all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "train", "main"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -166,18 +166,6 @@ def global_batch(step: int, opts: Options, ids: torch.Tensor) -> tuple[torch.Ten
     return x, y
 
 
-def model_flops_per_token(config: GPTConfig) -> float:
-    """Model FLOPs of one training token (forward + backward), no recomputation counted.
-
-    Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1: a forward pass costs
-    ``2 N + 2 n_layer n_ctx d_attn`` per token, with N the non-embedding parameters; backward twice that, so
-    ``6 N + 6 n_layer n_ctx d_attn`` in all. Here ``n_ctx`` is the block length and ``d_attn`` the hidden size.
-    """
-    h, f = config.hidden, config.ffn
-    non_embedding = config.layers * (4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h)
-    return 6.0 * non_embedding + 6.0 * config.layers * config.block * h
-
-
 def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 256, seconds: float = 0.2) -> float:
     """This rank's dense matrix-multiply rate (FLOP/s) on ``device``, measured now: the denominator of MFU.
 
@@ -214,7 +202,9 @@ class StepStats:
         dp_sync_s: seconds averaging the gradients over DP after the flush (the comm hook's, too).
         optimizer_s: seconds in the optimizer step.
         tokens_per_s: tokens of the global batch per second of ``step_s``.
-        mfu: model FLOP/s (:func:`model_flops_per_token`) over the world's measured GEMM rate.
+        mfu: model FLOP/s over the world's measured GEMM rate; the model FLOPs are the planner's
+            (:func:`commlab.parallel.planner.model_flops_per_token`: ``6 P + 12 L h s`` per token, PaLM's MFU
+            accounting, Chowdhery et al. 2022, Appendix B; no recomputation, which the capstone does not do).
     """
 
     step: int
@@ -303,7 +293,7 @@ class Trainer:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s = slowest.tolist()
         tokens = opts.global_batch * opts.model.block
-        achieved = model_flops_per_token(opts.model) * tokens / step_s
+        achieved = model_flops_per_token(opts.model.planner_config()) * tokens / step_s
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s,
                          tokens / step_s, achieved / (self.gemm_flops * dist.get_world_size()))
 
