@@ -2,8 +2,9 @@
 
 Under ``torchrun`` (or ``srun torchrun``) and under a plain ``srun python ...`` the environment already says
 which process is which; :func:`init_from_env` reads it, checks it, binds the rank's GPU under NCCL and
-initialises the default process group with ``init_method="env://"``. With no launcher at all it makes a
-world of one, so ``python train.py`` runs the same script on one process.
+initialises the default process group from ``MASTER_ADDR``/``MASTER_PORT``: ``init_method="env://"`` under
+``srun``, and under torchrun the same store seen through a prefix per restart attempt (see ``_attempt_store``).
+With no launcher at all it makes a world of one, so ``python train.py`` runs the same script on one process.
 
 Where each number comes from:
 
@@ -404,8 +405,11 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEO
     Reads torchrun's or Slurm's variables (listed in the module docstring), checks them, and then:
 
     * under NCCL, ``torch.cuda.set_device(local_rank)`` (so that ``.cuda()`` anywhere above lands on this
-      rank's GPU) and ``init_process_group("nccl", init_method="env://", timeout=..., device_id=cuda:local_rank)``;
-    * under gloo, ``init_process_group("gloo", init_method="env://", timeout=...)``;
+      rank's GPU) and ``init_process_group("nccl", ..., timeout=..., device_id=cuda:local_rank)``;
+    * under gloo, ``init_process_group("gloo", ..., timeout=...)``;
+    * the rendezvous: under torchrun the job's store (``MASTER_ADDR``/``MASTER_PORT``) through a prefix of the
+      restart attempt, so that a job restarted by ``--max-restarts`` makes a fresh group; under ``srun``
+      ``init_method="env://"``;
     * with no launcher variables at all, a world of one (rank 0 of 1, on an in-memory store, no port).
 
     Under ``srun`` without torchrun it first exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
