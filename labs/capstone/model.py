@@ -72,10 +72,10 @@ class GPTConfig:
 
     @property
     def params(self) -> int:
-        """Parameters of the whole (unsharded) model."""
-        h, f = self.hidden, self.ffn
-        per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return (self.vocab + self.block) * h + self.layers * per_block + 2 * h + h * self.vocab
+        """Parameters of the whole (unsharded) model: the planner's count
+        (:func:`commlab.parallel.planner.parameter_count`), so the two cannot drift apart."""
+        from commlab.parallel.planner import parameter_count
+        return parameter_count(self.planner_config())
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int | None = None) -> None:

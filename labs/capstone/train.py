@@ -273,9 +273,9 @@ class Trainer:
         t0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
         if opts.pp == 1:
-            busy, idle, mean_loss = self._accumulate(x, y)
+            compute_s, mean_loss = self._accumulate(x, y)
+            wait_s = 0.0             # no pipeline, no bubble
             t1 = t2 = clock.mark()   # the DP AllReduces overlap the last micro-batch's backward
-            compute_s, wait_s = busy, idle
         else:
             with self.dp.no_sync():
                 result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"], opts.schedule)
@@ -297,10 +297,10 @@ class Trainer:
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s,
                          tokens / step_s, achieved / (self.gemm_flops * dist.get_world_size()))
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """No pipeline (``pp == 1``): the micro-batches one after another, gradients accumulated inside
         ``no_sync`` but for the last, whose backward averages them over DP overlapped with its computation (as
-        DDP does). Returns (seconds computing, 0 seconds idle, the mean of the micro-batches' losses)."""
+        DDP does). Returns (seconds computing, the mean of the micro-batches' losses)."""
         m = self.opts.micro_batches
         clock, start, total = self.clock, self.clock.mark(), 0.0
         for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
@@ -309,7 +309,7 @@ class Trainer:
                 loss = lm_loss(self.dp(xj), yj) / m
                 loss.backward()
             total = total + loss.detach()  # read once, below: no host synchronisation per micro-batch
-        return clock.elapsed(start, clock.mark()), 0.0, float(total)
+        return clock.elapsed(start, clock.mark()), float(total)
 
 
 def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:

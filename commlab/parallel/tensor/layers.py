@@ -189,13 +189,13 @@ class ColumnParallelLinear(nn.Module):
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
-        return _unrows(_gather_all(self.weight.grad if grad else self.weight, self.group), self.fused)
+        return self.gather_full(self.weight.grad if grad else self.weight, "weight")
 
     def full_bias(self, grad: bool = False) -> torch.Tensor | None:
         """The full ``(out,)`` bias (or its gradient); None without a bias. Every rank must call it."""
         if self.bias is None:
             return None
-        return _unrows(_gather_all(self.bias.grad if grad else self.bias, self.group), self.fused)
+        return self.gather_full(self.bias.grad if grad else self.bias, "bias")
 
     def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
         """Any tensor laid out as this rank's ``weight`` or ``bias`` shard (``name``; e.g. an optimizer's moment of
@@ -255,13 +255,13 @@ class RowParallelLinear(nn.Module):
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
-        return torch.cat(_gather_all(self.weight.grad if grad else self.weight, self.group), dim=1)
+        return self.gather_full(self.weight.grad if grad else self.weight, "weight")
 
     def full_bias(self, grad: bool = False) -> torch.Tensor | None:
         """The bias (or its gradient): not sharded, identical on every rank. None without a bias."""
         if self.bias is None:
             return None
-        return (self.bias.grad if grad else self.bias).detach().clone()
+        return self.gather_full(self.bias.grad if grad else self.bias, "bias")
 
     def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
         """Any tensor laid out as this rank's ``weight`` or ``bias`` (``name``), reassembled to the full layer's
