@@ -183,25 +183,22 @@ def _bench_in_job(args, parser, sizes) -> int:
     return run()
 
 
-def _check_cuda(parser, flag: str, why: str = "", instead: str = "") -> int:
-    """The number of visible CUDA GPUs; none is a usage error (exit 2, no traceback) naming ``flag``."""
+def _check_cuda(parser, flag: str) -> None:
+    """No visible CUDA GPU is a usage error (exit 2, no traceback) naming ``flag``."""
     import torch
 
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible == 0:
-        parser.error(f"{flag} needs CUDA GPUs{why} and this machine has none visible (torch {torch.__version__}, "
-                     f"CUDA {'built in' if torch.version.cuda else 'not built in'}){instead}")
-    return visible
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        parser.error(f"{flag} needs CUDA GPUs and this machine has none visible (torch {torch.__version__}, "
+                     f"CUDA {'built in' if torch.version.cuda else 'not built in'})")
 
 
 def _check_nccl_ranks(parser, ranks: int) -> None:
     """Refuse ``--backend nccl`` as a usage error (exit 2, no traceback) when this machine cannot give each
     of ``ranks`` local ranks its own GPU."""
-    visible = _check_cuda(parser, "--backend nccl", " (NCCL moves only GPU tensors)",
-                          "; use --backend gloo to run on CPU processes")
-    if visible < ranks:
-        parser.error(f"--backend nccl puts each rank on its own GPU: -n {ranks} needs {ranks} GPUs, {visible} "
-                     f"visible; pass -n {visible} or fewer")
+    from commlab.launch.device import nccl_gpu_problem
+    problem = nccl_gpu_problem(ranks)
+    if problem is not None:
+        parser.error(problem)
 
 
 def _bench_local_torchrun(args, parser, argv) -> int:

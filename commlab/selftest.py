@@ -247,13 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "auto":
         backend = "nccl" if in_process and torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus == 0:
-            parser.error(f"--backend nccl needs CUDA GPUs and torch {torch.__version__} sees none here: use "
-                         "--backend gloo (CPU processes)")
-        if not in_process and gpus < world:
-            parser.error(f"--backend nccl puts each forked rank on its own GPU: -n {world} needs {world} GPUs, "
-                         f"{gpus} visible (use -n {gpus}, or --backend gloo)")
+        from commlab.launch.device import nccl_gpu_problem
+        problem = nccl_gpu_problem(None if in_process else world)
+        if problem is not None:
+            parser.error(problem)
     rows = launch(_rank_main, world, args.fail_rank, backend=backend, timeout=args.timeout)[0]
     launcher = read_env().launcher if in_process else "commlab.launch (forked ranks)"
     if printer:

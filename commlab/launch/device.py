@@ -21,7 +21,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_device", "Clock", "Mark", "results_to_cpu"]
+__all__ = ["group_device", "Clock", "Mark", "results_to_cpu", "nccl_gpu_problem"]
 
 #: A point in time recorded by :meth:`Clock.mark`: ``time.perf_counter()`` seconds on the CPU, a recorded
 #: ``torch.cuda.Event`` on a GPU.
@@ -61,6 +61,21 @@ def results_to_cpu(obj: Any) -> Any:
     if type(obj) is dict:
         return {k: results_to_cpu(v) for k, v in obj.items()}
     return obj
+
+
+def nccl_gpu_problem(ranks: int | None) -> str | None:
+    """Why NCCL cannot run ``ranks`` local ranks here, one GPU each (None if it can; ``ranks`` None: one GPU is
+    enough). The one check behind ``launch(backend="nccl")``, ``selftest`` and ``bench --backend nccl``, which
+    raise or print it as their own error."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        return (f"--backend nccl needs CUDA GPUs and torch {torch.__version__} sees none here (CUDA "
+                f"{'built in' if torch.version.cuda else 'not built in'}; NCCL moves only GPU tensors): use "
+                "--backend gloo to run on CPU processes")
+    if ranks is not None and visible < ranks:
+        return (f"--backend nccl puts each rank on its own GPU: {ranks} ranks need {ranks} GPUs, {visible} "
+                f"visible; run at most {visible} ranks, or use --backend gloo")
+    return None
 
 
 class Clock:

@@ -52,7 +52,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from commlab.launch.device import results_to_cpu
+from commlab.launch.device import nccl_gpu_problem, results_to_cpu
 from commlab.launch.env import BACKENDS, CHILD_MARKER, check_timeout
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
 from commlab.launch.inflight import track_sends
@@ -221,14 +221,9 @@ def _refuse_initialised_parent():
 
 def _check_gpus(backend, world_size):
     if backend == "nccl":
-        import torch
-        n_gpu = torch.cuda.device_count()
-        if n_gpu == 0:
-            raise RuntimeError("backend='nccl' needs CUDA GPUs and none is visible; use backend='gloo' "
-                               "to run on CPU processes")
-        if n_gpu < world_size:
-            raise RuntimeError(f"backend='nccl' puts each rank on its own GPU, and {world_size} ranks need "
-                               f"{world_size} GPUs; {n_gpu} visible. Launch at most {n_gpu} ranks, or use gloo")
+        problem = nccl_gpu_problem(world_size)
+        if problem is not None:
+            raise RuntimeError(problem)
 
 
 def _choose_start_method(fn, start_method, backend):
