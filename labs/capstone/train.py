@@ -419,13 +419,19 @@ def _summary(stats: list[StepStats]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     from commlab.launch import init_from_env
+    created = not dist.is_initialized()
     ctx = init_from_env(backend=opts.backend)
     stats: list[StepStats] = []
     losses = train(opts, stats)
     if ctx.rank == 0 and losses:
         print(f"tp={opts.tp} pp={opts.pp} dp={opts.dp}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"in {len(losses)} steps")
-        print(_summary(stats))
+              f"in {len(losses)} steps", flush=True)
+        print(_summary(stats), flush=True)
+    if created:
+        # Every rank leaves together and closes its connections in order, as torch asks: a rank that exits
+        # with its gloo pairs still open can make a peer's background thread fail on the closed socket.
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
