@@ -324,3 +324,26 @@ def test_a_torchrun_restart_makes_a_fresh_group(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "attempt 1 rank 0: sum 2" in proc.stdout and "attempt 1 rank 1: sum 2" in proc.stdout
+
+
+def test_cpu_thread_share_never_oversubscribes_and_keeps_one():
+    from commlab.launch.env import cpu_thread_share
+    assert cpu_thread_share(4, 2, cores=2) == 1
+    assert cpu_thread_share(4, 1, cores=16) == 4       # fewer threads asked than the share: kept
+    assert cpu_thread_share(8, 2, cores=16) == 8
+    assert cpu_thread_share(16, 4, cores=16) == 4
+    assert cpu_thread_share(4, 8, cores=2) == 1        # more ranks than cores: still one thread each
+
+
+def test_gloo_ranks_under_torchrun_get_their_share_of_the_cores(tmp_path):
+    script = tmp_path / "threads.py"
+    script.write_text("import os, torch\nfrom commlab.launch import init_from_env\ninit_from_env('gloo')\n"
+                      "print('threads', torch.get_num_threads(), 'cores', len(os.sched_getaffinity(0)))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "64"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("threads")]
+    assert len(lines) == 2
+    for _, threads, _, cores in lines:
+        assert int(threads) == max(1, min(64, int(cores) // 2))
