@@ -263,6 +263,34 @@ def test_f_and_g_are_conjugate():
     assert [r[3] for r in results] == [[1.0] * 3, [2.0] * 3]
 
 
+def _timed_mlp():
+    from commlab.launch import Clock
+    from commlab.parallel.tensor.communications import CommTimer, timed, untimed
+    _, group = _tp_group(1, 1, 2)
+    mlp = ParallelMLP(MLP(8, 16), group)
+    timer = CommTimer(Clock())
+    x = torch.randn(4, 8, requires_grad=True)
+    with timed(group, timer):
+        mlp(x).sum().backward()          # g forward, f backward: two AllReduces
+        with untimed():
+            mlp(x)                       # not counted
+        try:
+            with timed(group, CommTimer(Clock())):
+                pass
+            nested = None
+        except RuntimeError as e:
+            nested = str(e)
+    outside = timer.calls
+    mlp(x).sum().backward()              # after the block: not counted either
+    return timer.calls, outside, timer.seconds() > 0, nested
+
+
+def test_comm_timer_counts_the_tp_collectives_inside_timed_only():
+    for calls, outside, positive, nested in launch(_timed_mlp, 2, timeout=60):
+        assert calls == outside == 2 and positive
+        assert "already being timed" in nested
+
+
 def test_block_allreduce_nbytes():
     assert block_allreduce_nbytes(2, 1024, 4096, 2, tp=8) == {"forward": 2 * 1024 * 4096 * 2,
                                                               "backward": 2 * 1024 * 4096 * 2}

@@ -49,7 +49,7 @@ from commlab.launch import launch
 from commlab.topology.links import Link
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_VALIDATION_SIZES", "AlphaBetaFit", "RingModelRow", "RingModelReport",
-           "pingpong", "ring_exchange", "fit_alpha_beta", "calibrate", "ring_model_error"]
+           "pingpong", "ring_exchange", "ring_exchange_here", "fit_alpha_beta", "calibrate", "ring_model_error"]
 
 #: Message sizes (bytes) for calibration: 4 KiB ... 16 MiB, every factor of 4. They cover the chunk sizes
 #: (n/N) of the validation sizes below for 2 to 8 ranks.
@@ -108,15 +108,15 @@ def _pingpong_call(nbytes: int):
     return bounce, 2  # a round trip carries the message twice
 
 
-def _exchange_call(nbytes: int):
+def _exchange_call(nbytes: int, device: torch.device | str = "cpu"):
     n = dist.get_world_size()
     steps = max(1, n - 1)
     # The ring's own step loop (commlab.collectives.ring), on chunks that are views into one tensor,
     # receiving into one scratch buffer (ReduceScatter) or straight into the chunks (AllGather), so that a
     # step costs the same Python and transport work as one of the ring's.
-    data = torch.zeros((steps + 1) * nbytes, dtype=torch.uint8)
+    data = torch.zeros((steps + 1) * nbytes, dtype=torch.uint8, device=device)
     chunks = [data[i * nbytes:(i + 1) * nbytes] for i in range(steps + 1)]
-    scratch = torch.zeros(nbytes, dtype=torch.uint8)
+    scratch = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     geom = ring_geometry(None, None)
 
     def both():
@@ -243,6 +243,39 @@ def ring_exchange(sizes: Iterable[int] = DEFAULT_SIZES, world_size: int = 4, rou
     sizes = _check_sizes(sizes)
     _check_common(world_size, rounds, 2)
     return _medians("exchange", f"ring_exchange N={world_size}", sizes, world_size, rounds, progress, timeout)
+
+
+def ring_exchange_here(sizes: Iterable[int], rounds: int = 3, device: torch.device | str = "cpu") -> list[float]:
+    """:func:`ring_exchange` inside the process group that already runs (every rank of the world calls it),
+    for a training script under torchrun or srun that calibrates where it stands; on ``device`` (a GPU's
+    tensors go through NCCL). Seconds per ring step, one float per size: the median over ``rounds`` of the
+    slowest rank's time (after a warm-up call and a barrier, each round carrying about 2 MiB per size).
+
+    Raises:
+        ValueError: no sizes, a size < 1, ``rounds`` < 1, or a world of fewer than 2 ranks.
+    """
+    sizes = _check_sizes(sizes)
+    if dist.get_world_size() < 2:
+        raise ValueError("ring_exchange_here needs a process group of >= 2 ranks (one rank sends nothing)")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    medians = []
+    for nbytes in sizes:
+        call, units = _exchange_call(nbytes, device)
+        iters = calls_per_round(nbytes * units, 2 * 2**20, 100)
+        call()
+        times = []
+        for _ in range(rounds):
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            sync()
+            times.append(slowest_rank((time.perf_counter() - t0) / (iters * units), device))
+        medians.append(statistics.median(times))
+    return medians
 
 
 # ------------------------------------------------------------------------------------------ the fit

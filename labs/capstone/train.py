@@ -48,12 +48,14 @@ from commlab.parallel import ZeroOneOptimizer  # noqa: E402
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups  # noqa: E402
 from commlab.parallel.planner import model_flops_per_token  # noqa: E402
 from commlab.parallel.pipeline import pipeline_step  # noqa: E402
+from commlab.parallel.tensor.communications import CommTimer, timed  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from labs.capstone import checkpoint  # noqa: E402
 from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
 
-__all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "train", "main"]
+__all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "gemm_shape",
+           "median_stats", "SPLIT", "train", "main"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -69,6 +71,7 @@ class Options:
     micro_batches: int = 2
     schedule: str = "1f1b"
     steps: int = 20
+    eval_every: int = 0
     seed: int = 0
     lr: float = 3e-3
     zero1: bool = False
@@ -84,6 +87,7 @@ class Options:
     profile: str | None = None
     fail_at_step: int | None = None
     fail_rank: int = 0
+    plan: bool = True
     model: GPTConfig = GPTConfig()
 
     @property
@@ -102,6 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step and DP rank (default 2)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="validation loss on the held-out split every N steps and after the last (default 0: "
+                        "after the last only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
     p.add_argument("--dp-impl", choices=["commlab", "ddp"], default="commlab",
@@ -129,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
                    help="continue from the newest checkpoint in --ckpt-dir (if there is one), under this layout")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler Chrome trace per rank to DIR/rank<R>.json (open it in Perfetto)")
+    p.add_argument("--no-plan", dest="plan", action="store_false",
+                   help="skip the planner's prediction after training (and the calibration it measures first)")
     p.add_argument("--fail-at-step", type=int, default=None, metavar="K",
                    help="a test of restarts: rank --fail-rank exits (code 13) before step K, on the job's first "
                         "attempt only (TORCHELASTIC_RESTART_COUNT 0), as a crashed process would")
@@ -142,8 +151,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     if args.zero1 and args.ckpt_dir:
         p.error("--zero1 with --ckpt-dir is not supported yet: the checkpoint stores Adam's moments per parameter, "
                 "and ZeRO-1 holds them per DP shard; drop one of the two")
-    if args.ckpt_every < 0:
-        p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    for name in ("ckpt_every", "eval_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("micro_batch", "micro_batches", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -166,45 +176,79 @@ def global_batch(step: int, opts: Options, ids: torch.Tensor) -> tuple[torch.Ten
     return x, y
 
 
-def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 256, seconds: float = 0.2) -> float:
-    """This rank's dense matrix-multiply rate (FLOP/s) on ``device``, measured now: the denominator of MFU.
+def gemm_shape(opts: Options) -> tuple[int, int, int]:
+    """``(m, k, n)`` of the model's largest matrix multiplication on one rank: a micro-batch's tokens times the
+    MLP's first layer, ``(micro_batch * block, hidden) @ (hidden, ffn / tp)``."""
+    c = opts.model
+    return opts.micro_batch * c.block, c.hidden, c.ffn // opts.tp
 
-    Measured while every rank measures (call it on all ranks together), so that on a shared CPU it is the share
-    of the machine each rank gets, and on a GPU the chip's rate at this size and dtype, not its datasheet peak.
+
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] = (256, 256, 256),
+                       seconds: float = 0.1, trials: int = 3) -> float:
+    """This rank's matrix-multiply rate (FLOP/s) at ``shape`` = ``(m, k, n)`` on ``device``, measured now: the
+    best of ``trials`` runs of about ``seconds`` each (a run the scheduler interrupted is not the rate).
+
+    The capstone measures it at its own largest GEMM (:func:`gemm_shape`), on every rank at once: a CPU has
+    no datasheet peak to divide by, and on a shared CPU each rank gets only its share of the machine; on a
+    GPU this is the rate at this size and dtype, below the datasheet's peak. It is the denominator of the
+    capstone's MFU and the planner's peak for the CPU cluster it calibrates (achievable fraction 1).
     """
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    m, k, n = shape
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
+    for _ in range(4):
+        a @ b
     sync()
-    count, start = 0, time.perf_counter()
-    while True:
-        for _ in range(8):
-            a @ b
-        count += 8
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * n ** 3 * count / elapsed
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, time.perf_counter()
+        while True:
+            for _ in range(8):
+                a @ b
+            count += 8
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                best = max(best, 2.0 * m * k * n * count / elapsed)
+                break
+    return best
 
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
-    """One step, measured on every rank and combined (the slowest rank's seconds, since every step ends together).
+    """One step, measured on every rank and combined: ``step_s`` is the slowest rank's, and each part of it is
+    the mean over the ranks, so that the parts add up to about the step (a rank's parts add up to its own
+    step; what is left is bookkeeping between the marks). Seconds throughout; on a GPU every time is read
+    from CUDA events, not the host clock.
 
     Attributes:
-        step, loss: the step index and the global batch's mean loss (nats).
-        step_s: wall seconds of the whole step (slowest rank).
-        pipeline_s: seconds in the pipeline schedule (forward, backward, TP and PP communication, bubble).
-        compute_s: of those, the busiest stage's computing seconds (the TP AllReduces inside its layers included;
-            they are not yet timed apart).
-        bubble_s: of those, the idlest stage's waiting seconds (the bubble, and waits for PP messages).
-        dp_sync_s: seconds averaging the gradients over DP after the flush (the comm hook's, too).
-        optimizer_s: seconds in the optimizer step.
+        step, loss: the step index and the global batch's mean training loss (nats).
+        step_s: wall seconds of the whole step.
+        pipeline_s: seconds in the forward and backward passes (the pipeline schedule when pp > 1): compute,
+            TP, PP and bubble, and with pp = 1 the DP AllReduces the backward could not hide.
+        compute_s: of those, computing: the stage's forward and backward, less its TP collectives.
+        tp_s: TP communication: the collectives of Megatron's f and g in every layer, timed one by one
+            (:func:`commlab.parallel.tensor.communications.timed`); all exposed, none overlaps compute here.
+        bubble_s: the schedule's ideal bubble at the measured compute: ``(pp - 1) / m`` times the stage's busy
+            seconds (Narayanan et al. 2021, §2.2.1: a bubble of ``(p - 1)(t_f + t_b)`` per step), at most
+            the stage's idle seconds.
+        pp_s: the rest of ``pipeline_s``: PP transfers, waiting for slower stages, the schedule's bookkeeping.
+        other_s: ``step_s`` less the mean parts: how much longer the slowest rank took than the mean one, and
+            the bookkeeping between the marks (the loss's AllReduce). The parts of :data:`SPLIT` add up to
+            ``step_s``.
+        dp_s: DP communication not hidden behind compute: with pp > 1 the gradient averaging after the flush
+            (the comm hook's compression included); with pp = 1 the wait after the last gradient was ready
+            (``BucketedDataParallel.last_step``; 0 with ``--dp-impl ddp``, whose wait is inside compute).
+        exposed_comm_s: ``tp_s + pp_s + dp_s``.
+        optimizer_s: seconds in the optimizer step (ZeRO-1's AllGather included).
         tokens_per_s: tokens of the global batch per second of ``step_s``.
-        mfu: model FLOP/s over the world's measured GEMM rate; the model FLOPs are the planner's
+        mfu: model FLOP/s over the world's GEMM rate measured at the model's own largest GEMM
+            (:func:`measure_gemm_flops`); the model FLOPs are the planner's
             (:func:`commlab.parallel.planner.model_flops_per_token`: ``6 P + 12 L h s`` per token, PaLM's MFU
             accounting, Chowdhery et al. 2022, Appendix B; no recomputation, which the capstone does not do).
+        val_loss: the mean loss on a fixed batch of the held-out split after this step (nats), on the steps
+            ``--eval-every`` names and the last one; None on the others.
     """
 
     step: int
@@ -212,11 +256,16 @@ class StepStats:
     step_s: float
     pipeline_s: float
     compute_s: float
+    tp_s: float
     bubble_s: float
-    dp_sync_s: float
+    pp_s: float
+    dp_s: float
+    exposed_comm_s: float
     optimizer_s: float
+    other_s: float
     tokens_per_s: float
     mfu: float
+    val_loss: float | None = None
 
 
 class Trainer:
@@ -258,58 +307,111 @@ class Trainer:
                                               optimizer_cls=torch.optim.Adam, lr=opts.lr)
         else:
             self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opts.lr)
-        self.ids = load_corpus().train
+        corpus = load_corpus()
+        self.ids, self.val_ids = corpus.train, corpus.val
+        self.tp_timer = CommTimer(self.clock)
         dist.barrier()
-        self.gemm_flops = measure_gemm_flops(self.device, DTYPES[opts.dtype])
+        self.gemm_flops = measure_gemm_flops(self.device, DTYPES[opts.dtype], gemm_shape(opts))
+
+    def _share(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's rows of a global batch, on the device."""
+        share = self.opts.micro_batch * self.opts.micro_batches
+        rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        x, y = batch
+        return x[rows].to(self.device), y[rows].to(self.device)
 
     def step(self, step: int) -> StepStats:
         """One optimizer step on the global batch of ``step``, measured; the same :class:`StepStats` on every rank."""
         opts = self.opts
-        x, y = global_batch(step, opts, self.ids)
-        share = opts.micro_batch * opts.micro_batches
-        rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
-        x, y = x[rows].to(self.device), y[rows].to(self.device)
-        clock = self.clock
+        x, y = self._share(global_batch(step, opts, self.ids))
+        clock, timer = self.clock, self.tp_timer
+        timer.reset()
         t0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        if opts.pp == 1:
-            compute_s, mean_loss = self._accumulate(x, y)
-            wait_s = 0.0             # no pipeline, no bubble
-            t1 = t2 = clock.mark()   # the DP AllReduces overlap the last micro-batch's backward
-        else:
-            with self.dp.no_sync():
-                result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"], opts.schedule)
-            t1 = clock.mark()
+        with timed(self.groups["tp"], timer):
+            if opts.pp == 1:
+                mean_loss = self._accumulate(x, y)
+                t1 = t2 = clock.mark()   # the DP AllReduces overlap the last micro-batch's backward
+            else:
+                with self.dp.no_sync():
+                    result = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"],
+                                           opts.schedule)
+                t1 = clock.mark()
+        if opts.pp > 1:
             self.dp.sync_gradients()
             t2 = clock.mark()
-            compute_s, wait_s, mean_loss = max(result.busy_s), max(result.idle_s), result.loss
+            mean_loss = result.loss
         self.optimizer.step()
         t3 = clock.mark()
+        pipeline_s, tp_s = clock.elapsed(t0, t1), timer.seconds()
+        if opts.pp == 1:
+            dp_s = self._exposed_dp_wait()
+            busy_s, idle_s = pipeline_s - dp_s, 0.0
+        else:
+            dp_s = clock.elapsed(t1, t2)
+            busy_s, idle_s = result.busy_s[self.stage], result.idle_s[self.stage]
+        bubble_s = min(idle_s, (opts.pp - 1) / opts.micro_batches * busy_s)
+        pp_s = max(0.0, pipeline_s - busy_s - bubble_s - dp_s * (opts.pp == 1))
         loss = torch.tensor([mean_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
-        seconds = [clock.elapsed(t0, t3), clock.elapsed(t0, t1), compute_s, wait_s,
-                   clock.elapsed(t1, t2), clock.elapsed(t2, t3)]
-        slowest = torch.tensor(seconds, dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s = slowest.tolist()
+        step_s = torch.tensor([clock.elapsed(t0, t3)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+        parts = torch.tensor([pipeline_s, max(0.0, busy_s - tp_s), tp_s, bubble_s, pp_s, dp_s, tp_s + pp_s + dp_s,
+                              clock.elapsed(t2, t3)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(parts)
+        step_s = float(step_s.item())
+        pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = (parts / dist.get_world_size()).tolist()
+        other_s = max(0.0, step_s - (compute_s + tp_s + bubble_s + pp_s + dp_s + opt_s))
         tokens = opts.global_batch * opts.model.block
         achieved = model_flops_per_token(opts.model.planner_config()) * tokens / step_s
-        return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, bubble_s, dp_s, opt_s,
-                         tokens / step_s, achieved / (self.gemm_flops * dist.get_world_size()))
+        return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s,
+                         dp_s, exposed_s, opt_s, other_s, tokens / step_s,
+                         achieved / (self.gemm_flops * dist.get_world_size()))
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    def _exposed_dp_wait(self) -> float:
+        """pp = 1: seconds the backward waited for the DP AllReduces after its last gradient was ready (0 under
+        torch's DDP, which does not say)."""
+        record = getattr(self.dp, "last_step", None)
+        if record is None or record.wait_end_s is None or record.last_grad_s is None:
+            return 0.0
+        return max(0.0, record.wait_end_s - record.last_grad_s)
+
+    def validation_loss(self) -> float:
+        """Mean loss on a fixed global batch of the held-out split (nats), the same on every rank.
+
+        With pp = 1 a forward pass without gradients. With pp > 1 the pipeline schedule, whose backward
+        cannot be left out (the engine has no forward-only schedule), inside ``no_sync``; the gradients
+        it leaves are dropped, so training is unchanged.
+        """
+        opts = self.opts
+        x, y = self._share(global_batch(0, opts, self.val_ids))
+        if opts.pp == 1:
+            with torch.no_grad():
+                total = sum(lm_loss(self.module(xj), yj) for xj, yj in zip(x.chunk(opts.micro_batches),
+                                                                            y.chunk(opts.micro_batches)))
+            mean = float(total) / opts.micro_batches
+        else:
+            with self.dp.no_sync():
+                mean = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"],
+                                     opts.schedule).loss
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.tensor([mean], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss, group=self.groups["dp"])
+        return float(loss.item()) / opts.dp
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """No pipeline (``pp == 1``): the micro-batches one after another, gradients accumulated inside
         ``no_sync`` but for the last, whose backward averages them over DP overlapped with its computation (as
-        DDP does). Returns (seconds computing, the mean of the micro-batches' losses)."""
+        DDP does). Returns the mean of the micro-batches' losses."""
         m = self.opts.micro_batches
-        clock, start, total = self.clock, self.clock.mark(), 0.0
+        total = 0.0
         for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
             ctx = self.dp.no_sync() if j < m - 1 else contextlib.nullcontext()
             with ctx:
                 loss = lm_loss(self.dp(xj), yj) / m
                 loss.backward()
             total = total + loss.detach()  # read once, below: no host synchronisation per micro-batch
-        return clock.elapsed(start, clock.mark()), float(total)
+        return float(total)
 
 
 def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:
@@ -356,6 +458,9 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
             _maybe_fail(opts, step, log)
             with record_function(f"capstone::step{step}"):
                 st = trainer.step(step)
+            if step == opts.steps - 1 or (opts.eval_every and (step + 1) % opts.eval_every == 0):
+                with record_function("capstone::validation"):
+                    st = dataclasses.replace(st, val_loss=trainer.validation_loss())
             losses.append(st.loss)
             if stats is not None:
                 stats.append(st)
@@ -404,15 +509,25 @@ def _maybe_fail(opts: Options, step: int, log) -> None:
     os._exit(13)
 
 
-def _summary(stats: list[StepStats]) -> str:
-    """Medians of the steps after the first (which pays for warm-up), one line per quantity."""
+#: The parts of a step, in the order the summary and the chapter's figure show them.
+SPLIT = ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_s")
+
+
+def median_stats(stats: Sequence[StepStats]) -> dict[str, float]:
+    """Medians over the steps after the first (which pays for warm-up) of every timed field of StepStats."""
     import statistics
     steady = stats[1:] or stats
-    med = {k: statistics.median(getattr(s, k) for s in steady)
-           for k in ("step_s", "pipeline_s", "compute_s", "bubble_s", "dp_sync_s", "optimizer_s", "tokens_per_s", "mfu")}
-    return (f"step {med['step_s'] * 1e3:.1f} ms (median of {len(steady)}): pipeline {med['pipeline_s'] * 1e3:.1f} ms "
-            f"[busiest stage computing {med['compute_s'] * 1e3:.1f} ms, idlest waiting {med['bubble_s'] * 1e3:.1f} ms], "
-            f"DP sync {med['dp_sync_s'] * 1e3:.1f} ms, optimizer {med['optimizer_s'] * 1e3:.1f} ms; "
+    keys = ("step_s", "pipeline_s", "exposed_comm_s", "tokens_per_s", "mfu") + SPLIT
+    return {k: statistics.median(getattr(s, k) for s in steady) for k in keys} | {"steps": len(steady)}
+
+
+def _summary(stats: list[StepStats]) -> str:
+    """Medians of the steps after the first, one line: the step, its split, throughput and MFU."""
+    med = median_stats(stats)
+    ms = {k: med[k] * 1e3 for k in SPLIT + ("step_s", "exposed_comm_s")}
+    return (f"step {ms['step_s']:.1f} ms (median of {med['steps']}): compute {ms['compute_s']:.1f}, "
+            f"TP {ms['tp_s']:.1f}, PP {ms['pp_s']:.1f}, bubble {ms['bubble_s']:.1f}, DP {ms['dp_s']:.1f}, "
+            f"optimizer {ms['optimizer_s']:.1f}, other {ms['other_s']:.1f} ms (exposed communication {ms['exposed_comm_s']:.1f} ms); "
             f"{med['tokens_per_s']:.0f} tokens/s, MFU {100 * med['mfu']:.1f} % of the measured GEMM rate")
 
 
@@ -425,8 +540,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     losses = train(opts, stats)
     if ctx.rank == 0 and losses:
         print(f"tp={opts.tp} pp={opts.pp} dp={opts.dp}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"in {len(losses)} steps", flush=True)
+              f"in {len(losses)} steps; validation loss {stats[-1].val_loss:.4f}", flush=True)
         print(_summary(stats), flush=True)
+    if opts.plan and stats:
+        from labs.capstone import predict
+        device = group_device(None)
+        cal = predict.calibrate_here(opts, device)
+        if ctx.rank == 0:
+            cluster = predict.measured_cluster(cal, opts.dtype, device)
+            print(predict.report(opts, cal, median_stats(stats)["step_s"], predict.predict(opts, cluster),
+                                 predict.recommend(opts, cluster)), flush=True)
     if created:
         # Every rank leaves together and closes its connections in order, as torch asks: a rank that exits
         # with its gloo pairs still open can make a peer's background thread fail on the closed socket.

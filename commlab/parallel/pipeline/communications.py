@@ -43,6 +43,7 @@ from commlab.collectives import p2p
 from commlab.collectives._common import _ALL_DTYPES, _DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
 from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
 from commlab.parallel.pipeline.schedules import SCHEDULES
+from commlab.parallel.tensor.communications import untimed
 
 __all__ = ["PendingSends", "Boundary", "stage_of", "neighbour", "stage_rank", "communicate", "agree_step",
            "agree_boundary_shapes", "activation_nbytes"]
@@ -329,7 +330,9 @@ def _dry_run(module: nn.Module, in_shape: tuple[int, ...], in_dtype: torch.dtype
     # eval() so that a dry run cannot update running statistics (BatchNorm) or draw dropout masks.
     module.eval()
     try:
-        with torch.no_grad():
+        # untimed: a TP layer's collectives in this shape probe are not the step's forward and backward,
+        # so a CommTimer of the step (the capstone's TP time) must not count them.
+        with torch.no_grad(), untimed():
             out = module(torch.zeros(in_shape, dtype=in_dtype, device=device))
     finally:
         module.train(was_training)

@@ -24,15 +24,96 @@ all-reduce over ``t`` ranks sends ``2 (t - 1) / t`` times that from every rank. 
 when the group has one rank.
 
 Every function takes the group explicitly; none looks up a global process-group manager.
+
+Timing: inside ``with timed(group, timer):`` every collective these operators run on ``group`` is timed
+into the :class:`CommTimer` (marks of its clock before and after, so CUDA events on a GPU): the seconds
+this rank's computation waited for TP communication, which the capstone reports apart from compute.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["F", "G", "f", "g", "GatherLastDim", "SplitLastDim", "gather_last_dim", "split_last_dim",
-           "group_size", "group_rank"]
+           "group_size", "group_rank", "CommTimer", "timed", "untimed"]
+
+
+class CommTimer:
+    """Seconds and calls of the TP collectives timed into it (see :func:`timed`).
+
+    Args:
+        clock: a :class:`commlab.launch.Clock` on the group's device (host clock on the CPU, CUDA events on
+            a GPU: there a collective's time is how long the compute stream waited for it).
+
+    Attributes:
+        calls: collectives timed since the last :meth:`reset`.
+    """
+
+    def __init__(self, clock):
+        self.clock = clock
+        self._spans: list = []
+        self.calls = 0
+
+    def _add(self, start, end) -> None:
+        self._spans.append((start, end))
+        self.calls += 1
+
+    def seconds(self) -> float:
+        """Total seconds of the timed collectives (on a GPU this waits for their events: read after the step)."""
+        return sum(self.clock.elapsed(a, b) for a, b in self._spans)
+
+    def reset(self) -> None:
+        """Forget the collectives timed so far."""
+        self._spans.clear()
+        self.calls = 0
+
+
+# group -> timer, only inside ``timed``: the operators are autograd functions whose backward runs wherever
+# autograd calls it, so a timer cannot be passed down as an argument without changing every layer.
+_TIMERS: dict = {}
+
+
+@contextlib.contextmanager
+def timed(group: dist.ProcessGroup | None, timer: CommTimer) -> Iterator[CommTimer]:
+    """Time every collective of f, g, gather_last_dim and split_last_dim on ``group`` into ``timer`` while
+    inside (forward and backward alike). Groups of one rank run no collective and time nothing.
+
+    Raises:
+        RuntimeError: ``group`` is already being timed (nested ``timed`` on one group).
+    """
+    if group in _TIMERS:
+        raise RuntimeError("this tensor-parallel group is already being timed (nested timed(...) on one group)")
+    _TIMERS[group] = timer
+    try:
+        yield timer
+    finally:
+        del _TIMERS[group]
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Time nothing inside, on any group (for work that is not the step's own, such as a shape probe)."""
+    saved = dict(_TIMERS)
+    _TIMERS.clear()
+    try:
+        yield
+    finally:
+        _TIMERS.update(saved)
+
+
+@contextlib.contextmanager
+def _timing(group) -> Iterator[None]:
+    timer = _TIMERS.get(group)
+    if timer is None:
+        yield
+        return
+    start = timer.clock.mark()
+    yield
+    timer._add(start, timer.clock.mark())
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -53,7 +134,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
         return x
     # Reduce a copy: the input may be saved for another function's backward, or be a view of a leaf.
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    with _timing(group):
+        dist.all_reduce(out, group=group)
     return out
 
 
@@ -63,7 +145,8 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=group)
+    with _timing(group):
+        dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
