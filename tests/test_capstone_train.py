@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from commlab import launch
+from labs.capstone.model import GPTConfig
 from labs.capstone.train import Options, parse_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,9 @@ def test_a_layout_that_does_not_divide_is_a_usage_error():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "heads (4) is not divisible by tp (3)" in proc.stderr and "layers (4) is not divisible by pp (3)" in proc.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--heads", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "hidden (64) must be divisible by heads (3)" in bad.stderr
 
 
 def test_a_world_that_does_not_match_the_layout_is_refused_on_every_rank():
@@ -57,6 +61,8 @@ def test_flags_read_at_a_glance():
     assert dataclasses.replace(opts) == Options(tp=2, pp=2, dp=2, micro_batch=4, micro_batches=8, schedule="gpipe",
                                                 steps=7, dtype="float64")
     assert opts.global_batch == 64
+    sized = parse_args(["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--block", "16"])
+    assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, block=16)
 
 
 def test_the_script_runs_under_torchrun_as_2x2x2(tmp_path):

@@ -193,6 +193,21 @@ def test_the_slurm_template_runs_one_node_without_srun():
 
 
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
+def test_the_slurm_template_runs_the_capstone(tmp_path):
+    job = _free_slurm_job_id()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"),
+                           os.path.join(ROOT, "labs", "capstone", "train.py"), "--tp", "2", "--steps", "2",
+                           "--no-plan", "--log-file", str(tmp_path / "run.jsonl")],
+                          env=_template_env(SLURM_JOB_ID=str(job), SLURM_JOB_NODELIST="localhost",
+                                            SLURM_JOB_NUM_NODES="1", NPROC_PER_NODE="2", JOIN_TIMEOUT="60"),
+                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tp=2 pp=1 dp=1: loss" in proc.stdout
+    assert len((tmp_path / "run.jsonl").read_text().splitlines()) == 2
+    _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
 @pytest.mark.skipif(not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK),
                     reason="no .venv in this checkout (scripts/setup.sh makes it)")
 def test_the_slurm_template_uses_the_checkouts_venv_with_nothing_on_path():

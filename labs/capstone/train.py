@@ -123,6 +123,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                    help="compress without error feedback (default: with it, for every compressor but the casts)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    size = GPTConfig()
+    for name, what in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
+                       ("ffn", "the MLP's inner width"), ("block", "sequence length")):
+        p.add_argument(f"--{name}", type=int, default=getattr(size, name),
+                       help=f"{what} (default {getattr(size, name)}: the tiny model CI trains)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                    help="default: NCCL when CUDA is present, else gloo")
     # Not "--log": torchrun's own parser reads every option of the command line, the script's too, and takes
@@ -157,7 +162,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     for name in ("micro_batch", "micro_batches", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if f.name != "model"})
+    try:
+        model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, block=args.block)
+    except ValueError as e:
+        p.error(str(e))
+    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if f.name != "model"},
+                   model=model)
     try:
         check_layout(opts.model, opts.tp, opts.pp, opts.dp)
         parse_spec(opts.compressor)
