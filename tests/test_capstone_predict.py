@@ -53,3 +53,13 @@ def test_ring_exchange_here_measures_in_the_running_group_and_needs_two_ranks():
     assert results[0] == results[1] and all(t > 0 for t in results[0])
     with pytest.raises(Exception, match="needs a process group of >= 2 ranks"):
         launch(_exchange_here, 1, timeout=60, print_output=False)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(dp=8), dict(pp=2, dp=4)])
+def test_the_recommendation_is_never_slower_than_the_layout_that_ran(layout):
+    """The search prices DP as the prediction does (overlapped with pp = 1, after the flush with pp > 1), so the
+    layout that ran, which is in its search space, bounds the recommendation."""
+    opts = Options(**layout)
+    cluster = predict.measured_cluster(CAL, opts.dtype, torch.device("cpu"))
+    assert predict.recommend(opts, cluster).step_s <= predict.predict(opts, cluster).total_s * (1 + 1e-12)
+

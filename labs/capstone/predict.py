@@ -114,18 +114,23 @@ def predict(opts, cluster: Cluster) -> TimeBreakdown:
 
 def recommend(opts, cluster: Cluster):
     """The planner's fastest layout of the same model, world and global batch that the capstone can run, as a
-    :class:`~commlab.parallel.planner.Plan`, or None if none fits. DP is priced without overlap for every
-    layout (the search takes one ``dp_overlap``), which favours no layout over another."""
+    :class:`~commlab.parallel.planner.Plan` (ties: the least memory), or None if none fits. DP is priced as the
+    capstone runs it: hidden behind the last backward with pp = 1, after the flush with pp > 1 (two searches,
+    since a search takes one ``dp_overlap``)."""
     c = opts.model
     world = cluster.world_size
     tps = [t for t in divisors(cluster.devices_per_node) if c.heads % t == 0 and c.ffn % t == 0]
     pps = [p for p in divisors(c.layers) if world % p == 0]
     micro = [b for b in divisors(opts.global_batch) if b <= 8]
-    result = search(c.planner_config(), cluster, world, opts.global_batch, micro_batches=micro, zero1=(False,),
-                    recompute=(False,), interleave=(1,), tp_values=tps, pp_values=pps, even_stages=True,
-                    sequence_parallel=False, flash_attention=False, achievable_fraction=1.0,
-                    grad_bytes=_itemsize(opts), dtype=DTYPE_KEYS[opts.dtype])
-    return result.plans[0] if result.plans else None
+    plans = []
+    for pp_values, overlap in (([1], 1.0), ([p for p in pps if p > 1], 0.0)):
+        if not pp_values:
+            continue
+        plans += search(c.planner_config(), cluster, world, opts.global_batch, micro_batches=micro, zero1=(False,),
+                        recompute=(False,), interleave=(1,), tp_values=tps, pp_values=pp_values, even_stages=True,
+                        sequence_parallel=False, flash_attention=False, achievable_fraction=1.0,
+                        dp_overlap=overlap, grad_bytes=_itemsize(opts), dtype=DTYPE_KEYS[opts.dtype]).plans
+    return min(plans, key=lambda p: (p.step_s, p.memory.total_bytes), default=None)
 
 
 def report(opts, cal: Calibration, measured_s: float, predicted: TimeBreakdown, best) -> str:
