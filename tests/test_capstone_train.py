@@ -216,3 +216,14 @@ def test_ddp_with_a_pipeline_is_a_usage_error():
     proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--dp-impl", "ddp", "--pp", "2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dp-impl ddp runs with --pp 1" in proc.stderr
+
+
+def test_bfloat16_is_mixed_precision_close_to_float32():
+    """--dtype bfloat16: float32 parameters and Adam, the passes under bfloat16 autocast (TP's AllReduces carry
+    bfloat16 partial sums); the first losses stay within 0.01 nats of the float32 run's."""
+    base = Options(tp=2, steps=3)
+    fp32 = launch(train, 2, base, timeout=120, print_output=False)[0]
+    bf16 = launch(train, 2, dataclasses.replace(base, dtype="bfloat16"), timeout=120, print_output=False)
+    assert bf16[0] == bf16[1] and bf16[0] != fp32
+    assert max(abs(a - b) for a, b in zip(bf16[0], fp32)) < 1e-2
+

@@ -14,6 +14,9 @@ ran, beside the measured median and their ratio, and the layout the planner's se
 (:func:`commlab.parallel.planner.search`) recommends for the same model, world and global batch among those
 the capstone can run (heads and ffn divisible by tp, layers by pp, no interleaving or recomputation).
 
+The planner prices TP and PP messages at 2 bytes per activation element (bfloat16, what large runs send); a
+float32 run sends twice that, so there its TP and PP terms are low by up to half.
+
 What the planner does not model, and the measurement shows, is said in chapter 12: Python and framework
 overhead per operator (at this model's size it is most of the compute), and the scheduling of more ranks than
 cores, which turns each blocking collective into a wait for a descheduled peer.
@@ -39,7 +42,7 @@ __all__ = ["SIZES", "Calibration", "calibrate_here", "measured_cluster", "layout
 SIZES = (4096, 32768, 262144, 2097152)
 
 #: The planner's name of each dtype's peak (a key of ``Cluster.peak_flop_per_s``).
-DTYPE_KEYS = {"float32": "fp32", "float64": "fp64"}
+DTYPE_KEYS = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +64,10 @@ class Calibration:
 
 def calibrate_here(opts, device: torch.device) -> Calibration:
     """Measure the GEMM rate and α-β in the running process group; call it on every rank (collective)."""
-    from labs.capstone.train import DTYPES, gemm_shape, measure_gemm_flops
+    from labs.capstone.train import COMPUTE_DTYPES, gemm_shape, measure_gemm_flops
     world = dist.get_world_size()
     dist.barrier()
-    rate = torch.tensor([measure_gemm_flops(device, DTYPES[opts.dtype], gemm_shape(opts))], dtype=torch.float64,
+    rate = torch.tensor([measure_gemm_flops(device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))], dtype=torch.float64,
                         device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     alpha = beta = 0.0

@@ -57,7 +57,13 @@ from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, par
 __all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "gemm_shape",
            "median_stats", "SPLIT", "train", "main"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: ``--dtype``: the parameters' (and gradients', and Adam's) dtype. ``bfloat16`` is mixed precision: float32
+#: parameters, the forward and backward passes under ``torch.autocast`` in bfloat16 (matrix multiplications,
+#: hence TP's activations, in bfloat16; the loss and LayerNorm in float32), as large runs train.
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+#: The dtype the matrix multiplications run in, for the GEMM rate (MFU's denominator and the planner's peak).
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +327,7 @@ class Trainer:
         self.ids, self.val_ids = corpus.train, corpus.val
         self.tp_timer = CommTimer(self.clock)
         dist.barrier()
-        self.gemm_flops = measure_gemm_flops(self.device, DTYPES[opts.dtype], gemm_shape(opts))
+        self.gemm_flops = measure_gemm_flops(self.device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))
 
     def _share(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's rows of a global batch, on the device."""
@@ -338,7 +344,7 @@ class Trainer:
         timer.reset()
         t0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        with timed(self.groups["tp"], timer):
+        with timed(self.groups["tp"], timer), self._precision():
             if opts.pp == 1:
                 mean_loss = self._accumulate(x, y)
                 t1 = t2 = clock.mark()   # the DP AllReduces overlap the last micro-batch's backward
@@ -396,18 +402,25 @@ class Trainer:
         opts = self.opts
         x, y = self._share(global_batch(0, opts, self.val_ids))
         if opts.pp == 1:
-            with torch.no_grad():
+            with torch.no_grad(), self._precision():
                 total = sum(lm_loss(self.module(xj), yj) for xj, yj in zip(x.chunk(opts.micro_batches),
                                                                             y.chunk(opts.micro_batches)))
             mean = float(total) / opts.micro_batches
         else:
-            with self.dp.no_sync():
+            with self.dp.no_sync(), self._precision():
                 mean = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"],
                                      opts.schedule).loss
             self.optimizer.zero_grad(set_to_none=True)
         loss = torch.tensor([mean], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
         return float(loss.item()) / opts.dp
+
+    def _precision(self):
+        """bfloat16 autocast for ``--dtype bfloat16`` (the forward passes; autograd runs each backward op in its
+        forward's dtype), else nothing."""
+        if self.opts.dtype != "bfloat16":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """No pipeline (``pp == 1``): the micro-batches one after another, gradients accumulated inside
