@@ -806,10 +806,14 @@ class BucketedDataParallel(nn.Module):
                 # queues its finalize_backward the same way).
                 Variable._execution_engine.queue_callback(self.finish)
         st.record._set("last_grad_s", now)
-        if param.grad.is_sparse:
+        grad = param.grad
+        if grad.is_sparse:
             raise RuntimeError(f"{self._names[k]} has a sparse gradient; bucket buffers are dense")
-        with torch.no_grad():
-            self._copy_in(k, param.grad, now)
+        if torch.is_grad_enabled():  # only with backward(create_graph=True); entering no_grad costs per parameter
+            with torch.no_grad():
+                self._copy_in(k, grad, now)
+        else:
+            self._copy_in(k, grad, now)
 
     def _copy_in(self, k: int, grad: torch.Tensor, now: Mark | None = None) -> None:
         """Copy parameter k's gradient into its bucket slot; launch what this completes, in order."""
