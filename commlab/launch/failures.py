@@ -14,6 +14,10 @@ Run under torchrun (chapter 12 runs them through :func:`commlab.launch.torchrun.
 * ``timeout``: the last rank sleeps for twice ``--timeout`` seconds before its AllReduce, as a rank stuck in
   its data loader would; the others give up after the group's timeout (``init_from_env(timeout=...)``).
 
+A rank whose collective fails prints ``rank R: ErrorType: message`` on stderr and exits with status 1
+:data:`GRACE_S` seconds later: torchrun stops the other workers at the first failure, and without the pause
+whichever rank failed second could be stopped before its own message got out.
+
 Every job initialises through :func:`commlab.launch.init_from_env` (gloo on CPU; NCCL with one GPU per rank
 when CUDA is present) and prints one line per rank when it gets through, so a run that does not fail says so.
 """
@@ -30,7 +34,10 @@ import torch.distributed as dist
 from commlab.launch.device import group_device
 from commlab.launch.env import init_from_env
 
-__all__ = ["JOBS", "main"]
+__all__ = ["JOBS", "GRACE_S", "main"]
+
+#: Seconds a failed rank waits before it exits, so that its peers' messages get out too.
+GRACE_S = 2.0
 
 #: The failures this module can make, with what each one does wrong.
 JOBS = {
@@ -64,14 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ctx = init_from_env(timeout=args.timeout)
     device = group_device()
-    if args.job == "shape":
-        _shape(ctx.rank, device)
-    elif args.job == "order":
-        _order(ctx.rank, device)
-    else:
-        if ctx.rank == ctx.world_size - 1:
-            time.sleep(2 * args.timeout)
-        dist.all_reduce(torch.ones(1, device=device))
+    try:
+        if args.job == "shape":
+            _shape(ctx.rank, device)
+        elif args.job == "order":
+            _order(ctx.rank, device)
+        else:
+            if ctx.rank == ctx.world_size - 1:
+                time.sleep(2 * args.timeout)
+            dist.all_reduce(torch.ones(1, device=device))
+    except Exception as e:  # noqa: BLE001 - what the collective raised is what this module is for
+        print(f"rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        time.sleep(GRACE_S)
+        return 1
     print(f"rank {ctx.rank}: {args.job} went through", flush=True)
     dist.destroy_process_group()
     return 0
