@@ -204,3 +204,53 @@ def test_wrong_forms_and_shortcuts_fail(fn, message):
 def test_after_a_hang_the_remaining_cases_are_not_run():
     report = check_reduce_scatter(deadlocking_rs, world_sizes=(2, 3), counts=(4,))
     assert [msg for _, _, msg in report.cases][1] == "not run: an earlier case hung"
+
+
+# ------------------------------------------------------------------ lab 12: the step's tokens and model FLOPs
+
+def _tokens(model, dp, micro_batch, micro_batches):
+    return micro_batch * micro_batches * dp * model.seq
+
+
+def _per_token(model, forward_only=False, attention=True):
+    from commlab.parallel.planner import parameter_count
+    p, lhs = parameter_count(model), model.layers * model.hidden * model.seq
+    return (2 * p + 4 * lhs * attention) if forward_only else (6 * p + 12 * lhs * attention)
+
+
+def _budget_right(model, tp, pp, dp, b, m):
+    tokens = _tokens(model, dp, b, m)
+    return tokens, _per_token(model) * tokens
+
+
+def test_a_correct_step_budget_passes_every_case():
+    from commlab.exercises import check_step_budget
+    report = check_step_budget(_budget_right)
+    assert report.passed, str(report)
+    assert len(report.cases) == 6
+
+
+def test_the_graded_capstone_model_is_the_capstone_s():
+    from commlab.exercises.capstone import step_budget_cases
+    from labs.capstone.model import GPTConfig
+    graded, ours = step_budget_cases()[0][0], GPTConfig().planner_config()
+    fields = ("layers", "hidden", "heads", "ffn", "vocab", "seq", "tied_embeddings", "bias", "learned_positions")
+    assert [getattr(graded, f) for f in fields] == [getattr(ours, f) for f in fields]
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda m, tp, pp, dp, b, k: _budget_right(m, tp, pp, 1, b, k), "one DP replica's share"),
+    (lambda m, tp, pp, dp, b, k: (tp * pp * _tokens(m, dp, b, k), tp * pp * _budget_right(m, tp, pp, dp, b, k)[1]),
+     "counted once per rank"),
+    (lambda m, tp, pp, dp, b, k: (_tokens(m, dp, b, k), _per_token(m, attention=False) * _tokens(m, dp, b, k)),
+     "attention term 12 L h s per token is missing"),
+    (lambda m, tp, pp, dp, b, k: (_tokens(m, dp, b, k), _per_token(m, forward_only=True) * _tokens(m, dp, b, k)),
+     "forward pass only"),
+    (lambda m, tp, pp, dp, b, k: (_tokens(m, dp, b, k), _per_token(m)), "that is per token"),
+    (lambda m, tp, pp, dp, b, k: (b * dp * m.seq, _per_token(m) * b * dp * m.seq), "micro-batches were forgotten"),
+    (lambda *a: None, "return a pair"),
+])
+def test_each_step_budget_slip_is_named(slip, message):
+    from commlab.exercises import check_step_budget
+    report = check_step_budget(slip)
+    assert not report.passed and message in str(report), str(report)

@@ -10,3 +10,6 @@ __all__ += ["check_error_feedback"]
 from commlab.exercises.pay import check_step_time
 
 __all__ += ["check_step_time"]
+from commlab.exercises.capstone import check_step_budget
+
+__all__ += ["check_step_budget"]

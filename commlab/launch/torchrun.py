@@ -31,7 +31,10 @@ are passed on to torchrun, which stops its workers. The exit status is torchrun'
 stopped it). Everything this command itself prints starts with ``[commlab node N]``, on stderr.
 
 :func:`run_local_nodes` starts several such nodes on this machine (loopback), as the tests and
-``python -m commlab bench --torchrun 2x2`` do.
+``python -m commlab bench --torchrun 2x2`` do; :func:`run_standalone` runs one single-node torchrun job
+(``--standalone``) from a notebook or a test and returns what it printed, and :func:`tidy_output` makes that
+text the same from run to run (no process ids, ports, host names, times or machine paths) so that a notebook
+can show it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import time
 from typing import Sequence
 
 __all__ = ["main", "node_command", "run_local_nodes", "free_port", "NodeResult", "PROBE_S", "MARGIN_S",
-           "DEFAULT_C10D_PORT"]
+           "DEFAULT_C10D_PORT", "run_standalone", "StandaloneResult", "tidy_output"]
 
 #: Seconds a node gives an endpoint that accepts TCP connections to answer as a torch store (the handshake
 #: takes milliseconds; a program that is not a store never answers).
@@ -517,6 +520,125 @@ def run_local_nodes(nnodes: int, nproc_per_node: int, job: Sequence[str], *, tim
                 f.close()
             results.append(NodeResult(r, p.returncode, text, r in stopped))
     return results
+
+
+# ------------------------------------------------------------------------- one node, from a notebook
+
+@dataclasses.dataclass(frozen=True)
+class StandaloneResult:
+    """One :func:`run_standalone` job.
+
+    Attributes:
+        returncode: torchrun's exit status (non-zero if a worker failed; negative if it was stopped).
+        stdout, stderr: what torchrun and its workers printed, each stream whole (workers share them).
+        seconds: wall seconds from the start to the end (or to the stop).
+        stopped: True if the job was still running after ``timeout_s`` and had to be stopped.
+    """
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    stopped: bool = False
+
+    def check(self) -> "StandaloneResult":
+        """This result if the job succeeded, else RuntimeError with its exit status and the end of its stderr."""
+        if self.returncode != 0 or self.stopped:
+            why = "was stopped at its deadline" if self.stopped else f"exited with status {self.returncode}"
+            raise RuntimeError(f"the torchrun job {why}; the end of its stderr:\n{self.stderr[-4000:]}")
+        return self
+
+
+def run_standalone(job: Sequence[str], nproc_per_node: int, *, timeout_s: float = 120.0, env: dict | None = None,
+                   cwd: str | None = None, torchrun_args: Sequence[str] = (),
+                   python: str | None = None) -> StandaloneResult:
+    """Run ``job`` on ``nproc_per_node`` workers of one torchrun on this machine and wait for it.
+
+    The command is ``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0
+    [torchrun_args] JOB``: ``--standalone`` makes torchrun host its own c10d rendezvous on a free local port,
+    so nothing needs choosing. It runs in a session of its own with ``OMP_NUM_THREADS=1`` unless the
+    environment sets it (which is also what torchrun would set, with a banner); a job still running after
+    ``timeout_s`` is sent SIGTERM (torchrun then stops its workers), then SIGKILL, and nothing is left behind.
+
+    Args:
+        job: what every worker runs, as torchrun takes it: ``["train.py", "--steps", "3"]`` or
+            ``["-m", "commlab", "selftest"]``.
+        nproc_per_node: workers (ranks), >= 1.
+        timeout_s: seconds before the job is stopped (> 0).
+        env: extra environment variables for torchrun and its workers (e.g. ``TORCH_DISTRIBUTED_DEBUG``).
+        cwd: the working directory (default this process's).
+        torchrun_args: further torchrun options (after the defaults, so they win: ``["--max-restarts", "1"]``).
+        python: the interpreter (default this one).
+
+    Returns:
+        A :class:`StandaloneResult`; its ``check()`` raises if the job failed.
+
+    Raises:
+        ValueError: an empty ``job``, ``nproc_per_node`` < 1 or ``timeout_s`` <= 0.
+    """
+    if not job:
+        raise ValueError("run_standalone: job is empty; pass a script and its arguments, or ['-m', MODULE, ...]")
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"run_standalone: nproc_per_node must be an int >= 1, got {nproc_per_node!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"run_standalone: timeout_s must be > 0 seconds, got {timeout_s!r}")
+    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc_per_node), "--max-restarts", "0", *torchrun_args, *job]
+    full_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
+    start = time.monotonic()
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out, \
+            tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
+        proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        stopped = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stopped = True
+        finally:
+            if proc.poll() is None:
+                _stop_session(proc, grace_s=20.0)
+        seconds = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        return StandaloneResult(proc.returncode, out.read(), err.read(), seconds, stopped)
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TIDY = [
+    # glog-style prefixes of torch's C++ and elastic loggers: "W1201 15:53:39.229000 9882 " -> "W "
+    (re.compile(r"\b([IWEF])\d{4} \d{2}:\d{2}:\d{2}\.\d+ +\d+ "), r"\1 "),
+    (re.compile(r"\d{4}-\d{2}-\d{2}[ _T]\d{2}:\d{2}:\d{2}(\.\d+)?"), "TIME"),
+    (re.compile(r"\b(pid|PID)([:= ]+)\d+"), r"\1\2N"),
+    (re.compile(r"\b([Pp]rocess) \d+"), r"\1 N"),
+    (re.compile(r"\b(\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-fA-F:]+\]):\d{2,5}\b"), r"\1:PORT"),
+    (re.compile(r"\b([Pp]ort) \d{2,5}\b"), r"\1 PORT"),
+    (re.compile(r"sport = :\d+"), "sport = :PORT"),
+]
+_NOISE = (re.compile(r"^USDT:"),                      # the profiler's own start/stop lines
+          re.compile(r"^\*+$"),                       # torchrun's OMP_NUM_THREADS banner
+          re.compile(r"^Setting OMP_NUM_THREADS environment variable"))
+
+
+def tidy_output(text: str, replace: dict[str, str] | None = None) -> str:
+    """``text`` (a job's output) with what changes from run to run replaced, so that a notebook can show it.
+
+    Lines of the profiler's start/stop log and torchrun's ``OMP_NUM_THREADS`` banner are dropped; then the
+    strings in ``replace`` (e.g. a temporary directory -> ``"DIR"``, longest first), this checkout's own path
+    (dropped, so paths read ``labs/capstone/train.py``), the host name (``HOST``), times and dates (``TIME``),
+    process ids (``pid N``), ports (``127.0.0.1:PORT``, ``port PORT``) are replaced.
+    """
+    lines = [line for line in text.splitlines() if not any(p.search(line.strip()) for p in _NOISE)]
+    text = "\n".join(lines)
+    for old, new in sorted((replace or {}).items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(old, new)
+    text = text.replace(_PACKAGE_ROOT + os.sep, "").replace(_PACKAGE_ROOT, ".")
+    host = socket.gethostname()
+    if host:
+        text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", "HOST", text)
+    for pattern, new in _TIDY:
+        text = pattern.sub(new, text)
+    return text
 
 
 if __name__ == "__main__":
