@@ -220,7 +220,7 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
     Every rank of the world must call it. The layout it was saved under does not matter for the model and
     the optimizer (Adam or :class:`ZeroOneOptimizer`, whichever saved it); the compressor state is restored
     when it was saved with ``dp_sync.setting``, and started afresh with a warning on rank 0 otherwise (see
-    the module docstring).
+    the module docstring). Call it before the first step: a state that is not restored is taken as new.
 
     Args:
         full_shapes: the unsharded model's parameter shapes by name (from a model built whole).
