@@ -476,3 +476,81 @@ def test_powersgd_hook_plain_average_before_start_iter():
         assert step == 3
         assert torch.equal(outs[0], torch.full((200,), 1.5)) and torch.equal(outs[1], outs[0])
         assert torch.allclose(outs[2], outs[0], atol=1e-5)  # rank 1 of a rank-1 matrix is exact
+
+
+# ------------------------------------------------------------------------------- state for checkpoints
+
+def _resume_with_hook_state(kind):
+    """Six steps through a BucketedDataParallel (several buckets) with the hook, against three steps, a restart
+    into new objects from the model's, the optimizer's and the hook state's state dicts, and three more; and
+    the same restart without the hook state."""
+    from commlab.compress import RandomK, TopK
+    from commlab.overlap import BucketedDataParallel
+    rank, n = dist.get_rank(), dist.get_world_size()
+    data = load_digits_split()
+    x, y = shard(data.x_train, rank, n), shard(data.y_train, rank, n)
+
+    def build():
+        model = ConvNet()
+        wrapped = BucketedDataParallel(model, bucket_cap_bytes=4096)
+        if kind == "powersgd":
+            state, hook = PowerSGDState(rank=2, start_iter=2), powersgd_hook
+        else:
+            state = CompressionHookState(TopK(ratio=0.1) if kind == "topk" else RandomK(ratio=0.1), None, True)
+            hook = compression_hook
+        wrapped.register_comm_hook(state, hook)
+        return model, wrapped, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def run(parts, steps):
+        _, wrapped, _, opt = parts
+        for s in steps:
+            opt.zero_grad()
+            nn.functional.cross_entropy(wrapped(x[s * 16:(s + 1) * 16]), y[s * 16:(s + 1) * 16]).backward()
+            opt.step()
+
+    def restart(with_hook_state):
+        first = build()
+        run(first, range(3))
+        again = build()
+        again[0].load_state_dict(first[0].state_dict())
+        again[3].load_state_dict(first[3].state_dict())
+        if with_hook_state:
+            sd = first[2].state_dict()
+            if kind == "powersgd":
+                again[2].load_state_dict(sd)
+            else:
+                names = dict(again[1].module.named_parameters())
+                again[2].load_state_dict(sd, {b.index: [names[m] for m in b.names] for b in again[1].buckets})
+        run(again, range(3, 6))
+        return _flat_params(again[0]), first[2].state_dict()
+
+    whole = build()
+    run(whole, range(6))
+    resumed, sd = restart(True)
+    fresh, _ = restart(False)
+    errors = []
+    if kind == "powersgd":
+        bad = [(PowerSGDState(rank=1, start_iter=2), (sd,))]
+    else:
+        wrong = {b: [nn.Parameter(torch.zeros(3))] for b in sd["bucket_numels"]}
+        cls = TopK if kind == "topk" else RandomK
+        bad = [(CompressionHookState(cls(ratio=0.1), None, True), (sd, wrong)),
+               (CompressionHookState(cls(ratio=0.2), None, True), (sd, {}))]
+    for target, args in bad:
+        try:
+            target.load_state_dict(*args)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return torch.equal(resumed, _flat_params(whole[0])), torch.equal(fresh, _flat_params(whole[0])), errors
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "topk", "randomk"])
+def test_hook_state_dicts_resume_bitwise_and_refuse_another_setting(kind):
+    for same, same_without, errors in launch(_resume_with_hook_state, 2, kind, timeout=90):
+        assert same and not same_without   # the state matters, and its state dict carries all of it
+        if kind == "powersgd":
+            assert "saved with {'rank': 2" in errors[0] and "this state has {'rank': 1" in errors[0]
+        else:
+            assert "was saved holding parameters of" in errors[0] and "now it holds [3]" in errors[0]
+            assert f"saved for {kind}(0.1) with error_feedback=True, this state has {kind}(0.2)" in errors[1]

@@ -155,6 +155,67 @@ def test_state_dict_round_trip_continues_bitwise_and_refuses_another_shard():
         assert errors[2] is not None and "same parameter groups" in errors[2]
 
 
+def _full_state_round_trip():
+    """ZeRO-1 over 3 ranks after DDP-averaged gradients, its full_state against the unsharded Adam's state, and
+    load_full_state into a fresh ZeroOneOptimizer (bitwise continuation) and into torch's Adam."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    batches = _shard_batch(5, rank, n)
+    ref, a = deep_mlp(), deep_mlp()
+    ddp, wrapped = DDP(ref), BucketedDataParallel(a, bucket_cap_bytes=1024)
+    ref_opt = torch.optim.Adam(_groups(ref, 1e-2), lr=1e-2)
+    opt_a = ZeroOneOptimizer(_groups(a, 1e-2), None, torch.optim.Adam, lr=1e-2)
+    empty = opt_a.full_state()
+    for x, y in batches[:3]:
+        for model, opt in ((ddp, ref_opt), (wrapped, opt_a)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    full = opt_a.full_state()
+    gaps = [max(float((full[q][k] - ref_opt.state[p][k]).abs().max()) for k in ("exp_avg", "exp_avg_sq"))
+            for p, q in zip(ref.parameters(), a.parameters())]
+    steps = {float(st["step"]) for st in full.values()}
+    b, c = deep_mlp(), deep_mlp()
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    opt_b = ZeroOneOptimizer(_groups(b, 1e-2), None, torch.optim.Adam, lr=1e-2)
+    opt_b.load_full_state({q: full[p] for p, q in zip(a.parameters(), b.parameters())})
+    opt_c = torch.optim.Adam(_groups(c, 1e-2), lr=1e-2)
+    for p, q in zip(a.parameters(), c.parameters()):
+        opt_c.state[q] = full[p]
+    wb, wc = BucketedDataParallel(b, bucket_cap_bytes=1024), BucketedDataParallel(c, bucket_cap_bytes=1024)
+    for x, y in batches[3:]:
+        for model, opt in ((wrapped, opt_a), (wb, opt_b), (wc, opt_c)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    close = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), c.parameters()))
+    errors = []
+    first, second = list(b.parameters())[:2]
+    for bad in ({first: {**full[list(a.parameters())[0]], "step": torch.tensor(7.0)}},           # steps differ
+                {first: {k: v for k, v in full[list(a.parameters())[0]].items() if k != "exp_avg"}},  # keys differ
+                {first: {**full[list(a.parameters())[0]], "exp_avg": torch.zeros(3)}}):          # wrong shape
+        states = {q: full[p] for p, q in zip(a.parameters(), b.parameters())}
+        states.update(bad)
+        try:
+            opt_b.load_full_state(states)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return list(empty.values()), max(gaps), steps, same, close, errors
+
+
+def test_full_state_is_the_unsharded_state_and_loads_back():
+    for empty, gap, steps, same, close, errors in launch(_full_state_round_trip, 3, timeout=90):
+        assert all(st == {} for st in empty)
+        assert gap < 1e-6 and steps == {3.0}   # the unsharded Adam's moments, up to the summation order
+        assert same                            # gathered and re-sharded: the run goes on bitwise
+        assert close < 1e-6                    # loaded into torch's Adam: the same run (element-wise arithmetic)
+        assert "different 'step'" in errors[0]
+        assert "parameter 1 (shape [17, 17]) has state ['exp_avg', 'exp_avg_sq', 'step'] but parameter 0 has ['exp_avg_sq', 'step']" in errors[1]
+        assert "has shape [3], the parameter [17, 64]" in errors[2]
+
+
 def _wrapper_over_another_group():
     singles = [dist.new_group([0]), dist.new_group([1])]
     model = deep_mlp()

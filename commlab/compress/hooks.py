@@ -67,6 +67,60 @@ class CompressionHookState:
         self._layouts: dict[int, list[tuple[int, int]]] = {}
         self.last_payload_nbytes = 0
 
+    def state_dict(self) -> dict:
+        """What the next steps depend on, for a checkpoint: resuming from it is the uninterrupted run.
+
+        ``{"compressor": its name, "error_feedback": bool, "residuals": {bucket index: flat tensor},
+        "bucket_numels": {bucket index: [element count of each parameter in the bucket, in order]},
+        "counters": the compressor's own state, if it keeps any: Random-K's call count ``step``, QSGD's
+        ``generator`` state}``, tensors cloned. The residuals are this rank's own, per bucket: the dict belongs
+        to the rank that holds it and to the same bucket layout.
+        """
+        counters = {}
+        if isinstance(getattr(self.compressor, "step", None), int):
+            counters["step"] = self.compressor.step
+        if isinstance(getattr(self.compressor, "generator", None), torch.Generator):
+            counters["generator"] = self.compressor.generator.get_state()
+        return {"compressor": self.compressor.name, "error_feedback": self.error_feedback,
+                "residuals": {b: r.detach().clone() for b, r in self.residuals.items()},
+                "bucket_numels": {b: [k for _, k in layout] for b, layout in self._layouts.items()},
+                "counters": counters}
+
+    def load_state_dict(self, state_dict: dict, buckets) -> None:
+        """Restore what :meth:`state_dict` returned, for the buckets this rank has now.
+
+        Args:
+            state_dict: from :meth:`state_dict` (its tensors on the gradients' device).
+            buckets: bucket index -> that bucket's parameters in order (what ``bucket.parameters()`` will give
+                the hook): the residuals are re-attached to them (the state tracks parameters by identity,
+                which does not survive a restart).
+
+        Raises:
+            ValueError: another compressor or error-feedback setting, a bucket that does not exist now, or one
+                whose parameters' element counts differ from the saved ones (another bucket layout: the message
+                names the bucket and both counts).
+        """
+        if (state_dict["compressor"], state_dict["error_feedback"]) != (self.compressor.name, self.error_feedback):
+            raise ValueError(f"CompressionHookState.load_state_dict: saved for {state_dict['compressor']} with "
+                             f"error_feedback={state_dict['error_feedback']}, this state has {self.compressor.name} "
+                             f"with error_feedback={self.error_feedback}")
+        layouts = {}
+        for b, numels in state_dict["bucket_numels"].items():
+            params = list(buckets[b]) if b in buckets else []
+            now = [p.numel() for p in params]
+            if now != list(numels):
+                raise ValueError(f"CompressionHookState.load_state_dict: bucket {b} was saved holding parameters of "
+                                 f"{list(numels)} elements, now it holds {now}; the residuals belong to another "
+                                 "bucket layout (another TP/PP split or bucket cap): start afresh instead")
+            layouts[b] = [(id(p), p.numel()) for p in params]
+        self.residuals = {b: r.clone() for b, r in state_dict["residuals"].items()}
+        self._layouts = layouts
+        counters = state_dict.get("counters", {})
+        if "step" in counters:
+            self.compressor.step = int(counters["step"])
+        if "generator" in counters:
+            self.compressor.generator.set_state(counters["generator"])
+
     def _residual(self, bucket, like: torch.Tensor) -> torch.Tensor:
         """The residual of ``bucket``, re-laid out if DDP regrouped its parameters since it was stored."""
         idx = bucket.index()

@@ -285,6 +285,45 @@ class PowerSGDState:
         self.total_dense_nbytes = 0
         self.total_sent_nbytes = 0
 
+    def _settings(self) -> dict:
+        return {"rank": self.rank, "start_iter": self.start_iter, "min_compression_rate": self.min_compression_rate,
+                "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start,
+                "orthogonalization_epsilon": self.orthogonalization_epsilon, "random_seed": self.random_seed}
+
+    def state_dict(self) -> dict:
+        """What the next steps depend on, for a checkpoint: resuming from it is the uninterrupted run.
+
+        ``{"settings": the constructor's arguments but the group, "step": int, "residuals": {key: float32 (m, n)},
+        "q_memory": {key: float32 (n, r)}, "seen": [keys met so far], "rng": the seed stream's numpy state}``,
+        tensors cloned. The keys are this state's (``(bucket index, position)`` in the DDP hook), so the dict
+        belongs to the rank that holds it and to the same bucket layout: the residuals are this rank's own
+        errors, not the group's. The byte counters are statistics and are not included.
+        """
+        return {"settings": self._settings(), "step": self.step,
+                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
+                "q_memory": {k: v.detach().clone() for k, v in self.q_memory.items()},
+                "seen": sorted(self._seen, key=repr), "rng": self.rng.get_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` returned (on the same rank, with the same bucket layout).
+
+        The tensors are taken as they are (cloned): put them on the gradients' device first.
+
+        Raises:
+            ValueError: the settings differ from this state's (the message shows both): residuals and Q
+                matrices of another rank r, or of a run without warm start, would not line up.
+        """
+        saved = dict(state_dict["settings"])
+        if saved != self._settings():
+            raise ValueError(f"PowerSGDState.load_state_dict: saved with {saved}, this state has {self._settings()}; "
+                             "build the state with the settings it was saved with, or start it afresh (reset())")
+        self.reset()
+        self.step = int(state_dict["step"])
+        self.residuals = {k: v.clone() for k, v in state_dict["residuals"].items()}
+        self.q_memory = {k: v.clone() for k, v in state_dict["q_memory"].items()}
+        self._seen = set(state_dict["seen"])
+        self.rng.set_state(state_dict["rng"])
+
     def __repr__(self) -> str:
         return (f"PowerSGDState(rank={self.rank}, start_iter={self.start_iter}, "
                 f"min_compression_rate={self.min_compression_rate:g}, use_error_feedback={self.use_error_feedback}, "

@@ -129,6 +129,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     LAMB's per-tensor trust ratio) is not element-wise and is not supported. A parameter whose ``.grad`` is
     None counts as a zero gradient (momentum still moves it), where torch's optimizers skip it.
 
+    Checkpoints: :meth:`state_dict` is this rank's shard (loadable on the same group rank of a group of the
+    same size only); :meth:`full_state` gathers every parameter's unsharded state over the group and
+    :meth:`load_full_state` takes a rank's shard from it, so a checkpoint stored per parameter loads under
+    another N, or into the unsharded optimizer (the capstone's ``labs/capstone/checkpoint.py`` does).
+
     Args:
         params: parameters or param-group dicts (``{"params": [...], "lr": ...}``), as for any torch
             optimizer; the same structure on every rank of the group and equal values (as after a broadcast).
@@ -287,6 +292,109 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         """Clear the model's gradients and the shards' (the shards' are rebuilt every step)."""
         super().zero_grad(set_to_none)
         self.inner.zero_grad(set_to_none)
+
+    # ---- unsharded state: checkpoints that do not depend on N ---------------------------------------
+
+    @torch.no_grad()
+    def full_state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """Every parameter's optimizer state, unsharded: what ``optimizer_cls`` over the parameters would hold.
+
+        Collective over the DP group: call it on every rank of the group together. For each parameter group
+        and each state tensor of the shard's size (Adam's ``exp_avg``, ``exp_avg_sq``), one ring AllGather of
+        the N shards (``padded_numel`` elements arrive on every rank), of which each parameter takes its slice of
+        the flat vector, reshaped to the parameter's shape; 0-d tensors and other values (Adam's ``step``),
+        equal on every rank of the group because every rank steps together, are copied. A checkpoint that stores
+        this per parameter name is independent of N: :meth:`load_full_state` loads it under another group size,
+        and an unsharded optimizer takes it as its ``state[p]``. The ranks briefly hold the group's whole state.
+
+        Returns:
+            parameter -> ``{state key: value}``, fresh tensors (not views of the shards), e.g. Adam's
+            ``{"step": 0-d float32, "exp_avg": like p, "exp_avg_sq": like p}``; ``{}`` for every parameter of
+            a group that has not stepped yet.
+
+        Raises:
+            RuntimeError: a shard's state tensor has neither the shard's size nor 0 dimensions (an inner
+                optimizer whose state is not element-wise, which ZeRO-1 does not support).
+        """
+        out: dict[nn.Parameter, dict[str, Any]] = {}
+        for where, sh in enumerate(self.shards):
+            inner = self.inner.state.get(sh.param, {}) if sh.numel else {}
+            per_param: list[dict[str, Any]] = [{} for _ in sh.params]
+            for key in sorted(inner):  # sorted: every rank gathers the same keys in the same order
+                value = inner[key]
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    for st in per_param:
+                        st[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                    continue
+                if value.numel() != sh.shard_numel:
+                    raise RuntimeError(f"ZeroOneOptimizer.full_state: group {where}'s state {key!r} has "
+                                       f"{value.numel()} elements, its shard {sh.shard_numel}; only element-wise "
+                                       "optimizer state can be sharded and gathered")
+                flat = value.detach() if self.n == 1 else ring_all_gather(value.detach(), self.group)
+                offset = 0
+                for p, st in zip(sh.params, per_param):
+                    st[key] = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+            out.update(zip(sh.params, per_param))
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+        """Take this rank's shards of the optimizer state from every parameter's full (unsharded) state.
+
+        The inverse of :meth:`full_state`, local (no communication): each group's per-parameter tensors are
+        laid out as the flat, zero-padded vector of the group, and this rank keeps its slice
+        ``[start, start + shard_numel)``; 0-d tensors and other values (Adam's ``step``) are kept once per
+        group, so they must be equal over its parameters. ``states`` may come from an unsharded optimizer's
+        ``state`` or from :meth:`full_state` under another N (a checkpoint saved on another DP layout). The
+        parameters' own values are not touched (load them into the model; :meth:`step` reads them afresh).
+
+        Args:
+            states: parameter -> ``{state key: value}``; the tensors shaped like the parameter (any device: they
+                are copied to the parameter's). A group none of whose parameters has a state is left without
+                one (as before its first step).
+
+        Raises:
+            ValueError: within a group some parameters have a state and others not, their keys differ, a tensor
+                does not have its parameter's shape, or their 0-d values (``step``) differ; the message names
+                the parameter and the group.
+        """
+        for where, sh in enumerate(self.shards):
+            if not sh.numel:
+                continue
+            given = [states.get(p) or {} for p in sh.params]
+            if not any(given):
+                self.inner.state.pop(sh.param, None)
+                continue
+            keys = set(given[0])
+            for i, st in enumerate(given):
+                if set(st) != keys:
+                    raise ValueError(f"ZeroOneOptimizer.load_full_state: in param group {where}, parameter {i} "
+                                     f"(shape {list(sh.params[i].shape)}) has state {sorted(st)} but parameter 0 has "
+                                     f"{sorted(keys)}; a group's shard holds one state for all of its parameters")
+            shard: dict[str, Any] = {}
+            for key in sorted(keys):
+                values = [st[key] for st in given]
+                if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+                    for i, (v, p) in enumerate(zip(values, sh.params)):
+                        if v.shape != p.shape:
+                            raise ValueError(f"ZeroOneOptimizer.load_full_state: param group {where}, parameter {i}: "
+                                             f"state {key!r} has shape {list(v.shape)}, the parameter "
+                                             f"{list(p.shape)}; pass full (unsharded over DP) tensors")
+                    moved = [v.to(device=p.device, dtype=p.dtype) for v, p in zip(values, sh.params)]
+                    flat = _flat(moved, sh.params, sh.padded_numel)
+                    shard[key] = flat[sh.start:sh.start + sh.shard_numel].clone()
+                    continue
+                first = values[0]
+                same = all((torch.equal(v, first) if isinstance(v, torch.Tensor) and isinstance(first, torch.Tensor)
+                            else v == first) for v in values)
+                if not same:
+                    raise ValueError(f"ZeroOneOptimizer.load_full_state: param group {where}'s parameters have "
+                                     f"different {key!r} ({[v.item() if isinstance(v, torch.Tensor) else v for v in values][:4]}"
+                                     "...); its shard keeps one value for the group: put such parameters in "
+                                     "separate param groups")
+                shard[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            self.inner.state[sh.param] = shard
 
     # ---- state ----------------------------------------------------------------------------------------
 

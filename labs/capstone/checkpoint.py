@@ -10,24 +10,70 @@ the layout is not part of the checkpoint. The price is that a rank briefly holds
 production system would save DTensor shards and let DCP reshard them; at the capstone's size the copy is
 small, and the format stays DCP's).
 
-Not stored: a compressor's state (PowerSGD's Q matrices, error-feedback residuals), so a resumed compressed
-run starts those afresh; the data order needs nothing, since batches are drawn from ``(seed, step)``.
+ZeRO-1 (``--zero1``) keeps the same format: saving, :meth:`ZeroOneOptimizer.full_state` gathers each
+parameter's moments over the DP group (one AllGather per parameter group and moment) before the TP gather;
+loading, :meth:`ZeroOneOptimizer.load_full_state` keeps this rank's DP shard of the TP shard. A run saved with
+``--zero1`` therefore resumes with or without it, under any layout, and one saved without it resumes with it.
+
+The DP compressor's state (:class:`DPSync`) is stored too, per rank, under the rank's place in the mesh
+(``dp_sync.pp<s>.tp<t>.dp<d>/...``): PowerSGD's error-feedback residuals, warm-start Q matrices, step count,
+the keys it has met and its seed stream (:meth:`PowerSGDState.state_dict`); ``compression_hook``'s residuals
+per bucket and the compressor's own counters (:meth:`CompressionHookState.state_dict`). With the same layout,
+compressor and bucket cap, resuming is the uninterrupted run, bitwise. The state is that of each rank's flat
+buckets, and those cannot be mapped one-to-one under another layout: a residual is one DP rank's own error
+(another DP size has other ranks), and a bucket holds the TP shards of one stage's parameters (another TP or
+PP split has other buckets; PowerSGD's Q matrices are those of the shards' shapes). So when the saved setting
+(:attr:`DPSync.setting`: layout, compressor, error feedback, bucket cap) differs from the run's, or the
+checkpoint holds no compressor state, the model and optimizer are still resharded exactly, and the compressor
+*starts afresh* (zero residuals, Q drawn anew from the seed, Random-K's and QSGD's streams from the start;
+PowerSGD's step count is set to the steps done, so compression goes on from the same step): rank 0 prints a
+warning naming both settings. A restart of error feedback drops at most one step's compression error per
+rank: the part of past gradients that error feedback had withheld is never applied, and training goes on as
+from the start of a compressed run, which converges (an elastic restart on fewer nodes must be able to go on,
+so a refusal would cost more than it protects). A checkpoint's compressor state is ignored by a run without a
+compressor. The data order needs nothing, since batches are drawn from ``(seed, step)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from commlab.compress import CompressionHookState, PowerSGDState
+from commlab.overlap import BucketedDataParallel
+from commlab.parallel import ZeroOneOptimizer
 from commlab.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["save", "load", "latest_step"]
+__all__ = ["DPSync", "save", "load", "latest_step"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSync:
+    """This rank's DP comm hook state, and what it belongs to (for :func:`save` and :func:`load`).
+
+    Attributes:
+        state: the hook's state (:class:`PowerSGDState` or :class:`CompressionHookState`).
+        wrapper: the :class:`BucketedDataParallel` it is registered on (its buckets name their parameters).
+        rank_key: this rank's place in the mesh, ``"pp<s>.tp<t>.dp<d>"``: the residuals are this rank's own.
+        setting: everything the state's meaning depends on beyond the model, the same on every rank (e.g.
+            ``"tp=2 pp=2 dp=2, powersgd:2, error feedback on, bucket cap 26214400 B"``); the state is restored
+            only into a run with the same setting.
+    """
+
+    state: PowerSGDState | CompressionHookState
+    wrapper: BucketedDataParallel
+    rank_key: str
+    setting: str
 
 
 def _owners(model: nn.Module, stage: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Module | None, str]]:
@@ -51,28 +97,110 @@ def _shard(full: torch.Tensor, layer, attr) -> torch.Tensor:
     return full.clone() if layer is None else layer.take_shard(full, attr)
 
 
-def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Adam) -> str:
+def _optimizer_states(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict[nn.Parameter, dict]:
+    """Each parameter's (TP-local) optimizer state, unsharded over DP; collective over DP for ZeRO-1."""
+    if isinstance(optimizer, ZeroOneOptimizer):
+        return optimizer.full_state()
+    return {p: optimizer.state.get(p, {}) for p in params}
+
+
+# ---- the DP compressor's state: a picklable skeleton plus its tensors, both in DCP ---------------------
+
+def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` with every tensor (inside dicts, lists, tuples) replaced by ``{"__tensor__": key}``, the tensor
+    put in ``tensors[key]``: DCP stores tensors as tensors and pickles the rest, but it flattens nested dicts,
+    so the skeleton travels as one pickled object."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _dp_sync_entries(sync: DPSync) -> dict[str, Any]:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(sync.state.state_dict(), tensors)
+    return {"setting": sync.setting, f"{sync.rank_key}/skeleton": pickle.dumps(skeleton),
+            **{f"{sync.rank_key}/{k}": t for k, t in tensors.items()}}
+
+
+def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: int, device: torch.device) -> None:
+    """Load this rank's compressor state from ``path`` if it was saved with ``sync``'s setting, else start it
+    afresh with a warning (see the module docstring). Collective (a DCP load) when the settings agree, which
+    they do on every rank or on none, since the setting is the same on every rank."""
+    if saved_setting != sync.setting:
+        # The state is as new (load runs before the first step): only PowerSGD's step count is carried over.
+        if isinstance(sync.state, PowerSGDState):
+            sync.state.step = step + 1    # steps done: compression goes on from the same step
+        if dist.get_rank() == 0:
+            saved = "no compressor state" if saved_setting is None else f"the compressor state of [{saved_setting}]"
+            print(f"warning: checkpoint {path!r} holds {saved}; this run is [{sync.setting}]. Model and optimizer "
+                  "are resharded exactly, but a compressor's per-rank bucket state does not map across layouts, "
+                  "so the compressor starts afresh (zero error-feedback residuals, new PowerSGD Q matrices)",
+                  file=sys.stderr, flush=True)
+        return
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"dp_sync.{sync.rank_key}/"
+    want: dict[str, Any] = {f"{sync.rank_key}/skeleton": None}
+    for key, md in meta.items():
+        if key.startswith(prefix) and key != prefix + "skeleton":
+            want[key[len("dp_sync."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=device)
+    dcp.load({"dp_sync": want}, checkpoint_id=path)
+    tensors = {k[len(sync.rank_key) + 1:]: v for k, v in want.items() if isinstance(v, torch.Tensor)}
+    state_dict = _join(pickle.loads(want[f"{sync.rank_key}/skeleton"]), tensors)
+    if isinstance(sync.state, PowerSGDState):
+        sync.state.load_state_dict(state_dict)
+    else:
+        by_name = dict(sync.wrapper.module.named_parameters())
+        sync.state.load_state_dict(state_dict, {b.index: [by_name[n] for n in b.names] for b in sync.wrapper.buckets})
+
+
+# ---- save and load -----------------------------------------------------------------------------------
+
+def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
+         dp_sync: DPSync | None = None) -> str:
     """Write step ``step``'s checkpoint to ``directory/step_<step>``; every rank of the world must call it.
 
     Args:
         model: this rank's (TP-sharded) whole model, whose ``named_parameters`` give the full names.
         stage: the part of it this rank trains (its pipeline stage).
-        optimizer: the stage's Adam (its ``exp_avg``, ``exp_avg_sq`` and ``step`` are saved).
+        optimizer: the stage's Adam, or a :class:`ZeroOneOptimizer` over it (its ``exp_avg``, ``exp_avg_sq``
+            and ``step`` are saved, unsharded: gathered over DP for ZeRO-1, then over TP).
+        dp_sync: this rank's DP compressor state, if the run compresses (None: nothing to save).
 
     Returns:
         The checkpoint's path.
     """
     path = os.path.join(directory, f"step_{step:06d}")
+    owners = _owners(model, stage)
+    opt_states = _optimizer_states(optimizer, [p for p, _, _ in owners.values()])
     state: dict[str, torch.Tensor] = {}
-    for name, (p, layer, attr) in _owners(model, stage).items():
+    for name, (p, layer, attr) in owners.items():
         state[name] = _full(p, layer, attr)
-        st = optimizer.state.get(p, {})
+        st = opt_states.get(p, {})
         for moment in _MOMENTS:
             if moment in st:
                 state[f"{name}.{moment}"] = _full(st[moment], layer, attr)
         if "step" in st:
             state[f"{name}.step"] = st["step"].detach().clone().reshape(1)
-    dcp.save({"model": state, "meta": {"step": torch.tensor([step])}}, checkpoint_id=path)
+    everything: dict[str, Any] = {"model": state, "meta": {"step": torch.tensor([step])}}
+    if dp_sync is not None:
+        everything["dp_sync"] = _dp_sync_entries(dp_sync)
+    dcp.save(everything, checkpoint_id=path)
     return path
 
 
@@ -85,12 +213,18 @@ def latest_step(directory: str) -> int | None:
     return max(steps) if steps else None
 
 
-def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Adam,
-         full_shapes: dict[str, torch.Size]) -> int:
+def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
+         full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None) -> int:
     """Load the newest checkpoint of ``directory`` into this rank's shard of ``model`` and ``optimizer``.
+
+    Every rank of the world must call it. The layout it was saved under does not matter for the model and
+    the optimizer (Adam or :class:`ZeroOneOptimizer`, whichever saved it); the compressor state is restored
+    when it was saved with ``dp_sync.setting``, and started afresh with a warning on rank 0 otherwise (see
+    the module docstring). Call it before the first step: a state that is not restored is taken as new.
 
     Args:
         full_shapes: the unsharded model's parameter shapes by name (from a model built whole).
+        dp_sync: this rank's DP compressor state, if the run compresses.
 
     Returns:
         The step it was saved at (training goes on from the next).
@@ -98,6 +232,8 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
     Raises:
         FileNotFoundError: ``directory`` holds no checkpoint.
         RuntimeError: (from DCP) a key this rank needs is missing: the checkpoint is of another model.
+        ValueError: (from :meth:`ZeroOneOptimizer.load_full_state`) a checkpoint whose parameters of one
+            ZeRO-1 param group were saved at different Adam steps.
     """
     step = latest_step(directory)
     if step is None:
@@ -111,14 +247,26 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
         for moment in _MOMENTS:
             state[f"{name}.{moment}"] = torch.empty(shape, dtype=p.dtype, device=p.device)
         state[f"{name}.step"] = torch.empty(1, dtype=torch.float32)
-    meta = {"step": torch.tensor([0])}
-    dcp.load({"model": state, "meta": meta}, checkpoint_id=path)
+    meta: dict[str, Any] = {"step": torch.tensor([0])}
+    everything: dict[str, Any] = {"model": state, "meta": meta}
+    has_sync = "dp_sync.setting" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if dp_sync is not None and has_sync:
+        everything["dp_sync"] = {"setting": None}
+    dcp.load(everything, checkpoint_id=path)
     if int(meta["step"]) != step:
         raise RuntimeError(f"checkpoint {path!r} says step {int(meta['step'])}")
+    opt_states: dict[nn.Parameter, dict] = {}
     with torch.no_grad():
         for name, (p, layer, attr) in owners.items():
             p.copy_(_shard(state[name], layer, attr))
-            optimizer.state[p] = {
-                "step": state[f"{name}.step"].reshape(()).clone(),
-                **{m: _shard(state[f"{name}.{m}"], layer, attr).to(p.device) for m in _MOMENTS}}
+            opt_states[p] = {"step": state[f"{name}.step"].reshape(()).clone(),
+                             **{m: _shard(state[f"{name}.{m}"], layer, attr).to(p.device) for m in _MOMENTS}}
+    if isinstance(optimizer, ZeroOneOptimizer):
+        optimizer.load_full_state(opt_states)
+    else:
+        for p, st in opt_states.items():
+            optimizer.state[p] = st
+    if dp_sync is not None:
+        saved = everything["dp_sync"]["setting"] if "dp_sync" in everything else None
+        _restore_dp_sync(dp_sync, path, saved, step, next(stage.parameters()).device)
     return step

@@ -159,9 +159,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     if args.dp_impl == "ddp" and (args.pp != 1 or args.compressor != "dense"):
         p.error("--dp-impl ddp runs with --pp 1 and --compressor dense only (DDP's backward cannot be driven by "
                 "a pipeline schedule, and the compressors are commlab's hooks)")
-    if args.zero1 and args.ckpt_dir:
-        p.error("--zero1 with --ckpt-dir is not supported yet: the checkpoint stores Adam's moments per parameter, "
-                "and ZeRO-1 holds them per DP shard; drop one of the two")
     for name in ("ckpt_every", "eval_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -312,10 +309,11 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
             cap_mb = DEFAULT_BUCKET_CAP_BYTES / 2 ** 20
             self.dp = DistributedDataParallel(self.module, process_group=self.groups["dp"], bucket_cap_mb=cap_mb)
+            self.dp_hook_state = None
             self.clock = Clock(self.device)
         else:
             self.dp = BucketedDataParallel(self.module, process_group=self.groups["dp"])
-            register_dp_sync(self.dp, opts, self.groups["dp"])
+            self.dp_hook_state = register_dp_sync(self.dp, opts, self.groups["dp"])
             self.clock = self.dp.clock
         if opts.zero1:
             # After the DP wrapper: the gradients arrive averaged, and the step adds only the AllGather.
@@ -437,8 +435,10 @@ class Trainer:
         return float(total)
 
 
-def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.ProcessGroup) -> None:
-    """Give ``dp`` the comm hook of ``opts.compressor`` over the DP ``group`` (none for dense: the AllReduce).
+def register_dp_sync(dp: BucketedDataParallel, opts: Options,
+                     group: dist.ProcessGroup) -> PowerSGDState | CompressionHookState | None:
+    """Give ``dp`` the comm hook of ``opts.compressor`` over the DP ``group`` (none for dense: the AllReduce);
+    return the hook's state (None for dense), which checkpoints store.
 
     PowerSGD (Vogels et al. 2019, Algorithm 1) with its error feedback and warm start, compressing from the
     third step (``start_iter=2``: the first two are averaged densely, the least torch's hook allows with error
@@ -454,10 +454,23 @@ def register_dp_sync(dp: BucketedDataParallel, opts: Options, group: dist.Proces
                               use_error_feedback=opts.error_feedback, warm_start=opts.error_feedback,
                               random_seed=opts.seed)
         dp.register_comm_hook(state, powersgd_hook)
-        return
+        return state
     ef = opts.error_feedback and kind != "cast"
-    dp.register_comm_hook(CompressionHookState(compressor_for(opts.compressor, opts.seed), group, ef),
-                          compression_hook)
+    state = CompressionHookState(compressor_for(opts.compressor, opts.seed), group, ef)
+    dp.register_comm_hook(state, compression_hook)
+    return state
+
+
+def _dp_sync(trainer: Trainer) -> checkpoint.DPSync | None:
+    """The compressor state a checkpoint stores for this rank, and the setting it is valid for."""
+    state, opts = trainer.dp_hook_state, trainer.opts
+    if state is None:
+        return None
+    where = f"pp{trainer.stage}.tp{dist.get_rank(trainer.groups['tp'])}.dp{trainer.dp_rank}"
+    setting = (f"tp={opts.tp} pp={opts.pp} dp={opts.dp}, {opts.compressor} with error feedback "
+               f"{'on' if opts.error_feedback else 'off'}, {opts.dtype}, seed {opts.seed}, "
+               f"bucket cap {trainer.dp.bucket_cap_bytes} B")
+    return checkpoint.DPSync(state, trainer.dp, where, setting)
 
 
 def train(opts: Options, stats: list | None = None) -> list[float]:
@@ -466,10 +479,10 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
     appended to ``stats`` if given, written as a JSON line to ``opts.log`` by rank 0, and shown in a progress bar
     on rank 0 when its stderr is a terminal."""
     trainer = Trainer(opts)
-    start = 0
+    start, sync = 0, _dp_sync(trainer)
     if opts.resume and checkpoint.latest_step(opts.ckpt_dir) is not None:
         start = checkpoint.load(opts.ckpt_dir, trainer.model, trainer.module, trainer.optimizer,
-                                trainer.full_shapes) + 1
+                                trainer.full_shapes, sync) + 1
     losses = []
     rank0 = dist.get_rank() == 0
     log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and rank0 else None
@@ -492,7 +505,7 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
                 log.write(json.dumps(dataclasses.asdict(st)) + "\n")
                 log.flush()
             if opts.ckpt_every and (step + 1) % opts.ckpt_every == 0:
-                checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.module, trainer.optimizer)
+                checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.module, trainer.optimizer, sync)
     finally:
         bar.close()
         if log is not None:
