@@ -325,6 +325,24 @@ def test_different_parameter_shapes_raise_on_every_rank():
     assert "rank 1 has 0.weight [25, 12]" in str(info.value) and "rank 0 has 0.weight [24, 12]" in str(info.value)
 
 
+def _keyed(mismatch):
+    model = make_mlp((12, 24, 4))
+    odd = mismatch and dist.get_rank() == 1
+    dp = BucketedDataParallel(model, bucket_cap_bytes=10**9,
+                              bucket_key=lambda name, p: (name.endswith("bias") != odd))
+    return [list(b.names) for b in dp.buckets]
+
+
+def test_bucket_key_separates_parameters_and_must_agree_across_ranks():
+    # One cap large enough for everything: only the key splits the model into a weights and a biases bucket.
+    for buckets in launch(_keyed, 2, False, timeout=30):
+        assert sorted(map(sorted, buckets)) == [["0.bias", "2.bias"], ["0.weight", "2.weight"]]
+    with pytest.raises(RankError) as info:
+        launch(_keyed, 2, True, timeout=30)
+    assert info.value.exc_type == LayoutMismatchError.__name__
+    assert "rank 1's bucket_key gives" in str(info.value)
+
+
 def _nan():
     rank = dist.get_rank()
     x, y = _batches(1, rank)[0]

@@ -443,6 +443,11 @@ class BucketedDataParallel(nn.Module):
             with averaged gradients (default True, as DDP). False: the caller must call :meth:`finish` before
             reading gradients; :func:`train_step` does.
         broadcast_from_rank0: broadcast parameters and buffers at construction (default True).
+        bucket_key: ``bucket_key(name, parameter)`` -> a hashable; parameters with different keys never share a
+            bucket (as parameters of different dtypes never do). Default: one key for all. Under TP, pass
+            ``lambda name, p: name in commlab.parallel.tensor.tp_sharded_parameters(module)``, so that
+            replicated parameters get buckets of their own, identical on every TP rank, and a compressor
+            whose output depends on the whole bucket keeps them identical.
 
     Attributes:
         buckets: one :class:`BucketSpec` per bucket, in launch order.
@@ -460,7 +465,8 @@ class BucketedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  process_group: dist.ProcessGroup | None = None, find_unused_parameters: bool = False,
-                 finish_in_backward: bool = True, broadcast_from_rank0: bool = True):
+                 finish_in_backward: bool = True, broadcast_from_rank0: bool = True,
+                 bucket_key: Callable[[str, nn.Parameter], Any] | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -491,13 +497,14 @@ class BucketedDataParallel(nn.Module):
                 raise ValueError(f"BucketedDataParallel: the group's device is {device} (NCCL), but "
                                  f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}; move the model there "
                                  "first: module.to(commlab.launch.group_device(group))")
-        self._agree_layout(named)
+        user_keys = [None if bucket_key is None else bucket_key(n, p) for n, p in named]
+        self._agree_layout(named, user_keys)
         if broadcast_from_rank0 and self.world_size > 1:
             self._broadcast_state()
 
         order = list(reversed(range(len(named))))  # reverse registration: about the order backward produces them
         sizes = [named[i][1].numel() * named[i][1].element_size() for i in order]
-        keys = [(named[i][1].dtype, named[i][1].device) for i in order]
+        keys = [(named[i][1].dtype, named[i][1].device, user_keys[i]) for i in order]
         groups = assign_buckets(sizes, bucket_cap_bytes, keys)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -541,16 +548,21 @@ class BucketedDataParallel(nn.Module):
 
     # ---- construction helpers -------------------------------------------------------------------------
 
-    def _agree_layout(self, named) -> None:
-        """One all_gather_object of (names, shapes, dtypes, cap); every rank raises the same error on a mismatch."""
-        mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named], self.bucket_cap_bytes)
+    def _agree_layout(self, named, keys: list) -> None:
+        """One all_gather_object of (names, shapes, dtypes, cap, bucket keys); every rank raises the same error on
+        a mismatch."""
+        mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named], self.bucket_cap_bytes,
+                [repr(k) for k in keys])
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self._group)
-        ref_params, ref_cap = everyone[0]
+        ref_params, ref_cap, ref_keys = everyone[0]
         problems = []
-        for r, (params, cap) in enumerate(everyone[1:], start=1):
+        for r, (params, cap, ks) in enumerate(everyone[1:], start=1):
             if cap != ref_cap:
                 problems.append(f"rank {r} has bucket_cap_bytes={cap}, rank 0 has {ref_cap}")
+            if params == ref_params and ks != ref_keys:
+                k = next(i for i, (a, b) in enumerate(zip(ref_keys, ks)) if a != b)
+                problems.append(f"rank {r}'s bucket_key gives {params[k][0]} the key {ks[k]}, rank 0's {ref_keys[k]}")
             if params != ref_params:
                 if len(params) != len(ref_params):
                     problems.append(f"rank {r} has {len(params)} parameters requiring grad, rank 0 has {len(ref_params)}")

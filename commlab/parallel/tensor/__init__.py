@@ -4,7 +4,9 @@
 
 from commlab.parallel.tensor.communications import f, g, gather_last_dim, split_last_dim
 from commlab.parallel.tensor.layers import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
-                                            RowParallelLinear, SelfAttention, block_allreduce_nbytes)
+                                            RowParallelLinear, SelfAttention, block_allreduce_nbytes,
+                                            tp_sharded_parameters)
 
 __all__ = ["f", "g", "gather_last_dim", "split_last_dim", "MLP", "SelfAttention", "ColumnParallelLinear",
-           "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes"]
+           "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes",
+           "tp_sharded_parameters"]

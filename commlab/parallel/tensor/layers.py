@@ -206,6 +206,10 @@ class ColumnParallelLinear(nn.Module):
         """This rank's shard of a full-layer-shaped ``weight`` or ``bias`` tensor (the inverse of :meth:`gather_full`)."""
         return _rows(full, group_size(self.group), group_rank(self.group), self.fused)
 
+    def is_sharded(self, name: str) -> bool:
+        """Whether parameter ``name`` (``"weight"`` or ``"bias"``) differs across the group's ranks: both do."""
+        return group_size(self.group) > 1
+
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A``'s input columns split across the TP group; the partial sums all-reduced (g).
@@ -276,6 +280,30 @@ class RowParallelLinear(nn.Module):
         if name == "bias":
             return full.detach().clone()
         return full.chunk(group_size(self.group), dim=1)[group_rank(self.group)].clone()
+
+    def is_sharded(self, name: str) -> bool:
+        """Whether parameter ``name`` differs across the group's ranks: the weight does, the bias (replicated,
+        added after the AllReduce) does not."""
+        return name == "weight" and group_size(self.group) > 1
+
+
+def tp_sharded_parameters(module: nn.Module) -> set[str]:
+    """Names (as ``module.named_parameters()`` gives them) of the parameters that are TP shards, different on
+    each rank of their TP group; every other parameter is replicated, the same on every TP rank (embeddings,
+    LayerNorms, a row-parallel layer's bias), and so is its gradient.
+
+    A data-parallel wrapper keeps the two kinds in separate buckets
+    (:class:`commlab.overlap.BucketedDataParallel`'s ``bucket_key``), so that a compressor whose output depends
+    on the whole bucket (Top-K's selection, a quantiser's scale) sees the same replicated buckets on every TP
+    rank and keeps those parameters identical.
+    """
+    out = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            for name, _ in sub.named_parameters(recurse=False):
+                if sub.is_sharded(name):
+                    out.add(f"{prefix}.{name}" if prefix else name)
+    return out
 
 
 # -- the parallel blocks -------------------------------------------------------------------------------------
