@@ -248,14 +248,14 @@ class StepStats:
             seconds (Narayanan et al. 2021, §2.2.1: a bubble of ``(p - 1)(t_f + t_b)`` per step), at most
             the stage's idle seconds.
         pp_s: the rest of ``pipeline_s``: PP transfers, waiting for slower stages, the schedule's bookkeeping.
-        other_s: ``step_s`` less the mean parts: how much longer the slowest rank took than the mean one, and
-            the bookkeeping between the marks (the loss's AllReduce). The parts of :data:`SPLIT` add up to
-            ``step_s``.
         dp_s: DP communication not hidden behind compute: with pp > 1 the gradient averaging after the flush
             (the comm hook's compression included); with pp = 1 the wait after the last gradient was ready
             (``BucketedDataParallel.last_step``; 0 with ``--dp-impl ddp``, whose wait is inside compute).
         exposed_comm_s: ``tp_s + pp_s + dp_s``.
         optimizer_s: seconds in the optimizer step (ZeRO-1's AllGather included).
+        other_s: ``step_s`` less the mean parts: how much longer the slowest rank took than the mean one, and
+            the bookkeeping between the marks (the loss's AllReduce). The parts of :data:`SPLIT` add up to
+            ``step_s``.
         tokens_per_s: tokens of the global batch per second of ``step_s``.
         mfu: model FLOP/s over the world's GEMM rate measured at the model's own largest GEMM
             (:func:`measure_gemm_flops`); the model FLOPs are the planner's
