@@ -173,9 +173,36 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
                      "--ckpt-every", "4", "--resume", "--fail-at-step", "5", "--fail-rank", "1", restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1: exiting before step 5" in proc.stderr
+    assert "resume: from the checkpoint of step 3" in proc.stderr
+    # Step 4 ran again (the checkpoint was after step 3); its first attempt's line was dropped from the log.
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4, 4, 5, 6, 7]          # step 4 ran again: the checkpoint was after step 3
+    assert steps == list(range(8))
     assert _last_loss(log) == _last_loss(whole)
+    # Run again: the newest checkpoint (step 7) already reaches --steps 8.
+    again = _torchrun(tmp_path, *common, "--log-file", str(log), "--ckpt-dir", str(tmp_path / "ckpt"), "--resume")
+    assert again.returncode == 0 and "it already reaches --steps 8: nothing to do" in again.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--compressor", "topk:0.1"], "--dp 1 has no other replica to send to"),
+    (["--ckpt-dir", "{file}", "--ckpt-every", "1"], "is a file, not a directory"),
+    (["--profile", "{file}"], "is a file, not a directory"),
+    (["--log-file", "{dir}"], "is a directory; give a file name"),
+    (["--log-file", "{dir}/no/such/run.jsonl"], "does not exist or is not writable"),
+    (["--block", "100000"], "is longer than the held-out split allows"),
+    (["--dp", "2"], "the world has 1 rank but tp x pp x dp = 1 x 1 x 2 = 2 (start it with torchrun "
+                    "--nproc-per-node 2"),
+    (["--fail-at-step", "1", "--fail-rank", "3"], "--fail-rank 3 is not a rank of this world of 1"),
+], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "block", "world", "fail-rank"])
+def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    flags = [f.format(file=afile, dir=tmp_path) for f in flags]
+    proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), *flags, "--steps", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr
 
 
 def test_a_killed_rank_without_restarts_fails_the_job_naming_it(tmp_path):

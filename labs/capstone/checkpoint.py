@@ -147,10 +147,16 @@ def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: i
         if isinstance(sync.state, PowerSGDState):
             sync.state.step = step + 1    # steps done: compression goes on from the same step
         if dist.get_rank() == 0:
-            saved = "no compressor state" if saved_setting is None else f"the compressor state of [{saved_setting}]"
-            print(f"warning: checkpoint {path!r} holds {saved}; this run is [{sync.setting}]. Model and optimizer "
-                  "are resharded exactly, but a compressor's per-rank bucket state does not map across layouts, "
-                  "so the compressor starts afresh (zero error-feedback residuals, new PowerSGD Q matrices)",
+            if saved_setting is None:
+                why = ("holds no compressor state (it was saved without one); this run is "
+                       f"[{sync.setting}], so the compressor starts afresh")
+            else:
+                why = (f"holds the compressor state of [{saved_setting}]; this run is [{sync.setting}]. A "
+                       "compressor's per-rank bucket state does not map across layouts or compressors, so the "
+                       "compressor starts afresh")
+            fresh = ("new Q matrices and zero error-feedback residuals" if isinstance(sync.state, PowerSGDState)
+                     else "zero error-feedback residuals")
+            print(f"warning: checkpoint {path!r} {why} ({fresh}); model and optimizer are loaded exactly",
                   file=sys.stderr, flush=True)
         return
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

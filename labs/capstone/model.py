@@ -100,7 +100,8 @@ def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int |
         problems.append(f"layers ({config.layers}) is not divisible by pp ({pp}): each stage gets the same number "
                         "of blocks")
     if world_size is not None and world_size != tp * pp * dp:
-        problems.append(f"the world has {world_size} ranks but tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}")
+        problems.append(f"the world has {world_size} rank{'s' if world_size != 1 else ''} but tp x pp x dp = "
+                        f"{tp} x {pp} x {dp} = {tp * pp * dp}")
     if problems:
         raise ValueError(f"layout tp={tp} pp={pp} dp={dp} does not fit the model: " + "; ".join(problems))
 

@@ -3,8 +3,9 @@
 After training, ``train.py`` (unless ``--no-plan``) calibrates a cluster on the spot, on every rank at once:
 
 * the matrix-multiply rate at the model's largest GEMM (:func:`train.measure_gemm_flops` at
-  :func:`train.gemm_shape`), the slowest rank's: the planner's peak FLOP/s, with an achievable fraction of 1
-  since it was measured at the model's own shape;
+  :func:`train.gemm_shape`), the slowest rank's, measured once at start-up (``StepStats.gemm_flop_per_s``, so
+  the same number as MFU's denominator): the planner's peak FLOP/s, with an achievable fraction of 1 since it
+  was measured at the model's own shape;
 * α and β of one ring step with every rank busy (:func:`commlab.bench.calibrate.ring_exchange_here` at
   :data:`SIZES`, fitted by :func:`commlab.bench.calibrate.fit_alpha_beta`), used for every link: on one
   machine the ranks share one transport, and across nodes the ring's slowest link sets its pace.
@@ -13,6 +14,10 @@ It then prints the planner's predicted step (:func:`commlab.parallel.planner.ste
 ran, beside the measured median and their ratio, and the layout the planner's search
 (:func:`commlab.parallel.planner.search`) recommends for the same model, world and global batch among those
 the capstone can run (heads and ffn divisible by tp, layers by pp, no interleaving or recomputation).
+
+The two bubbles are not quite the same quantity: the planner's is ``(pp - 1) / m`` of the compute, TP and PP
+time of the step, the measured one ``(pp - 1) / m`` of the stage's busy time (compute and TP), the PP waits
+being counted apart.
 
 The planner prices TP and PP messages at 2 bytes per activation element (bfloat16, what large runs send); a
 float32 run sends twice that, so there its TP and PP terms are low by up to half.
@@ -62,20 +67,16 @@ class Calibration:
     local_world_size: int
 
 
-def calibrate_here(opts, device: torch.device) -> Calibration:
-    """Measure the GEMM rate and α-β in the running process group; call it on every rank (collective)."""
-    from labs.capstone.train import COMPUTE_DTYPES, gemm_shape, measure_gemm_flops
+def calibrate_here(opts, device: torch.device, flop_per_s: float) -> Calibration:
+    """Measure α-β in the running process group, beside the GEMM rate ``flop_per_s`` the trainer measured;
+    call it on every rank (collective)."""
     world = dist.get_world_size()
-    dist.barrier()
-    rate = torch.tensor([measure_gemm_flops(device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))], dtype=torch.float64,
-                        device=device)
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     alpha = beta = 0.0
     if world > 1:
         fit = fit_alpha_beta(SIZES, ring_exchange_here(SIZES, rounds=3, device=device))
         alpha, beta = max(0.0, fit.alpha_s), max(0.0, fit.beta_s_per_byte)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Calibration(alpha, beta, float(rate.item()), world, local if world % local == 0 else world)
+    return Calibration(alpha, beta, float(flop_per_s), world, local if world % local == 0 else world)
 
 
 def _memory_bytes(device: torch.device, ranks_per_node: int) -> float:
@@ -117,9 +118,12 @@ def predict(opts, cluster: Cluster) -> TimeBreakdown:
 
 def recommend(opts, cluster: Cluster):
     """The planner's fastest layout of the same model, world and global batch that the capstone can run, as a
-    :class:`~commlab.parallel.planner.Plan` (ties: the least memory), or None if none fits. DP is priced as the
+    :class:`~commlab.parallel.planner.Plan` (ties: the least memory), or None if none fits or for float64,
+    whose 8-byte gradients the planner's memory model does not know. DP is priced as the
     capstone runs it: hidden behind the last backward with pp = 1, after the flush with pp > 1 (two searches,
     since a search takes one ``dp_overlap``)."""
+    if _itemsize(opts) not in (2, 4):
+        return None
     c = opts.model
     world = cluster.world_size
     tps = [t for t in divisors(cluster.devices_per_node) if c.heads % t == 0 and c.ffn % t == 0]
@@ -147,8 +151,12 @@ def report(opts, cal: Calibration, measured_s: float, predicted: TimeBreakdown, 
              f"TP {ms(p.tp_s)}, PP {ms(p.pp_s)}, bubble {ms(p.bubble_s)}, DP {ms(p.dp_exposed_s)} ms]; "
              f"measured {ms(measured_s)} ms; measured / predicted {measured_s / p.total_s:.2f}"]
     if best is None:
-        lines.append("  recommended: no layout of the model fits")
+        lines.append("  recommended: none (" + ("the planner's memory model has no 8-byte gradients)"
+                                                if _itemsize(opts) == 8 else "no layout of the model fits)"))
     else:
+        L = best.layout
+        m = opts.global_batch // (L.dp * L.micro_batch)
         lines.append(f"  recommended for {cal.world_size} rank(s) and {opts.global_batch} sequences per step: "
-                     f"{best.layout.short()} (predicted {ms(best.step_s)} ms)")
+                     f"{L.short()} (predicted {ms(best.step_s)} ms): --tp {L.tp} --pp {L.pp} --dp {L.dp} "
+                     f"--micro-batch {L.micro_batch} --micro-batches {m}")
     return "\n".join(lines)

@@ -56,7 +56,7 @@ from labs.capstone import checkpoint  # noqa: E402
 from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
 
 __all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "gemm_shape",
-           "median_stats", "SPLIT", "train", "main"]
+           "steady_means", "SPLIT", "train", "main"]
 
 #: ``--dtype``: the parameters' (and gradients', and Adam's) dtype. ``bfloat16`` is mixed precision: float32
 #: parameters, the forward and backward passes under ``torch.autocast`` in bfloat16 (matrix multiplications,
@@ -101,6 +101,47 @@ class Options:
     def global_batch(self) -> int:
         """Sequences per optimizer step over all DP ranks."""
         return self.micro_batch * self.micro_batches * self.dp
+
+
+#: Other spellings of ``--compressor`` values (those the issue and the literature use).
+COMPRESSOR_ALIASES = {"none": "dense", "int8": "int:8", "int4": "int:4", "fp16": "cast:fp16", "bf16": "cast:bf16"}
+
+
+def _check_run_args(p: argparse.ArgumentParser, args) -> None:
+    """Refuse what would fail later (after training, for a profile) with a usage error (exit 2) naming it."""
+    import math
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        p.error("--backend nccl needs CUDA GPUs and torch sees none here; use --backend gloo (the default "
+                "without CUDA)")
+    try:
+        parse_spec(args.compressor)
+    except ValueError as e:
+        p.error(str(e))
+    if args.compressor != "dense" and args.dp < 2:
+        p.error(f"--compressor {args.compressor} compresses the DP dimension, and --dp {args.dp} has no other "
+                "replica to send to; use --dp 2 or more, or --compressor dense")
+    for flag, path in (("--ckpt-dir", args.ckpt_dir), ("--profile", args.profile)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"{flag} {path} is a file, not a directory")
+    if args.profile is not None:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            p.error(f"--profile {args.profile}: cannot create it ({e.strerror})")
+        if not os.access(args.profile, os.W_OK):
+            p.error(f"--profile {args.profile}: not writable")
+    if args.log is not None:
+        parent = os.path.dirname(os.path.abspath(args.log))
+        if os.path.isdir(args.log):
+            p.error(f"--log-file {args.log} is a directory; give a file name such as {args.log}/run.jsonl")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            p.error(f"--log-file {args.log}: its directory {parent} does not exist or is not writable")
+    corpus = load_corpus()
+    longest = min(len(corpus.train), len(corpus.val)) - 2
+    if args.block > longest:
+        p.error(f"--block {args.block} is longer than the held-out split allows ({longest} tokens)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -166,6 +207,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     for name in ("micro_batch", "micro_batches", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.compressor = COMPRESSOR_ALIASES.get(args.compressor, args.compressor)
+    _check_run_args(p, args)
     try:
         model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, block=args.block)
     except ValueError as e:
@@ -257,10 +300,11 @@ class StepStats:
             the bookkeeping between the marks (the loss's AllReduce). The parts of :data:`SPLIT` add up to
             ``step_s``.
         tokens_per_s: tokens of the global batch per second of ``step_s``.
-        mfu: model FLOP/s over the world's GEMM rate measured at the model's own largest GEMM
-            (:func:`measure_gemm_flops`); the model FLOPs are the planner's
+        mfu: model FLOP/s over the world's GEMM rate (``gemm_flop_per_s`` times the ranks); the model FLOPs are the planner's
             (:func:`commlab.parallel.planner.model_flops_per_token`: ``6 P + 12 L h s`` per token, PaLM's MFU
             accounting, Chowdhery et al. 2022, Appendix B; no recomputation, which the capstone does not do).
+        gemm_flop_per_s: the slowest rank's matrix-multiply rate at the model's largest GEMM, measured once at
+            start-up (FLOP/s): the denominator of ``mfu`` (times the world size) and the planner's peak.
         val_loss: the mean loss on a fixed batch of the held-out split after this step (nats), on the steps
             ``--eval-every`` names and the last one; None on the others.
     """
@@ -279,6 +323,7 @@ class StepStats:
     other_s: float
     tokens_per_s: float
     mfu: float
+    gemm_flop_per_s: float
     val_loss: float | None = None
 
 
@@ -331,7 +376,11 @@ class Trainer:
         self.ids, self.val_ids = corpus.train, corpus.val
         self.tp_timer = CommTimer(self.clock)
         dist.barrier()
-        self.gemm_flops = measure_gemm_flops(self.device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))
+        # The slowest rank's rate, the same on every rank: MFU's denominator and the planner's peak (predict.py).
+        rate = torch.tensor([measure_gemm_flops(self.device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))],
+                            dtype=torch.float64, device=self.device)
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+        self.gemm_flops = float(rate.item())
 
     def _share(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's rows of a global batch, on the device."""
@@ -365,7 +414,7 @@ class Trainer:
         t3 = clock.mark()
         pipeline_s, tp_s = clock.elapsed(t0, t1), timer.seconds()
         if opts.pp == 1:
-            dp_s = self._exposed_dp_wait()
+            dp_s = self._exposed_dp_wait() if opts.dp > 1 else 0.0   # one replica: nothing to wait for
             busy_s, idle_s = pipeline_s - dp_s, 0.0
         else:
             dp_s = clock.elapsed(t1, t2)
@@ -386,7 +435,7 @@ class Trainer:
         achieved = model_flops_per_token(opts.model.planner_config()) * tokens / step_s
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s,
                          dp_s, exposed_s, opt_s, other_s, tokens / step_s,
-                         achieved / (self.gemm_flops * dist.get_world_size()))
+                         achieved / (self.gemm_flops * dist.get_world_size()), self.gemm_flops)
 
     def _exposed_dp_wait(self) -> float:
         """pp = 1: seconds the backward waited for the DP AllReduces after its last gradient was ready (0 under
@@ -486,12 +535,18 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
     on rank 0 when its stderr is a terminal."""
     trainer = Trainer(opts)
     start, sync = 0, _dp_sync(trainer)
-    if opts.resume and checkpoint.latest_step(opts.ckpt_dir) is not None:
-        start = checkpoint.load(opts.ckpt_dir, trainer.model, trainer.module, trainer.optimizer,
-                                trainer.full_shapes, sync) + 1
-    losses = []
     rank0 = dist.get_rank() == 0
-    log = open(opts.log, "a" if start else "w", encoding="utf-8") if opts.log and rank0 else None
+    if opts.resume:
+        if checkpoint.latest_step(opts.ckpt_dir) is not None:
+            start = checkpoint.load(opts.ckpt_dir, trainer.model, trainer.module, trainer.optimizer,
+                                    trainer.full_shapes, sync) + 1
+        if rank0:
+            print(f"resume: no checkpoint in {opts.ckpt_dir!r}, starting at step 0" if start == 0 else
+                  f"resume: from the checkpoint of step {start - 1} in {opts.ckpt_dir!r}" +
+                  (f"; it already reaches --steps {opts.steps}: nothing to do" if start >= opts.steps else ""),
+                  file=sys.stderr, flush=True)
+    losses = []
+    log = _open_log(opts.log, start) if opts.log and rank0 else None
     bar = tqdm(range(start, opts.steps), desc=f"tp={opts.tp} pp={opts.pp} dp={opts.dp}", unit="step",
                disable=None if rank0 else True)
     profiler = _profiler(opts, trainer.device)
@@ -537,6 +592,20 @@ def _profiler(opts: Options, device: torch.device):
     return prof
 
 
+def _open_log(path: str, start: int):
+    """The JSON-lines log, opened for this run's steps: new from step 0; resuming at ``start``, the lines of
+    the steps before it kept and those from it on dropped (a run that died after its last checkpoint had
+    logged steps that the resumed run now does again)."""
+    if start == 0 or not os.path.exists(path):
+        return open(path, "w", encoding="utf-8")
+    with open(path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", start) < start]
+    log = open(path, "w", encoding="utf-8")
+    log.writelines(kept)
+    log.flush()
+    return log
+
+
 def _maybe_fail(opts: Options, step: int, log) -> None:
     """``--fail-at-step``: end this rank abruptly (no cleanup, as a crash would) on the first attempt only, so
     that torchrun's restart (``--max-restarts``) runs the job again from its newest checkpoint."""
@@ -555,28 +624,45 @@ def _maybe_fail(opts: Options, step: int, log) -> None:
 SPLIT = ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_s")
 
 
-def median_stats(stats: Sequence[StepStats]) -> dict[str, float]:
-    """Medians over the steps after the first (which pays for warm-up) of every timed field of StepStats."""
-    import statistics
+def steady_means(stats: Sequence[StepStats]) -> dict[str, float]:
+    """Means over the steps after the first (which pays for warm-up) of every timed field of StepStats: means,
+    not medians, so that the parts of the split still add up to the step. Tokens/s and MFU are those of the
+    mean step."""
     steady = stats[1:] or stats
-    keys = ("step_s", "pipeline_s", "exposed_comm_s", "tokens_per_s", "mfu") + SPLIT
-    return {k: statistics.median(getattr(s, k) for s in steady) for k in keys} | {"steps": len(steady)}
+    keys = ("step_s", "pipeline_s", "exposed_comm_s") + SPLIT
+    out = {k: sum(getattr(s, k) for s in steady) / len(steady) for k in keys}
+    out["tokens_per_s"] = steady[0].tokens_per_s * steady[0].step_s / out["step_s"]
+    out["mfu"] = steady[0].mfu * steady[0].step_s / out["step_s"]
+    return out | {"steps": len(steady), "gemm_flop_per_s": steady[0].gemm_flop_per_s}
 
 
 def _summary(stats: list[StepStats]) -> str:
-    """Medians of the steps after the first, one line: the step, its split, throughput and MFU."""
-    med = median_stats(stats)
+    """Means of the steps after the first, one line: the step, its split, throughput and MFU."""
+    med = steady_means(stats)
     ms = {k: med[k] * 1e3 for k in SPLIT + ("step_s", "exposed_comm_s")}
-    return (f"step {ms['step_s']:.1f} ms (median of {med['steps']}): compute {ms['compute_s']:.1f}, "
+    above = ("; MFU above 100 %: the GEMM rate measured at start-up was lower than what the steps reached "
+             "(a machine busy with other work), so read it as unreliable") if med["mfu"] > 1 else ""
+    return (f"step {ms['step_s']:.1f} ms (mean of {med['steps']}): compute {ms['compute_s']:.1f}, "
             f"TP {ms['tp_s']:.1f}, PP {ms['pp_s']:.1f}, bubble {ms['bubble_s']:.1f}, DP {ms['dp_s']:.1f}, "
             f"optimizer {ms['optimizer_s']:.1f}, other {ms['other_s']:.1f} ms (exposed communication {ms['exposed_comm_s']:.1f} ms); "
-            f"{med['tokens_per_s']:.0f} tokens/s, MFU {100 * med['mfu']:.1f} % of the measured GEMM rate")
+            f"{med['tokens_per_s']:.0f} tokens/s, MFU {100 * med['mfu']:.1f} % of the measured GEMM rate{above}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     from commlab.launch import init_from_env
+    from commlab.launch.env import read_env
     created = not dist.is_initialized()
+    world = dist.get_world_size() if dist.is_initialized() else read_env().world_size
+    try:  # before any process group exists: every rank refuses at once, as a usage error
+        check_layout(opts.model, opts.tp, opts.pp, opts.dp, world)
+        if opts.fail_at_step is not None and not 0 <= opts.fail_rank < world:
+            raise ValueError(f"--fail-rank {opts.fail_rank} is not a rank of this world of {world}")
+    except ValueError as e:
+        hint = "" if world > 1 else (f" (start it with torchrun --nproc-per-node {opts.tp * opts.pp * opts.dp}, "
+                                     "or under srun)")
+        print(f"labs/capstone/train.py: error: {e}{hint}", file=sys.stderr, flush=True)
+        return 2
     ctx = init_from_env(backend=opts.backend)
     stats: list[StepStats] = []
     losses = train(opts, stats)
@@ -587,10 +673,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.plan and stats:
         from labs.capstone import predict
         device = group_device(None)
-        cal = predict.calibrate_here(opts, device)
+        cal = predict.calibrate_here(opts, device, stats[-1].gemm_flop_per_s)
         if ctx.rank == 0:
             cluster = predict.measured_cluster(cal, opts.dtype, device)
-            print(predict.report(opts, cal, median_stats(stats)["step_s"], predict.predict(opts, cluster),
+            print(predict.report(opts, cal, steady_means(stats)["step_s"], predict.predict(opts, cluster),
                                  predict.recommend(opts, cluster)), flush=True)
     if created:
         # Every rank leaves together and closes its connections in order, as torch asks: a rank that exits
