@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from commlab import launch
+from commlab.launch.torchrun import run_standalone
 from labs.capstone.model import GPTConfig
 from labs.capstone.train import Options, parse_args, train
 
@@ -65,12 +66,15 @@ def test_flags_read_at_a_glance():
     assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, block=16)
 
 
+def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
+    return run_standalone([str(ROOT / "labs/capstone/train.py"), *flags], nproc, timeout_s=timeout, cwd=str(tmp_path),
+                          torchrun_args=["--max-restarts", str(restarts)])
+
+
 def test_the_script_runs_under_torchrun_as_2x2x2(tmp_path):
     log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                           str(ROOT / "labs/capstone/train.py"), "--tp", "2", "--pp", "2", "--dp", "2",
-                           "--steps", "3", "--micro-batches", "2", "--log-file", str(log)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = _torchrun(tmp_path, "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "3", "--micro-batches", "2",
+                     "--log-file", str(log), nproc=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=2 pp=2 dp=2: loss" in proc.stdout and "tokens/s, MFU" in proc.stdout
     assert "validation loss" in proc.stdout
@@ -150,12 +154,6 @@ def test_checkpoint_flags_without_a_directory_are_a_usage_error():
     proc = subprocess.run([sys.executable, str(ROOT / "labs/capstone/train.py"), "--resume"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--ckpt-every and --resume need --ckpt-dir" in proc.stderr
-
-
-def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), str(ROOT / "labs/capstone/train.py"), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 
 def _last_loss(path):

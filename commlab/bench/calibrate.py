@@ -91,9 +91,9 @@ def _progress_line(what: str, nbytes: int, rounds_s: Sequence[float]) -> str:
 # A task is (kind, nbytes). Inside a rank, _make_call builds the operation once and says how many
 # unit operations (one-way messages, ring steps) one call holds, so that times come out per unit.
 
-def _pingpong_call(nbytes: int):
+def _pingpong_call(nbytes: int, device: torch.device | str = "cpu"):
     rank = dist.get_rank()
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
     def bounce():
         # One message at a time, each through commlab.collectives.p2p like every message of the course.
@@ -128,37 +128,40 @@ def _exchange_call(nbytes: int, device: torch.device | str = "cpu"):
     return both, 2 * steps
 
 
-def _ring_call(nbytes: int):
+def _ring_call(nbytes: int, device: torch.device | str = "cpu"):
     # Zeros, summed in place: repeated sums of random data would overflow, and the speed of add_ on
     # float32 does not depend on the values.
-    buf = torch.zeros(max(1, nbytes // _ITEMSIZE), dtype=_DTYPE)
+    buf = torch.zeros(max(1, nbytes // _ITEMSIZE), dtype=_DTYPE, device=device)
     return (lambda: ring_all_reduce(buf, inplace=True, check=False)), 1
 
 
-def _add_call(nbytes: int):
+def _add_call(nbytes: int, device: torch.device | str = "cpu"):
     # One ReduceScatter addition: the largest chunk of an nbytes float32 tensor, as tensor_split cuts it.
     count, n = max(1, nbytes // _ITEMSIZE), dist.get_world_size()
     chunk = -(-count // n)
-    a, b = torch.zeros(chunk, dtype=_DTYPE), torch.zeros(chunk, dtype=_DTYPE)
+    a, b = torch.zeros(chunk, dtype=_DTYPE, device=device), torch.zeros(chunk, dtype=_DTYPE, device=device)
     return (lambda: a.add_(b)), 1
 
 
 _CALLS = {"pingpong": _pingpong_call, "exchange": _exchange_call, "ring": _ring_call, "add": _add_call}
 
 
-def _one_round(tasks: Sequence[tuple[str, int]]) -> list[float]:
-    """Inside a rank: time each task once (after a warm-up call); seconds per unit, slowest rank."""
+def _one_round(tasks: Sequence[tuple[str, int]], device: torch.device | str = "cpu") -> list[float]:
+    """Inside a rank: time each task once (after a warm-up call) on ``device``; seconds per unit, slowest rank."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     out = []
     for kind, nbytes in tasks:
-        call, units = _CALLS[kind](nbytes)
+        call, units = _CALLS[kind](nbytes, device)
         payload = nbytes * units if kind != "add" else nbytes // dist.get_world_size()
         iters = calls_per_round(payload, 2 * 2**20, 100 if kind != "add" else 1000)
         call()  # warm-up: connection set-up and first-touch allocation are not the link's
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             call()
-        out.append(slowest_rank((time.perf_counter() - t0) / (iters * units)))
+        sync()
+        out.append(slowest_rank((time.perf_counter() - t0) / (iters * units), device))
     return out
 
 
@@ -259,23 +262,9 @@ def ring_exchange_here(sizes: Iterable[int], rounds: int = 3, device: torch.devi
         raise ValueError("ring_exchange_here needs a process group of >= 2 ranks (one rank sends nothing)")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    medians = []
-    for nbytes in sizes:
-        call, units = _exchange_call(nbytes, device)
-        iters = calls_per_round(nbytes * units, 2 * 2**20, 100)
-        call()
-        times = []
-        for _ in range(rounds):
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            sync()
-            times.append(slowest_rank((time.perf_counter() - t0) / (iters * units), device))
-        medians.append(statistics.median(times))
-    return medians
+    # The same rounds as ring_exchange's launches (every size once per round), in the group that runs.
+    times = [_one_round([("exchange", n) for n in sizes], device) for _ in range(rounds)]
+    return [statistics.median(t[i] for t in times) for i in range(len(sizes))]
 
 
 # ------------------------------------------------------------------------------------------ the fit

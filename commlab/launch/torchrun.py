@@ -614,7 +614,7 @@ _TIDY = [
     (re.compile(r"\b(\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-fA-F:]+\]):\d{2,5}\b"), r"\1:PORT"),
     (re.compile(r"\b([Pp]ort) \d{2,5}\b"), r"\1 PORT"),
     (re.compile(r"sport = :\d+"), "sport = :PORT"),
-    # the build machine's source path in torch's C++ messages: "[/__w/pytorch/pytorch/third_party/gloo/..." -> "[gloo/..."
+    # the build machine's source path in torch's C++ messages: "[/__w/.../third_party/gloo/..." -> "[gloo/..."
     (re.compile(r"\[/\S*?/third_party/"), "["),
 ]
 _NOISE = (re.compile(r"^USDT:"),                      # the profiler's own start/stop lines

@@ -67,16 +67,16 @@ class Calibration:
     local_world_size: int
 
 
-def calibrate_here(opts, device: torch.device, flop_per_s: float) -> Calibration:
+def calibrate_here(device: torch.device, flop_per_s: float, local_world_size: int) -> Calibration:
     """Measure α-β in the running process group, beside the GEMM rate ``flop_per_s`` the trainer measured;
-    call it on every rank (collective)."""
+    call it on every rank (collective). ``local_world_size``: ranks per node (the launcher's)."""
     world = dist.get_world_size()
     alpha = beta = 0.0
     if world > 1:
         fit = fit_alpha_beta(SIZES, ring_exchange_here(SIZES, rounds=3, device=device))
         alpha, beta = max(0.0, fit.alpha_s), max(0.0, fit.beta_s_per_byte)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Calibration(alpha, beta, float(flop_per_s), world, local if world % local == 0 else world)
+    local = local_world_size if world % local_world_size == 0 else world
+    return Calibration(alpha, beta, float(flop_per_s), world, local)
 
 
 def _memory_bytes(device: torch.device, ranks_per_node: int) -> float:

@@ -217,7 +217,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
                    model=model)
     try:
         check_layout(opts.model, opts.tp, opts.pp, opts.dp)
-        parse_spec(opts.compressor)
     except ValueError as e:
         p.error(str(e))
     return opts
@@ -300,9 +299,10 @@ class StepStats:
             the bookkeeping between the marks (the loss's AllReduce). The parts of :data:`SPLIT` add up to
             ``step_s``.
         tokens_per_s: tokens of the global batch per second of ``step_s``.
-        mfu: model FLOP/s over the world's GEMM rate (``gemm_flop_per_s`` times the ranks); the model FLOPs are the planner's
-            (:func:`commlab.parallel.planner.model_flops_per_token`: ``6 P + 12 L h s`` per token, PaLM's MFU
-            accounting, Chowdhery et al. 2022, Appendix B; no recomputation, which the capstone does not do).
+        mfu: model FLOP/s over the world's GEMM rate (``gemm_flop_per_s`` times the ranks); the model FLOPs
+            are the planner's (:func:`commlab.parallel.planner.model_flops_per_token`: ``6 P + 12 L h s`` per
+            token, PaLM's MFU accounting, Chowdhery et al. 2022, Appendix B; no recomputation, which the capstone
+            does not do).
         gemm_flop_per_s: the slowest rank's matrix-multiply rate at the model's largest GEMM, measured once at
             start-up (FLOP/s): the denominator of ``mfu`` (times the world size) and the planner's peak.
         val_loss: the mean loss on a fixed batch of the held-out split after this step (nats), on the steps
@@ -375,6 +375,7 @@ class Trainer:
         corpus = load_corpus()
         self.ids, self.val_ids = corpus.train, corpus.val
         self.tp_timer = CommTimer(self.clock)
+        self.model_flops_per_token = model_flops_per_token(opts.model.planner_config())
         dist.barrier()
         # The slowest rank's rate, the same on every rank: MFU's denominator and the planner's peak (predict.py).
         rate = torch.tensor([measure_gemm_flops(self.device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))],
@@ -415,12 +416,12 @@ class Trainer:
         pipeline_s, tp_s = clock.elapsed(t0, t1), timer.seconds()
         if opts.pp == 1:
             dp_s = self._exposed_dp_wait() if opts.dp > 1 else 0.0   # one replica: nothing to wait for
-            busy_s, idle_s = pipeline_s - dp_s, 0.0
+            busy_s, bubble_s, pp_s = pipeline_s - dp_s, 0.0, 0.0     # no pipeline: no bubble, no PP
         else:
             dp_s = clock.elapsed(t1, t2)
             busy_s, idle_s = result.busy_s[self.stage], result.idle_s[self.stage]
-        bubble_s = min(idle_s, (opts.pp - 1) / opts.micro_batches * busy_s)
-        pp_s = max(0.0, pipeline_s - busy_s - bubble_s - dp_s * (opts.pp == 1))
+            bubble_s = min(idle_s, (opts.pp - 1) / opts.micro_batches * busy_s)
+            pp_s = max(0.0, pipeline_s - busy_s - bubble_s)
         loss = torch.tensor([mean_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=self.groups["dp"])
         step_s = torch.tensor([clock.elapsed(t0, t3)], dtype=torch.float64, device=self.device)
@@ -432,7 +433,7 @@ class Trainer:
         pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = (parts / dist.get_world_size()).tolist()
         other_s = max(0.0, step_s - (compute_s + tp_s + bubble_s + pp_s + dp_s + opt_s))
         tokens = opts.global_batch * opts.model.block
-        achieved = model_flops_per_token(opts.model.planner_config()) * tokens / step_s
+        achieved = self.model_flops_per_token * tokens / step_s
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s,
                          dp_s, exposed_s, opt_s, other_s, tokens / step_s,
                          achieved / (self.gemm_flops * dist.get_world_size()), self.gemm_flops)
@@ -644,7 +645,8 @@ def _summary(stats: list[StepStats]) -> str:
              "(a machine busy with other work), so read it as unreliable") if med["mfu"] > 1 else ""
     return (f"step {ms['step_s']:.1f} ms (mean of {med['steps']}): compute {ms['compute_s']:.1f}, "
             f"TP {ms['tp_s']:.1f}, PP {ms['pp_s']:.1f}, bubble {ms['bubble_s']:.1f}, DP {ms['dp_s']:.1f}, "
-            f"optimizer {ms['optimizer_s']:.1f}, other {ms['other_s']:.1f} ms (exposed communication {ms['exposed_comm_s']:.1f} ms); "
+            f"optimizer {ms['optimizer_s']:.1f}, other {ms['other_s']:.1f} ms "
+            f"(exposed communication {ms['exposed_comm_s']:.1f} ms); "
             f"{med['tokens_per_s']:.0f} tokens/s, MFU {100 * med['mfu']:.1f} % of the measured GEMM rate{above}")
 
 
@@ -673,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.plan and stats:
         from labs.capstone import predict
         device = group_device(None)
-        cal = predict.calibrate_here(opts, device, stats[-1].gemm_flop_per_s)
+        cal = predict.calibrate_here(device, stats[-1].gemm_flop_per_s, ctx.local_world_size)
         if ctx.rank == 0:
             cluster = predict.measured_cluster(cal, opts.dtype, device)
             print(predict.report(opts, cal, steady_means(stats)["step_s"], predict.predict(opts, cluster),
