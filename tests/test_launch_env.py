@@ -336,14 +336,15 @@ def test_cpu_thread_share_never_oversubscribes_and_keeps_one():
 
 
 def test_gloo_ranks_under_torchrun_get_their_share_of_the_cores(tmp_path):
+    # Each rank writes its own file: two ranks printing to one pipe can interleave their lines.
     script = tmp_path / "threads.py"
-    script.write_text("import os, torch\nfrom commlab.launch import init_from_env\ninit_from_env('gloo')\n"
-                      "print('threads', torch.get_num_threads(), 'cores', len(os.sched_getaffinity(0)))\n")
+    script.write_text("import os, sys, torch\nfrom commlab.launch import init_from_env\ninit_from_env('gloo')\n"
+                      "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
+                      "f\"{torch.get_num_threads()} {len(os.sched_getaffinity(0))}\")\n")
     env = {**os.environ, "OMP_NUM_THREADS": "64"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], env=env, capture_output=True, text=True, timeout=120)
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("threads")]
-    assert len(lines) == 2
-    for _, threads, _, cores in lines:
+    lines = [(tmp_path / f"rank{rank}").read_text().split() for rank in range(2)]
+    for threads, cores in lines:
         assert int(threads) == max(1, min(64, int(cores) // 2))

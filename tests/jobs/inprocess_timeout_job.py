@@ -42,6 +42,12 @@ def skip_an_all_reduce():
     return x.sum().item()
 
 
+def say(line):
+    # One write per line: ranks share the pipe, and print's separate writes of text and newline can interleave.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 @record
 def main():
     mode = sys.argv[1]
@@ -49,15 +55,14 @@ def main():
     if mode == "short_then_long":
         assert launch(all_reduce_one, world, timeout=1) == [float(world)] * world
         assert launch(rank0_alone_first, world, timeout=20) == [float(world)] * world
-        print(f"rank {rank}: the second launch kept its own timeout", flush=True)
+        say(f"rank {rank}: the second launch kept its own timeout")
     elif mode == "skip":
         init_from_env("gloo", timeout=120)
         start = time.monotonic()
         try:
             launch(skip_an_all_reduce, world, timeout=2)
         except LaunchError as e:
-            print(f"rank {rank} after {time.monotonic() - start:.0f} s: {type(e).__name__}: {e}".splitlines()[0],
-                  flush=True)
+            say(f"rank {rank} after {time.monotonic() - start:.0f} s: {type(e).__name__}: {e}".splitlines()[0])
             raise
         raise AssertionError("a skipped collective went unnoticed")
 
