@@ -64,11 +64,18 @@ class ErrorFeedback:
     def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(dtype, torch.float32)
 
-    def compress(self, tensor: torch.Tensor, key: Hashable) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Hashable, codec: Compressor | None = None) -> Payload:
         """Compress ``tensor + residual(key)``, then store the new residual of ``key``.
 
-        Returns the compressor's payload, for a tensor of ``tensor``'s shape and dtype.
+        Args:
+            tensor: floating point, any shape. key: names the residual.
+            codec: compress with this instead of the wrapped compressor: another view of the *same*
+                compressor, e.g. :class:`commlab.compress.two_phase.ChunkedCompressor`, which sends the
+                tensor chunk by chunk. The residual is then what ``codec`` did not send.
+
+        Returns the payload (of ``codec`` or the compressor), for a tensor of ``tensor``'s shape and dtype.
         """
+        codec = self.compressor if codec is None else codec
         if not tensor.is_floating_point():
             raise TypeError(f"ErrorFeedback needs a floating-point tensor (a residual is a real number), "
                             f"got {tensor.dtype} for key {key!r}")
@@ -78,8 +85,8 @@ class ErrorFeedback:
         held = self._state.get(key)
         if held is not None and held[0] == signature:
             corrected += held[1]
-        payload = self.compressor.compress(corrected.to(tensor.dtype))
-        residual = corrected - self.compressor.decompress(payload).to(acc)
+        payload = codec.compress(corrected.to(tensor.dtype))
+        residual = corrected - codec.decompress(payload).to(acc)
         self._state[key] = (signature, residual)
         return payload
 
@@ -91,6 +98,20 @@ class ErrorFeedback:
         """The residual stored for ``key`` (float32 for bf16/fp16 tensors), or None if there is none."""
         held = self._state.get(key)
         return None if held is None else held[1]
+
+    def set_residual(self, key: Hashable, residual: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Store ``residual`` (a copy) as the residual of ``key``, for tensors of its shape and device and of
+        ``dtype`` (default: the residual's own dtype), e.g. when a checkpoint is restored.
+
+        Raises:
+            TypeError: ``residual`` is not floating point, or not in the accumulation dtype of ``dtype``
+                (float32 for bf16/fp16/float32 tensors, float64 for float64): what :meth:`compress` keeps.
+        """
+        dtype = residual.dtype if dtype is None else dtype
+        if not residual.is_floating_point() or residual.dtype != self._acc_dtype(dtype):
+            raise TypeError(f"ErrorFeedback.set_residual: the residual of {dtype} tensors is kept in "
+                            f"{self._acc_dtype(dtype)}, got {residual.dtype} for key {key!r}")
+        self._state[key] = ((residual.shape, dtype, residual.device), residual.detach().clone())
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the residual of ``key``, or of every key when ``key`` is None (e.g. after a restart)."""
