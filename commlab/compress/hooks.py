@@ -113,8 +113,9 @@ class CompressionHookState:
         "counters": the compressor's own state, if it keeps any: Random-K's call count ``step``, QSGD's
         ``generator`` state, "aggregation": str, "server_error_feedback": bool, "server_owner": this rank's
         group rank (the chunk it owns), "server_residuals": {bucket index: the owner's residual of its
-        chunk (float32, float64 for float64 buckets)}, "server_bucket_numels": as "bucket_numels"}``, tensors cloned. The residuals are this rank's own, per bucket: the dict belongs
-        to the rank that holds it and to the same bucket layout.
+        chunk (float32, float64 for float64 buckets)}, "server_bucket_numels": as "bucket_numels"}``,
+        tensors cloned. The residuals are this rank's own, per bucket: the dict belongs to the rank that
+        holds it and to the same bucket layout.
         """
         counters = {}
         if isinstance(getattr(self.compressor, "step", None), int):

@@ -83,7 +83,8 @@ def chunk_numel(numel: int, n: int) -> int:
 
 
 def valid_numel(numel: int, n: int, owner: int) -> int:
-    """Elements of chunk ``owner`` (0-based) that are the tensor's, not padding: ``min(m, max(0, numel - owner·m))``."""
+    """Elements of chunk ``owner`` (0-based) that are the tensor's, not padding:
+    ``min(m, max(0, numel - owner·m))`` with ``m = chunk_numel(numel, n)``."""
     m = chunk_numel(numel, n)
     return min(m, max(0, numel - owner * m))
 
@@ -234,9 +235,10 @@ class TwoPhaseCall:
         bytes_sent_per_rank: :func:`two_phase_bytes_sent_per_rank` ``(c_w, c_s, N)``.
 
     Raises:
-        ValueError: an error feedback without ``key``, or wrapping another compressor object; an owner's
-            payload whose layout differs from the chunk payloads' (a data-dependent compressor; raised on
-            that rank).
+        ValueError: an error feedback without ``key``, or wrapping another compressor object; chunk payloads
+            of different layouts, or an owner's payload whose layout differs from the chunks' (a compressor
+            whose payload size depends on the data, which no compressor of this package is: raised on the rank
+            that finds it, whose peers then wait until the group's timeout).
         CollectiveMismatchError: the ranks' chunk payloads differ in layout or meta (another shape, dtype,
             setting), on every rank.
         FloatingPointError: an owner could not decompress or recompress its chunk's sum (it overflows the
