@@ -64,18 +64,11 @@ class ErrorFeedback:
     def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(dtype, torch.float32)
 
-    def compress(self, tensor: torch.Tensor, key: Hashable, codec: Compressor | None = None) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Hashable) -> Payload:
         """Compress ``tensor + residual(key)``, then store the new residual of ``key``.
 
-        Args:
-            tensor: floating point, any shape. key: names the residual.
-            codec: compress with this instead of the wrapped compressor: another view of the *same*
-                compressor, e.g. :class:`commlab.compress.two_phase.ChunkedCompressor`, which sends the
-                tensor chunk by chunk. The residual is then what ``codec`` did not send.
-
-        Returns the payload (of ``codec`` or the compressor), for a tensor of ``tensor``'s shape and dtype.
+        Returns the compressor's payload, for a tensor of ``tensor``'s shape and dtype.
         """
-        codec = self.compressor if codec is None else codec
         if not tensor.is_floating_point():
             raise TypeError(f"ErrorFeedback needs a floating-point tensor (a residual is a real number), "
                             f"got {tensor.dtype} for key {key!r}")
@@ -85,8 +78,8 @@ class ErrorFeedback:
         held = self._state.get(key)
         if held is not None and held[0] == signature:
             corrected += held[1]
-        payload = codec.compress(corrected.to(tensor.dtype))
-        residual = corrected - codec.decompress(payload).to(acc)
+        payload = self.compressor.compress(corrected.to(tensor.dtype))
+        residual = corrected - self.compressor.decompress(payload).to(acc)
         self._state[key] = (signature, residual)
         return payload
 
@@ -98,6 +91,15 @@ class ErrorFeedback:
         """The residual stored for ``key`` (float32 for bf16/fp16 tensors), or None if there is none."""
         held = self._state.get(key)
         return None if held is None else held[1]
+
+    def through(self, codec: Compressor) -> "ErrorFeedback":
+        """These residuals, compressed through ``codec``: another view of the *same* compressor, e.g.
+        :class:`commlab.compress.two_phase.ChunkedCompressor`, which sends a tensor chunk by chunk. The returned
+        object shares this one's residuals (its :meth:`compress` reads and writes them), so that a residual is
+        what was not sent, whichever view sent it."""
+        view = ErrorFeedback(codec)
+        view.name, view._state = self.name, self._state
+        return view
 
     def set_residual(self, key: Hashable, residual: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Store ``residual`` (a copy) as the residual of ``key``, for tensors of its shape and device and of

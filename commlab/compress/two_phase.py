@@ -119,7 +119,7 @@ class ChunkedCompressor:
     """A compressor applied chunk by chunk: the tensor, flattened, is padded with zeros to ``parts × m``
     elements (``m = ceil(numel / parts)``, see the module docstring) and each chunk of ``m`` is compressed on
     its own. A :class:`~commlab.compress.base.Compressor` itself, so that error feedback can wrap it
-    (:meth:`ErrorFeedback.compress` with ``codec=``): the residual is what the chunked payload did not send.
+    (:meth:`ErrorFeedback.through`): the residual is what the chunked payload did not send.
 
     Args:
         compressor: any :class:`~commlab.compress.base.Compressor` whose payload layout (tensor names, shapes,
@@ -281,7 +281,7 @@ class TwoPhaseCall:
     def start(self) -> Payload:
         """Compress the chunks, agree on them over the group, launch the all-to-all; return this rank's payload."""
         if self.error_feedback is not None:
-            payload = self.error_feedback.compress(self.tensor, self.key, codec=self.chunked)
+            payload = self.error_feedback.through(self.chunked).compress(self.tensor, self.key)
         else:
             payload = self.chunked.compress(self.tensor)
         agree_payloads(payload, self.chunked.name, self.group, self.size, self.what)
@@ -309,8 +309,8 @@ class TwoPhaseCall:
             total += self.compressor.decompress(part).reshape(-1).to(acc)
         total[valid_numel(self.numel, self.size, self.rank):] = 0  # padding: keep nothing there
         if self.server_error_feedback is not None:
-            return self.server_error_feedback.compress(total, server_key(self.key, self.rank),
-                                                       codec=_RoundedTo(self.compressor, dtype))
+            return self.server_error_feedback.through(_RoundedTo(self.compressor, dtype)).compress(
+                total, server_key(self.key, self.rank))
         return self.compressor.compress(total.to(dtype))
 
     def middle(self) -> list[torch.futures.Future]:
