@@ -66,7 +66,7 @@ from commlab.compress.base import Compressor, Payload
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["ChunkedCompressor", "chunk_numel", "valid_numel", "two_phase_bytes_sent_per_rank"]
+__all__ = ["ChunkedCompressor", "TwoPhaseCall", "chunk_numel", "valid_numel", "server_key", "two_phase_bytes_sent_per_rank"]
 
 
 def chunk_numel(numel: int, n: int) -> int:
@@ -274,6 +274,7 @@ class TwoPhaseCall:
         self._gathered: dict[str, torch.Tensor] = {}
         self._works: list = []
         self._server_meta: dict = {}
+        self._server: Payload | None = None
         self._failure: FloatingPointError | None = None
 
     # ---------------------------------------------------------------------------------------- phase 1
@@ -334,6 +335,7 @@ class TwoPhaseCall:
                              f"{_layout(server)}, a worker's chunk payload {_layout(mine)}; the two-phase AllReduce "
                              "needs a compressor whose payload layout depends on the chunk's length alone")
         self._server_meta = server.meta
+        self._server = server  # the sent tensors stay alive until phase 2 has completed
         c_w = self.payload.nbytes // self.size
         c_s = server.nbytes
         self.payload_nbytes, self.server_payload_nbytes = self.payload.nbytes, self.size * c_s
