@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-n", "--world-size", type=int, default=None,
                        help="ranks to launch (default 4; under torchrun or srun the job's ranks are measured)")
     bench.add_argument("-b", "--min-bytes", default="1K", help="smallest message, e.g. 1K (default 1K)")
-    bench.add_argument("-e", "--max-bytes", default="64M", help="largest message, e.g. 64M (default 64M)")
+    bench.add_argument("-e", "--max-bytes", default=None,
+                       help="largest message, e.g. 64M (default 64M; with --two-phase: the gradient's size, default 4M)")
     bench.add_argument("-f", "--step-factor", type=int, default=4, help="size multiplier (default 4)")
     bench.add_argument("-r", "--rounds", type=int, default=5, help="timed rounds per size (default 5)")
     bench.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                        help="with --compressors: where the throughput is measured (default cpu; the DDP step "
                             "comparison stays on gloo CPU ranks); the tensor is --max-bytes of float32")
+    bench.add_argument("--two-phase", action="store_true",
+                       help="the two-phase compressed AllReduce vs the all-gather path vs a dense ring AllReduce: "
+                            "bytes per rank and time per call for sign, int8 and top-k 1%% on a --max-bytes float32 "
+                            "tensor, at 2, 4 and 8 gloo ranks (or --world-size), --rounds calls each")
     bench.add_argument("--overlap", action="store_true",
                        help="bucket size vs step time: our overlapped data parallelism beside DDP with the same "
                             "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "bench":
         from commlab.bench import bench_all_reduce
+        if args.max_bytes is None:
+            args.max_bytes = "4M" if args.two_phase else "64M"
         try:
             lo, hi = parse_size(args.min_bytes), parse_size(args.max_bytes)
         except ValueError as e:
@@ -106,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
-        modes = [f"--{m}" for m in ("compressors", "overlap", "emulate", "algorithms") if getattr(args, m)]
+        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase")
+                 if getattr(args, m)]
         if len(modes) > 1:
             parser.error(f"{' and '.join(modes)} are separate benchmarks; run them one at a time")
         from commlab.launch.inprocess import runs_in_process
@@ -117,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.torchrun:
                 return _bench_local_torchrun(args, parser, argv)
             return _bench_in_job(args, parser, _sizes(lo, hi, args.step_factor))
+        if args.two_phase:
+            if args.backend != "gloo" or args.check:
+                parser.error("--two-phase starts its own gloo ranks; --backend and --check apply to the AllReduce "
+                             "table only")
+            if args.world_size is not None and args.world_size < 2:
+                parser.error("--two-phase needs --world-size >= 2 (one rank sends nothing)")
+            from commlab.bench.two_phase import print_two_phase_bench
+            sizes = (2, 4, 8) if args.world_size is None else (args.world_size,)
+            return print_two_phase_bench(sizes, numel=max(1, hi // 4), rounds=args.rounds)
         if args.world_size is None:
             args.world_size = 4
         if args.device != "cpu" and not args.compressors:

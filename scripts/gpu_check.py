@@ -93,7 +93,7 @@ def _batch(device: torch.device, rows: int = 64):
 def _dp_rows(device: torch.device) -> list[Check]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from commlab.compress import (CastCompressor, CompressionHookState, PowerSGDState, compression_hook,
+    from commlab.compress import (CastCompressor, CompressionHookState, PowerSGDState, TopK, compression_hook,
                                   powersgd_hook)
     from commlab.overlap import BucketedDataParallel
 
@@ -107,7 +107,10 @@ def _dp_rows(device: torch.device) -> list[Check]:
              ("compression_hook(fp16)", CompressionHookState(CastCompressor(torch.float16)), compression_hook, 2e-3),
              ("torch fp16_compress_wrapper", None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
               2e-3),
-             ("powersgd_hook (start_iter 2)", PowerSGDState(rank=2, start_iter=2), powersgd_hook, None)]
+             ("powersgd_hook (start_iter 2)", PowerSGDState(rank=2, start_iter=2), powersgd_hook, None),
+             # Lossless Top-K through the two-phase path: all_to_all_single and all_gather_into_tensor on the device.
+             ("compression_hook(two-phase, top-k 100%, EF)",
+              CompressionHookState(TopK(ratio=1.0), error_feedback=True, aggregation="two_phase"), compression_hook, 1e-5)]
     rows = []
     for name, state, hook, tol in hooks:
         model = BucketedDataParallel(_mlp(0, device), bucket_cap_bytes=4096)

@@ -76,6 +76,16 @@ def test_one_rank_gives_a_table_not_a_crash(capsys):
     assert "float32" in capsys.readouterr().out
 
 
+def test_two_phase_bench_prints_bytes_and_times_side_by_side(capsys):
+    assert main(["bench", "--two-phase", "-n", "2", "-e", "4K", "-r", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("   2 ")]
+    assert [r[1] for r in rows] == ["sign", "INT8", "Top-K"] and "differed from rank 0's: 0 OK" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "--two-phase", "-n", "1"])
+    assert "--two-phase needs --world-size >= 2" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["-n", "0"], ["-r", "0"]])
 def test_command_line_rejects_bad_counts(flags):
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)

@@ -5,9 +5,17 @@
   (:func:`commlab.collectives.ring_all_reduce`, which adds it hop by hop) and is decompressed once.
   Bytes sent per rank: ``2 (N-1)/N * payload bytes``.
 * **Non-linear** ones (Top-K, QSGD, INT8/INT4, sign): payloads cannot be added (different indices,
-  different scales), so they are all-gathered and every rank decompresses all N and sums them.
-  Bytes sent per rank in a ring AllGather: ``(N-1) * payload bytes``, which grows with N: compression
-  that wins at 8 ranks can lose to a dense AllReduce at 512.
+  different scales). Two ways to sum them, chosen with ``path``:
+
+  - ``"all_gather"`` (the default for them): every rank all-gathers the N payloads, decompresses them all
+    and sums. Bytes sent per rank in a ring AllGather: ``(N-1) * payload bytes``, which grows with N:
+    compression that wins at 8 ranks can lose to a dense AllReduce at 512. This is what torch's prototype
+    ``quantization_pertensor_hook`` does.
+  - ``"two_phase"`` (:mod:`commlab.compress.two_phase`): an all-to-all of compressed chunks, each chunk's
+    owner decompresses, sums and recompresses it (with its own server-side error feedback), and the owners'
+    chunks are all-gathered: about ``2 (N-1)/N * payload bytes``, flat in N, as practised by 1-bit SGD,
+    signSGD with majority vote, DeepSpeed's 1-bit Adam and ZeRO++. The price: a second compression, whose
+    error the owner's error feedback carries over.
 
 The source article passes a dict to ``all_reduce`` and lets Top-K payloads be added inside a ring;
 :func:`sparse_ring_fill_in` and :func:`union_support_sizes` put numbers on why that cannot work: every
@@ -25,14 +33,18 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
-from commlab.collectives._common import (SUPPORTED_DTYPES, CollectiveMismatchError, all_gather_single,
-                                         group_size_and_rank)
+from commlab.collectives._common import SUPPORTED_DTYPES, group_size_and_rank
+from commlab.compress.agreement import agree_finite, agree_payloads
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.two_phase import TwoPhaseCall
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["Aggregated", "aggregate", "SparseRingFillIn", "sparse_ring_fill_in", "expected_union_support",
-           "union_support_sizes"]
+__all__ = ["Aggregated", "aggregate", "PATHS", "SparseRingFillIn", "sparse_ring_fill_in", "expected_union_support",
+           "union_support_sizes", "agree_finite"]
+
+#: The values of ``aggregate(path=...)``: "auto" is the compressor's own (ring AllReduce if linear, else all-gather).
+PATHS = ("auto", "all_reduce", "all_gather", "two_phase")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,96 +57,82 @@ class Aggregated:
         bytes_sent_per_rank: bytes each rank sends. ``"all_reduce"``: ``2 (N-1)/N * payload_nbytes`` (the
             ring's figure: exact when N divides every payload tensor's element count, otherwise the mean
             over ranks, since ranks whose own chunk is smaller send slightly more). ``"all_gather"``:
-            ``(N-1) * payload_nbytes`` exactly.
-        path: ``"all_reduce"`` (linear compressor) or ``"all_gather"``.
+            ``(N-1) * payload_nbytes`` exactly. ``"two_phase"``: ``(N-1)/N * (payload_nbytes +
+            server_payload_nbytes)`` exactly (:func:`commlab.compress.two_phase.two_phase_bytes_sent_per_rank`).
+        path: ``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``.
+        server_payload_nbytes: ``"two_phase"`` only (else 0): the N chunk owners' payloads together.
+            ``payload_nbytes`` is then this rank's payload of its N chunks (padding included, one scale per
+            chunk), a little more than the tensor's payload compressed whole.
     """
 
     sum: torch.Tensor
     payload_nbytes: int
     bytes_sent_per_rank: float
     path: str
-
-
-def _describe(payload: Payload, compressor_name: str) -> tuple:
-    """What must be identical on every rank for the payloads to be aggregated (picklable, small)."""
-    tensors = tuple((name, t.numel(), str(t.dtype).replace("torch.", "")) for name, t in payload.tensors.items())
-    meta = tuple(sorted((str(k), repr(v)) for k, v in payload.meta.items()))
-    return (compressor_name, tuple(payload.shape), str(payload.dtype).replace("torch.", ""), tensors, meta)
-
-
-def _agree(payload: Payload, compressor_name: str, group, size: int) -> None:
-    """One small all-gather of each rank's payload description; every rank raises the same error on a mismatch."""
-    mine = _describe(payload, compressor_name)
-    if size == 1:
-        return
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
-    if len(set(everyone)) > 1:
-        lines = "; ".join(
-            f"rank {r}: {d[0]} of shape {list(d[1])} {d[2]}, payload "
-            + ", ".join(f"{name}={numel}x{dt}" for name, numel, dt in d[3])
-            + (f", meta {{{', '.join(f'{k}: {v}' for k, v in d[4])}}}" if d[4] else "")
-            for r, d in enumerate(everyone))
-        raise CollectiveMismatchError(
-            f"aggregate: the ranks' payloads differ ({lines}). Every rank must compress a tensor of the same "
-            "shape and dtype with the same compressor settings (and, for Random-K, call it the same number "
-            "of times); payloads whose sizes depend on the data (topk_global) cannot be aggregated this way")
-
-
-def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
-    """Raise the same ``FloatingPointError`` on every rank if any rank's ``tensor`` holds a NaN or an inf.
-
-    One tiny collective before compressing. Without it the rank with the bad gradient raises alone while
-    its peers wait in the next collective, or, if the caller skips the step there only, the ranks drift
-    one step apart and sum different steps' gradients without any error.
-    """
-    size, _ = group_size_and_rank(group)
-    bad = int(tensor.is_floating_point() and tensor.numel() > 0 and not bool(torch.isfinite(tensor).all()))
-    if size == 1:
-        flags = [bad]
-    else:
-        mine = torch.tensor([bad], dtype=torch.int64, device=tensor.device)
-        everyone = torch.empty(size, dtype=torch.int64, device=tensor.device)
-        all_gather_single(everyone, mine, group=group)
-        flags = everyone.tolist()
-    if any(flags):
-        ranks = [r for r, f in enumerate(flags) if f]
-        raise FloatingPointError(f"{what}: rank(s) {ranks} hold NaN or infinite gradient values; nothing was "
-                                 "sent. Every rank raises this, so all can skip the step together")
+    server_payload_nbytes: int = 0
 
 
 def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,
               error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
-              emulate: EmulatedTopology | None = None) -> Aggregated:
+              emulate: EmulatedTopology | None = None, path: str = "auto",
+              server_error_feedback: ErrorFeedback | None = None) -> Aggregated:
     """Compress ``tensor`` on every rank and return the sum over ranks of the decompressed tensors.
 
     Args:
         tensor: this rank's tensor (a gradient); the same shape and dtype on every rank.
-        compressor: any :class:`commlab.compress.base.Compressor`; its ``linear`` flag picks the path.
+        compressor: any :class:`commlab.compress.base.Compressor`.
         group: process group (None: the default group).
         error_feedback: an :class:`ErrorFeedback` wrapping ``compressor`` (the same object), to compress
-            ``tensor + residual`` and keep the new residual under ``key``.
-        key: the residual's name; required with ``error_feedback``.
+            ``tensor + residual`` and keep the new residual under ``key`` (this rank's, worker-side).
+        key: the residuals' name; required with ``error_feedback`` or ``server_error_feedback``.
         emulate: an :class:`~commlab.topology.EmulatedTopology` whose link delays every payload message
-            (chapter 8 measures compression on an emulated slow link this way). Both paths then use
-            commlab's ring (AllReduce, or AllGather in place of ``dist.all_gather``), whose sends the
-            emulation can delay; the small agreement collectives are not delayed.
+            (chapter 8 measures compression on an emulated slow link this way). Every path then uses
+            commlab's collectives built from point-to-point sends (ring AllReduce, ring AllGather in place of
+            ``dist.all_gather``, :func:`~commlab.collectives.all_to_all` in place of
+            ``dist.all_to_all_single``), whose sends the emulation can delay; the small agreement
+            collectives are not delayed.
+        path: ``"auto"`` (default): ``"all_reduce"`` for a linear compressor, else ``"all_gather"``.
+            ``"all_reduce"`` (linear compressors only), ``"all_gather"`` or ``"two_phase"`` (any compressor;
+            it pays for non-linear ones, see :mod:`commlab.compress.two_phase`) force one.
+        server_error_feedback: ``"two_phase"`` only: an :class:`ErrorFeedback` wrapping ``compressor`` that
+            keeps the chunk owner's residual of its recompressed sum, under ``(key, owner group rank)``.
 
     Returns:
         :class:`Aggregated` with the sum (input shape and dtype), the payload bytes, the bytes each rank
-        sends, and the path taken. The sum of the non-linear path is accumulated in float32 (float64 for
-        float64 input) over ranks in rank order, then rounded once to the input dtype, so every rank
-        gets the same result.
+        sends, and the path taken. The sum of the all-gather path (and each owner's sum in the two-phase
+        path) is accumulated in float32 (float64 for float64 input) over ranks in rank order, then rounded
+        once to the input dtype, so every rank gets the same result.
 
     Raises:
-        ValueError: ``error_feedback`` without ``key``, or wrapping a different compressor.
+        ValueError: an unknown ``path``, ``"all_reduce"`` for a non-linear compressor,
+            ``server_error_feedback`` on another path; an error feedback without ``key``, or wrapping a
+            different compressor.
         CollectiveMismatchError: the ranks' payloads differ in size, dtype or meta (on every rank).
         TypeError: a linear compressor whose payload dtype the ring cannot add.
         FloatingPointError: non-finite input on any rank (the compressors' policy), raised on every rank
-            before anything is sent, so that all ranks can skip the step together.
+            before anything is sent, so that all ranks can skip the step together; in the two-phase path also
+            a chunk owner's sum that overflows when recompressed (on every rank, naming the owner).
     """
     size, _ = group_size_and_rank(group)
+    name = getattr(compressor, "name", type(compressor).__name__)
+    if path not in PATHS:
+        raise ValueError(f"aggregate: path must be one of {PATHS}, got {path!r}")
+    if path == "all_reduce" and not compressor.linear:
+        raise ValueError(f"aggregate: path='all_reduce' adds payloads on the way, which {name} (not linear) does not "
+                         "allow; use 'all_gather' or 'two_phase'")
+    if server_error_feedback is not None and path != "two_phase":
+        raise ValueError("aggregate: server_error_feedback is the chunk owners' error feedback of path='two_phase'; "
+                         f"path={path!r} has no owners")
+    if path == "auto":
+        path = "all_reduce" if compressor.linear else "all_gather"
     agree_finite(tensor, group, "aggregate")
+    if path == "two_phase":
+        call = TwoPhaseCall(tensor, compressor, group, error_feedback=error_feedback,
+                            server_error_feedback=server_error_feedback, key=key, emulate=emulate)
+        call.start()
+        call.middle()
+        total = call.finish()
+        return Aggregated(total, call.payload_nbytes, call.bytes_sent_per_rank, "two_phase", call.server_payload_nbytes)
     if error_feedback is not None:
         if key is None:
             raise ValueError("aggregate: error_feedback needs a key naming this tensor's residual (e.g. the "
@@ -146,11 +144,10 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
         payload = error_feedback.compress(tensor, key)
     else:
         payload = compressor.compress(tensor)
-    name = getattr(compressor, "name", type(compressor).__name__)
-    _agree(payload, name, group, size)
+    agree_payloads(payload, name, group, size)
     nbytes = payload.nbytes
 
-    if compressor.linear:
+    if path == "all_reduce":
         summed = {}
         for tname, t in payload.tensors.items():
             if t.dtype not in SUPPORTED_DTYPES:

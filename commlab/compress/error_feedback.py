@@ -92,6 +92,29 @@ class ErrorFeedback:
         held = self._state.get(key)
         return None if held is None else held[1]
 
+    def through(self, codec: Compressor) -> "ErrorFeedback":
+        """These residuals, compressed through ``codec``: another view of the *same* compressor, e.g.
+        :class:`commlab.compress.two_phase.ChunkedCompressor`, which sends a tensor chunk by chunk. The returned
+        object shares this one's residuals (its :meth:`compress` reads and writes them), so that a residual is
+        what was not sent, whichever view sent it."""
+        view = ErrorFeedback(codec)
+        view.name, view._state = self.name, self._state
+        return view
+
+    def set_residual(self, key: Hashable, residual: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Store ``residual`` (a copy) as the residual of ``key``, for tensors of its shape and device and of
+        ``dtype`` (default: the residual's own dtype), e.g. when a checkpoint is restored.
+
+        Raises:
+            TypeError: ``residual`` is not floating point, or not in the accumulation dtype of ``dtype``
+                (float32 for bf16/fp16/float32 tensors, float64 for float64): what :meth:`compress` keeps.
+        """
+        dtype = residual.dtype if dtype is None else dtype
+        if not residual.is_floating_point() or residual.dtype != self._acc_dtype(dtype):
+            raise TypeError(f"ErrorFeedback.set_residual: the residual of {dtype} tensors is kept in "
+                            f"{self._acc_dtype(dtype)}, got {residual.dtype} for key {key!r}")
+        self._state[key] = ((residual.shape, dtype, residual.device), residual.detach().clone())
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the residual of ``key``, or of every key when ``key`` is None (e.g. after a restart)."""
         if key is None:

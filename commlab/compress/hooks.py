@@ -10,6 +10,8 @@ steps. Both hooks here follow PyTorch's ``ddp_comm_hooks`` (``default_hooks.fp16
 Usage::
 
     ddp.register_comm_hook(CompressionHookState(CastCompressor(torch.float16)), compression_hook)
+    ddp.register_comm_hook(CompressionHookState(SignCompressor(), error_feedback=True, aggregation="two_phase"),
+                           compression_hook)
     ddp.register_comm_hook(PowerSGDState(rank=2, start_iter=10), powersgd_hook)
 """
 
@@ -19,9 +21,14 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives._common import group_size_and_rank
-from commlab.compress.aggregate import agree_finite
+from commlab.compress.agreement import agree_finite
 from commlab.compress.base import Compressor, Payload
+from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.powersgd import PowerSGDState, _Call, _group
+from commlab.compress.two_phase import TwoPhaseCall, server_key
+
+#: The values of ``CompressionHookState(aggregation=...)``.
+AGGREGATIONS = ("auto", "two_phase")
 
 __all__ = ["CompressionHookState", "compression_hook", "PowerSGDState", "powersgd_hook"]
 
@@ -39,33 +46,64 @@ class CompressionHookState:
             (``fp16_compress_hook`` keeps no memory); turn it on for biased compressors (Top-K, sign), which
             need it to converge. Residuals are kept per bucket,
             in the bucket's dtype.
+        aggregation: ``"auto"`` (default): a linear compressor's payload is all-reduced, any other's
+            all-gathered (what torch's prototype ``quantization_pertensor_hook`` does; each rank sends
+            ``(N-1) x payload``). ``"two_phase"``: the two-phase compressed AllReduce of
+            :mod:`commlab.compress.two_phase` (an all-to-all of compressed chunks, each owner recompresses
+            its chunk's sum, an all-gather of the owners' chunks; about ``2 (N-1)/N x payload``), as DeepSpeed's
+            1-bit Adam does: for non-linear compressors at any scale beyond a few ranks.
+        server_error_feedback: ``"two_phase"`` only: the chunk owner keeps what recompressing its chunk's sum
+            lost and adds it to its next sum (DeepSpeed's ``server_error``). Default None: the same as
+            ``error_feedback`` (worker and server error feedback go together, as in 1-bit Adam). Residuals
+            are kept per bucket, for this rank's chunk, in float32 (float64 for float64 buckets).
 
     Attributes:
         residuals: bucket index -> this rank's residual (flat, the bucket's length).
+        server_residuals: the :class:`ErrorFeedback` holding the owner's residuals (keys ``(bucket index,
+            this rank)``), or None.
         last_payload_nbytes: bytes of the latest bucket's payload on this rank.
+        last_bytes_sent_per_rank: bytes this rank sent for the latest bucket, as
+            :attr:`commlab.compress.Aggregated.bytes_sent_per_rank` counts them (padding of the all-gathered
+            payloads of ``"auto"`` excluded).
 
     Raises:
-        ValueError: ``compressor`` does not follow the protocol, or a bad ``process_group``/``error_feedback``.
+        ValueError: ``compressor`` does not follow the protocol, or a bad ``process_group``/``error_feedback``/
+            ``aggregation``/``server_error_feedback`` (server error feedback without two-phase aggregation).
         RuntimeError: this rank is not a member of ``process_group``.
     """
 
     def __init__(self, compressor: Compressor, process_group: dist.ProcessGroup | None = None,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, aggregation: str = "auto", server_error_feedback: bool | None = None):
         missing = [a for a in ("name", "linear", "compress", "decompress") if not hasattr(compressor, a)]
         if missing:
             raise ValueError(f"compressor {compressor!r} lacks {missing}; it must follow "
                              "commlab.compress.base.Compressor (name, linear, compress, decompress)")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if server_error_feedback is not None and not isinstance(server_error_feedback, bool):
+            raise ValueError(f"server_error_feedback must be True, False or None (= error_feedback), "
+                             f"got {server_error_feedback!r}")
+        if server_error_feedback and aggregation != "two_phase":
+            raise ValueError("server_error_feedback is the chunk owners' error feedback of aggregation='two_phase'; "
+                             f"aggregation={aggregation!r} has no owners")
         if process_group is not None:  # None is the world, resolved when the hook runs
             group_size_and_rank(process_group, "CompressionHookState")
         self.compressor = compressor
         self.process_group = process_group
         self.error_feedback = error_feedback
+        self.aggregation = aggregation
+        self.server_error_feedback = (aggregation == "two_phase" and
+                                      (error_feedback if server_error_feedback is None else server_error_feedback))
         self.residuals: dict[int, torch.Tensor] = {}
         # bucket index -> [(id of parameter, numel)] of the layout its residual was stored with.
         self._layouts: dict[int, list[tuple[int, int]]] = {}
+        self.server_residuals = ErrorFeedback(compressor) if self.server_error_feedback else None
+        # The same for the owners' residuals: a chunk is a range of the flat bucket, so a new layout drops them.
+        self._server_layouts: dict[int, list[tuple[int, int]]] = {}
         self.last_payload_nbytes = 0
+        self.last_bytes_sent_per_rank = 0.0
 
     def state_dict(self) -> dict:
         """What the next steps depend on, for a checkpoint: resuming from it is the uninterrupted run.
@@ -73,18 +111,28 @@ class CompressionHookState:
         ``{"compressor": its name, "error_feedback": bool, "residuals": {bucket index: flat tensor},
         "bucket_numels": {bucket index: [element count of each parameter in the bucket, in order]},
         "counters": the compressor's own state, if it keeps any: Random-K's call count ``step``, QSGD's
-        ``generator`` state}``, tensors cloned. The residuals are this rank's own, per bucket: the dict belongs
-        to the rank that holds it and to the same bucket layout.
+        ``generator`` state, "aggregation": str, "server_error_feedback": bool, "server_owner": this rank's
+        group rank (the chunk it owns), "server_residuals": {bucket index: the owner's residual of its
+        chunk (float32, float64 for float64 buckets)}, "server_bucket_numels": as "bucket_numels"}``,
+        tensors cloned. The residuals are this rank's own, per bucket: the dict belongs to the rank that
+        holds it and to the same bucket layout.
         """
         counters = {}
         if isinstance(getattr(self.compressor, "step", None), int):
             counters["step"] = self.compressor.step
         if isinstance(getattr(self.compressor, "generator", None), torch.Generator):
             counters["generator"] = self.compressor.generator.get_state()
+        server, owner = {}, None
+        if self.server_residuals is not None:
+            for (b, owner), r in ((k, self.server_residuals.residual(k)) for k in self.server_residuals.keys()):
+                server[b] = r.detach().clone()
         return {"compressor": self.compressor.name, "error_feedback": self.error_feedback,
                 "residuals": {b: r.detach().clone() for b, r in self.residuals.items()},
                 "bucket_numels": {b: [k for _, k in layout] for b, layout in self._layouts.items()},
-                "counters": counters}
+                "counters": counters, "aggregation": self.aggregation,
+                "server_error_feedback": self.server_error_feedback, "server_owner": owner,
+                "server_residuals": server,
+                "server_bucket_numels": {b: [k for _, k in self._server_layouts[b]] for b in server}}
 
     def load_state_dict(self, state_dict: dict, buckets) -> None:
         """Restore what :meth:`state_dict` returned, for the buckets this rank has now.
@@ -96,25 +144,51 @@ class CompressionHookState:
                 which does not survive a restart).
 
         Raises:
-            ValueError: another compressor or error-feedback setting, a bucket that does not exist now, or one
-                whose parameters' element counts differ from the saved ones (another bucket layout: the message
-                names the bucket and both counts).
+            ValueError: another compressor, error-feedback or aggregation setting; server residuals saved by the
+                owner of another chunk (another rank); a bucket that does not exist now, or one whose
+                parameters' element counts differ from the saved ones (another bucket layout: the message names
+                the bucket and both counts).
         """
+        # Dicts saved before two-phase aggregation existed hold none of its keys: they are "auto" ones.
+        saved_agg = (state_dict.get("aggregation", "auto"), bool(state_dict.get("server_error_feedback", False)))
         if (state_dict["compressor"], state_dict["error_feedback"]) != (self.compressor.name, self.error_feedback):
             raise ValueError(f"CompressionHookState.load_state_dict: saved for {state_dict['compressor']} with "
                              f"error_feedback={state_dict['error_feedback']}, this state has {self.compressor.name} "
                              f"with error_feedback={self.error_feedback}")
-        layouts = {}
-        for b, numels in state_dict["bucket_numels"].items():
-            params = list(buckets[b]) if b in buckets else []
-            now = [p.numel() for p in params]
-            if now != list(numels):
-                raise ValueError(f"CompressionHookState.load_state_dict: bucket {b} was saved holding parameters of "
-                                 f"{list(numels)} elements, now it holds {now}; the residuals belong to another "
-                                 "bucket layout (another TP/PP split or bucket cap): start afresh instead")
-            layouts[b] = [(id(p), p.numel()) for p in params]
+        if saved_agg != (self.aggregation, self.server_error_feedback):
+            raise ValueError(f"CompressionHookState.load_state_dict: saved with aggregation={saved_agg[0]!r}, "
+                             f"server_error_feedback={saved_agg[1]}, this state has aggregation={self.aggregation!r}, "
+                             f"server_error_feedback={self.server_error_feedback}")
+        server = state_dict.get("server_residuals", {})
+        if server:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            me = dist.get_rank(group)
+            if state_dict["server_owner"] != me:
+                raise ValueError(f"CompressionHookState.load_state_dict: the server residuals were saved by the owner "
+                                 f"of chunk {state_dict['server_owner']}, this rank owns chunk {me}; load each rank's "
+                                 "own state dict")
+
+        def relayout(numels_by_bucket: dict) -> dict:
+            layouts = {}
+            for b, numels in numels_by_bucket.items():
+                params = list(buckets[b]) if b in buckets else []
+                now = [p.numel() for p in params]
+                if now != list(numels):
+                    raise ValueError(f"CompressionHookState.load_state_dict: bucket {b} was saved holding parameters "
+                                     f"of {list(numels)} elements, now it holds {now}; the residuals belong to another "
+                                     "bucket layout (another TP/PP split or bucket cap): start afresh instead")
+                layouts[b] = [(id(p), p.numel()) for p in params]
+            return layouts
+
+        layouts = relayout(state_dict["bucket_numels"])
+        server_layouts = relayout(state_dict.get("server_bucket_numels", {}))
         self.residuals = {b: r.clone() for b, r in state_dict["residuals"].items()}
         self._layouts = layouts
+        if self.server_residuals is not None:
+            self.server_residuals.reset()
+            for b, r in server.items():
+                self.server_residuals.set_residual(server_key(b, me), r)
+            self._server_layouts = server_layouts
         counters = state_dict.get("counters", {})
         if "step" in counters:
             self.compressor.step = int(counters["step"])
@@ -150,9 +224,25 @@ class CompressionHookState:
         self.residuals[bucket.index()] = residual
         self._layouts[bucket.index()] = [(id(p), p.numel()) for p in bucket.parameters()]
 
+    def _server_feedback(self, bucket, owner: int) -> ErrorFeedback | None:
+        """The owners' error feedback, with ``bucket``'s residual dropped if DDP laid the bucket out anew since
+        it was stored: a chunk is a range of the flat bucket, which then holds other parameters' entries (the
+        worker residuals are moved parameter by parameter instead; an owner's chunk cannot be, without asking
+        its peers). DDP rebuilds its buckets once, after the first step, so at most one step's server error is
+        dropped."""
+        if self.server_residuals is None:
+            return None
+        idx = bucket.index()
+        layout = [(id(p), p.numel()) for p in bucket.parameters()]
+        if self._server_layouts.get(idx) != layout:
+            self.server_residuals.reset(server_key(idx, owner))
+            self._server_layouts[idx] = layout
+        return self.server_residuals
+
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a bucket with ``state.compressor``: all-reduce for linear payloads, all-gather otherwise.
+    """Average a bucket with ``state.compressor``: all-reduce for linear payloads, all-gather otherwise, or the
+    two-phase compressed AllReduce (``state.aggregation == "two_phase"``).
 
     Each rank compresses ``x`` = its gradient (+ its residual, with error feedback).
 
@@ -166,14 +256,23 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
       a threshold sparsifier), then each payload tensor is all-gathered (padded to the longest), and the N
       payloads are decompressed, summed and divided by N on every rank.
 
-    With error feedback the residual is ``x - decompress(compress(x))``, computed locally before sending.
-    All collectives are issued from the calling thread, in bucket order.
+    * ``"two_phase"`` (:class:`commlab.compress.two_phase.TwoPhaseCall`): ``x`` is cut into N chunks, each
+      compressed; an all-to-all sends chunk j to rank j, which waits for it here (the hook's thread), sums
+      and recompresses it (with the owner's residual when ``state.server_error_feedback``), and launches
+      the all-gather of the owners' chunks; the future decompresses them, joins and divides by N.
+
+    With error feedback the residual is ``x - decompress(compress(x))`` (for two-phase, of this rank's
+    chunked payload), computed locally before sending. All collectives are issued from the calling thread,
+    in bucket order.
 
     Returns:
         A future of the bucket buffer, holding the average.
 
     Raises:
         TypeError: a linear compressor whose payload holds a non-floating-point tensor.
+        FloatingPointError: NaN/Inf in any rank's ``x`` (on every rank, before anything is sent); with
+            two-phase also a chunk owner whose sum overflows when recompressed (on every rank).
+        CollectiveMismatchError: two-phase, the ranks' chunk payloads differ (on every rank).
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
@@ -183,8 +282,11 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         x = buffer + state._residual(bucket, buffer)
     comp = state.compressor
     agree_finite(x, group, "compression_hook")  # every rank raises together, none waits for a lost peer
+    if state.aggregation == "two_phase":
+        return _two_phase(state, bucket, group, world, buffer, x)
     payload = comp.compress(x)
     state.last_payload_nbytes = payload.nbytes
+    state.last_bytes_sent_per_rank = (2 * (world - 1) / world if comp.linear else world - 1) * payload.nbytes
     if state.error_feedback:
         state._store(bucket, x - comp.decompress(payload).reshape(x.shape).to(x.dtype))
     names = list(payload.tensors)
@@ -244,6 +346,31 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         return buffer
 
     return torch.futures.collect_all(futs).then(done_gather)
+
+
+def _two_phase(state: CompressionHookState, bucket, group, world: int, buffer: torch.Tensor,
+               x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The two-phase branch of :func:`compression_hook`: phase 1 and the owner's step here, phase 2 in flight."""
+    call = TwoPhaseCall(x, state.compressor, group, key=bucket.index(), what="compression_hook",
+                        server_error_feedback=state._server_feedback(bucket, dist.get_rank(group)))
+    payload = call.start()
+    state.last_payload_nbytes = payload.nbytes
+    if state.error_feedback:
+        state._store(bucket, x - call.chunked.decompress(payload).reshape(x.shape).to(x.dtype))
+    # Phase 1 is waited for on this thread, and phase 2 launched from it: a collective issued from a future's
+    # callback would race with the next bucket's (see powersgd_hook).
+    futures = call.middle()
+    state.last_bytes_sent_per_rank = call.bytes_sent_per_rank
+
+    def done(_=None):
+        buffer.copy_(call.finish(wait=False).div_(world).reshape(buffer.shape))
+        return buffer
+
+    if not futures:  # nothing in flight (one rank, or an empty bucket)
+        fut = torch.futures.Future()
+        fut.set_result(done())
+        return fut
+    return torch.futures.collect_all(futures).then(done)
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

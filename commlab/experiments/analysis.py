@@ -32,7 +32,7 @@ def run_group(rec: RunRecord) -> str:
 
 def _method_key(rec: RunRecord) -> tuple:
     c = rec.config
-    return (run_group(rec), c["method"], bool(c["error_feedback"]), c["warmup_steps"])
+    return (run_group(rec), c["method"], bool(c["error_feedback"]), c["warmup_steps"], c.get("aggregation", "auto"))
 
 
 def _settings(rec: RunRecord) -> str:
@@ -41,7 +41,7 @@ def _settings(rec: RunRecord) -> str:
 
 
 def group_runs(records: Sequence[RunRecord]) -> dict[tuple, list[RunRecord]]:
-    """Records grouped by (task group, method spec, error feedback, warm-up steps), in first-seen order.
+    """Records grouped by (task group, method spec, error feedback, warm-up steps, aggregation), in first-seen order.
     The task group is the task, or ``task/optimizer`` for runs with another optimizer than the task's.
 
     Raises:
@@ -83,7 +83,7 @@ class SummaryRow:
     """One method on one task, over seeds.
 
     Attributes:
-        task, label, method, error_feedback, warmup_steps: what ran.
+        task, label, method, error_feedback, warmup_steps, aggregation: what ran.
         seeds: number of runs; diverged: how many stopped on a NaN/Inf gradient.
         ratio: dense float32 bytes / payload bytes; payload_nbytes, bytes_sent_per_rank: per step.
         quality_mean, quality_std: final quality over the runs that finished (accuracy, or perplexity).
@@ -110,6 +110,7 @@ class SummaryRow:
     codec_s: float
     comm_s: float
     step_s: float
+    aggregation: str = "auto"
 
 
 def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
@@ -125,14 +126,14 @@ def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
     groups = group_runs(records)
     dense = {(run_group(r), r.config["seed"]): r for r in records if r.config["method"] == "dense"}
     rows = []
-    for (task, method, ef, warm), runs in groups.items():
+    for (task, method, ef, warm, agg), runs in groups.items():
         changes = []
         for r in runs:
             d = dense.get((task, r.config["seed"]))
             if d is None:
                 raise ValueError(f"no dense run of {task} with seed {r.config['seed']} to compare {r.label} with")
-            if _settings(d).replace("|dense|ef=0|warmup=0|", "|") != _settings(r).replace(
-                    f"|{method}|ef={int(ef)}|warmup={warm}|", "|"):
+            if _settings(d).replace(RunConfig(**d.config).method_segment, "") != _settings(r).replace(
+                    RunConfig(**r.config).method_segment, ""):
                 raise ValueError(f"the dense run of {task}, seed {r.config['seed']}, has other settings than "
                                  f"{r.label}'s; keep each grid in its own file")
             changes.append(_change(r, d))
@@ -146,7 +147,7 @@ def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
         rows.append(SummaryRow(task, r0.label, method, ef, warm, r0.metric, len(runs),
                                sum(r.diverged_at_step is not None for r in runs), r0.ratio, r0.payload_nbytes,
                                r0.bytes_sent_per_rank, *q, *ch, med("compute_s"), med("codec_s"),
-                               med("comm_s"), med("step_s")))
+                               med("comm_s"), med("step_s"), agg))
     return rows
 
 
@@ -211,7 +212,9 @@ def article_table(records: Sequence[RunRecord], task: str = "charlm", claims: di
         ValueError: a method of the article's table missing from ``records``.
     """
     claims = claims or load_article_claims()
-    by_method = {(r.method, r.error_feedback, r.warmup_steps): r for r in summarize(records) if r.task == task}
+    # The article's rows are the all-gather runs (the two-phase ones are chapter 8's correction).
+    by_method = {(r.method, r.error_feedback, r.warmup_steps): r for r in summarize(records)
+                 if r.task == task and r.aggregation == "auto"}
     out = []
     for c in claims["rows"]:
         key = (c["method"], c["error_feedback"], 0)

@@ -1,7 +1,9 @@
 """The experiment grids of chapter 8 and the command that runs them into ``data/experiments/``.
 
 ``python -m commlab experiments run --grid full`` trains every method of :data:`FULL_METHODS` on both
-tasks for :data:`FULL_SEEDS`, and :data:`SGD_CONTRAST_METHODS` on the character LM with SGD instead of Adam, appending one JSON line per finished run (its whole :class:`RunRecord`,
+tasks for :data:`FULL_SEEDS`, and :data:`SGD_CONTRAST_METHODS` on the character LM with SGD instead of Adam,
+then the same for the two-phase rows (:data:`TWO_PHASE_METHODS`, :data:`TWO_PHASE_SGD_CONTRAST_METHODS`),
+appending one JSON line per finished run (its whole :class:`RunRecord`,
 config included) to ``data/experiments/full.jsonl``; runs already in the file are skipped, so an
 interrupted grid resumes where it stopped (``--fresh`` starts over). ``--grid quick`` is the lab's short
 version. Progress: a tqdm bar over runs and one line per finished run.
@@ -19,8 +21,8 @@ from typing import Iterable
 
 from commlab.experiments.harness import RunConfig, RunRecord, run
 
-__all__ = ["FULL_METHODS", "SGD_CONTRAST_METHODS", "FULL_SEEDS", "QUICK_METHODS", "grid_configs", "run_grid", "load_records",
-           "default_path", "DATA_DIR"]
+__all__ = ["FULL_METHODS", "SGD_CONTRAST_METHODS", "TWO_PHASE_METHODS", "TWO_PHASE_SGD_CONTRAST_METHODS", "FULL_SEEDS",
+           "QUICK_METHODS", "grid_configs", "run_grid", "load_records", "default_path", "DATA_DIR"]
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "experiments"
 
@@ -46,6 +48,19 @@ SGD_CONTRAST_METHODS: list[tuple[str, bool, float]] = [
     ("dense", False, 0.0), ("int:8", False, 0.0), ("sign", False, 0.0), ("sign", True, 0.0),
     ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0), ("powersgd:4", True, 0.0), ("powersgd:4", False, 0.0)]
 
+#: The non-linear compressors again with the two-phase compressed AllReduce (``aggregation="two_phase"``:
+#: an all-to-all of compressed chunks, each owner recompresses its chunk's sum, an all-gather of the owners'
+#: chunks) instead of all-gathering every payload; with error feedback, the chunk owners keep their own too.
+#: Two-phase changes what is applied (a second compression), so its quality is measured, not assumed. These
+#: runs come after the others in the full grid, so that a recorded grid resumes with them alone.
+TWO_PHASE_METHODS: list[tuple[str, bool, float]] = [
+    ("int:8", False, 0.0), ("int:4", True, 0.0), ("qsgd:4", False, 0.0), ("sign", False, 0.0), ("sign", True, 0.0),
+    ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0)]
+#: The same for the SGD + momentum contrast (its non-linear rows).
+TWO_PHASE_SGD_CONTRAST_METHODS: list[tuple[str, bool, float]] = [
+    ("int:8", False, 0.0), ("sign", False, 0.0), ("sign", True, 0.0), ("topk:0.01", False, 0.0),
+    ("topk:0.01", True, 0.0)]
+
 #: The lab's grid: a few methods, one seed, the digits task on 2 ranks, short runs.
 QUICK_METHODS: list[tuple[str, bool, float]] = [
     ("dense", False, 0.0), ("cast:fp16", False, 0.0), ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0),
@@ -68,6 +83,16 @@ def grid_configs(name: str) -> list[RunConfig]:
         for seed in FULL_SEEDS:
             for spec, ef, _ in SGD_CONTRAST_METHODS:
                 out.append(RunConfig("charlm", spec, ef, seed=seed, world_size=4, optimizer="sgd-momentum", lr=0.3))
+        for task in FULL_TASKS:
+            steps = RunConfig(task).resolved().steps
+            for seed in FULL_SEEDS:
+                for spec, ef, warm in TWO_PHASE_METHODS:
+                    out.append(RunConfig(task, spec, ef, int(round(warm * steps)), seed=seed, world_size=4,
+                                         aggregation="two_phase"))
+        for seed in FULL_SEEDS:
+            for spec, ef, _ in TWO_PHASE_SGD_CONTRAST_METHODS:
+                out.append(RunConfig("charlm", spec, ef, seed=seed, world_size=4, optimizer="sgd-momentum", lr=0.3,
+                                     aggregation="two_phase"))
         return out
     if name == "quick":
         return [RunConfig("digits", spec, ef, int(round(warm * 60)), seed=0, world_size=2, steps=60)

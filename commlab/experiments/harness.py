@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from commlab.experiments.methods import describe, make_method, method_hook, parse_spec
+from commlab.experiments.methods import check_aggregation, describe, make_method, method_hook, parse_spec
 from commlab.experiments.tasks import OPTIMIZERS, TASKS, get_task, make_optimizer
 from commlab.launch.device import group_device
 from commlab.overlap.bucketed import BucketedDataParallel
@@ -49,6 +49,10 @@ class RunConfig:
         link_bytes_per_s, link_alpha_s: if ``link_bytes_per_s`` is set, every rank sits on its own emulated
             node behind a link of that bandwidth (bytes/s per direction) and latency (s), which delays each
             payload message (:class:`commlab.topology.EmulatedTopology`).
+        aggregation: how the payloads are summed (:data:`commlab.experiments.methods.AGGREGATIONS`):
+            ``"auto"`` (default: the compressor's own path) or ``"two_phase"`` (non-linear compressors;
+            worker and chunk-owner error feedback both follow ``error_feedback``). Left out of :attr:`key`
+            when ``"auto"``, so that runs recorded before the field existed keep their keys.
 
     Raises:
         ValueError: a bad task, method or number (the message says which).
@@ -67,10 +71,12 @@ class RunConfig:
     link_bytes_per_s: float | None = None
     link_alpha_s: float = 0.0
     optimizer: str | None = None
+    aggregation: str = "auto"
 
     def __post_init__(self):
         _task_class(self.task)
         parse_spec(self.method)
+        check_aggregation(self.method, self.aggregation)
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"RunConfig.error_feedback must be True or False, got {self.error_feedback!r}")
         if self.method == "dense" and (self.error_feedback or self.warmup_steps):
@@ -117,7 +123,7 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        return describe(self.method, self.error_feedback, self.warmup_steps)
+        return describe(self.method, self.error_feedback, self.warmup_steps, self.aggregation)
 
     @property
     def key(self) -> str:
@@ -127,8 +133,16 @@ class RunConfig:
         # The task's own optimizer is left out of the key, so that records made before the field existed match.
         if c.optimizer != _task_class(c.task).defaults.optimizer:
             link += f"|opt={c.optimizer}"
-        return (f"{c.task}|{c.method}|ef={int(c.error_feedback)}|warmup={c.warmup_steps}|seed={c.seed}|"
+        return (f"{c.method_segment}seed={c.seed}|"
                 f"n={c.world_size}|steps={c.steps}|bs={c.batch_size}|lr={c.lr:g}|eval={c.eval_every}{link}")
+
+    @property
+    def method_segment(self) -> str:
+        """The part of :attr:`key` that names the method: ``"charlm|sign|ef=1|warmup=0|"``, with
+        ``"agg=two_phase|"`` after it for two-phase aggregation (the default ``"auto"`` is left out, so that
+        runs recorded before the field existed keep their keys)."""
+        agg = "" if self.aggregation == "auto" else f"agg={self.aggregation}|"
+        return f"{self.task}|{self.method}|ef={int(self.error_feedback)}|warmup={self.warmup_steps}|{agg}"
 
 
 def _task_class(name):
@@ -148,8 +162,9 @@ class RunRecord:
         metric, higher_is_better: the task's quality measure (``"accuracy"`` or ``"perplexity"``).
         params: parameters of the model; dense_nbytes: bytes of its gradient (elements times their dtype's size).
         payload_nbytes: bytes of one rank's compressed gradient (of the last step; the dense size for dense).
-        bytes_sent_per_rank: bytes each rank sent per compressed step (ring accounting, chapter 4).
-        path: how the payloads were summed (``"all_reduce"``, ``"all_gather"`` or ``"powersgd"``).
+        bytes_sent_per_rank: bytes each rank sent per compressed step (ring accounting, chapter 4; two-phase:
+            :func:`commlab.compress.two_phase.two_phase_bytes_sent_per_rank`).
+        path: how the payloads were summed (``"all_reduce"``, ``"all_gather"``, ``"two_phase"`` or ``"powersgd"``).
         loss: training loss per step, mean over ranks (nats).
         compute_s, codec_s, comm_s, step_s: seconds per step, slowest rank.
         eval_steps, eval_quality: quality after each evaluated step count (0 = the initial model).
@@ -216,7 +231,8 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
     # One bucket for the whole gradient: the compressors see it as one tensor (a global Top-K, chapter 5).
     wrapped = BucketedDataParallel(model, bucket_cap_bytes=dense_nbytes)
     clock = wrapped.clock
-    method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate, clock)
+    method = make_method(config.method, config.error_feedback, config.warmup_steps, config.seed, emulate, clock,
+                         config.aggregation)
     wrapped.register_comm_hook(method, method_hook)
     opt = make_optimizer(config.optimizer, model, config.lr)
     gen = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)

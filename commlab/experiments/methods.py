@@ -3,8 +3,11 @@
 A *spec* names a method: ``dense`` (commlab's ring AllReduce of the gradient), ``cast:fp16``,
 ``cast:bf16``, ``int:8``, ``int:4`` (:class:`~commlab.compress.quantize.RoundingQuantizer`), ``qsgd:4``
 (QSGD with 4-bit codes), ``sign``, ``topk:0.01``, ``randomk:0.01`` (share kept) and ``powersgd:R`` (rank R).
-A :class:`Method` averages one rank's gradients over the group and reports the payload bytes, the bytes sent
-per rank, and the seconds inside the compressor:
+Beside the spec, ``aggregation`` says how a non-linear compressor's payloads are summed (:data:`AGGREGATIONS`):
+``"auto"`` all-gathers them (:func:`commlab.compress.aggregate`'s default), ``"two_phase"`` runs the two-phase
+compressed AllReduce (:mod:`commlab.compress.two_phase`), with the chunk owners' error feedback on whenever
+the method's error feedback is. A :class:`Method` averages one rank's gradients over the group and reports the
+payload bytes, the bytes sent per rank, and the seconds inside the compressor:
 
 * ``codec_s``: seconds inside the compressor's ``compress`` and ``decompress`` (for PowerSGD, the matrix
   products, orthogonalisation and error-feedback arithmetic between its two AllReduces),
@@ -41,13 +44,19 @@ from commlab.launch.device import Clock, Mark
 from commlab.overlap.bucketed import Bucket, completed_future
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["METHOD_KINDS", "StepComm", "BucketCost", "parse_spec", "describe", "payload_tensors", "make_method",
-           "Method", "method_hook", "compressor_for"]
+__all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "StepComm", "BucketCost", "parse_spec",
+           "check_aggregation", "describe", "payload_tensors", "make_method", "Method", "method_hook",
+           "compressor_for"]
 
 #: Spec prefix -> what its argument means.
 METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)", "qsgd": "bits (2, 4 or 8)",
                 "sign": None, "topk": "share kept in (0, 1]", "randomk": "share kept in (0, 1]",
                 "powersgd": "rank >= 1"}
+
+#: How a method's payloads are summed: "auto" (ring AllReduce if linear, else all-gather) or "two_phase".
+AGGREGATIONS = ("auto", "two_phase")
+#: The spec kinds whose compressors are not linear: those the two-phase AllReduce applies to.
+TWO_PHASE_KINDS = ("int", "qsgd", "sign", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +67,7 @@ class StepComm:
     bytes_sent_per_rank: float
     codec_s: float
     comm_s: float
-    path: str           # "all_reduce", "all_gather" or "powersgd" (two AllReduces: P, then Q)
+    path: str           # "all_reduce", "all_gather", "two_phase" or "powersgd" (two AllReduces: P, then Q)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,20 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return kind, arg or None
 
 
+def check_aggregation(spec: str, aggregation: str) -> None:
+    """Raise ``ValueError`` unless ``aggregation`` is one of :data:`AGGREGATIONS` and fits ``spec``: two-phase
+    applies to the non-linear compressors (:data:`TWO_PHASE_KINDS`); dense, casts and Random-K (shared
+    indices) already ride the ring AllReduce, and PowerSGD has its own two AllReduces."""
+    kind, _ = parse_spec(spec)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "two_phase" and kind not in TWO_PHASE_KINDS:
+        why = ("has its own two AllReduces (P, then Q)" if kind == "powersgd" else
+               "sends nothing compressed" if kind == "dense" else "is linear: its payloads ride the ring AllReduce")
+        raise ValueError(f"method {spec!r} {why}; two-phase aggregation is for "
+                         f"{', '.join(k + ':...' if METHOD_KINDS[k] else k for k in TWO_PHASE_KINDS)}")
+
+
 def payload_tensors(spec: str, warm: bool = False) -> int:
     """Tensors in one rank's payload, each summed by its own collective (1 for dense and PowerSGD's two
     AllReduces each; 2 where a scale, norm or index tensor travels beside the values)."""
@@ -132,8 +155,9 @@ def payload_tensors(spec: str, warm: bool = False) -> int:
     return 2 if kind in ("int", "qsgd", "sign", "topk") and not warm else 1
 
 
-def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0) -> str:
-    """A label for tables: ``"Top-K 1% + EF"``, ``"PowerSGD r=4"``, ``"sign + EF, 30 dense steps"``."""
+def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0, aggregation: str = "auto") -> str:
+    """A label for tables: ``"Top-K 1% + EF"``, ``"PowerSGD r=4"``, ``"sign + EF, 30 dense steps"``,
+    ``"sign (1-bit) + EF, two-phase"`` (error feedback on workers and chunk owners)."""
     kind, arg = parse_spec(spec)
     base = {"dense": "dense fp32", "sign": "sign (1-bit)"}.get(kind)
     if base is None:
@@ -147,6 +171,8 @@ def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0) -> 
         base += " no EF"
     elif kind != "powersgd" and error_feedback:
         base += " + EF"
+    if aggregation == "two_phase":
+        base += ", two-phase"
     if warmup_steps:
         base += f", {warmup_steps} dense steps"
     return base
@@ -207,6 +233,8 @@ class Method:
     and :attr:`costs` collects one :class:`BucketCost` per bucket until :meth:`take_costs` hands them over.
     :meth:`average` averages a list of tensors directly (one step). The first ``warmup_steps`` steps average
     densely (commlab's ring AllReduce), as PowerSGD's ``start_iter`` does; a step ends at the last bucket.
+    With ``aggregation="two_phase"`` the compressed steps run the two-phase AllReduce, with worker and owner
+    error feedback when ``error_feedback``.
 
     Attributes:
         clock: the :class:`commlab.launch.Clock` of the marks (pass the wrapper's, so that they share its time
@@ -217,14 +245,16 @@ class Method:
     """
 
     def __init__(self, spec: str, error_feedback: bool, warmup_steps: int, seed: int,
-                 emulate: EmulatedTopology | None, clock: Clock | None = None):
+                 emulate: EmulatedTopology | None, clock: Clock | None = None, aggregation: str = "auto"):
         self.kind, arg = parse_spec(spec)
+        check_aggregation(spec, aggregation)
+        self.aggregation = aggregation
         if self.kind == "powersgd" and emulate is not None:
             raise ValueError("PowerSGD runs its AllReduces through dist.all_reduce, which an EmulatedTopology "
                              "cannot delay; measure it without emulate")
         self.warmup_steps, self.emulate, self.step = warmup_steps, emulate, 0
         self.clock = clock if clock is not None else Clock()
-        self.compressor = self.ef = self.powersgd = None
+        self.compressor = self.ef = self.server_ef = self.powersgd = None
         self.costs: list[BucketCost] = []
         if self.kind == "powersgd":
             # start_iter is handled here (warmup_steps); the state's own counter is used only by the DDP hook.
@@ -233,6 +263,8 @@ class Method:
         elif self.kind != "dense":
             self.compressor = _TimedCompressor(_compressor(self.kind, arg, seed), self.clock)
             self.ef = ErrorFeedback(self.compressor) if error_feedback else None
+            if error_feedback and aggregation == "two_phase":
+                self.server_ef = ErrorFeedback(self.compressor)
 
     @property
     def compressing(self) -> bool:
@@ -291,7 +323,8 @@ class Method:
                                      t0, self.clock.mark(), ())
         self.compressor.intervals = []
         out = aggregate(flat, self.compressor, error_feedback=self.ef, key=key if self.ef else None,
-                        emulate=self.emulate)
+                        emulate=self.emulate, path="two_phase" if self.aggregation == "two_phase" else "auto",
+                        server_error_feedback=self.server_ef)
         return out.sum, BucketCost(out.payload_nbytes, out.bytes_sent_per_rank, out.path, t0, self.clock.mark(),
                                    tuple(self.compressor.intervals))
 
@@ -326,7 +359,8 @@ def method_hook(method: Method, bucket: Bucket) -> torch.futures.Future:
 
 
 def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, seed: int = 0,
-                emulate: EmulatedTopology | None = None, clock: Clock | None = None) -> Method:
+                emulate: EmulatedTopology | None = None, clock: Clock | None = None,
+                aggregation: str = "auto") -> Method:
     """A :class:`Method` for ``spec`` (see the module docstring).
 
     Args:
@@ -337,11 +371,13 @@ def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, 
         seed: seeds Random-K's shared indices, QSGD's rounding and PowerSGD's initial Q (same on every rank).
         emulate: an emulated slow link that delays the payloads (not for PowerSGD).
         clock: the clock of the method's time marks (default: the host clock).
+        aggregation: ``"auto"`` or ``"two_phase"`` (:func:`check_aggregation`).
 
     Raises:
-        ValueError: a bad spec, a negative ``warmup_steps``, or PowerSGD with ``emulate``.
+        ValueError: a bad spec, a negative ``warmup_steps``, PowerSGD with ``emulate``, or an aggregation that
+            does not apply to the spec.
     """
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     kind, _ = parse_spec(spec)
-    return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate, clock)
+    return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate, clock, aggregation)

@@ -10,6 +10,9 @@ and the last two terms are the ring collectives of its payload over ``n`` ranks 
 
 * AllReduce of a ``P``-byte payload (linear compressors, dense): a = 2(n-1), b = 2(n-1)/n · P;
 * AllGather of ``n`` payloads (non-linear compressors): a = n-1, b = (n-1) · P;
+* the two-phase AllReduce of a non-linear compressor (:mod:`commlab.compress.two_phase`): an all-to-all and
+  an AllGather, a = 2(n-1), b = 2(n-1)/n · P, the AllReduce's (exact when the chunk owners' payloads have
+  the workers' size, as they do for every compressor here);
 * PowerSGD's two AllReduces (P, then Q): a = 4(n-1), b = 2(n-1)/n · P (P = all bytes of both).
 
 ``a`` is multiplied by the number of payload tensors (each is its own collective). A method that needs
@@ -31,13 +34,14 @@ import statistics
 from typing import Sequence
 
 from commlab.experiments.methods import payload_tensors
+from commlab.collectives.all_to_all import all_to_all_seconds
 from commlab.collectives.ring import ring_all_gather_seconds, ring_all_reduce_seconds
 from commlab.topology.links import Link
 
 __all__ = ["StepCosts", "comm_coefficients", "comm_seconds", "step_seconds", "costs_from_record",
            "steps_to_target", "time_to_target", "BreakEven", "break_even"]
 
-PATHS = ("all_reduce", "all_gather", "powersgd")
+PATHS = ("all_reduce", "all_gather", "two_phase", "powersgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +51,7 @@ class StepCosts:
     Attributes:
         label: the method's name.
         compute_s: forward + backward seconds; codec_s: encode + decode seconds.
-        payload_nbytes: bytes of one rank's payload; path: one of ``"all_reduce"``, ``"all_gather"``, ``"powersgd"``.
+        payload_nbytes: bytes of one rank's payload; path: one of :data:`PATHS`.
         world_size: ranks n (>= 1). collectives: payload tensors, each its own collective (>= 1).
 
     Raises:
@@ -83,9 +87,12 @@ def _check_steps(name: str, steps) -> None:
 def comm_coefficients(costs: StepCosts) -> tuple[float, float]:
     """(a, b): the link time of one step is ``a·α + b·β`` (a messages on the critical path, b bytes)."""
     n, p = costs.world_size, costs.payload_nbytes
-    # Read the coefficients off the ring cost functions themselves, so the two cannot drift apart.
+    # Read the coefficients off the collectives' cost functions themselves, so the two cannot drift apart.
     if costs.path == "all_gather":
         a, b = ring_all_gather_seconds(0, n, 1.0, 0.0), ring_all_gather_seconds(n * p, n, 0.0, 1.0)
+    elif costs.path == "two_phase":  # the workers' chunks all-to-all, then the owners' chunks (P in all) gathered
+        a = all_to_all_seconds(0, n, 1.0, 0.0) + ring_all_gather_seconds(0, n, 1.0, 0.0)
+        b = all_to_all_seconds(p, n, 0.0, 1.0) + ring_all_gather_seconds(p, n, 0.0, 1.0)
     else:
         a, b = ring_all_reduce_seconds(0, n, 1.0, 0.0), ring_all_reduce_seconds(p, n, 0.0, 1.0)
         if costs.path == "powersgd":

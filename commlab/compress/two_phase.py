@@ -1,0 +1,386 @@
+"""The two-phase compressed AllReduce: non-linear payloads summed at 2(N-1)/N of their bytes, not N-1 times.
+
+A non-linear compressor's payloads cannot be added on the way (two ranks' Top-K indices differ, their
+scales differ), and all-gathering them costs each rank ``(N-1) × payload`` bytes, which grows with N.
+Systems that send sign, quantised or sparse gradients therefore split the sum the way a ReduceScatter +
+AllGather does, and decompress in the middle:
+
+1. **Phase 1, an all-to-all.** Each rank cuts its flat (error-feedback corrected) gradient into N equal
+   chunks, compresses each chunk on its own, and sends compressed chunk j to rank j, the chunk's *owner*.
+2. **The owner's step.** Owner j decompresses the N payloads of chunk j, sums them, adds its own
+   *server-side* error-feedback residual and compresses the sum again; what that loses becomes the
+   owner's new residual.
+3. **Phase 2, an all-gather** of the owners' payloads. Every rank decompresses the N chunks and joins
+   them: the same sum on every rank.
+
+Each rank sends ``(N-1)/N`` of its own payload and ``(N-1)/N`` of the owners' payloads together, about
+``2(N-1)/N × payload``, flat in N like a ring AllReduce: sign compression keeps its ~32x at any N.
+
+Sources. Seide et al. 2014 ("1-bit stochastic gradient descent and its application to data-parallel
+distributed training of speech DNNs", Interspeech) aggregate the 1-bit gradients by stripes, one node per
+stripe, and quantise the aggregate again with error feedback before sending it back. Bernstein et al. 2019
+("signSGD with majority vote is communication efficient and fault tolerant", ICLR) send signs to a server
+that returns the sign of their sum. DeepSpeed's 1-bit Adam (Tang et al. 2021, "1-bit Adam: communication
+efficient large-scale training with Adam's convergence speed", ICML) runs exactly phases 1-3 for signs
+(``deepspeed/runtime/comm/nccl.py``, ``NcclBackend.compressed_allreduce``: an ``all_to_all_single`` of the
+packed signs and an all-gather of the scales, the server error added before the server's sign is taken, an
+all-gather of the server signs and scales). ZeRO++'s qgZ (Wang et al. 2023, arXiv:2306.10209) replaces
+ZeRO's gradient ReduceScatter by phase 1 with blockwise-quantised gradients.
+
+What differs here from DeepSpeed's: each chunk is compressed as a tensor of its own, so it carries its own
+scale (norm, k) and any :class:`~commlab.compress.base.Compressor` works unchanged; and the owner compresses
+the *sum* (DeepSpeed: the mean), since :func:`commlab.compress.aggregate.aggregate` returns sums.
+
+**Padding.** A flat tensor of ``n`` elements is cut into N chunks of ``m = ceil(n / N)`` elements
+(:func:`chunk_numel`); the positions past ``n`` are filled with zeros before compressing (fewer than N of
+them, or whole chunks when ``n < N``). A zero changes nothing for Top-K (it is never kept before a non-zero
+entry, and sends 0 when it is), INT8/INT4 (the max-abs scale is unchanged, 0 is exact) or QSGD (the norm is
+unchanged); for sign it lowers the padded chunk's scale ``mean |g|`` by ``valid/m`` (error feedback carries
+the difference over). The owner sets the padded positions of its sum to zero before compressing it, so that
+nothing accumulates there, and the padding never reaches the result. Every payload is that of an ``m``
+element chunk, padding included, and counted so in the bytes.
+
+**Bytes** (:func:`two_phase_bytes_sent_per_rank`), with ``c_w`` the bytes of one rank's payload of one chunk
+and ``c_s`` those of one owner's payload: phase 1 sends N-1 chunk payloads, phase 2 (an AllGather of N
+payloads of ``c_s``) forwards N-1 of them, so each rank sends exactly ``(N-1) (c_w + c_s)`` bytes,
+``(N-1)/N · (P_w + P_s)`` with ``P_w = N c_w`` this rank's payload of the whole tensor and ``P_s = N c_s``
+the owners' together. For the compressors here ``c_s = c_w`` (one chunk, one compressor), so it is
+``2 (N-1)/N · P_w``; ``P_w`` is a little above the payload of the tensor compressed whole: N scales instead
+of one, and each chunk's bit packing rounded up on its own (sign: ``N (ceil(m/8) + 4)`` bytes against
+``ceil(n/8) + 4``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives._common import all_gather_single, group_size_and_rank
+from commlab.collectives.all_to_all import all_to_all
+from commlab.collectives.ring import ring_all_gather
+from commlab.compress.agreement import agree_payloads
+from commlab.compress.base import Compressor, Payload
+from commlab.compress.error_feedback import ErrorFeedback
+from commlab.topology.emulated import EmulatedTopology
+
+__all__ = ["ChunkedCompressor", "TwoPhaseCall", "chunk_numel", "valid_numel", "server_key", "two_phase_bytes_sent_per_rank"]
+
+
+def chunk_numel(numel: int, n: int) -> int:
+    """Elements ``m`` of each of the ``n`` equal chunks of a ``numel``-element tensor: ``ceil(numel / n)``
+    (0 for an empty tensor), padding included.
+
+    Raises:
+        ValueError: ``numel < 0`` or ``n < 1``.
+    """
+    for label, v, low in (("numel", numel, 0), ("n", n, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"chunk_numel: {label} must be an int >= {low}, got {v!r}")
+    return -(-numel // n)
+
+
+def valid_numel(numel: int, n: int, owner: int) -> int:
+    """Elements of chunk ``owner`` (0-based) that are the tensor's, not padding:
+    ``min(m, max(0, numel - owner·m))`` with ``m = chunk_numel(numel, n)``."""
+    m = chunk_numel(numel, n)
+    return min(m, max(0, numel - owner * m))
+
+
+def two_phase_bytes_sent_per_rank(worker_chunk_nbytes: float, server_chunk_nbytes: float, n: int) -> float:
+    """Bytes each rank sends in the two-phase AllReduce: ``(n-1) · (c_w + c_s)``.
+
+    Args:
+        worker_chunk_nbytes: ``c_w``, bytes of one rank's payload of one chunk (phase 1 sends n-1 of them).
+        server_chunk_nbytes: ``c_s``, bytes of one owner's payload (phase 2, an AllGather of n of them,
+            forwards n-1).
+        n: ranks (>= 1).
+
+    Equal to ``(n-1)/n · (P_w + P_s)`` for the whole payloads ``P_w = n c_w`` and ``P_s = n c_s``.
+
+    Raises:
+        ValueError: negative bytes or ``n < 1``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1 (ranks), got {n!r}")
+    for label, v in (("worker_chunk_nbytes", worker_chunk_nbytes), ("server_chunk_nbytes", server_chunk_nbytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"{label} must be a finite number >= 0, got {v!r}")
+    return float((n - 1) * (worker_chunk_nbytes + server_chunk_nbytes))
+
+
+def _layout(payload: Payload) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(k, tuple(t.shape), t.dtype) for k, t in payload.tensors.items()]
+
+
+class ChunkedCompressor:
+    """A compressor applied chunk by chunk: the tensor, flattened, is padded with zeros to ``parts × m``
+    elements (``m = ceil(numel / parts)``, see the module docstring) and each chunk of ``m`` is compressed on
+    its own. A :class:`~commlab.compress.base.Compressor` itself, so that error feedback can wrap it
+    (:meth:`ErrorFeedback.through`): the residual is what the chunked payload did not send.
+
+    Args:
+        compressor: any :class:`~commlab.compress.base.Compressor` whose payload layout (tensor names, shapes,
+            dtypes) depends only on the chunk's length and dtype, which holds for every compressor of
+            :mod:`commlab.compress`.
+        parts: chunks, >= 1 (the two-phase AllReduce uses the group's size).
+
+    Payload:
+        ``tensors``: each payload tensor of the chunks stacked, shape ``[parts, ...]``; row j is chunk j's
+            (so ``dist.all_to_all_single`` sends row j to rank j). ``nbytes`` is the sum over the chunks.
+        ``shape``, ``dtype``: the tensor's. ``meta``: ``{"parts", "chunk_numel": m, "chunks": (meta of each
+            chunk's payload, ...)}``.
+
+    ``linear`` is the compressor's. Raises (from compress): ``ValueError`` when two chunks' payloads have
+    different layouts (a data-dependent compressor, which cannot be stacked), and whatever the compressor
+    raises (NaN/Inf: ``FloatingPointError``).
+    """
+
+    def __init__(self, compressor: Compressor, parts: int):
+        missing = [a for a in ("compress", "decompress", "linear") if not hasattr(compressor, a)]
+        if missing:
+            raise ValueError(f"ChunkedCompressor needs a compressor with compress, decompress and linear "
+                             f"(commlab.compress.base.Compressor); {type(compressor).__name__} lacks {missing}")
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"ChunkedCompressor: parts must be an int >= 1, got {parts!r}")
+        self.compressor = compressor
+        self.parts = parts
+        self.linear = compressor.linear
+        self.name = f"{getattr(compressor, 'name', type(compressor).__name__)} in {parts} chunks"
+
+    def compress(self, tensor: torch.Tensor) -> Payload:
+        flat = tensor.detach().reshape(-1)
+        n, parts = flat.numel(), self.parts
+        m = chunk_numel(n, parts)
+        if parts * m != n:
+            padded = torch.zeros(parts * m, dtype=flat.dtype, device=flat.device)
+            padded[:n] = flat
+        else:
+            padded = flat
+        chunks = [self.compressor.compress(padded[i * m:(i + 1) * m]) for i in range(parts)]
+        first = _layout(chunks[0])
+        for i, p in enumerate(chunks[1:], 1):
+            if _layout(p) != first:
+                raise ValueError(f"ChunkedCompressor: {self.name}'s payload of chunk {i} has the layout "
+                                 f"{_layout(p)}, chunk 0's is {first}; chunks can be stacked (and all-to-all'd) "
+                                 "only when the payload layout depends on the chunk's length alone")
+        tensors = {k: torch.stack([p.tensors[k] for p in chunks]) for k in chunks[0].tensors}
+        return Payload(tensors, tensor.shape, tensor.dtype,
+                       {"parts": parts, "chunk_numel": m, "chunks": tuple(p.meta for p in chunks)})
+
+    def chunk(self, payload: Payload, i: int, tensors: dict[str, torch.Tensor] | None = None) -> Payload:
+        """The payload of chunk ``i`` (a tensor of ``chunk_numel`` elements); ``tensors`` replaces its wire
+        tensors (e.g. rank r's row i, received by its owner)."""
+        mine = {k: t[i] for k, t in payload.tensors.items()} if tensors is None else tensors
+        return Payload(mine, torch.Size([payload.meta["chunk_numel"]]), payload.dtype, payload.meta["chunks"][i])
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        numel = math.prod(payload.shape)
+        parts = [self.compressor.decompress(self.chunk(payload, i)).reshape(-1) for i in range(payload.meta["parts"])]
+        return torch.cat(parts)[:numel].view(payload.shape)
+
+
+class _RoundedTo:
+    """The compressor applied to a float32 (float64) sum rounded to the gradient's dtype first, so that the
+    server's error feedback keeps that rounding in its residual too (the payload is the gradient dtype's)."""
+
+    def __init__(self, compressor: Compressor, dtype: torch.dtype):
+        self.compressor, self.dtype = compressor, dtype
+        self.name, self.linear = getattr(compressor, "name", type(compressor).__name__), compressor.linear
+
+    def compress(self, tensor: torch.Tensor) -> Payload:
+        return self.compressor.compress(tensor.to(self.dtype))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return self.compressor.decompress(payload)
+
+
+def server_key(key: Hashable, owner: int) -> tuple:
+    """The key of an owner's server-side residual in its :class:`ErrorFeedback`: ``(key, owner)``."""
+    return (key, owner)
+
+
+class TwoPhaseCall:
+    """One two-phase AllReduce of one tensor, in three stages (a DDP hook returns after launching phase 2).
+
+    Use it through :func:`commlab.compress.aggregate.aggregate` (``path="two_phase"``) or
+    :func:`commlab.compress.compression_hook` (``aggregation="two_phase"``); both check finiteness first
+    (:func:`commlab.compress.agreement.agree_finite`).
+
+    1. :meth:`start`: compress the N chunks (through ``error_feedback`` if given), agree on the payloads over
+       the group, launch phase 1; returns this rank's payload.
+    2. :meth:`middle`: wait for phase 1; the owner's step; launch phase 2; returns the futures to wait on
+       (empty when phase 2 ran synchronously: one rank, nothing to send, or an emulated link).
+    3. :meth:`finish`: decompress and join the owners' chunks; returns the sum over ranks (input shape and
+       dtype, the same on every rank).
+
+    Args:
+        tensor: this rank's tensor (any shape; the same shape and dtype on every rank).
+        compressor: any :class:`~commlab.compress.base.Compressor`.
+        group: process group (None: the world).
+        error_feedback: worker-side :class:`ErrorFeedback` wrapping ``compressor``; its residual under ``key``
+            is this rank's, of the whole tensor.
+        server_error_feedback: server-side :class:`ErrorFeedback` wrapping ``compressor``; the owner keeps the
+            residual of its chunk's sum under ``server_key(key, owner)`` (in float32, float64 for float64).
+        key: names the residuals; required with either error feedback.
+        emulate: an emulated slow link that delays phase 1 (commlab's :func:`~commlab.collectives.all_to_all`)
+            and phase 2 (commlab's ring AllGather); without it ``dist.all_to_all_single`` and
+            ``dist.all_gather_into_tensor`` move the payload tensors (one collective per payload tensor).
+        what: the caller's name, for messages.
+
+    Attributes (after :meth:`middle`):
+        payload_nbytes: this rank's payload, ``P_w = N c_w``. server_payload_nbytes: ``P_s = N c_s``.
+        bytes_sent_per_rank: :func:`two_phase_bytes_sent_per_rank` ``(c_w, c_s, N)``.
+
+    Raises:
+        ValueError: an error feedback without ``key``, or wrapping another compressor object; chunk payloads
+            of different layouts, or an owner's payload whose layout differs from the chunks' (a compressor
+            whose payload size depends on the data, which no compressor of this package is: raised on the rank
+            that finds it, whose peers then wait until the group's timeout).
+        CollectiveMismatchError: the ranks' chunk payloads differ in layout or meta (another shape, dtype,
+            setting), on every rank.
+        FloatingPointError: an owner could not decompress or recompress its chunk's sum (it overflows the
+            dtype, or a scale does not fit float32): the owner sends a payload of NaNs instead, and every rank
+            raises the same error in :meth:`finish`, naming the owner(s). (Non-finite *input* is refused
+            before, by the callers' agreement.)
+    """
+
+    def __init__(self, tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,
+                 error_feedback: ErrorFeedback | None = None, server_error_feedback: ErrorFeedback | None = None,
+                 key: Hashable | None = None, emulate: EmulatedTopology | None = None, what: str = "aggregate"):
+        self.size, self.rank = group_size_and_rank(group, what)
+        for label, ef in (("error_feedback", error_feedback), ("server_error_feedback", server_error_feedback)):
+            if ef is None:
+                continue
+            if key is None:
+                raise ValueError(f"{what}: {label} needs a key naming this tensor's residual (e.g. the "
+                                 "parameter's name or the bucket's index)")
+            if ef.compressor is not compressor:
+                raise ValueError(f"{what}: {label} wraps {ef.name!r}, not the compressor passed "
+                                 f"({getattr(compressor, 'name', type(compressor).__name__)!r}); pass the same "
+                                 "compressor object to both")
+        self.tensor, self.compressor, self.group, self.key, self.emulate, self.what = (
+            tensor, compressor, group, key, emulate, what)
+        self.error_feedback, self.server_error_feedback = error_feedback, server_error_feedback
+        self.chunked = ChunkedCompressor(compressor, self.size)
+        self.numel = tensor.numel()
+        self.m = chunk_numel(self.numel, self.size)
+        self.payload: Payload | None = None
+        self.payload_nbytes = self.server_payload_nbytes = 0
+        self.bytes_sent_per_rank = 0.0
+        self._received: dict[str, torch.Tensor] = {}
+        self._gathered: dict[str, torch.Tensor] = {}
+        self._works: list = []
+        self._server_meta: dict = {}
+        self._server: Payload | None = None
+        self._failure: FloatingPointError | None = None
+
+    # ---------------------------------------------------------------------------------------- phase 1
+
+    def start(self) -> Payload:
+        """Compress the chunks, agree on them over the group, launch the all-to-all; return this rank's payload."""
+        if self.error_feedback is not None:
+            payload = self.error_feedback.through(self.chunked).compress(self.tensor, self.key)
+        else:
+            payload = self.chunked.compress(self.tensor)
+        agree_payloads(payload, self.chunked.name, self.group, self.size, self.what)
+        self.payload = payload
+        for name, t in payload.tensors.items():
+            if self.size == 1 or t.numel() == 0:
+                self._received[name] = t  # nothing to move (the agreed sizes are equal, so every rank skips alike)
+            elif self.emulate is not None:
+                self._received[name] = all_to_all(t, self.group, emulate=self.emulate, check=False)
+            else:
+                out = torch.empty_like(t)
+                self._works.append(dist.all_to_all_single(out, t.contiguous(), group=self.group, async_op=True))
+                self._received[name] = out
+        return payload
+
+    # ------------------------------------------------------------------------------ the owner, phase 2
+
+    def _owner_step(self) -> Payload:
+        """Sum of the N received payloads of this rank's chunk, padding zeroed, compressed again."""
+        dtype = self.payload.dtype
+        acc = torch.promote_types(dtype, torch.float32)
+        total = torch.zeros(self.m, dtype=acc, device=self.tensor.device)
+        for r in range(self.size):  # rank order, so the sum is the same whichever rank computes it
+            part = self.chunked.chunk(self.payload, self.rank, {k: t[r] for k, t in self._received.items()})
+            total += self.compressor.decompress(part).reshape(-1).to(acc)
+        total[valid_numel(self.numel, self.size, self.rank):] = 0  # padding: keep nothing there
+        if self.server_error_feedback is not None:
+            return self.server_error_feedback.through(_RoundedTo(self.compressor, dtype)).compress(
+                total, server_key(self.key, self.rank))
+        return self.compressor.compress(total.to(dtype))
+
+    def middle(self) -> list[torch.futures.Future]:
+        """Wait for phase 1, run the owner's step, launch phase 2; return the futures of phase 2."""
+        for w in self._works:
+            w.wait()
+        self._works = []
+        mine = self.chunked.chunk(self.payload, self.rank)
+        try:
+            server = self._owner_step()
+        except FloatingPointError as e:
+            # Send a payload of the agreed layout whose floats are NaN: every rank sees it in finish() and raises
+            # the same error, instead of this rank raising alone while its peers wait in phase 2.
+            if not any(t.is_floating_point() and t.numel() for t in mine.tensors.values()):
+                raise
+            self._failure = e
+            server = Payload({k: torch.full_like(t, math.nan) if t.is_floating_point() else torch.zeros_like(t)
+                              for k, t in mine.tensors.items()}, mine.shape, mine.dtype, mine.meta)
+        if _layout(server) != _layout(mine):
+            raise ValueError(f"{self.what}: the owner's payload of {self.chunked.compressor.name} has the layout "
+                             f"{_layout(server)}, a worker's chunk payload {_layout(mine)}; the two-phase AllReduce "
+                             "needs a compressor whose payload layout depends on the chunk's length alone")
+        self._server_meta = server.meta
+        self._server = server  # the sent tensors stay alive until phase 2 has completed
+        c_w = self.payload.nbytes // self.size
+        c_s = server.nbytes
+        self.payload_nbytes, self.server_payload_nbytes = self.payload.nbytes, self.size * c_s
+        self.bytes_sent_per_rank = two_phase_bytes_sent_per_rank(c_w, c_s, self.size)
+        futures = []
+        for name, t in server.tensors.items():
+            if self.size == 1 or t.numel() == 0:
+                self._gathered[name] = t.unsqueeze(0).expand(self.size, *t.shape)
+            elif self.emulate is not None:
+                self._gathered[name] = ring_all_gather(t, self.group, emulate=self.emulate).view(self.size, *t.shape)
+            else:
+                # Flat output (the concatenated form): gloo refuses the stacked [N, ...] form NCCL accepts.
+                out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=t.device)
+                work = all_gather_single(out, t.contiguous().view(-1), group=self.group, async_op=True)
+                self._works.append(work)
+                futures.append(work.get_future())
+                self._gathered[name] = out.view(self.size, *t.shape)
+        return futures
+
+    # ------------------------------------------------------------------------------------------ result
+
+    def finish(self, wait: bool = True) -> torch.Tensor:
+        """Wait for phase 2; decompress and join the owners' chunks. Returns the sum (input shape and dtype).
+
+        ``wait=False`` inside a callback of :meth:`middle`'s futures: they have completed, and waiting on a
+        collective from its own completion callback blocks gloo's thread for good.
+        """
+        if wait:
+            for w in self._works:
+                w.wait()
+        self._works = []
+        bad = set()
+        for t in self._gathered.values():
+            if t.is_floating_point() and t.numel():
+                bad.update(int(j) for j in torch.nonzero(~torch.isfinite(t.reshape(self.size, -1)).all(dim=1)).view(-1))
+        if bad:
+            err = FloatingPointError(
+                f"{self.what}: the owner(s) of chunk(s) {sorted(bad)} could not decompress or recompress the sum "
+                f"of their chunk ({self.chunked.compressor.name}, {self.payload.dtype}): a value or a scale overflows "
+                "(the owner's own error is chained to this one on that rank); nothing was applied. Every rank "
+                "raises this, so all can skip the step together; compress in a wider dtype or rescale the gradient")
+            raise err from self._failure
+        shape = torch.Size([self.m])
+        dtype = self.payload.dtype
+        chunks = [self.compressor.decompress(Payload({k: t[j] for k, t in self._gathered.items()}, shape, dtype,
+                                                     self._server_meta)).reshape(-1)
+                  for j in range(self.size)]
+        return torch.cat(chunks)[:self.numel].view(self.tensor.shape)
