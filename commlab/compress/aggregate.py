@@ -27,7 +27,7 @@ import torch.distributed as dist
 from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.collectives._common import (SUPPORTED_DTYPES, CollectiveMismatchError, all_gather_single,
                                          group_size_and_rank)
-from commlab.compress.base import Compressor, Payload
+from commlab.compress.base import Compressor, Payload, all_finite
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
@@ -89,7 +89,7 @@ def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
     one step apart and sum different steps' gradients without any error.
     """
     size, _ = group_size_and_rank(group)
-    bad = int(tensor.is_floating_point() and tensor.numel() > 0 and not bool(torch.isfinite(tensor).all()))
+    bad = int(not all_finite(tensor))
     if size == 1:
         flags = [bad]
     else:
