@@ -146,14 +146,18 @@ def float64_chunks(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int,
     """``(start, flat[start:start + k].to(float64))`` for consecutive pieces of a 1-D tensor, each a fresh copy.
 
     The compressors compute their norms and means in float64 (no overflow of squares, no float32 rounding in
-    the sum). Converting a large tensor whole would allocate 8 bytes per element at once, which on a CPU costs
-    more than the arithmetic (fresh pages); pieces of at most ``max(FLOAT64_CHUNK, multiple)`` elements
-    reuse memory. Every piece but the last holds a multiple of ``multiple`` elements (whole buckets), and a
-    tensor that fits in one piece is converted whole, so its result is that of ``flat.to(torch.float64)``.
+    the sum). On a CPU, converting a large tensor whole would allocate 8 bytes per element at once, and fresh
+    pages cost more than the arithmetic; pieces of at most ``max(FLOAT64_CHUNK, multiple)`` elements reuse
+    memory. (On a GPU the caching allocator reuses memory anyway, and one kernel beats one per piece: the
+    tensor is one piece.) Every piece but the last holds a multiple of ``multiple`` elements (whole buckets),
+    and a tensor that fits in one piece is converted whole, so its result is that of ``flat.to(torch.float64)``.
     A sum over several pieces adds the piece sums, a different order of float64 additions than one
     reduction (which itself depends on torch's thread count); what is sent is that sum rounded to float32.
     """
-    step = max(1, FLOAT64_CHUNK // multiple) * multiple
+    if flat.device.type != "cpu":
+        step = max(flat.numel(), 1)
+    else:
+        step = max(1, FLOAT64_CHUNK // multiple) * multiple
     for start in range(0, flat.numel(), step):
         yield start, flat[start:start + step].to(torch.float64, copy=True)
 
