@@ -141,3 +141,17 @@ def test_emulated_link_errors_name_the_option_in_its_own_unit(flags, message):
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--emulate", emulate, *flags],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compressor_throughput_rows_time_every_codec_beside_its_primitive_and_a_copy():
+    from commlab.bench.compressors import bench_compressor_throughput
+
+    # 3 * 1024 + 5 entries: not a multiple of QSGD's 512, so the primitive takes one bucket; timings not asserted.
+    rows = bench_compressor_throughput(numel=3 * 1024 + 5, repeats=1)
+    assert [r.name for r in rows] == ["cast-fp16", "cast-bf16", "topk(0.01)", "randomk(0.01)",
+                                      "qsgd(s=7,4bit,d=512)", "int8", "sign"]
+    for r in rows:
+        assert r.nbytes == (3 * 1024 + 5) * 4 and 0 < r.payload_nbytes < r.nbytes
+        assert r.seconds > 0 and r.primitive_seconds > 0 and r.copy_seconds > 0
+        assert r.copy_gb_per_s == r.nbytes / r.copy_seconds / 1e9 and r.copy_ratio == r.seconds / r.copy_seconds
+    assert rows[4].payload_nbytes == (3 * 1024 + 5 + 1) // 2 + 4 * 7  # 7 norms: 6 buckets of 512 and one of 5

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from commlab.compress import (QSGD, Compressor, ErrorFeedback, RandomK, RoundingQuantizer, SignCompressor, TopK,
+from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor, TopK,
                               expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
                               sparse_ring_fill_in, topk_global, union_support_sizes, unpack_bits, unpack_nibbles)
 from commlab.compress.bitpack import packed_bits_nbytes, packed_nibbles_nbytes
@@ -53,6 +53,24 @@ def test_documented_bit_and_nibble_order():
     # any layout is read in row-major order
     m = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8)
     assert torch.equal(pack_bits(m.t()), pack_bits(m.t().contiguous()))
+
+
+def test_every_byte_value_packs_and_unpacks_from_any_offset():
+    # All 256 bit patterns (and every nibble pair), read from views that start at every byte offset: the
+    # word-at-a-time packing must not depend on the alignment of the input.
+    byte = torch.arange(256)
+    bits = ((byte[:, None] >> torch.arange(8)) & 1).reshape(-1)
+    nibs = torch.stack([byte & 15, byte >> 4], dim=1).reshape(-1)
+    for offset in range(9):
+        padded_bits = torch.cat([torch.zeros(offset, dtype=torch.long), bits]).bool()[offset:]
+        assert torch.equal(pack_bits(padded_bits), byte.to(torch.uint8))
+        assert torch.equal(pack_bits(padded_bits.to(torch.uint8), check=False), byte.to(torch.uint8))
+        padded_nibs = torch.cat([torch.zeros(offset, dtype=torch.uint8), nibs.to(torch.uint8)])[offset:]
+        assert torch.equal(pack_nibbles(padded_nibs), byte.to(torch.uint8))
+    assert torch.equal(unpack_bits(byte.to(torch.uint8), 2048), bits.bool())
+    assert torch.equal(unpack_nibbles(byte.to(torch.uint8), 512), nibs.to(torch.uint8))
+    # an odd count of nibbles past a whole number of words (4 per int32)
+    assert pack_nibbles(torch.tensor([1, 2, 3, 4, 5, 6, 7])).tolist() == [0x21, 0x43, 0x65, 0x07]
 
 
 def test_packing_rejects_bad_input():
@@ -163,7 +181,7 @@ def test_int4_really_sends_half_of_int8():
     assert p4.tensors["codes"].numel() * 2 == p8.tensors["codes"].numel() == 1000
     assert p4.nbytes - 4 == (p8.nbytes - 4) // 2
     q4, q8 = QSGD(bits=4).compress(x), QSGD(bits=8).compress(x)
-    assert q4.nbytes - 4 == (q8.nbytes - 4) // 2
+    assert q4.nbytes - 4 * 2 == (q8.nbytes - 4 * 2) // 2 == 500  # two buckets of 512 (the last short): two norms
 
 
 def test_index_dtype_depends_on_size_only():
@@ -326,6 +344,113 @@ def test_qsgd_variance_bound_formula():
         qsgd_variance_bound(10, 0)
     with pytest.raises(ValueError):
         qsgd_variance_bound(-1, 2)
+    # buckets: n is replaced by the bucket size d (QSGD's default 512), a tensor smaller than d is one bucket
+    assert qsgd_variance_bound(116705, 7) == qsgd_variance_bound(512, 7, None) == min(512 / 49, math.sqrt(512) / 7)
+    assert qsgd_variance_bound(116705, 7, None) == math.sqrt(116705) / 7
+    assert qsgd_variance_bound(100, 7, 512) == qsgd_variance_bound(100, 7, None)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="bucket_size"):
+            qsgd_variance_bound(10, 3, bad)
+        with pytest.raises(ValueError, match="bucket_size"):
+            QSGD(bucket_size=bad)
+
+
+# Codes and norm of QSGD(seed=11) on _x((40,), seed=3), twice in a row, as recorded from the implementation
+# before QSGD had buckets (one norm per tensor): one bucket must reproduce them exactly.
+_ONE_BUCKET_4BIT = [[9, 144, 154, 33, 144, 130, 17, 24, 25, 139, 137, 16, 40, 169, 152, 137, 18, 25, 153, 161],
+                    [8, 145, 154, 17, 144, 130, 33, 24, 25, 154, 153, 17, 24, 153, 152, 153, 1, 25, 153, 145]]
+_ONE_BUCKET_8BIT = [-5, 3, 15, -12, -36, -17, 15, 21, 3, -18, 37, -8, 13, 26, -3, 13, -11, 24, -51, -11, -31, -6, 4,
+                    17, -8, 21, -10, -27, -1, -13, -24, -3, 28, 9, -21, 15, -21, -18, 22, -30]
+
+
+@pytest.mark.parametrize("bucket_size", [None, 40, 1000])
+def test_qsgd_with_one_bucket_reproduces_the_unbucketed_codes(bucket_size):
+    x = _x((40,), seed=3)
+    q4, q8 = QSGD(levels=7, seed=11, bucket_size=bucket_size), QSGD(bits=8, seed=11, bucket_size=bucket_size)
+    for expected in _ONE_BUCKET_4BIT:
+        p = q4.compress(x)
+        assert p.tensors["codes"].tolist() == expected and p.tensors["norm"].tolist() == [5.510150909423828]
+    assert q8.compress(x).tensors["codes"].tolist() == _ONE_BUCKET_8BIT
+
+
+def _qsgd_reference(v: torch.Tensor, s: int, d: int, u: torch.Tensor) -> torch.Tensor:
+    """QSGD of float64 ``v`` bucket by bucket, written out from the definition, with the uniforms ``u``."""
+    out = []
+    for start in range(0, v.numel(), d):
+        b, ub = v[start:start + d], u[start:start + d]
+        norm = float(torch.linalg.vector_norm(b).float())  # the float32 norm that is sent
+        if norm == 0:
+            out.append(torch.zeros_like(b))
+            continue
+        r = (b.abs() / norm * s).clamp(max=s)
+        xi = r.floor() + (ub < r - r.floor()).double()
+        out.append(torch.sign(b) * xi * (norm / s))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qsgd_buckets_follow_the_definition_and_count_one_norm_each(bits):
+    v = _x((45,), torch.float64, seed=5)
+    v[16:32] = 0.0  # an all-zero bucket: zeros out, no division by its zero norm
+    comp = QSGD(bits=bits, seed=2, bucket_size=16)  # buckets of 16, 16 and a short last one of 13
+    p = comp.compress(v)
+    assert p.tensors["norm"].shape == (3,) and p.tensors["norm"][1] == 0
+    assert p.tensors["norm"][2].item() == pytest.approx(float(v[32:].norm()), rel=1e-6)  # its own entries only
+    assert p.nbytes == (23 if bits == 4 else 45) + 3 * 4 and p.meta["bucket_size"] == 16
+    u = torch.rand(45, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # one uniform per entry
+    assert torch.equal(comp.decompress(p), _qsgd_reference(v, comp.levels, 16, u))
+    assert QSGD(bucket_size=16).name == "qsgd(s=7,4bit,d=16)" and QSGD(bucket_size=None).name == "qsgd(s=7,4bit,d=n)"
+
+
+@pytest.mark.parametrize("levels", [1, 7])
+def test_bucketed_qsgd_variance_is_within_the_per_bucket_bound(levels):
+    # Two full buckets of 16 and a short one of 8; one bucket holds the large entries.
+    n, d, samples = 40, 16, 2000
+    v = _x((n,), torch.float64, seed=levels)
+    v[:16] *= 30
+    comp = QSGD(levels=levels, seed=7, bucket_size=d)
+    outs = torch.stack([comp.decompress(comp.compress(v)) for _ in range(samples)])
+    norms = [float(torch.linalg.vector_norm(v[i:i + d]).float()) for i in range(0, n, d)]
+    exact_var = 0.0
+    for i, norm in zip(range(0, n, d), norms):
+        r = levels * v[i:i + d].abs() / norm
+        frac = r - r.floor()
+        exact_var += (norm / levels) ** 2 * float((frac * (1 - frac)).sum())
+        assert ((outs[:, i:i + d].mean(0) - v[i:i + d]).abs() <= 6 * norm / levels / 2 / math.sqrt(samples) + 1e-6).all()
+    emp_var = float(((outs - v) ** 2).sum(1).mean())
+    bound = qsgd_variance_bound(n, levels, d) * float((v ** 2).sum())
+    assert exact_var <= bound and emp_var <= bound
+    assert abs(emp_var - exact_var) <= 0.15 * exact_var
+    # the same vector in one bucket: a looser bound, and the small entries' rounding scaled by the large norm
+    assert qsgd_variance_bound(n, levels, None) > qsgd_variance_bound(n, levels, d)
+    one = QSGD(levels=levels, seed=7, bucket_size=None)
+    one_var = float(torch.stack([((one.decompress(one.compress(v)) - v) ** 2).sum() for _ in range(300)]).mean())
+    assert one_var > emp_var
+
+
+def test_decoders_skip_the_overflow_pass_only_when_nothing_can_overflow():
+    # A bucket norm of 1e5 (above fp16's 65504): the fp16 output overflows only where a level is large enough.
+    big = Payload({"codes": torch.tensor([7, 8], dtype=torch.int8), "norm": torch.tensor([1e5])},
+                  torch.Size([2]), torch.float16, {"levels": 127, "bits": 8, "bucket_size": None})
+    assert QSGD(bits=8).decompress(big).tolist() == pytest.approx([7 * 1e5 / 127, 8 * 1e5 / 127], rel=1e-3)
+    big.tensors["codes"][1] = 100  # 100/127 * 1e5 = 78740 > 65504
+    with pytest.raises(FloatingPointError, match="overflow"):
+        QSGD(bits=8).decompress(big)
+    int8 = Payload({"codes": torch.tensor([100], dtype=torch.int8), "scale": torch.tensor([1e3])},
+                   torch.Size([1]), torch.float16, {"bits": 8})
+    with pytest.raises(FloatingPointError, match="overflow"):
+        RoundingQuantizer(8).decompress(int8)
+    sign = Payload({"bits": torch.tensor([1], dtype=torch.uint8), "scale": torch.tensor([1e5])},
+                   torch.Size([1]), torch.float16, {})
+    with pytest.raises(FloatingPointError, match="overflow"):
+        SignCompressor().decompress(sign)
+
+
+def test_qsgd_names_the_bucket_whose_norm_float32_cannot_hold():
+    x = torch.ones(40, dtype=torch.float64)
+    x[35] = 1e300
+    with pytest.raises(FloatingPointError, match="bucket 2 .entries 32..39."):
+        QSGD(bucket_size=16).compress(x)
 
 
 # ------------------------------------------------------------------------------------ rounding quantizer

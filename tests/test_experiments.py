@@ -17,14 +17,14 @@ from commlab.experiments import RunConfig, describe, make_method, parse_spec, ru
 from commlab.experiments import analysis, grid, time_to_accuracy as tta
 from commlab.experiments.charlm import CharLMConfig, CharTransformer
 from commlab.experiments.corpus import VOCAB, decode, encode, load_corpus
-from commlab.experiments.methods import payload_tensors
+from commlab.experiments.methods import compressor_for, payload_tensors
 from commlab.topology import Link
 
 
 # ----------------------------------------------------------------------------------------- specs and config
 
-@pytest.mark.parametrize("spec", ["dense", "cast:fp16", "cast:bf16", "int:8", "int:4", "qsgd:4", "sign",
-                                  "topk:0.01", "randomk:0.5", "powersgd:2"])
+@pytest.mark.parametrize("spec", ["dense", "cast:fp16", "cast:bf16", "int:8", "int:4", "qsgd:4", "qsgd:8:all",
+                                  "qsgd:4:1024", "sign", "topk:0.01", "randomk:0.5", "powersgd:2"])
 def test_specs_parse(spec):
     kind, arg = parse_spec(spec)
     assert kind == spec.split(":")[0]
@@ -33,7 +33,10 @@ def test_specs_parse(spec):
 
 @pytest.mark.parametrize("spec, match", [("gzip", "unknown method"), ("topk", "topk:<share"), ("dense:1", "written dense"),
                                          ("topk:0", "share kept"), ("topk:2", "share kept"), ("int:3", "bits"),
-                                         ("cast:fp8", "fp16 or bf16"), ("powersgd:0", "rank"), ("powersgd:x", "rank")])
+                                         ("cast:fp8", "fp16 or bf16"), ("powersgd:0", "rank"), ("powersgd:x", "rank"),
+                                         ("qsgd:2", "4 or 8"), ("qsgd:4:", "one bucket"), ("qsgd:4:0", "per norm"),
+                                         ("qsgd:4:some", "per norm"), ("qsgd:4:512", "write it 'qsgd:4'"),
+                                         ("qsgd:4:0100", "write it 'qsgd:4:100'")])
 def test_bad_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_spec(spec)
@@ -44,6 +47,21 @@ def test_labels():
     assert describe("powersgd:4", False) == "PowerSGD r=4 no EF"
     assert describe("sign", True, 30) == "sign (1-bit) + EF, 30 dense steps"
     assert payload_tensors("topk:0.01") == 2 and payload_tensors("cast:fp16") == 1
+    # QSGD: the paper's buckets of 512 are the plain spelling; one bucket is the labelled contrast
+    assert [describe(s) for s in ("qsgd:4", "qsgd:4:all", "qsgd:8:64")] == [
+        "QSGD 4-bit", "QSGD 4-bit, one bucket", "QSGD 8-bit, buckets of 64"]
+    assert [compressor_for(s).bucket_size for s in ("qsgd:4", "qsgd:4:all", "qsgd:8:64")] == [512, None, 64]
+    assert compressor_for("qsgd:8:all").bits == 8
+
+
+def test_recorded_qsgd_runs_have_the_payload_of_their_spec():
+    # The runs recorded before QSGD had buckets were relabelled qsgd:4:all (tools/relabel_qsgd_one_bucket.py):
+    # every recorded QSGD run's payload must be what its spec's compressor sends for the model's gradient.
+    records = [r for r in grid.load_records(grid.default_path("full")) if r.config["method"].startswith("qsgd")]
+    assert records
+    for r in records:
+        payload = compressor_for(r.config["method"]).compress(torch.zeros(r.params))
+        assert r.payload_nbytes == payload.nbytes, (r.config["method"], r.config["task"], r.config["seed"])
 
 
 @pytest.mark.parametrize("kwargs, match", [

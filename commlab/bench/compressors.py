@@ -5,10 +5,13 @@ Two measurements, printed in one run (``python -m commlab bench --compressors``)
 1. Throughput of ``decompress(compress(x))`` on one large float32 tensor (default 16 Mi elements = 64 MiB),
    in GB/s of dense input (input bytes / seconds, 1 GB = 1e9 bytes), for every compressor commlab.compress
    provides, beside the bare torch operations it is built on (a cast and a cast back; ``torch.topk`` and
-   a scatter; ``torch.randperm`` and ``index_select``; ``torch.sign``; a scaled round to int8). The ratio
-   ours / torch (time) is the price of the protocol's checks (NaN/Inf, overflow), packing and
-   bookkeeping. Median of ``repeats`` runs after one warm-up, in this process, with torch's current
-   thread count.
+   a scatter; ``torch.randperm`` and ``index_select``; ``torch.sign``; a scaled round to int8; QSGD's
+   float arithmetic in buckets of 512) and beside a plain ``y.copy_(x)`` of the same tensor, the memory
+   bound: a codec reads and writes at least what a copy does. The ratio ours / torch (time) is the price
+   of the protocol's checks (NaN/Inf, overflow), packing and bookkeeping; ours / copy_ says how far from
+   the memory bound each codec is. Median of ``repeats`` runs after one warm-up, in this process, with
+   torch's current thread count; the three are timed in turn within every repeat, so that a machine whose
+   load changes slows them alike.
 2. Median time of one DDP training step (forward, backward, all-reduce through the hook, SGD) of an MLP
    with ``powersgd_hook`` and with PyTorch's ``powerSGD_hook`` (same settings), on ``world_size`` gloo
    ranks, alternating the two so that both see the same machine load.
@@ -17,9 +20,10 @@ Two measurements, printed in one run (``python -m commlab bench --compressors``)
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -28,7 +32,7 @@ __all__ = ["ThroughputRow", "bench_compressor_throughput", "bench_powersgd_ddp",
 
 @dataclasses.dataclass(frozen=True)
 class ThroughputRow:
-    """One compressor: seconds per round trip (ours and the torch primitive), GB/s of dense input."""
+    """One compressor: seconds per round trip (ours, the torch primitive, a copy_), GB/s of dense input."""
 
     name: str
     primitive: str
@@ -36,6 +40,7 @@ class ThroughputRow:
     primitive_seconds: float
     nbytes: int
     payload_nbytes: int
+    copy_seconds: float = math.nan
 
     @property
     def gb_per_s(self) -> float:
@@ -46,24 +51,39 @@ class ThroughputRow:
         return self.nbytes / self.primitive_seconds / 1e9
 
     @property
+    def copy_gb_per_s(self) -> float:
+        """GB/s of ``y.copy_(x)`` on the same tensor, timed beside this row (NaN if not measured)."""
+        return self.nbytes / self.copy_seconds / 1e9
+
+    @property
     def ratio(self) -> float:
         """our time / primitive time (1.0 = no overhead)."""
         return self.seconds / self.primitive_seconds
 
+    @property
+    def copy_ratio(self) -> float:
+        """our time / the time of a copy_ of the same tensor (the memory bound; >= 1 in practice)."""
+        return self.seconds / self.copy_seconds
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+
+def _median_seconds(fns: Sequence[Callable[[], object]], repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of each of ``fns``, timed in turn within each of ``repeats`` rounds after one warm-up."""
     # On a GPU the kernels run asynchronously: synchronise before reading the clock, so that the work is
     # timed and not its launch.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up: allocator, lazy initialisation
+    for fn in fns:
+        fn()  # warm-up: allocator, lazy initialisation
     sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(repeats):
+        # Alternate the order too, so that neither always runs first after the other's memory traffic.
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            t0 = time.perf_counter()
+            fns[j]()
+            sync()
+            times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def _candidates(x: torch.Tensor, ratio: float):
@@ -91,14 +111,16 @@ def _candidates(x: torch.Tensor, ratio: float):
         return torch.round(x / scale).to(torch.int8).to(torch.float32) * scale
 
     def qsgd_prim():
-        norm = x.norm()
-        r = x.abs() / norm * 7
+        # One norm per bucket of 512, as QSGD's default (one bucket if 512 does not divide the size).
+        v = x.view(-1, 512) if n % 512 == 0 else x.view(1, -1)
+        norm = v.norm(dim=1, keepdim=True)
+        r = v.abs() / norm * 7
         level = torch.floor(r + torch.rand_like(r))
-        return torch.sign(x) * level * norm / 7
+        return (torch.sign(v) * level * norm / 7).view(-1)
 
     makers = [("sparse", "TopK", dict(ratio=ratio), "torch.topk + index_copy_", topk_prim),
               ("sparse", "RandomK", dict(ratio=ratio), "torch.randperm + index_select", randk_prim),
-              ("quantize", "QSGD", dict(), "norm, floor(r + rand), sign (4-bit levels)", qsgd_prim),
+              ("quantize", "QSGD", dict(), "norms of 512, floor(r + rand), sign", qsgd_prim),
               ("quantize", "RoundingQuantizer", dict(bits=8), "round(x / scale).to(int8)", round_prim),
               ("sign", "SignCompressor", dict(), "torch.sign(x) * mean|x|", sign_prim)]
     import importlib
@@ -131,13 +153,14 @@ def bench_compressor_throughput(numel: int = 16 * 2 ** 20, repeats: int = 3, rat
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for and no CUDA GPU is visible")
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
+    y = torch.empty_like(x)
     rows = []
     for comp, prim_name, prim in _candidates(x, ratio):
         payload = comp.compress(x)
-        seconds = _median_seconds(lambda: comp.decompress(comp.compress(x)), repeats, device)
-        prim_seconds = _median_seconds(prim, repeats, device)
+        seconds, prim_seconds, copy_seconds = _median_seconds(
+            [lambda: comp.decompress(comp.compress(x)), prim, lambda: y.copy_(x)], repeats, device)
         rows.append(ThroughputRow(comp.name, prim_name, seconds, prim_seconds, x.numel() * x.element_size(),
-                                  payload.nbytes))
+                                  payload.nbytes, copy_seconds))
     return rows
 
 
@@ -204,10 +227,17 @@ def print_compressor_bench(world_size: int = 2, numel: int = 16 * 2 ** 20, repea
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"# compress + decompress of {numel} float32 ({numel * 4 / 2 ** 20:.3g} MiB) on {device}, "
           f"median of {repeats}, {where}")
-    print(f"#{'compressor':>20} {'ratio':>7} {'ours GB/s':>10} {'torch GB/s':>11} {'ours/torch':>11}  torch primitive")
-    for r in bench_compressor_throughput(numel, repeats, device=device):
-        print(f" {r.name:>20} {r.nbytes / max(r.payload_nbytes, 1):>7.1f} {r.gb_per_s:>10.2f} "
-              f"{r.primitive_gb_per_s:>11.2f} {r.ratio:>11.2f}  {r.primitive}")
+    rows = bench_compressor_throughput(numel, repeats, device=device)
+    print(f"#{'compressor':>22} {'ratio':>6} {'ours GB/s':>10} {'torch GB/s':>11} {'ours/torch':>11} "
+          f"{'ours/copy_':>11}  torch primitive")
+    copy = statistics.median(r.copy_seconds for r in rows)
+    print(f" {'copy_':>22} {1.0:>6.1f} {rows[0].nbytes / copy / 1e9:>10.2f} {'':>11} {'':>11} {1.0:>11.2f}  "
+          f"y.copy_(x), the memory bound (median over the rows' runs)")
+    for r in rows:
+        print(f" {r.name:>22} {r.nbytes / max(r.payload_nbytes, 1):>6.1f} {r.gb_per_s:>10.2f} "
+              f"{r.primitive_gb_per_s:>11.2f} {r.ratio:>11.2f} {r.copy_ratio:>11.2f}  {r.primitive}")
+    worst = max(rows, key=lambda r: r.ratio)
+    print(f"# slowest against its primitive: {worst.name}, {worst.ratio:.2f} (aim: <= 1.5)")
     t = bench_powersgd_ddp(world_size)
     print(f"# DDP step, MLP 64-1024-1024-10, PowerSGD rank 2, {world_size} gloo ranks, median of 20 steps")
     print(f"#{'hook':>20} {'ms/step':>9}")

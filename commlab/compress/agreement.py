@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives._common import CollectiveMismatchError, all_gather_single, group_size_and_rank
-from commlab.compress.base import Payload
+from commlab.compress.base import Payload, all_finite
 
 __all__ = ["agree_finite", "agree_payloads", "describe_payload"]
 
@@ -59,7 +59,7 @@ def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
     one step apart and sum different steps' gradients without any error.
     """
     size, _ = group_size_and_rank(group)
-    bad = int(tensor.is_floating_point() and tensor.numel() > 0 and not bool(torch.isfinite(tensor).all()))
+    bad = int(not all_finite(tensor))
     if size == 1:
         flags = [bad]
     else:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -80,9 +80,22 @@ class Compressor(Protocol):
     def decompress(self, payload: Payload) -> torch.Tensor: ...
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds no NaN and no infinity (True for other dtypes and empty tensors).
+
+    A NaN or an infinity makes the sum of the tensor non-finite (nothing brings a sum back from NaN or inf),
+    so a finite sum clears the tensor in one reading pass without a mask, where ``isfinite(t).all()`` builds
+    a boolean tensor (and, for floats, an ``abs`` copy first). Only a non-finite sum, which finite values
+    that overflow the sum can also give, is settled by that exact test.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 def check_finite(tensor: torch.Tensor, what: str = "tensor") -> None:
     """Raise ``FloatingPointError`` if ``tensor`` holds a NaN or an infinity (the compressors' policy)."""
-    if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(tensor).all():
+    if not all_finite(tensor):
         n_nan = int(torch.isnan(tensor).sum())
         n_inf = int(torch.isinf(tensor).sum())
         raise FloatingPointError(f"{what} holds {n_nan} NaN and {n_inf} infinite values out of {tensor.numel()}; "
@@ -108,11 +121,45 @@ def check_finite_output(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """Return ``tensor`` if finite, else raise ``FloatingPointError``: a decompressed value that overflows
     the original dtype (fp16 above 65504, say, after Random-K's ``numel/k`` scaling) is refused, not
     returned as inf."""
-    if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(tensor).all():
+    if not all_finite(tensor):
         raise FloatingPointError(f"{what}: the decompressed values overflow {tensor.dtype} "
                                  f"(largest finite {torch.finfo(tensor.dtype).max:.4g}); compress in a wider dtype "
                                  "or rescale the tensor")
     return tensor
+
+
+def output_fits(largest: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``largest`` (the largest magnitude a decoder can produce, computed the way it computes its
+    outputs, e.g. ``levels * scale``) is finite once cast to ``dtype``.
+
+    Rounding and casting are monotonic, so when it is, every output is finite and the full
+    :func:`check_finite_output` pass over the outputs can be skipped; when it is not, that pass decides.
+    """
+    return bool(torch.isfinite(largest.to(dtype)).all())
+
+
+#: Elements converted to float64 at a time by :func:`float64_chunks` (8 MiB of float64).
+FLOAT64_CHUNK = 1 << 20
+
+
+def float64_chunks(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, flat[start:start + k].to(float64))`` for consecutive pieces of a 1-D tensor, each a fresh copy.
+
+    The compressors compute their norms and means in float64 (no overflow of squares, no float32 rounding in
+    the sum). On a CPU, converting a large tensor whole would allocate 8 bytes per element at once, and fresh
+    pages cost more than the arithmetic; pieces of at most ``max(FLOAT64_CHUNK, multiple)`` elements reuse
+    memory. (On a GPU the caching allocator reuses memory anyway, and one kernel beats one per piece: the
+    tensor is one piece.) Every piece but the last holds a multiple of ``multiple`` elements (whole buckets),
+    and a tensor that fits in one piece is converted whole, so its result is that of ``flat.to(torch.float64)``.
+    A sum over several pieces adds the piece sums, a different order of float64 additions than one
+    reduction (which itself depends on torch's thread count); what is sent is that sum rounded to float32.
+    """
+    if flat.device.type != "cpu":
+        step = max(flat.numel(), 1)
+    else:
+        step = max(1, FLOAT64_CHUNK // multiple) * multiple
+    for start in range(0, flat.numel(), step):
+        yield start, flat[start:start + step].to(torch.float64, copy=True)
 
 
 def compression_ratio(tensor: torch.Tensor, payload: Payload) -> float:

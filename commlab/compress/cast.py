@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from commlab.compress.base import Payload, check_finite
+from commlab.compress.base import Payload, all_finite, check_finite
 
 __all__ = ["CastCompressor"]
 
@@ -80,12 +80,9 @@ class CastCompressor:
             raise TypeError(f"{self.name} compresses floating-point tensors, got {tensor.dtype}")
         values = tensor.to(self.dtype)
         # Checking the (smaller) cast result catches all three cases: NaN and inf in the input stay NaN and
-        # inf, and an overflow shows up as a new inf. The sum is the fast test (one read pass, no mask;
-        # measured 10 ms vs 120 ms for isfinite().all() on 16 Mi float16 values, 2 threads): any NaN or inf
-        # makes it non-finite. A sum that overflows from finite values is only a false alarm, settled by
-        # the exact test; only then do we look at the input, to tell the reader which case it was.
-        if (values.numel() and not bool(torch.isfinite(values.sum()))
-                and not bool(torch.isfinite(values).all())):
+        # inf, and an overflow shows up as a new inf (all_finite reads it once, with no mask). Only then do we
+        # look at the input, to tell the reader which case it was.
+        if not all_finite(values):
             check_finite(tensor, f"{self.name} input")
             too_big = tensor.abs() > torch.finfo(self.dtype).max
             raise FloatingPointError(

@@ -1,14 +1,14 @@
 """Quantization: fewer bits per element (QSGD's stochastic levels; deterministic INT8/INT4 rounding).
 
-Both quantizers send codes plus one float32 scale per tensor, and the scale differs from rank to rank,
-so two ranks' codes cannot be added: neither is linear, and their payloads are all-gathered
-(:mod:`commlab.compress.aggregate`). This is where the source article goes wrong twice: it all-reduces a
-dict of codes and scale, and its INT4 keeps each 4-bit code in a whole int8 byte. Here 4-bit codes are
-packed two per byte (:func:`commlab.compress.bitpack.pack_nibbles`), so INT4 really sends half of
-INT8's bytes.
+Both quantizers send codes plus float32 scales (QSGD: one norm per bucket of entries; INT8/INT4: one scale
+per tensor), and the scales differ from rank to rank, so two ranks' codes cannot be added: neither is
+linear, and their payloads are all-gathered (:mod:`commlab.compress.aggregate`). This is where the source
+article goes wrong twice: it all-reduces a dict of codes and scale, and its INT4 keeps each 4-bit code in a
+whole int8 byte. Here 4-bit codes are packed two per byte (:func:`commlab.compress.bitpack.pack_nibbles`),
+so INT4 really sends half of INT8's bytes.
 
 Scales and norms travel as float32 whatever the input dtype: a bf16 scale would add its own 2**-8
-relative error to every element, for a saving of 2 bytes per tensor.
+relative error to every element, for a saving of 2 bytes per scale.
 """
 
 from __future__ import annotations
@@ -17,13 +17,19 @@ import math
 
 import torch
 
-from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale
-from commlab.compress.bitpack import pack_nibbles, unpack_nibbles
+from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_chunks,
+                                   output_fits)
+from commlab.compress.bitpack import decode_bytes, nibble_table, pack_nibbles
 
-__all__ = ["QSGD", "RoundingQuantizer", "qsgd_variance_bound"]
+__all__ = ["QSGD", "RoundingQuantizer", "qsgd_variance_bound", "QSGD_BUCKET_SIZE"]
 
 # Most levels a code of `bits` bits can hold: one bit for the sign, the rest for the level 0..s.
 _MAX_LEVELS = {4: 7, 8: 127}
+
+#: QSGD's default bucket: entries that share one norm. Alistarh et al. 2017 quantize buckets of d consecutive
+#: entries, each with its own norm (which replaces n by d in the variance bound), and 512 is the bucket size of
+#: their 4-bit experiments.
+QSGD_BUCKET_SIZE = 512
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,57 +42,101 @@ def _one_scalar(value: torch.Tensor, numel: int) -> torch.Tensor:
     return value.to(torch.float32).reshape(1)[:1 if numel else 0]
 
 
-def qsgd_variance_bound(numel: int, levels: int) -> float:
-    """QSGD's variance bound, relative to ``||v||^2``: ``min(n / s^2, sqrt(n) / s)``.
+def _check_bucket_size(bucket_size, what: str) -> None:
+    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
+                                    or bucket_size < 1):
+        raise ValueError(f"{what}: bucket_size must be an int >= 1 (entries per norm; the paper's is "
+                         f"{QSGD_BUCKET_SIZE}) or None (one bucket for the whole tensor), got {bucket_size!r}")
+
+
+def _bucket_entries(bucket_size: int | None, numel: int) -> int:
+    """Entries per bucket for a tensor of ``numel``: the whole tensor for None, never more than it holds."""
+    return numel if bucket_size is None else min(bucket_size, numel)
+
+
+def _per_bucket(x: torch.Tensor, d: int, values: torch.Tensor, op) -> None:
+    """``op(x_b, values[b])`` in place on each bucket of ``d`` consecutive entries of the 1-D ``x`` (the last
+    bucket holds what is left, possibly fewer than ``d``)."""
+    full = x.numel() // d * d
+    if full:
+        op(x[:full].view(-1, d), values[:full // d, None])
+    if full < x.numel():
+        op(x[full:], values[-1])
+
+
+def qsgd_variance_bound(numel: int, levels: int, bucket_size: int | None = QSGD_BUCKET_SIZE) -> float:
+    """QSGD's variance bound, relative to ``||v||^2``: ``min(d / s^2, sqrt(d) / s)`` for buckets of d entries.
 
     Alistarh et al. 2017, "QSGD: Communication-efficient SGD via gradient quantization and encoding"
     (NeurIPS), Lemma 3.1 (ii): ``E ||Q_s(v) - v||_2^2 <= min(n/s^2, sqrt(n)/s) ||v||_2^2`` for a vector of
-    n elements quantized with s levels (one bucket, as :class:`QSGD` does).
+    n elements quantized with s levels. Quantized in buckets, each with its own norm (§3, as
+    :class:`QSGD` does), the errors of the buckets are independent and add:
+    ``E ||Q(v) - v||^2 = sum_b E ||Q_s(v_b) - v_b||^2 <= sum_b min(d_b/s^2, sqrt(d_b)/s) ||v_b||^2``, and
+    since every bucket holds ``d_b <= d`` entries and the bound grows with d, this is at most
+    ``min(d/s^2, sqrt(d)/s) ||v||^2``: n is replaced by the bucket size. A shorter last bucket only lowers it.
+
+    Args:
+        numel: n, entries of the tensor (>= 0).
+        levels: s (>= 1).
+        bucket_size: d, entries per norm (default :data:`QSGD_BUCKET_SIZE`, as :class:`QSGD`); None for one
+            bucket (d = n). A tensor smaller than d is one bucket of n.
 
     Raises:
-        ValueError: ``numel < 0`` or ``levels < 1``.
+        ValueError: ``numel < 0``, ``levels < 1`` or ``bucket_size < 1``.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be an int >= 1, got {levels!r}")
-    return min(numel / levels ** 2, math.sqrt(numel) / levels)
+    _check_bucket_size(bucket_size, "qsgd_variance_bound")
+    d = _bucket_entries(bucket_size, numel)
+    return min(d / levels ** 2, math.sqrt(d) / levels)
 
 
 class QSGD:
-    """QSGD stochastic quantization with s levels: unbiased, one float32 norm per tensor.
+    """QSGD stochastic quantization with s levels, in buckets of d entries with one float32 norm each: unbiased.
 
-    For ``v`` flattened to n elements: ``q_i = ||v||_2 * sign(v_i) * xi_i / s``, where ``xi_i`` is
+    For each bucket ``v`` of the flattened tensor: ``q_i = ||v||_2 * sign(v_i) * xi_i / s``, where ``xi_i`` is
     ``floor(r_i)`` or ``floor(r_i) + 1`` for ``r_i = s |v_i| / ||v||_2`` in [0, s], the latter with
     probability ``r_i - floor(r_i)``; so E[xi_i] = r_i and E[q] = v (Alistarh et al. 2017, NeurIPS,
-    "QSGD", §3.1). Its variance is at most :func:`qsgd_variance_bound` times ``||v||^2`` (Lemma 3.1).
-    The paper also splits v into buckets with a norm each and Elias-codes the levels (§3.2); this class
-    uses one bucket per tensor and fixed-width codes, which is what a collective can move.
+    "QSGD", §3.1). Its variance is at most :func:`qsgd_variance_bound` times ``||v||^2`` (Lemma 3.1):
+    ``min(d/s^2, sqrt(d)/s)``, which for s = 7 and the default d = 512 is ``min(10.4, 3.2) = 3.2`` whatever
+    the tensor's size, but grows as ``sqrt(n)/s`` with one bucket for the whole tensor (``bucket_size=None``,
+    the labelled contrast). The paper also Elias-codes the levels (§3.2); this class uses fixed-width codes,
+    which is what a collective can move.
 
     Args:
         levels: s, in 1..127. Default 7 when neither argument is given: the most that fits 4 bits
-            (sign + 3-bit level), i.e. 8x fewer bytes than float32 with a variance factor
-            ``min(n/49, sqrt(n)/7)``.
+            (sign + 3-bit level), i.e. close to 8x fewer bytes than float32.
         bits: 4 or 8 instead of ``levels``: s = 7 or 127, the most that the code width holds.
             Giving both is allowed if ``levels`` fits in ``bits``.
         seed: seeds this compressor's own generator (default 0). Give each rank a different seed
             (e.g. ``seed + rank``): with equal seeds the ranks' rounding errors are correlated and do not
             average out across ranks.
+        bucket_size: d, consecutive entries (in row-major order) that share one norm; default
+            :data:`QSGD_BUCKET_SIZE` (512, the paper's). None: one bucket for the whole tensor, whatever its
+            size. When d does not divide n, the last bucket holds the remaining ``n - (m-1) d`` entries and has
+            a norm of its own: nothing is padded or sent for the missing entries, and its bound (that of
+            its own size) is smaller. A tensor of at most d entries is one bucket.
 
-    Payload (n elements):
+    Payload (n elements, m = ceil(n / d) buckets):
         ``codes``: sign and level per element. s <= 7: 4 bits each, nibble = ``negative << 3 | xi``,
             packed two per byte (uint8, ceil(n/2) bytes). 8 <= s <= 127, or ``bits=8``: int8 ``+-xi``
             (n bytes).
-        ``norm``: ``||v||_2`` as float32 (4 bytes; none for an empty tensor).
-        ``meta``: ``{"levels": s, "bits": 4 or 8}``.
+        ``norm``: ``||v_b||_2`` of each bucket, float32 (4m bytes; none for an empty tensor). 4-bit codes in
+            buckets of 512 cost 256 + 4 bytes per bucket: a ratio of 7.88 against float32 (8.0 with one bucket).
+        ``meta``: ``{"levels": s, "bits": 4 or 8, "bucket_size": d or None}``.
 
-    ``linear`` is False (each rank has its own norm). All-zero input gives all-zero output (no division
-    by a zero norm); NaN/Inf input raises ``FloatingPointError``.
+    ``linear`` is False (each rank has its own norms). An all-zero bucket gives zeros (no division by a zero
+    norm); NaN/Inf input raises ``FloatingPointError``, as does a bucket whose norm float32 cannot hold.
+    The uniforms are drawn on the CPU generator, one per element, whatever the bucket size, so the same seed
+    gives the same draws for every d (and the same stream on every device).
     """
 
     linear = False
 
-    def __init__(self, levels: int | None = None, bits: int | None = None, seed: int = 0):
+    def __init__(self, levels: int | None = None, bits: int | None = None, seed: int = 0,
+                 bucket_size: int | None = QSGD_BUCKET_SIZE):
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits not in _MAX_LEVELS):
             raise ValueError(f"QSGD: bits must be 4 or 8 (codes packed two per byte, or one int8 each), got {bits!r}")
         if levels is None:
@@ -101,35 +151,70 @@ class QSGD:
                              f"{_MAX_LEVELS[bits]}: one bit is the sign); use bits=8 or levels <= {_MAX_LEVELS[bits]}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"QSGD: seed must be an int >= 0, got {seed!r}")
-        self.levels, self.bits, self.seed = levels, bits, seed
+        _check_bucket_size(bucket_size, "QSGD")
+        self.levels, self.bits, self.seed, self.bucket_size = levels, bits, seed, bucket_size
         self.generator = torch.Generator().manual_seed(seed)
-        self.name = f"qsgd(s={levels},{bits}bit)"
+        self.name = f"qsgd(s={levels},{bits}bit,d={'n' if bucket_size is None else bucket_size})"
+
+    def _norms(self, tensor: torch.Tensor, flat: torch.Tensor, d: int) -> torch.Tensor:
+        """The float32 norm of each bucket: computed in float64 (no overflow of the squares) and rounded to
+        float32 *before* it is used, so that the sender's levels are relative to exactly the norms the
+        receiver sees. Raises on NaN/Inf input and on a norm that float32 cannot hold."""
+        n = flat.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float32, device=flat.device)
+        full = n // d * d
+        norms = torch.empty(-(-n // d), dtype=torch.float64, device=flat.device)
+        for start, piece in float64_chunks(flat[:full], d):
+            b = start // d
+            torch.linalg.vector_norm(piece.view(-1, d), dim=1, out=norms[b:b + piece.numel() // d])
+        if full < n:
+            norms[-1] = torch.linalg.vector_norm(flat[full:].to(torch.float64))
+        # A NaN or inf anywhere makes its bucket's norm non-finite: only then is the input searched.
+        if not bool(torch.isfinite(norms).all()):
+            check_finite(tensor, "QSGD input")
+        norm32 = norms.to(torch.float32)
+        bad = ~torch.isfinite(norm32) | ((norms > 0) & (norm32 == 0))
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            float32_scale(norms[b], f"QSGD norm ||v||_2 of bucket {b} (entries {b * d}..{min(n, b * d + d) - 1})")
+        return norm32
 
     def compress(self, tensor: torch.Tensor) -> Payload:
-        check_finite(tensor, "QSGD input")
+        flat = tensor.detach().reshape(-1)
+        n, s = flat.numel(), self.levels
+        d = _bucket_entries(self.bucket_size, n)
+        norm32 = self._norms(tensor, flat, d)
         acc = _acc_dtype(tensor.dtype)
-        v = tensor.detach().reshape(-1).to(acc)
-        n, s = v.numel(), self.levels
-        # The norm is computed in float64 (no overflow of the squares) and rounded to float32 *before*
-        # it is used, so that the sender's levels are relative to exactly the norm the receiver sees.
-        norm32 = (float32_scale(torch.linalg.vector_norm(v.to(torch.float64)), "QSGD norm ||v||_2") if n
-                  else torch.zeros((), dtype=torch.float32, device=v.device))
-        norm = norm32.to(acc)
-        if n and norm > 0:
-            r = (v.abs() / norm * s).clamp_(max=s)
+        negative = flat < 0
+        nonzero = norm32 > 0
+        if n and bool(nonzero.any()):
+            # r = s |v| / ||v_b||, in place in one buffer (fresh float buffers are what costs most on a CPU).
+            # An all-zero bucket is divided by 1 instead of 0: its r is 0, so its levels are 0.
+            r = flat.to(acc, copy=True).abs_()
+            _per_bucket(r, d, torch.where(nonzero, norm32, 1.0).to(acc), torch.Tensor.div_)
+            r.mul_(s).clamp_(max=s)
             low = r.floor()
-            # Uniforms drawn on the CPU generator so that the stream does not depend on the device.
-            u = torch.rand(n, generator=self.generator, dtype=acc).to(v.device)
-            xi = (low + (u < (r - low)).to(acc)).clamp_(max=s).to(torch.int16)
+            r -= low                        # the fractional part: the probability of rounding up
+            xi = low.to(torch.uint8)
+            # Uniforms drawn on the CPU generator so that the stream does not depend on the device; on a CPU
+            # they go into low's memory, which is no longer needed.
+            if flat.device.type == "cpu":
+                u = low.uniform_(generator=self.generator)
+            else:
+                u = torch.rand(n, generator=self.generator, dtype=acc).to(flat.device)
+            # xi <= s needs no clamp: r < s gives floor(r) <= s - 1, and r = s has no fractional part.
+            xi += u < r
         else:
-            xi = torch.zeros(n, dtype=torch.int16, device=v.device)
-        negative = v < 0
+            xi = torch.zeros(n, dtype=torch.uint8, device=flat.device)
         if self.bits == 4:
-            codes = pack_nibbles((negative.to(torch.int16) << 3) | xi)
+            xi |= negative.view(torch.uint8) << 3
+            codes = pack_nibbles(xi, check=False)
         else:
-            codes = torch.where(negative, -xi, xi).to(torch.int8)
-        return Payload({"codes": codes, "norm": _one_scalar(norm32, n)}, tensor.shape, tensor.dtype,
-                       {"levels": s, "bits": self.bits})
+            xi = xi.view(torch.int8)
+            codes = torch.where(negative, -xi, xi)
+        return Payload({"codes": codes, "norm": norm32}, tensor.shape, tensor.dtype,
+                       {"levels": s, "bits": self.bits, "bucket_size": self.bucket_size})
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         n = math.prod(payload.shape)
@@ -137,13 +222,18 @@ class QSGD:
         acc = _acc_dtype(payload.dtype)
         if n == 0:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=codes.device)
+        s = payload.meta["levels"]
         if payload.meta["bits"] == 4:
-            nib = unpack_nibbles(codes, n).to(torch.int16)
-            signed = torch.where(nib >= 8, -(nib & 7), nib & 7)
+            # Each byte straight to its two signed levels (nibble q: -(q & 7) if q >= 8, else q).
+            nib = nibble_table(codes.device)
+            out = decode_bytes(torch.where(nib >= 8, -(nib & 7), nib & 7).to(acc), codes, n)
         else:
-            signed = codes.to(torch.int16)
-        out = signed.to(acc) * (norm.to(acc) / payload.meta["levels"])
-        return check_finite_output(out.to(payload.dtype).view(payload.shape), "QSGD")
+            out = codes.to(acc)
+        scale = norm.to(acc) / s
+        _per_bucket(out, _bucket_entries(payload.meta.get("bucket_size"), n), scale, torch.Tensor.mul_)
+        out = out.to(payload.dtype).view(payload.shape)
+        # No output exceeds s times the largest scale, so the full pass is needed only if that does not fit.
+        return out if output_fits(scale.max() * s, payload.dtype) else check_finite_output(out, "QSGD")
 
 
 class RoundingQuantizer:
@@ -183,18 +273,27 @@ class RoundingQuantizer:
         self.name = f"int{bits}"
 
     def compress(self, tensor: torch.Tensor) -> Payload:
-        check_finite(tensor, "RoundingQuantizer input")
+        flat = tensor.detach().reshape(-1)
+        n = flat.numel()
         acc = _acc_dtype(tensor.dtype)
-        v = tensor.detach().reshape(-1).to(acc)
-        n = v.numel()
-        scale32 = (float32_scale(v.abs().max().to(torch.float64) / self.qmax, "RoundingQuantizer scale") if n
-                   else torch.zeros((), dtype=torch.float32, device=v.device))
-        if n and scale32 > 0:
-            codes = torch.round(v / scale32.to(acc)).clamp_(-self.qmax, self.qmax).to(torch.int8)
+        if n:
+            # max |v| from one min/max pass; a NaN or inf makes it non-finite, and only then is the input searched.
+            lo, hi = torch.aminmax(flat)
+            amax = torch.maximum(-lo, hi).to(torch.float64)
+            if not bool(torch.isfinite(amax)):
+                check_finite(tensor, "RoundingQuantizer input")
+            scale32 = float32_scale(amax / self.qmax, "RoundingQuantizer scale")
         else:
-            codes = torch.zeros(n, dtype=torch.int8, device=v.device)
+            scale32 = torch.zeros((), dtype=torch.float32, device=flat.device)
+        if n and scale32 > 0:
+            # One buffer, rounded and clamped in place. The clamp matters only for a subnormal scale, whose
+            # few significant bits can put max|v| / scale beyond qmax + 0.5.
+            q = flat.to(acc, copy=True).div_(scale32.to(acc)).round_().clamp_(-self.qmax, self.qmax)
+            codes = q.to(torch.int8)
+        else:
+            codes = torch.zeros(n, dtype=torch.int8, device=flat.device)
         if self.bits == 4:
-            codes = pack_nibbles(codes.to(torch.int16) + 8)
+            codes = pack_nibbles((codes + 8).view(torch.uint8), check=False)
         return Payload({"codes": codes, "scale": _one_scalar(scale32, n)}, tensor.shape, tensor.dtype,
                        {"bits": self.bits})
 
@@ -203,10 +302,12 @@ class RoundingQuantizer:
         codes, scale = payload.tensors["codes"], payload.tensors["scale"]
         if n == 0:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=codes.device)
-        if payload.meta["bits"] == 4:
-            signed = unpack_nibbles(codes, n).to(torch.int16) - 8
-        else:
-            signed = codes
         acc = _acc_dtype(payload.dtype)
-        return check_finite_output((signed.to(acc) * scale.to(acc)).to(payload.dtype).view(payload.shape),
-                                   "RoundingQuantizer")
+        if payload.meta["bits"] == 4:
+            out = decode_bytes((nibble_table(codes.device) - 8).to(acc), codes, n)
+        else:
+            out = codes.to(acc)
+        out.mul_(scale.to(acc))
+        out = out.to(payload.dtype).view(payload.shape)
+        largest = scale.to(acc) * _MAX_LEVELS[payload.meta["bits"]]
+        return out if output_fits(largest, payload.dtype) else check_finite_output(out, "RoundingQuantizer")

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale
-from commlab.compress.bitpack import pack_bits, unpack_bits
+from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale, float64_chunks
+from commlab.compress.bitpack import bit_table, decode_bytes, pack_bits
 
 __all__ = ["SignCompressor"]
 
@@ -45,12 +45,18 @@ class SignCompressor:
     linear = False
 
     def compress(self, tensor: torch.Tensor) -> Payload:
-        check_finite(tensor, "SignCompressor input")
         flat = tensor.detach().reshape(-1)
         n = flat.numel()
-        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-        scale = (float32_scale(flat.to(torch.float64).abs().mean(), "sign scale mean|g|").reshape(1) if n
-                 else torch.zeros(0, dtype=torch.float32, device=flat.device))
+        if n:
+            # sum |g_i| in float64; a NaN or inf in the input makes it non-finite, and only then is the input
+            # searched (check_finite), so a finite tensor is read once for its scale and once for its signs.
+            total = sum(piece.abs_().sum() for _, piece in float64_chunks(flat))
+            mean = total / n
+            if not bool(torch.isfinite(mean)):
+                check_finite(tensor, "SignCompressor input")
+            scale = float32_scale(mean, "sign scale mean|g|").reshape(1)
+        else:
+            scale = torch.zeros(0, dtype=torch.float32, device=flat.device)
         return Payload({"bits": pack_bits(flat >= 0), "scale": scale}, tensor.shape, tensor.dtype, {})
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -59,5 +65,8 @@ class SignCompressor:
         if n == 0:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=bits.device)
         acc = torch.float64 if payload.dtype == torch.float64 else torch.float32
-        signs = unpack_bits(bits, n).to(acc) * 2 - 1
-        return check_finite_output((signs * scale.to(acc)).to(payload.dtype).view(payload.shape), "SignCompressor")
+        # The 256 possible bytes decoded once to +-scale (in the output dtype), then one gather per byte. Every
+        # output is +scale or -scale, so the table is finite exactly when the output is.
+        table = ((bit_table(bits.device).to(acc) * 2 - 1) * scale.to(acc)).to(payload.dtype)
+        check_finite_output(table, "SignCompressor")
+        return decode_bytes(table, bits, n).view(payload.shape)

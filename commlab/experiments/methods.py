@@ -2,7 +2,9 @@
 
 A *spec* names a method: ``dense`` (commlab's ring AllReduce of the gradient), ``cast:fp16``,
 ``cast:bf16``, ``int:8``, ``int:4`` (:class:`~commlab.compress.quantize.RoundingQuantizer`), ``qsgd:4``
-(QSGD with 4-bit codes), ``sign``, ``topk:0.01``, ``randomk:0.01`` (share kept) and ``powersgd:R`` (rank R).
+(QSGD with 4-bit codes in buckets of 512 entries, the paper's), ``qsgd:4:all`` (one bucket for the whole
+gradient, the contrast) or ``qsgd:4:D`` (buckets of D), ``sign``, ``topk:0.01``, ``randomk:0.01`` (share
+kept) and ``powersgd:R`` (rank R).
 Beside the spec, ``aggregation`` says how a non-linear compressor's payloads are summed (:data:`AGGREGATIONS`):
 ``"auto"`` all-gathers them (:func:`commlab.compress.aggregate`'s default), ``"two_phase"`` runs the two-phase
 compressed AllReduce (:mod:`commlab.compress.two_phase`), with the chunk owners' error feedback on whenever
@@ -37,7 +39,7 @@ from commlab.compress.aggregate import aggregate, agree_finite
 from commlab.compress.cast import CastCompressor
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.powersgd import PowerSGDState, _Call
-from commlab.compress.quantize import QSGD, RoundingQuantizer
+from commlab.compress.quantize import QSGD, QSGD_BUCKET_SIZE, RoundingQuantizer
 from commlab.compress.sign import SignCompressor
 from commlab.compress.sparse import RandomK, TopK
 from commlab.launch.device import Clock, Mark
@@ -49,7 +51,8 @@ __all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "StepComm", "Bucke
            "compressor_for"]
 
 #: Spec prefix -> what its argument means.
-METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)", "qsgd": "bits (2, 4 or 8)",
+METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)",
+                "qsgd": "bits (4 or 8), optionally :all (one bucket) or :D (D entries per norm; default 512)",
                 "sign": None, "topk": "share kept in (0, 1]", "randomk": "share kept in (0, 1]",
                 "powersgd": "rank >= 1"}
 
@@ -118,8 +121,8 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
             raise ValueError
         if kind == "int" and arg not in ("8", "4"):
             raise ValueError
-        if kind == "qsgd" and arg not in ("2", "4", "8"):
-            raise ValueError
+        if kind == "qsgd":
+            _qsgd_settings(arg)
         if kind in ("topk", "randomk") and not 0 < float(arg) <= 1:
             raise ValueError
         if kind == "powersgd" and int(arg) < 1:
@@ -131,6 +134,11 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
         raise ValueError(f"method {spec!r}: write it 'powersgd:{int(arg)}'")
     if kind in ("topk", "randomk") and arg not in (f"{float(arg):g}", repr(float(arg))):
         raise ValueError(f"method {spec!r}: write it '{kind}:{float(arg):g}'")
+    if kind == "qsgd":
+        bits, _, bucket = arg.partition(":")
+        if bucket not in ("", "all") and (bucket != str(int(bucket)) or int(bucket) == QSGD_BUCKET_SIZE):
+            short = f"qsgd:{bits}" if int(bucket) == QSGD_BUCKET_SIZE else f"qsgd:{bits}:{int(bucket)}"
+            raise ValueError(f"method {spec!r}: write it '{short}'")
     return kind, arg or None
 
 
@@ -148,11 +156,32 @@ def check_aggregation(spec: str, aggregation: str) -> None:
                          f"{', '.join(k + ':...' if METHOD_KINDS[k] else k for k in TWO_PHASE_KINDS)}")
 
 
+def _qsgd_settings(arg: str) -> tuple[int, int | None]:
+    """``(bits, bucket_size)`` of a ``qsgd`` argument: ``"4"`` (buckets of QSGD's default 512), ``"4:all"`` (one
+    bucket, ``None``) or ``"4:D"``. Raises ValueError (caught and reworded by :func:`parse_spec`)."""
+    bits, sep, bucket = arg.partition(":")
+    if bits not in ("4", "8") or (sep and not bucket):
+        raise ValueError(arg)
+    if not sep:
+        return int(bits), QSGD_BUCKET_SIZE
+    if bucket == "all":
+        return int(bits), None
+    if not bucket.isdigit() or int(bucket) < 1:
+        raise ValueError(arg)
+    return int(bits), int(bucket)
+
+
 def payload_tensors(spec: str, warm: bool = False) -> int:
     """Tensors in one rank's payload, each summed by its own collective (1 for dense and PowerSGD's two
     AllReduces each; 2 where a scale, norm or index tensor travels beside the values)."""
     kind, _ = parse_spec(spec)
     return 2 if kind in ("int", "qsgd", "sign", "topk") and not warm else 1
+
+
+def _qsgd_label(arg: str) -> str:
+    bits, bucket_size = _qsgd_settings(arg)
+    where = {QSGD_BUCKET_SIZE: "", None: ", one bucket"}.get(bucket_size, f", buckets of {bucket_size}")
+    return f"QSGD {bits}-bit{where}"
 
 
 def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0, aggregation: str = "auto") -> str:
@@ -163,7 +192,7 @@ def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0, agg
     if base is None:
         base = {"cast": lambda a: a.upper() if a == "fp16" else "BF16",
                 "int": lambda a: f"INT{a}",
-                "qsgd": lambda a: f"QSGD {a}-bit",
+                "qsgd": _qsgd_label,
                 "topk": lambda a: f"Top-K {float(a) * 100:g}%",
                 "randomk": lambda a: f"Random-K {float(a) * 100:g}%",
                 "powersgd": lambda a: f"PowerSGD r={a}"}[kind](arg)
@@ -217,7 +246,8 @@ def _compressor(kind: str, arg: str | None, seed: int):
     if kind == "int":
         return RoundingQuantizer(bits=int(arg))
     if kind == "qsgd":
-        return QSGD(bits=int(arg), seed=seed)
+        bits, bucket_size = _qsgd_settings(arg)
+        return QSGD(bits=bits, seed=seed, bucket_size=bucket_size)
     if kind == "sign":
         return SignCompressor()
     if kind == "topk":

@@ -114,7 +114,8 @@ class CharLMTask:
     """A 2-layer character transformer (116,705 parameters by default) on the pydoc corpus, with Adam.
 
     Args:
-        config: the model's size; the default trains in about 15 ms per 16-window step on one CPU thread.
+        config: the model's size (the default is chapter 8's model; its measured step times are in the
+            grid's records, ``compute_s`` of ``data/experiments/full.jsonl``).
         val_windows: validation windows of ``config.block`` characters scored at each evaluation (taken
             at a fixed stride from the start of the validation text, the same for every run).
     """
