@@ -72,6 +72,11 @@ def _read(path: str) -> dict:
         return json.load(f)
 
 
+def _pinned(path: str | Path | None) -> dict:
+    # The cached tables themselves (read-only here): the model runs in loops over message sizes.
+    return _read(str(Path(path or DEFAULT_PATH).resolve()))["pinned"]
+
+
 def load_tuning(path: str | Path | None = None) -> dict:
     """The whole constants file (``pinned`` tables, ``presets``, ``history``, ``nvlink_per_link_gbps``) as a
     dict; a copy, so that a caller's edits do not leak into the next call.
@@ -226,7 +231,7 @@ def pair_model(system: NcclSystem, algorithm: str = "Ring", protocol: str = "Sim
     n = system.ranks
     if n < 2:
         raise ValueError("an AllReduce of one rank costs nothing: NCCL's model needs at least 2 ranks")
-    t = load_tuning(path)["pinned"]
+    t = _pinned(path)
     c = system.channels
     col = _index2(system.nodes)
     bus = system.bus_bytes_per_s / 1e9  # GB/s, the unit of the tables
@@ -279,7 +284,7 @@ def all_reduce_seconds(nbytes: float, system: NcclSystem, algorithm: str = "Ring
         raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
     if system.ranks == 1:
         return 0.0
-    t = load_tuning(path)["pinned"]
+    t = _pinned(path)
     pm = pair_model(system, algorithm, protocol, path)
     lat, bw = pm.latency_s, pm.alg_bytes_per_s
     if (algorithm == "Ring" and protocol == "Simple" and system.nodes > 1
