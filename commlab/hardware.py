@@ -2,7 +2,7 @@
 
 The file is a flat JSON object: device or link name -> figure name -> ``{"value", "unit", "source"}``.
 Keys that start with ``_`` are notes for the reader and are skipped. Values are in the units the
-rest of commlab uses (FLOP/s, bytes, bytes/s, bit/s; 1 GB = 1e9 bytes), and each figure names the
+rest of commlab uses (FLOP/s, bytes, bytes/s, bit/s, and ``count`` for ports or links; 1 GB = 1e9 bytes), and each figure names the
 datasheet it comes from, so that a number in the book can be traced back.
 
 >>> from commlab import hardware
@@ -23,7 +23,7 @@ __all__ = ["DEFAULT_PATH", "UNITS", "load", "figure", "value", "devices"]
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "hardware.json"
 
 #: Units a figure may carry; anything else is refused so that a typo cannot pass silently.
-UNITS = frozenset({"FLOP/s", "bytes", "bytes/s", "bit/s"})
+UNITS = frozenset({"FLOP/s", "bytes", "bytes/s", "bit/s", "count"})
 
 _FIELDS = ("value", "unit", "source")
 

@@ -281,8 +281,18 @@ def test_hierarchical_and_placed_ring_costs():
     with pytest.raises(ValueError, match="nics_per_node must be an int >= 1"):
         hierarchical_all_reduce_seconds(NB, 2, 4, INTRA, INTER, nics_per_node=0)
     placement = [0, 0, 0, 0, 1, 1, 1, 1]
-    # Topology-aware ring: one hop leaves each node per step, 14 steps of n/8 bytes.
-    assert ring_all_reduce_seconds_on(NB, range(8), placement, INTRA, INTER) == pytest.approx(14 * (1e-5 + 1e6 * 1e-9))
+    # Topology-aware ring: one hop leaves each node per step, 14 steps of n/8 bytes through the NIC; the ring
+    # is pipelined, so only 2(nodes-1) = 2 of its 14 steps pay the network latency, the other 12 the intra one.
+    assert ring_all_reduce_seconds_on(NB, range(8), placement, INTRA, INTER) == pytest.approx(
+        12 * 1e-6 + 2 * 1e-5 + 14 * 1e6 * 1e-9)
+    # Multi-rail: 4 channels of n/4 each leave the node through 4 NICs: a quarter of the network time per
+    # step (bandwidth = channels x link); more channels than NICs share them and gain nothing more.
+    four = ring_all_reduce_seconds_on(NB, range(8), placement, INTRA, INTER, nics_per_node=4, channels=4)
+    assert four == pytest.approx(12 * 1e-6 + 2 * 1e-5 + 14 * 1e6 / 4 * 1e-9)
+    assert ring_all_reduce_seconds_on(NB, range(8), placement, INTRA, INTER, nics_per_node=4, channels=8) == \
+        pytest.approx(four)
+    with pytest.raises(ValueError, match="channels must be an int >= 1"):
+        ring_all_reduce_seconds_on(NB, range(8), placement, INTRA, INTER, channels=0)
     # Alternating ring: every hop crosses, four leave each node per step through one NIC.
     alternating = [0, 4, 1, 5, 2, 6, 3, 7]
     assert ring_all_reduce_seconds_on(NB, alternating, placement, INTRA, INTER) == pytest.approx(

@@ -5,8 +5,12 @@ Each algorithm's formula lives beside its code (``ring.py``, ``halving_doubling.
 
 * :func:`predict_flat` -- all ranks joined by one kind of link (α, β): ring, recursive doubling,
   Rabenseifner's halving-doubling, binomial tree, pipelined double binary tree;
-* :func:`predict_on_cluster` -- nodes of several devices: a ring in topology order, a ring whose order
-  ignores the topology, the hierarchical algorithm, and in-network reduction between nodes.
+* :func:`predict_on_cluster` -- nodes of several devices: a ring in topology order (split over channels,
+  one per NIC by default, as NCCL does on a rail-optimised node), a ring whose order ignores the topology,
+  the hierarchical algorithm, and in-network reduction between nodes.
+
+Both use one (α, β) per link. NCCL's own model gives every (algorithm, protocol) pair its own latency and
+bandwidth; :mod:`commlab.collectives.nccl_model` re-states it.
 
 Times are seconds, sizes bytes, α in s, β and γ in s/byte.
 """
@@ -20,7 +24,7 @@ from commlab.collectives._common import check_counts
 from commlab.collectives.halving_doubling import (recursive_doubling_all_reduce_seconds,
                                                   rhd_all_reduce_seconds)
 from commlab.collectives.hierarchical import hierarchical_all_reduce_seconds, ring_all_reduce_seconds_on
-from commlab.collectives.in_network import in_network_all_reduce_seconds
+from commlab.collectives.in_network import HDR_SWITCH_PORTS, in_network_all_reduce_seconds
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.collectives.tree import binomial_tree_all_reduce_seconds, double_binary_tree_all_reduce_seconds
 from commlab.topology.links import Link
@@ -56,7 +60,9 @@ def fastest(nbytes: float, n: int, link: Link, candidates: Sequence[str] = ("rin
             gamma_s_per_byte: float = 0.0) -> str:
     """The candidate with the lowest predicted time: how NCCL's tuner picks between its algorithms
     (it predicts each one's time from latency and bandwidth tables and takes the minimum; NVIDIA/nccl
-    ``src/graph/tuning.cc``). The default candidates are NCCL's two classic AllReduce algorithms."""
+    ``src/graph/tuning.cc``). The default candidates are NCCL's two classic AllReduce algorithms. Here every
+    algorithm shares the link's one (α, β); NCCL's tables differ per protocol as well
+    (:func:`commlab.collectives.nccl_model.best`)."""
     if not candidates:
         raise ValueError("fastest needs at least one candidate algorithm")
     times = predict_flat(nbytes, n, link, gamma_s_per_byte, candidates)
@@ -95,30 +101,39 @@ def interleaved_placement(nodes: int, devices_per_node: int) -> list[int]:
 
 def predict_on_cluster(nbytes: float, nodes: int, devices_per_node: int, intra: Link, inter: Link,
                        nics_per_node: int = 1, switch_alpha_s: float | None = None,
-                       radix: int = 40) -> dict[str, float]:
+                       radix: int = HDR_SWITCH_PORTS, channels: int | None = None) -> dict[str, float]:
     """Predicted AllReduce time (s) of ``nbytes`` bytes on ``nodes`` × ``devices_per_node`` devices.
 
     Returns a dict with:
 
-    * ``"ring, topology order"`` -- one ring visiting each node's devices consecutively;
-    * ``"ring, round-robin ranks"`` -- the ring 0, 1, 2, ... when ranks are dealt to nodes round-robin,
-      so that every hop crosses nodes and the node's NICs carry ``devices_per_node`` flows at once;
+    * ``"ring, topology order"`` -- a ring visiting each node's devices consecutively, split over
+      ``channels`` concurrent rings (default ``nics_per_node``: one per rail, each leaving the node through
+      its own NIC, as NCCL lays out its channels and as chapter 1's
+      :func:`~commlab.arithmetic.data_parallel_sync` assumes);
+    * ``"ring, round-robin ranks"`` -- the ring 0, 1, 2, ... (same channels) when ranks are dealt to nodes
+      round-robin, so that every hop crosses nodes and the node's NICs carry ``devices_per_node`` times
+      the flows;
     * ``"hierarchical"`` -- intra-node ReduceScatter, inter-node ring AllReduce, intra-node AllGather;
     * ``"hierarchical + in-network"`` (when ``switch_alpha_s`` is given) -- the same with the inter-node
-      step reduced in the switches (SHARP-style; each of a node's ``nics_per_node`` NICs streams its
-      share once).
+      step reduced in the switches (SHARP-style, a fat tree of ``radix``-port switches; each of a node's
+      ``nics_per_node`` NICs streams its share once).
+
+    The two rings are priced by :func:`~commlab.collectives.hierarchical.ring_all_reduce_seconds_on`
+    (pipelined: only the hops that cross nodes pay the network latency).
 
     Raises:
         ValueError: bad counts or sizes.
     """
     check_counts(nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
+    channels = nics_per_node if channels is None else channels
+    check_counts(channels=channels)
     placement = [r // devices_per_node for r in range(nodes * devices_per_node)]
     out = {
         "ring, topology order": ring_all_reduce_seconds_on(nbytes, topology_aware_ring(placement), placement,
-                                                           intra, inter, nics_per_node),
+                                                           intra, inter, nics_per_node, channels),
         "ring, round-robin ranks": ring_all_reduce_seconds_on(
             nbytes, list(range(nodes * devices_per_node)), interleaved_placement(nodes, devices_per_node),
-            intra, inter, nics_per_node),
+            intra, inter, nics_per_node, channels),
         "hierarchical": hierarchical_all_reduce_seconds(nbytes, nodes, devices_per_node, intra, inter,
                                                         nics_per_node),
     }

@@ -11,10 +11,14 @@ NCCL inside the node and MPI between nodes):
    rings run at once, one per local index, each carrying 1/d of the vector.
 3. AllGather inside each node (ring): every rank gets every chunk.
 
-Only step 2 crosses nodes: each rank sends ``2(nodes-1)/nodes · n/d`` bytes there, so a node's NIC, shared
-by its d rings, carries ``2(nodes-1)/nodes · n`` bytes in ``2(nodes-1)`` latencies. A flat ring over all
-``N = nodes·d`` ranks pushes ``2(N-1)/N · n`` bytes through each NIC in ``2(N-1)`` latencies even when it
-is topology-aware (one hop leaving each node), and ``d`` times that when its order alternates nodes.
+Only step 2 crosses nodes: each rank sends ``2(nodes-1)/nodes · n/d`` bytes there, so a node's NICs,
+shared by its d rings, carry ``2(nodes-1)/nodes · n`` bytes in all, in ``2(nodes-1)`` latencies; steps 1
+and 3 add ``2(d-1)/d · n`` bytes on the intra-node link *before and after*, not overlapped with it. A flat
+ring over all ``N = nodes·d`` ranks in topology order sends ``2(N-1)/N · n`` bytes out of each node, a
+little more, but pipelines the intra-node and network hops; with one channel it leaves each node through
+one NIC, with one channel per NIC (NCCL's multi-rail rings) through all of them
+(:func:`ring_all_reduce_seconds_on`). When its order alternates nodes every hop crosses, ``d`` times the
+network bytes.
 
 The process groups must exist on every rank before the collective runs: :func:`make_hierarchy_groups`
 creates them (every rank calls it with the same placement, as ``dist.new_group`` requires).
@@ -203,33 +207,44 @@ def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node:
 
 
 def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: Sequence[int], intra: Link,
-                               inter: Link, nics_per_node: int = 1) -> float:
-    """α-β time of a flat ring AllReduce whose ring ``order`` runs over ranks placed on nodes.
+                               inter: Link, nics_per_node: int = 1, channels: int = 1) -> float:
+    """α-β time of a flat ring AllReduce whose ring ``order`` runs over ranks placed on nodes, split over
+    ``channels`` concurrent rings (NCCL's channels).
 
-    All ``2(N-1)`` steps have the same pattern -- every rank sends one chunk of ``nbytes/N`` bytes to its
-    successor -- and a step lasts as long as its slowest hop::
+    Each channel runs the ring ``order`` on ``nbytes/channels`` bytes, all at once; as NCCL lays its
+    channels out on a rail-optimised node, each channel leaves a node through its own NIC while there are
+    NICs enough. The ring is pipelined, so latency adds up along the path and bandwidth is that of the
+    busiest link::
 
-        T = 2(N-1) · max(α_intra + m·β_intra           over hops inside a node,
-                         α_inter + m·β_inter · s_u     over hops leaving node u)
-        m = nbytes/N,  s_u = max(1, c_u / nics_per_node)
+        T = (2(N-1) - s)·α_intra + s·α_inter + 2(N-1) · max(m·β_intra,  m/C · β_inter · q_u  over nodes u)
+        m = nbytes/N,  s = 2(h-1) (0 on one node),  q_u = max(1, C·c_u / nics_per_node)
 
-    where ``c_u`` is the number of hops that leave node u (its ranks' sends to other nodes in one step),
-    which share u's NICs as in :func:`hierarchical_all_reduce_seconds`. A topology-aware order has
-    ``c_u = 1``; an order that alternates nodes has ``c_u = d``. Ingress contention is not modelled, as in
-    :class:`~commlab.topology.EmulatedTopology`.
+    where ``h`` is the number of hops of the ring that cross nodes and ``c_u`` the number that leave node u.
+    The latency term is NCCL's (``src/graph/tuning.cc``, v2.30.7-1, lines 404-412): of the ring's ``2(N-1)``
+    steps only ``2(nodes-1)`` pay the network latency when the ring visits each node once (``h = nodes``),
+    all of them when every hop crosses (``h = N``). The bandwidth term: a GPU sends at most one chunk ``m``
+    per step over its intra-node link (all its channels together, an upper bound, as chapter 1's
+    :func:`commlab.arithmetic.data_parallel_sync`), and each NIC carries ``q_u`` channels' chunks of ``m/C``.
+    A topology-aware order has ``c_u = 1``; one that alternates nodes ``c_u = d``. With ``C = nics_per_node``
+    channels the ring uses every rail: the node's whole network bandwidth, as chapter 1 assumes. Ingress
+    contention is not modelled, as in :class:`~commlab.topology.EmulatedTopology`.
+
+    commlab's own ring (one grouped exchange per step, one channel) waits for its slowest hop at every step,
+    so it pays the network latency closer to ``2(N-1)`` times; the difference is in the latency term only.
 
     Args:
         nbytes: bytes of the vector on each rank.
         order: the ring, a permutation of the global ranks ``0..N-1``.
         placement: ``placement[rank]`` = node id, length N.
         intra, inter: links; nics_per_node: as in :func:`hierarchical_all_reduce_seconds`.
+        channels: concurrent rings C (>= 1), each carrying ``nbytes/C``.
 
     Raises:
         ValueError: ``order`` not a permutation of ``range(len(placement))``, ``nbytes < 0``, or
-            ``nics_per_node < 1``.
+            ``nics_per_node`` or ``channels`` < 1.
     """
     check_cost_args(nbytes)
-    check_counts(nics_per_node=nics_per_node)
+    check_counts(nics_per_node=nics_per_node, channels=channels)
     order = [int(r) for r in order]
     n = len(placement)
     if sorted(order) != list(range(n)):
@@ -238,14 +253,19 @@ def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: S
         return 0.0
     m = nbytes / n
     leaving: dict[int, int] = {}
-    slowest = 0.0
+    any_intra = False
     for i, src in enumerate(order):
         dst = order[(i + 1) % n]
         if placement[src] == placement[dst]:
-            slowest = max(slowest, intra.seconds(m))
+            any_intra = True
         else:
             leaving[placement[src]] = leaving.get(placement[src], 0) + 1
+    steps = 2 * (n - 1)
+    crossing = sum(leaving.values())
+    net_steps = 2 * (crossing - 1) if crossing else 0
+    latency = (steps - net_steps) * intra.alpha_s + net_steps * inter.alpha_s
+    per_step = m * intra.beta_s_per_byte if any_intra else 0.0
     for count in leaving.values():
-        share = max(1.0, count / nics_per_node)
-        slowest = max(slowest, inter.alpha_s + m * inter.beta_s_per_byte * share)
-    return 2 * (n - 1) * slowest
+        share = max(1.0, channels * count / nics_per_node)
+        per_step = max(per_step, m / channels * inter.beta_s_per_byte * share)
+    return latency + steps * per_step

@@ -7,33 +7,79 @@ SC16, §3). Compared with a ring AllReduce:
 
 * bandwidth term: each node's link carries ``nbytes`` in each direction instead of ``2(N-1)/N·nbytes``,
   so at most about 2x faster for large messages (the factor approaches 2 as N grows);
-* latency term: the reduction climbs and descends the switch tree, whose height grows as
-  ``ceil(log_radix N)``. That is much flatter than the ring's 2(N-1) steps, but it is not O(1): it grows
-  with the cluster, one switch level at a time.
+* latency term: the reduction climbs and descends the switch tree, whose height grows with the cluster,
+  one switch level at a time: much flatter than the ring's 2(N-1) steps, but not O(1).
+
+The tree is a non-blocking fat tree of switches with ``radix`` ports each. A switch below the top level
+faces half its ports down (towards the endpoints) and half up; a top-level switch faces all of them down.
+So one level joins ``radix`` endpoints and L levels ``(radix/2)^(L-1)·radix``: with NVIDIA's 40-port HDR
+switch (Quantum QM8700: 40 ports of 200 Gb/s, ``data/hardware.json``) 40, 800 and 16,000 endpoints for
+one, two and three levels; with the 64-port NDR switch (Quantum-2 QM9700) 64, 2,048 and 65,536.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from commlab import hardware
 from commlab.collectives._common import check_cost_args
 
-def switch_tree_levels(n: int, radix: int = 40) -> int:
-    """Levels of a switch tree joining ``n`` endpoints, each switch having ``radix`` ports facing down
-    (towards the endpoints; in a fat tree that is half of a switch's ports).
+__all__ = ["HDR_SWITCH_PORTS", "NDR_SWITCH_PORTS", "fat_tree_down_ports", "fat_tree_endpoints",
+           "switch_tree_levels", "in_network_all_reduce_seconds", "in_network_speedup_limit"]
+
+#: Ports of NVIDIA's HDR InfiniBand switch (Quantum QM8700), from ``data/hardware.json``: 40.
+HDR_SWITCH_PORTS = int(hardware.value("Quantum-QM8700", "ports"))
+#: Ports of NVIDIA's NDR InfiniBand switch (Quantum-2 QM9700), from ``data/hardware.json``: 64.
+NDR_SWITCH_PORTS = int(hardware.value("Quantum-2-QM9700", "ports"))
+
+
+def _check_radix(radix: int) -> None:
+    if isinstance(radix, bool) or not isinstance(radix, int) or radix < 2 or radix % 2:
+        raise ValueError(f"radix (ports per switch) must be an even int >= 2, got {radix!r}")
+
+
+def fat_tree_down_ports(radix: int, levels: int) -> tuple[int, ...]:
+    """Down-facing ports of a switch at each level of a ``levels``-level fat tree of ``radix``-port
+    switches, leaf level first: ``radix/2`` below the top, ``radix`` at the top.
+
+    >>> fat_tree_down_ports(40, 2)
+    (20, 40)
 
     Raises:
-        ValueError: ``n < 1`` or ``radix < 2``.
+        ValueError: ``radix`` not an even int >= 2, or ``levels`` not an int >= 1.
     """
-    if n < 1 or radix < 2:
-        raise ValueError(f"need n >= 1 and radix >= 2, got n={n}, radix={radix}")
-    levels, reach = 1, radix
-    while reach < n:
+    _check_radix(radix)
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels must be an int >= 1, got {levels!r}")
+    return (radix // 2,) * (levels - 1) + (radix,)
+
+
+def fat_tree_endpoints(down_ports: Sequence[int]) -> int:
+    """Endpoints a tree with these down-facing ports per level (leaf first) can join: their product."""
+    reach = 1
+    for k in down_ports:
+        reach *= int(k)
+    return reach
+
+
+def switch_tree_levels(n: int, radix: int = HDR_SWITCH_PORTS) -> int:
+    """Levels of the smallest fat tree of ``radix``-port switches that joins ``n`` endpoints:
+    the least L with ``(radix/2)^(L-1)·radix >= n``.
+
+    Raises:
+        ValueError: ``n < 1`` or ``radix`` not an even int >= 2.
+    """
+    _check_radix(radix)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"need an int n >= 1 endpoints, got n={n!r}")
+    levels = 1
+    while fat_tree_endpoints(fat_tree_down_ports(radix, levels)) < n:
         levels += 1
-        reach *= radix
     return levels
 
 
 def in_network_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
-                                  switch_alpha_s: float, radix: int = 40) -> float:
+                                  switch_alpha_s: float, radix: int = HDR_SWITCH_PORTS) -> float:
     """α-β time of an AllReduce reduced inside the switches (SHARP-style), for ``n`` endpoints.
 
     ``2·levels·switch_alpha_s + 2·alpha_s + nbytes·beta_s_per_byte``: up and down the tree, one
@@ -43,7 +89,8 @@ def in_network_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_
     Args:
         nbytes: buffer size in bytes; n: endpoints (nodes or GPUs, one link each);
         alpha_s, beta_s_per_byte: the endpoint link (s, s/byte per direction);
-        switch_alpha_s: added latency per switch level (s); radix: down-facing ports per switch.
+        switch_alpha_s: added latency per switch level (s); radix: ports per switch (levels from
+            :func:`switch_tree_levels`; default the 40-port HDR switch).
 
     Raises:
         ValueError: bad ``n``/``radix``, negative sizes or times.

@@ -4,7 +4,8 @@ Three layers, so that the numbers can be tested without a browser and shown wher
 
 * :func:`allreduce_table` -- pure: one :class:`Row` per algorithm for a message size and a cluster, from
   :func:`commlab.collectives.cost.predict_flat` (the flat algorithms, all ranks on the inter-node link)
-  and :func:`commlab.collectives.cost.predict_on_cluster` (ring and hierarchical layouts on nodes);
+  and :func:`commlab.collectives.cost.predict_on_cluster` (ring and hierarchical layouts on nodes; the
+  ring in topology order uses one channel per NIC);
   :func:`time_curves` gives the same predictions over a range of sizes; :func:`table_text` and
   :func:`table_html` format the rows.
 * :func:`calculator` -- the ipywidgets front end: a log slider for the size, nodes and devices per node, a
@@ -28,6 +29,7 @@ import numpy as np
 
 from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
 from commlab.collectives.cost import FLAT_ALGORITHMS, predict_flat, predict_on_cluster
+from commlab.collectives.in_network import HDR_SWITCH_PORTS
 from commlab.topology import Link, list_presets, load_preset
 
 __all__ = ["Row", "ASSUMED_SWITCH_ALPHA_S", "MIN_NBYTES", "MAX_NBYTES", "allreduce_table", "table_for_preset",
@@ -83,7 +85,7 @@ def _check(nbytes: float, nodes: int, devices_per_node: int, nics_per_node: int)
 
 def allreduce_table(nbytes: float, nodes: int, devices_per_node: int, intra: Link, inter: Link,
                     nics_per_node: int = 1, switch_alpha_s: float | None = ASSUMED_SWITCH_ALPHA_S,
-                    radix: int = 40, algorithms: Sequence[str] | None = None) -> list[Row]:
+                    radix: int = HDR_SWITCH_PORTS, algorithms: Sequence[str] | None = None) -> list[Row]:
     """Predicted AllReduce time, algbw and busbw of each algorithm, for ``nbytes`` bytes on
     ``nodes`` × ``devices_per_node`` ranks.
 
@@ -98,7 +100,7 @@ def allreduce_table(nbytes: float, nodes: int, devices_per_node: int, intra: Lin
         intra, inter: the links (α in s, β in s/byte per direction).
         nics_per_node: NICs a node's inter-node traffic spreads over (>= 1).
         switch_alpha_s: added latency per switch level for the in-network row, s; None leaves it out.
-        radix: down-facing ports per switch (in-network row).
+        radix: ports per switch of the in-network row's fat tree (default the 40-port HDR switch).
         algorithms: which flat algorithms to include.
 
     Returns:
@@ -133,7 +135,7 @@ def table_for_preset(nbytes: float, preset: str, nodes: int, devices_per_node: i
 
 def time_curves(sizes: Sequence[float], nodes: int, devices_per_node: int, intra: Link, inter: Link,
                 nics_per_node: int = 1, switch_alpha_s: float | None = ASSUMED_SWITCH_ALPHA_S,
-                radix: int = 40, algorithms: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+                radix: int = HDR_SWITCH_PORTS, algorithms: Sequence[str] | None = None) -> dict[str, np.ndarray]:
     """Predicted seconds of each row of :func:`allreduce_table` at every size of ``sizes`` (bytes).
 
     Returns:
@@ -220,7 +222,7 @@ def _plot_curves(ax, nbytes, nodes, devices_per_node, intra, inter, nics_per_nod
 
 def static_figure(preset: str = "dgx-h100-ndr", nodes: int = 8, nbytes: float = 2**26,
                   devices_per_node: int | None = None, nics_per_node: int | None = None,
-                  switch_alpha_s: float | None = ASSUMED_SWITCH_ALPHA_S, radix: int = 40):
+                  switch_alpha_s: float | None = ASSUMED_SWITCH_ALPHA_S, radix: int = HDR_SWITCH_PORTS):
     """The calculator's output as a matplotlib Figure, for pages where no kernel runs.
 
     Left axes: predicted time (s) against message size (1 KiB to 4 GiB, log-log) for every row of
@@ -358,7 +360,7 @@ def calculator(preset: str = "dgx-h100-ndr", nodes: int = 8, nbytes: float = 2**
                                                f"(fastest highlighted)")
         with matplotlib.rc_context({"figure.dpi": 80}):
             fig, ax = plt.subplots(figsize=(7, 3.6))
-            _plot_curves(ax, s, *args, 40)
+            _plot_curves(ax, s, *args, HDR_SWITCH_PORTS)
             ax.legend(fontsize=7, loc="upper left")
             fig.tight_layout()
             buf = io.BytesIO()

@@ -327,7 +327,9 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     §4): ``s·b·h·(34 + 5·a·s/h)`` unparallelised; ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP;
     ``s·b·h·(34 + 5·a·s/h)/t`` with TP and sequence parallelism; ``2·s·b·h`` (``/t`` with sequence
     parallelism) with full recomputation. The MLP's 16 is scaled by ffn/(4h) (and 1.5 for SwiGLU); the
-    ``5·a·s/h`` term is dropped with FlashAttention.
+    ``5·a·s/h`` term is dropped with FlashAttention. The count is GPT-3's: K and V for every head and two
+    dropout masks; for a Llama-style layer (grouped-query attention, no dropout) it is high by about a
+    sixth (chapter 11, §11.4, counts Llama 3 405B term by term).
 
     Raises:
         ValueError: micro_batch or tp not an int >= 1.

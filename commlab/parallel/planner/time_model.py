@@ -13,10 +13,12 @@ The terms, per step, on the critical path of one GPU:
   evenly (the heaviest stage, ``ceil(L/(pp·v))·v`` layers, sets the pace).
 * **TP**: per layer and micro-batch, 4 AllReduces of the ``b·s·h·2``-byte activation (2 forward, 2
   backward; 6 with recomputation, whose forward repeats its 2), each a ring over the tp ranks on the
-  link the group uses (inside a node when tp divides ``devices_per_node``). The message is the whole
-  activation on every rank: the bytes are **not** divided by tp -- only the per-rank share of a ring,
-  2(t-1)/t of them, depends on t (Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3.2: ``8bsh(t-1)/t``
-  per layer and micro-batch). Not overlapped with compute.
+  link the group uses (inside a node when tp divides ``devices_per_node``), with that link's (α, β): the
+  presets give the Simple protocol's pair, the one NCCL's own model (:mod:`commlab.collectives.nccl_model`)
+  picks for messages this large. The message is the whole activation on every rank: the bytes are
+  **not** divided by tp -- only the per-rank share of a ring, 2(t-1)/t of them, depends on t (Shoeybi et
+  al. 2019, §3; Narayanan et al. 2021, §3.2: ``8bsh(t-1)/t`` per layer and micro-batch). Not overlapped
+  with compute.
 * **PP**: per micro-batch (and per interleaved chunk), one ``b·s·h·2``-byte send forward and one backward
   between neighbouring stages, on the inter-node link when stages cross nodes (the tp ranks of a stage
   send at once, sharing the node's NICs).
@@ -37,10 +39,11 @@ kernels themselves must therefore run somewhat above it. It is a single global n
 model: the planner's validation (:func:`~commlab.parallel.planner.search.validate_published`) reports
 how far that takes it.
 
-What is left out (see the book): overlap of TP communication with compute, the scatter/gather
-optimisation of PP sends (Narayanan et al. 2021, §4.1), context parallelism, kernel-efficiency changes
-with the GEMM shapes (small micro-batches or large tp are not penalised), optimizer step time, data
-loading, stragglers.
+What is left out (see the book): overlap of TP communication with compute (possible when the matrix
+multiplications are split into pieces whose AllReduces overlap the next piece's compute), partial
+recomputation (only none or full), the scatter/gather optimisation of PP sends (Narayanan et al. 2021,
+§4.1), context parallelism, kernel-efficiency changes with the GEMM shapes (small micro-batches or large
+tp are not penalised), optimizer step time, data loading, stragglers.
 """
 
 from __future__ import annotations
