@@ -2,7 +2,8 @@
 
 Both quantizers send codes plus float32 scales (QSGD: one norm per bucket of entries; INT8/INT4: one scale
 per tensor), and the scales differ from rank to rank, so two ranks' codes cannot be added: neither is
-linear, and their payloads are all-gathered (:mod:`commlab.compress.aggregate`). This is where the source
+linear, and their payloads are all-gathered or reduced in two phases, the owner of each chunk requantizing
+the sum (:mod:`commlab.compress.aggregate`, :mod:`commlab.compress.two_phase`). This is where the source
 article goes wrong twice: it all-reduces a dict of codes and scale, and its INT4 keeps each 4-bit code in a
 whole int8 byte. Here 4-bit codes are packed two per byte (:func:`commlab.compress.bitpack.pack_nibbles`),
 so INT4 really sends half of INT8's bytes.

@@ -3,8 +3,9 @@
 Top-K (Aji & Heafield 2017, "Sparse communication for distributed gradient descent", EMNLP, §2;
 Lin et al. 2018, "Deep Gradient Compression", ICLR, §3) keeps the k entries of largest magnitude and
 sends them as (values, indices). Each rank picks *its own* indices, so two ranks' payloads cannot be
-added element-wise: Top-K is not linear, and its payloads are all-gathered
-(:mod:`commlab.compress.aggregate`; :func:`commlab.compress.aggregate.sparse_ring_fill_in` shows what
+added element-wise: Top-K is not linear, and its payloads are all-gathered or reduced in two phases, the
+owner of each chunk re-selecting from the sum (:mod:`commlab.compress.aggregate`,
+:mod:`commlab.compress.two_phase`; :func:`commlab.compress.aggregate.sparse_ring_fill_in` shows what
 happens to a sparse message inside a ring). Without error feedback the entries never sent are lost;
 with it (:class:`commlab.compress.error_feedback.ErrorFeedback`) they are sent later.
 
