@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_chunks,
+from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_pieces,
                                    output_fits)
 from commlab.compress.bitpack import decode_bytes, nibble_table, pack_nibbles
 
@@ -165,9 +165,11 @@ class QSGD:
             return torch.zeros(0, dtype=torch.float32, device=flat.device)
         full = n // d * d
         norms = torch.empty(-(-n // d), dtype=torch.float64, device=flat.device)
-        for start, piece in float64_chunks(flat[:full], d):
+        for start, piece in float64_pieces(flat[:full], d):
             b = start // d
-            torch.linalg.vector_norm(piece.view(-1, d), dim=1, out=norms[b:b + piece.numel() // d])
+            # dtype=float64 converts the piece inside the call (the same result as converting it first).
+            torch.linalg.vector_norm(piece.view(-1, d), dim=1, dtype=torch.float64,
+                                     out=norms[b:b + piece.numel() // d])
         if full < n:
             norms[-1] = torch.linalg.vector_norm(flat[full:].to(torch.float64))
         # A NaN or inf anywhere makes its bucket's norm non-finite: only then is the input searched.
