@@ -167,9 +167,7 @@ class QSGD:
         norms = torch.empty(-(-n // d), dtype=torch.float64, device=flat.device)
         for start, piece in float64_pieces(flat[:full], d):
             b = start // d
-            # dtype=float64 converts the piece inside the call (the same result as converting it first).
-            torch.linalg.vector_norm(piece.view(-1, d), dim=1, dtype=torch.float64,
-                                     out=norms[b:b + piece.numel() // d])
+            torch.linalg.vector_norm(piece.view(-1, d), dim=1, out=norms[b:b + piece.numel() // d])
         if full < n:
             norms[-1] = torch.linalg.vector_norm(flat[full:].to(torch.float64))
         # A NaN or inf anywhere makes its bucket's norm non-finite: only then is the input searched.
@@ -210,7 +208,7 @@ class QSGD:
         else:
             xi = torch.zeros(n, dtype=torch.uint8, device=flat.device)
         if self.bits == 4:
-            xi |= negative.view(torch.uint8) << 3
+            xi.add_(negative.view(torch.uint8), alpha=8)   # nibble = negative << 3 | xi (xi < 8)
             codes = pack_nibbles(xi, check=False)
         else:
             xi = xi.view(torch.int8)
@@ -295,7 +293,7 @@ class RoundingQuantizer:
         else:
             codes = torch.zeros(n, dtype=torch.int8, device=flat.device)
         if self.bits == 4:
-            codes = pack_nibbles((codes + 8).view(torch.uint8), check=False)
+            codes = pack_nibbles(codes.add_(8).view(torch.uint8), check=False)
         return Payload({"codes": codes, "scale": _one_scalar(scale32, n)}, tensor.shape, tensor.dtype,
                        {"bits": self.bits})
 
