@@ -8,7 +8,7 @@ import torch
 from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor, TopK,
                               expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
                               sparse_ring_fill_in, topk_global, union_support_sizes, unpack_bits, unpack_nibbles)
-from commlab.compress.bitpack import packed_bits_nbytes, packed_nibbles_nbytes
+from commlab.compress.bitpack import pack_bits_, packed_bits_nbytes, packed_nibbles_nbytes
 from commlab.compress.sparse import index_dtype, resolve_k
 
 FACTORIES = {
@@ -65,6 +65,7 @@ def test_every_byte_value_packs_and_unpacks_from_any_offset():
         padded_bits = torch.cat([torch.zeros(offset, dtype=torch.long), bits]).bool()[offset:]
         assert torch.equal(pack_bits(padded_bits), byte.to(torch.uint8))
         assert torch.equal(pack_bits(padded_bits.to(torch.uint8), check=False), byte.to(torch.uint8))
+        assert torch.equal(pack_bits_(padded_bits.clone()), byte.to(torch.uint8))  # packs in its input's memory
         padded_nibs = torch.cat([torch.zeros(offset, dtype=torch.uint8), nibs.to(torch.uint8)])[offset:]
         assert torch.equal(pack_nibbles(padded_nibs), byte.to(torch.uint8))
     assert torch.equal(unpack_bits(byte.to(torch.uint8), 2048), bits.bool())
