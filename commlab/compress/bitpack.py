@@ -100,7 +100,14 @@ def pack_bits(values: torch.Tensor, *, check: bool = True) -> torch.Tensor:
 def pack_bits_(values: torch.Tensor) -> torch.Tensor:
     """:func:`pack_bits` of a contiguous bool tensor that the caller owns and no longer needs: its memory is
     used for the intermediate words (its values are undefined afterwards), which saves an allocation of its
-    size. Not checked; for the compressors' own freshly computed bits."""
+    size. For the compressors' own freshly computed bits.
+
+    Raises:
+        TypeError: ``values`` is not a bool tensor.
+    """
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.bool:
+        raise TypeError(f"pack_bits_ packs a bool tensor it may overwrite, got "
+                        f"{values.dtype if isinstance(values, torch.Tensor) else type(values).__name__}; use pack_bits")
     return _pack_bits(values.reshape(-1).view(torch.uint8), scratch=True)
 
 
