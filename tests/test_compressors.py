@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor, TopK,
+from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor,
+                              TopK,
                               expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
                               sparse_ring_fill_in, topk_global, union_support_sizes, unpack_bits, unpack_nibbles)
 from commlab.compress.bitpack import pack_bits_, packed_bits_nbytes, packed_nibbles_nbytes
@@ -417,7 +418,8 @@ def test_bucketed_qsgd_variance_is_within_the_per_bucket_bound(levels):
         r = levels * v[i:i + d].abs() / norm
         frac = r - r.floor()
         exact_var += (norm / levels) ** 2 * float((frac * (1 - frac)).sum())
-        assert ((outs[:, i:i + d].mean(0) - v[i:i + d]).abs() <= 6 * norm / levels / 2 / math.sqrt(samples) + 1e-6).all()
+        stderr = norm / levels / 2 / math.sqrt(samples)
+        assert ((outs[:, i:i + d].mean(0) - v[i:i + d]).abs() <= 6 * stderr + 1e-6).all()
     emp_var = float(((outs - v) ** 2).sum(1).mean())
     bound = qsgd_variance_bound(n, levels, d) * float((v ** 2).sum())
     assert exact_var <= bound and emp_var <= bound

@@ -152,12 +152,12 @@ def float64_pieces(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int,
     the sum). On a CPU, converting a large tensor whole would allocate 8 bytes per element at once, and fresh
     pages cost more than the arithmetic; instead each piece of at most ``max(FLOAT64_CHUNK, multiple)``
     elements is converted into one small buffer, reused for every piece (see :data:`FLOAT64_CHUNK` for its
-    size): a piece is valid until the next one is yielded, and the caller may overwrite it. (On a GPU the caching allocator reuses memory anyway, and one
-    kernel beats one per piece: the tensor is one piece.) Every piece but the last holds a multiple of
-    ``multiple`` elements (whole buckets), and a tensor that fits in one piece is one piece, so its result is
-    that of ``flat.to(torch.float64)``. A sum over several pieces adds the piece sums, a different order of
-    float64 additions than one reduction (which itself depends on torch's thread count); what is sent is
-    that sum rounded to float32.
+    size): a piece is valid until the next one is yielded, and the caller may overwrite it. (On a GPU the
+    caching allocator reuses memory anyway, and one kernel beats one per piece: the tensor is one piece.)
+    Every piece but the last holds a multiple of ``multiple`` elements (whole buckets), and a tensor that
+    fits in one piece is one piece, so its result is that of ``flat.to(torch.float64)``. A sum over several
+    pieces adds the piece sums, a different order of float64 additions than one reduction (which itself
+    depends on torch's thread count); what is sent is that sum rounded to float32.
     """
     n = flat.numel()
     step = max(n, 1) if flat.device.type != "cpu" else max(1, FLOAT64_CHUNK // multiple) * multiple
