@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor,
-                              TopK,
-                              expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
+                              TopK, expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
                               sparse_ring_fill_in, topk_global, union_support_sizes, unpack_bits, unpack_nibbles)
 from commlab.compress.bitpack import pack_bits_, packed_bits_nbytes, packed_nibbles_nbytes
 from commlab.compress.sparse import index_dtype, resolve_k
