@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor, TopK,
-                              expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
+from commlab.compress import (QSGD, Compressor, ErrorFeedback, Payload, RandomK, RoundingQuantizer, SignCompressor,
+                              TopK, expected_union_support, pack_bits, pack_nibbles, qsgd_variance_bound,
                               sparse_ring_fill_in, topk_global, union_support_sizes, unpack_bits, unpack_nibbles)
-from commlab.compress.bitpack import packed_bits_nbytes, packed_nibbles_nbytes
+from commlab.compress.bitpack import pack_bits_, packed_bits_nbytes, packed_nibbles_nbytes
 from commlab.compress.sparse import index_dtype, resolve_k
 
 FACTORIES = {
@@ -65,6 +65,7 @@ def test_every_byte_value_packs_and_unpacks_from_any_offset():
         padded_bits = torch.cat([torch.zeros(offset, dtype=torch.long), bits]).bool()[offset:]
         assert torch.equal(pack_bits(padded_bits), byte.to(torch.uint8))
         assert torch.equal(pack_bits(padded_bits.to(torch.uint8), check=False), byte.to(torch.uint8))
+        assert torch.equal(pack_bits_(padded_bits.clone()), byte.to(torch.uint8))  # packs in its input's memory
         padded_nibs = torch.cat([torch.zeros(offset, dtype=torch.uint8), nibs.to(torch.uint8)])[offset:]
         assert torch.equal(pack_nibbles(padded_nibs), byte.to(torch.uint8))
     assert torch.equal(unpack_bits(byte.to(torch.uint8), 2048), bits.bool())
@@ -416,7 +417,8 @@ def test_bucketed_qsgd_variance_is_within_the_per_bucket_bound(levels):
         r = levels * v[i:i + d].abs() / norm
         frac = r - r.floor()
         exact_var += (norm / levels) ** 2 * float((frac * (1 - frac)).sum())
-        assert ((outs[:, i:i + d].mean(0) - v[i:i + d]).abs() <= 6 * norm / levels / 2 / math.sqrt(samples) + 1e-6).all()
+        stderr = norm / levels / 2 / math.sqrt(samples)
+        assert ((outs[:, i:i + d].mean(0) - v[i:i + d]).abs() <= 6 * stderr + 1e-6).all()
     emp_var = float(((outs - v) ** 2).sum(1).mean())
     bound = qsgd_variance_bound(n, levels, d) * float((v ** 2).sum())
     assert exact_var <= bound and emp_var <= bound

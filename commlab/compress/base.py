@@ -138,28 +138,34 @@ def output_fits(largest: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.isfinite(largest.to(dtype)).all())
 
 
-#: Elements converted to float64 at a time by :func:`float64_chunks` (8 MiB of float64).
-FLOAT64_CHUNK = 1 << 20
+#: Elements converted to float64 at a time on a CPU by :func:`float64_pieces`: 16 Ki (a 128 KiB buffer, which stays
+#: in cache), half of torch's parallel grain size (``at::internal::GRAIN_SIZE``, 32768), so that each call on a
+#: piece runs on the calling thread. Larger pieces are split over threads that must all finish every call; on a
+#: machine whose cores are busy with other work, that wait costs far more than the arithmetic.
+FLOAT64_CHUNK = 1 << 14
 
 
-def float64_chunks(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(start, flat[start:start + k].to(float64))`` for consecutive pieces of a 1-D tensor, each a fresh copy.
+def float64_pieces(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, flat[start:start + k] in float64)`` for consecutive pieces of a 1-D tensor.
 
     The compressors compute their norms and means in float64 (no overflow of squares, no float32 rounding in
     the sum). On a CPU, converting a large tensor whole would allocate 8 bytes per element at once, and fresh
-    pages cost more than the arithmetic; pieces of at most ``max(FLOAT64_CHUNK, multiple)`` elements reuse
-    memory. (On a GPU the caching allocator reuses memory anyway, and one kernel beats one per piece: the
-    tensor is one piece.) Every piece but the last holds a multiple of ``multiple`` elements (whole buckets),
-    and a tensor that fits in one piece is converted whole, so its result is that of ``flat.to(torch.float64)``.
-    A sum over several pieces adds the piece sums, a different order of float64 additions than one
-    reduction (which itself depends on torch's thread count); what is sent is that sum rounded to float32.
+    pages cost more than the arithmetic; instead each piece of at most ``max(FLOAT64_CHUNK, multiple)``
+    elements is converted into one small buffer, reused for every piece (see :data:`FLOAT64_CHUNK` for its
+    size): a piece is valid until the next one is yielded, and the caller may overwrite it. (On a GPU the
+    caching allocator reuses memory anyway, and one kernel beats one per piece: the tensor is one piece.)
+    Every piece but the last holds a multiple of ``multiple`` elements (whole buckets), and a tensor that
+    fits in one piece is one piece, so its result is that of ``flat.to(torch.float64)``. A sum over several
+    pieces adds the piece sums, a different order of float64 additions than one reduction (which itself
+    depends on torch's thread count); what is sent is that sum rounded to float32.
     """
-    if flat.device.type != "cpu":
-        step = max(flat.numel(), 1)
-    else:
-        step = max(1, FLOAT64_CHUNK // multiple) * multiple
-    for start in range(0, flat.numel(), step):
-        yield start, flat[start:start + step].to(torch.float64, copy=True)
+    n = flat.numel()
+    step = max(n, 1) if flat.device.type != "cpu" else max(1, FLOAT64_CHUNK // multiple) * multiple
+    buffer = torch.empty(min(n, step), dtype=torch.float64, device=flat.device)
+    for start in range(0, n, step):
+        piece = buffer[:min(step, n - start)]
+        piece.copy_(flat[start:start + step])
+        yield start, piece
 
 
 def compression_ratio(tensor: torch.Tensor, payload: Payload) -> float:

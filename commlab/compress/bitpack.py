@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "pack_nibbles", "unpack_nibbles", "packed_bits_nbytes",
+__all__ = ["pack_bits", "pack_bits_", "unpack_bits", "pack_nibbles", "unpack_nibbles", "packed_bits_nbytes",
            "packed_nibbles_nbytes", "bit_table", "nibble_table", "decode_bytes"]
 
 # Bit j of a byte has weight 2**j (LSB first).
@@ -94,7 +94,24 @@ def pack_bits(values: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         TypeError: a floating-point or complex tensor.
         ValueError: an integer value other than 0 or 1 (with ``check``; without it the bytes are undefined).
     """
-    flat = _flat_codes(values, "pack_bits", 1, check)
+    return _pack_bits(_flat_codes(values, "pack_bits", 1, check), scratch=False)
+
+
+def pack_bits_(values: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bits` of a contiguous bool tensor that the caller owns and no longer needs: its memory is
+    used for the intermediate words (its values are undefined afterwards), which saves an allocation of its
+    size. For the compressors' own freshly computed bits.
+
+    Raises:
+        TypeError: ``values`` is not a bool tensor.
+    """
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.bool:
+        raise TypeError(f"pack_bits_ packs a bool tensor it may overwrite, got "
+                        f"{values.dtype if isinstance(values, torch.Tensor) else type(values).__name__}; use pack_bits")
+    return _pack_bits(values.reshape(-1).view(torch.uint8), scratch=True)
+
+
+def _pack_bits(flat: torch.Tensor, scratch: bool) -> torch.Tensor:
     n, full = flat.numel(), flat.numel() // 8
     out = torch.empty(packed_bits_nbytes(n), dtype=torch.uint8, device=flat.device)
     if full:
@@ -102,7 +119,12 @@ def pack_bits(values: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         if _LITTLE_ENDIAN:
             # The top byte of each product is the packed byte; the copy into uint8 keeps the low byte of the
             # shifted value (the arithmetic shift sign-extends when bit 63 is set, which only fills higher bytes).
-            out[:full] = (_words(head, torch.int64) * _GATHER_BITS).bitwise_right_shift_(56)
+            words = _words(head, torch.int64)
+            if scratch or words.data_ptr() != head.data_ptr():  # memory of our own (or a copy): in place
+                words.mul_(_GATHER_BITS)
+            else:
+                words = words * _GATHER_BITS
+            out[:full] = words.bitwise_right_shift_(56)
         else:
             # 8 distinct powers of two times 0/1 sum to at most 255: no overflow in uint8.
             out[:full] = (head.view(-1, 8) * _weights(8, flat.device)).sum(dim=1, dtype=torch.uint8)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_chunks,
+from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_pieces,
                                    output_fits)
 from commlab.compress.bitpack import decode_bytes, nibble_table, pack_nibbles
 
@@ -166,7 +166,7 @@ class QSGD:
             return torch.zeros(0, dtype=torch.float32, device=flat.device)
         full = n // d * d
         norms = torch.empty(-(-n // d), dtype=torch.float64, device=flat.device)
-        for start, piece in float64_chunks(flat[:full], d):
+        for start, piece in float64_pieces(flat[:full], d):
             b = start // d
             torch.linalg.vector_norm(piece.view(-1, d), dim=1, out=norms[b:b + piece.numel() // d])
         if full < n:
@@ -209,7 +209,7 @@ class QSGD:
         else:
             xi = torch.zeros(n, dtype=torch.uint8, device=flat.device)
         if self.bits == 4:
-            xi |= negative.view(torch.uint8) << 3
+            xi.add_(negative.view(torch.uint8), alpha=8)   # nibble = negative << 3 | xi (xi < 8)
             codes = pack_nibbles(xi, check=False)
         else:
             xi = xi.view(torch.int8)
@@ -294,7 +294,7 @@ class RoundingQuantizer:
         else:
             codes = torch.zeros(n, dtype=torch.int8, device=flat.device)
         if self.bits == 4:
-            codes = pack_nibbles((codes + 8).view(torch.uint8), check=False)
+            codes = pack_nibbles(codes.add_(8).view(torch.uint8), check=False)
         return Payload({"codes": codes, "scale": _one_scalar(scale32, n)}, tensor.shape, tensor.dtype,
                        {"bits": self.bits})
 

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale, float64_chunks
-from commlab.compress.bitpack import bit_table, decode_bytes, pack_bits
+from commlab.compress.base import Payload, check_finite, check_finite_output, float32_scale, float64_pieces
+from commlab.compress.bitpack import bit_table, decode_bytes, pack_bits_
 
 __all__ = ["SignCompressor"]
 
@@ -50,14 +50,14 @@ class SignCompressor:
         if n:
             # sum |g_i| in float64; a NaN or inf in the input makes it non-finite, and only then is the input
             # searched (check_finite), so a finite tensor is read once for its scale and once for its signs.
-            total = sum(piece.abs_().sum() for _, piece in float64_chunks(flat))
+            total = sum(piece.abs_().sum() for _, piece in float64_pieces(flat))
             mean = total / n
             if not bool(torch.isfinite(mean)):
                 check_finite(tensor, "SignCompressor input")
             scale = float32_scale(mean, "sign scale mean|g|").reshape(1)
         else:
             scale = torch.zeros(0, dtype=torch.float32, device=flat.device)
-        return Payload({"bits": pack_bits(flat >= 0), "scale": scale}, tensor.shape, tensor.dtype, {})
+        return Payload({"bits": pack_bits_(flat >= 0), "scale": scale}, tensor.shape, tensor.dtype, {})
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         n = math.prod(payload.shape)

@@ -77,16 +77,21 @@ def _topk_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.topk`` does not promise which of several equal values it returns, and a compressor whose
     output depends on that would differ between runs and devices. Its *values* are well defined, so:
     take the k-th largest magnitude t, keep every entry above t, and fill up with the lowest-indexed
-    entries equal to t. O(numel), deterministic.
+    entries equal to t. O(numel), deterministic. One comparison and one ``nonzero`` over the tensor find
+    both kinds at once (``>= t``, in ascending index order); the ties beyond the k are dropped from that
+    short list.
     """
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=magnitude.device)
     if k == magnitude.numel():
         return torch.arange(k, device=magnitude.device)
     threshold = torch.topk(magnitude, k, sorted=False).values.min()
-    above = torch.nonzero(magnitude > threshold).view(-1)
-    tied = torch.nonzero(magnitude == threshold).view(-1)[:k - above.numel()]
-    return torch.sort(torch.cat([above, tied])).values
+    candidates = torch.nonzero(magnitude >= threshold).view(-1)
+    if candidates.numel() == k:
+        return candidates
+    above = magnitude[candidates] > threshold
+    ties_kept = (~above).cumsum(0) <= k - int(above.sum())
+    return candidates[above | ties_kept]
 
 
 class TopK:
