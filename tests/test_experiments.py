@@ -277,6 +277,8 @@ def test_summary_pairs_changes_by_seed(short_runs):
     assert rows[0].change_mean == 0.0
     d, t = short_runs[0], short_runs[1]
     assert rows[1].change_mean == pytest.approx(100 * (t.final_quality - d.final_quality))
+    # Each run's own change, by seed, so that two rows can be paired seed by seed (chapter 8, §8.3).
+    assert rows[1].seed_changes == ((t.config["seed"], pytest.approx(rows[1].change_mean)),)
     with pytest.raises(ValueError, match="no dense run"):
         analysis.summarize(short_runs[1:])
 

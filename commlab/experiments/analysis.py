@@ -89,6 +89,8 @@ class SummaryRow:
         quality_mean, quality_std: final quality over the runs that finished (accuracy, or perplexity).
         change_mean, change_std: change against dense, paired by seed (perplexity: %, accuracy: points).
         compute_s, codec_s, comm_s, step_s: medians over steps and runs (seconds, slowest rank).
+        seed_changes: ``(seed, change)`` of each run, in run order (NaN for a run that diverged), so that two
+            rows of the same task can be compared seed by seed (e.g. all-gather against two-phase).
     """
 
     task: str
@@ -111,6 +113,7 @@ class SummaryRow:
     comm_s: float
     step_s: float
     aggregation: str = "auto"
+    seed_changes: tuple[tuple[int, float], ...] = ()
 
 
 def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
@@ -147,7 +150,8 @@ def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
         rows.append(SummaryRow(task, r0.label, method, ef, warm, r0.metric, len(runs),
                                sum(r.diverged_at_step is not None for r in runs), r0.ratio, r0.payload_nbytes,
                                r0.bytes_sent_per_rank, *q, *ch, med("compute_s"), med("codec_s"),
-                               med("comm_s"), med("step_s"), agg))
+                               med("comm_s"), med("step_s"), agg,
+                               tuple((r.config["seed"], c) for r, c in zip(runs, changes))))
     return rows
 
 
