@@ -43,6 +43,7 @@ datasheet's NVLink figure (chapter 3, §3.5).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -84,7 +85,7 @@ def load_tuning(path: str | Path | None = None) -> dict:
     Raises:
         FileNotFoundError: no such file.
     """
-    return json.loads(json.dumps(_read(str(Path(path or DEFAULT_PATH).resolve()))))
+    return copy.deepcopy(_read(str(Path(path or DEFAULT_PATH).resolve())))
 
 
 def _check_choice(name: str, value, allowed: Sequence[str]) -> None:

@@ -38,6 +38,7 @@ from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.compress.aggregate import aggregate, agree_finite
 from commlab.compress.cast import CastCompressor
 from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.hooks import AGGREGATIONS  # how payloads are summed: the hook's choices, one list
 from commlab.compress.powersgd import PowerSGDState, _Call
 from commlab.compress.quantize import QSGD, QSGD_BUCKET_SIZE, RoundingQuantizer
 from commlab.compress.sign import SignCompressor
@@ -56,8 +57,6 @@ METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)",
                 "sign": None, "topk": "share kept in (0, 1]", "randomk": "share kept in (0, 1]",
                 "powersgd": "rank >= 1"}
 
-#: How a method's payloads are summed: "auto" (ring AllReduce if linear, else all-gather) or "two_phase".
-AGGREGATIONS = ("auto", "two_phase")
 #: The spec kinds whose compressors are not linear: those the two-phase AllReduce applies to.
 TWO_PHASE_KINDS = ("int", "qsgd", "sign", "topk")
 
