@@ -58,6 +58,7 @@ def test_a_rank_that_raises_is_the_root_cause_on_every_node():
     for n in nodes:
         # torchrun's summary, from the error files that record() wrote: on each node the first failure it saw,
         # which on the node without rank 3 is a peer's reaction, named for what it reacts to.
+        assert "Root Cause (first observed failure)" in n.output, n.output
         summary = n.output[n.output.index("Root Cause (first observed failure)"):]
         assert "RankError: rank 3 of 4 failed with RuntimeError: selftest: rank 3 fails on purpose (--fail-rank 3)" \
             in summary
