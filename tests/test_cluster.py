@@ -305,7 +305,12 @@ def test_node_zero_hosts_the_store_and_node_rank_is_kept_from_torchrun():
                          "-m", "commlab", "selftest", "--fail-rank", "1"]  # the job's own --fail-rank untouched
     head = _torchrun_argv("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h --rdzv-id x t.py",
                           {"SLURM_NODEID": "0"})
-    assert (head.node_rank, head.port) == (0, 29400) and head.argv[:2] == ["--rdzv-conf", "is_host=1"]
+    # Node 0's command hosts the store itself, so its torchrun joins as a client too; an explicit is_host wins.
+    assert (head.node_rank, head.port, head.hosts_store) == (0, 29400, True)
+    assert head.argv[:2] == ["--rdzv-conf", "is_host=0"] and not plan.hosts_store
+    own = _torchrun_argv("--nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint h "
+                         "--rdzv-id x --rdzv-conf is_host=1 t.py")
+    assert own.argv[:2] == ["--rdzv-conf", "is_host=1"] and not own.hosts_store
 
 
 @pytest.mark.parametrize("argv, message", [

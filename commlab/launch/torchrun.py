@@ -20,10 +20,16 @@ torchrun 2.13 lacks in three failures, each measured with two agents on one mach
   stops at once, naming it, and saying so when what holds it is a torch store (another node 0: two nodes
   started with ``--node-rank 0``, or another job on the same port); a node whose endpoint accepts connections but never answers as a store gives
   up after :data:`PROBE_S` seconds and says so.
-* **Which node hosts the store.** torchrun ignores ``--node-rank`` with c10d (it prints so) and guesses the
-  host from host names. Here ``--node-rank`` decides: node 0 gets ``is_host=1`` in ``--rdzv-conf`` and the
-  others ``is_host=0`` (unless ``is_host`` is given), so no node silently joins a store left by another job.
-  Under SLURM, without ``--node-rank``, ``SLURM_NODEID`` is used.
+* **Which node hosts the store, and for how long.** torchrun ignores ``--node-rank`` with c10d (it prints so)
+  and guesses the host from host names. Here ``--node-rank`` decides, so no node silently joins a store left
+  by another job; under SLURM, without ``--node-rank``, ``SLURM_NODEID`` is used. Node 0's command hosts the
+  store itself and every torchrun joins it with ``is_host=0`` (unless ``is_host`` is given, which is then
+  left to torchrun). The reason is a race: torchrun 2.13's agent returns at once when a worker fails, with no
+  exit barrier, and when that agent hosted the store the store goes with it. The other nodes' agents, still
+  watching workers that are only now reacting to the failure, then crash with ``RendezvousConnectionError``
+  and never print their "Root Cause" summary (measured: 2 runs in 9 on two agents on one machine). Node 0
+  therefore keeps the store up after its torchrun ends, until every node that registered has said its
+  torchrun ended, for at most :data:`LINGER_S` seconds.
 
 Nothing waits without a deadline: if the rendezvous has not completed ``join_timeout`` + :data:`MARGIN_S`
 seconds after the start, torchrun is stopped and the node says so. SIGTERM and SIGINT (``scancel``, Ctrl-C)
@@ -53,7 +59,7 @@ import threading
 import time
 from typing import Sequence
 
-__all__ = ["main", "node_command", "run_local_nodes", "free_port", "NodeResult", "PROBE_S", "MARGIN_S",
+__all__ = ["main", "node_command", "run_local_nodes", "free_port", "NodeResult", "PROBE_S", "MARGIN_S", "LINGER_S",
            "DEFAULT_C10D_PORT", "run_standalone", "StandaloneResult", "tidy_output"]
 
 #: Seconds a node gives an endpoint that accepts TCP connections to answer as a torch store (the handshake
@@ -62,6 +68,9 @@ PROBE_S = 10.0
 #: Seconds past ``join_timeout`` before a rendezvous that never completed is given up on (start-up and
 #: torchrun's own last call).
 MARGIN_S = 30.0
+#: Seconds node 0 keeps the rendezvous store up after its own torchrun ended, waiting for the other nodes'
+#: torchruns to end (each node's agent reads the store until its workers have ended).
+LINGER_S = 30.0
 #: torchrun's port for ``--rdzv-endpoint HOST`` without one (``torch/distributed/elastic/rendezvous``).
 DEFAULT_C10D_PORT = 29400
 _TORCH_JOIN_TIMEOUT_S = 600.0  # torchrun's default join_timeout
@@ -86,6 +95,7 @@ class _Plan:
     port: int
     run_id: str
     join_timeout_s: float
+    hosts_store: bool          # this command (node 0) hosts the rendezvous store, not torchrun
 
 
 class _Refused(Exception):
@@ -133,7 +143,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
                            "on the others)")
     if not 0 <= node_rank < max_nodes:
         raise _Refused(f"--node-rank {node_rank} is out of range: allowed 0..{max_nodes - 1} (--nnodes {args.nnodes})")
-    host, port, run_id, join_timeout = "", 0, args.rdzv_id, _TORCH_JOIN_TIMEOUT_S
+    host, port, run_id, join_timeout, hosts_store = "", 0, args.rdzv_id, _TORCH_JOIN_TIMEOUT_S, False
     if c10d:
         host, _, port_text = args.rdzv_endpoint.rpartition(":")
         if not host:  # no port given: torchrun's default
@@ -153,7 +163,8 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
             except ValueError:
                 raise _Refused(f"--rdzv-conf join_timeout={conf['join_timeout']!r} is not a number of "
                                "seconds") from None
-        conf.setdefault("is_host", "1" if node_rank == 0 else "0")
+        hosts_store = node_rank == 0 and "is_host" not in conf
+        conf.setdefault("is_host", "0")  # node 0's store is this command's (see the module's docstring)
         for names in (("--rdzv-conf", "--rdzv_conf"), ("--node-rank", "--node_rank")):
             # --node-rank is this command's: torchrun ignores it with c10d, and would print that it does.
             span = _option_span(opts, names)
@@ -161,7 +172,7 @@ def _plan(argv: Sequence[str], environ) -> _Plan:
                 del opts[span[0]:span[1]]
         opts = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] + opts
     return _Plan(argv=opts + job, c10d=c10d, node_rank=node_rank, min_nodes=min_nodes, max_nodes=max_nodes,
-                 host=host, port=port, run_id=run_id, join_timeout_s=join_timeout)
+                 host=host, port=port, run_id=run_id, join_timeout_s=join_timeout, hosts_store=hosts_store)
 
 
 # ----------------------------------------------------------------------------------------- the port
@@ -245,6 +256,7 @@ class _Watcher:
         self.joined = 0               # nodes registered, as last read
         self.names: dict[int, str] = {}  # node rank -> host (read by node 0 only)
         self.complete = threading.Event()
+        self.store = None             # the store client, once connected
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="commlab-rendezvous-watch")
 
@@ -275,6 +287,7 @@ class _Watcher:
                 self._stop.wait(_POLL_S)
         if store is None:
             return
+        self.store = store
         self.state = "connected"
         try:
             store.set(self._key(f"node/{p.node_rank}"), socket.gethostname())
@@ -291,6 +304,14 @@ class _Watcher:
                 self._stop.wait(_POLL_S)
         except Exception:  # noqa: BLE001 - the store went away (torchrun on node 0 ended)
             self.state = "gone"
+
+    def say_ended(self) -> None:
+        """Tell node 0 (through the store) that this node's torchrun has ended; nothing if there is no store."""
+        if self.store is not None and self.state == "connected":
+            try:
+                self.store.add(self._key("ended"), 1)
+            except Exception:  # noqa: BLE001 - node 0 has gone: nobody waits for the word
+                pass
 
     def report(self) -> str:
         p = self.plan
@@ -354,6 +375,27 @@ def _has_children(pid: int) -> bool:
     return False
 
 
+def _host_store(plan: _Plan):
+    """Node 0's rendezvous store, served from this process (torchrun's agents join it as clients)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(plan.host, plan.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=PROBE_S))
+
+
+def _linger(store, plan: _Plan) -> None:
+    """Keep node 0's store up until every registered node's torchrun has ended, or :data:`LINGER_S` passed."""
+    key = f"commlab/{plan.run_id}/"
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline:
+        try:
+            if int(store.add(key + "ended", 0)) >= int(store.add(key + "joined", 0)):
+                return
+        except Exception:  # noqa: BLE001 - the store is this process's own; nothing to wait for if it broke
+            return
+        time.sleep(_POLL_S / 5)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m commlab.launch.torchrun [torchrun options] SCRIPT|-m MODULE [args]``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -371,6 +413,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = _port_taken(plan.host, plan.port)
         if problem:
             _say(node, problem)
+            return 1
+    store = None
+    if plan.hosts_store:
+        try:
+            store = _host_store(plan)
+        except Exception as e:  # noqa: BLE001 - TCPStore says RuntimeError or DistNetworkError
+            _say(node, f"cannot host the rendezvous store at {plan.host}:{plan.port}: {e}")
             return 1
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *plan.argv], env=env,
                             start_new_session=True)
@@ -411,6 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _say(node, f"stopping torchrun: {stopped_by_us}")
                 _stop_session(proc)
         rc = proc.wait()
+        if watcher is not None:
+            watcher.stop()
+            watcher.say_ended()
+        if store is not None and not received:
+            _linger(store, plan)
     finally:
         if proc.poll() is None:
             _stop_session(proc)
