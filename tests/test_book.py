@@ -58,6 +58,20 @@ def test_every_page_is_in_the_table_of_contents():
     assert missing == []
 
 
+def test_chapters_and_labs_link_each_other():
+    """Every lab of the table of contents opens with the "Run this lab" box and every chapter with labs ends
+    with a link to them (tools/nav_cells.py writes both from _toc.yml)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import nav_cells
+
+    assert nav_cells.main(["--check"]) == 0, "run .venv/bin/python tools/nav_cells.py"
+    labs = [lab for _, chapter_labs in nav_cells.pairs() for lab in chapter_labs]
+    assert len(labs) >= 8
+    for lab in labs:
+        first = json.loads((ROOT / f"{lab}.ipynb").read_text())["cells"][0]
+        assert "run_the_labs.md" in "".join(first["source"]), lab
+
+
 @pytest.mark.notebooks
 def test_book_builds_strictly(tmp_path):
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
