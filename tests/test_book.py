@@ -72,6 +72,18 @@ def test_chapters_and_labs_link_each_other():
         assert "run_the_labs.md" in "".join(first["source"]), lab
 
 
+def test_glossary_defines_the_terms_the_chapters_lean_on():
+    """The terms a newcomer meets before their chapter explains them are glossary entries (a {glossary}
+    directive, so each is in the index and can be linked with {term})."""
+    text = (ROOT / "book" / "glossary.md").read_text()
+    blocks = [b.split("\n:::", 1)[0] for b in text.split(":::{glossary}\n")[1:]]
+    terms = {line.strip().lower() for b in blocks for line in b.splitlines() if line and not line.startswith(" ")}
+    wanted = {"gloo", "nccl", "rank", "process", "approximation rank", "bucket", "future", "comm hook",
+              "communication hook", "isend / irecv", "point-to-point", "process group", "micro-batch", "bubble",
+              "error feedback", "busbw", "algbw", "torchrun", "ddp (distributeddataparallel)"}
+    assert wanted - terms == set()
+
+
 @pytest.mark.notebooks
 def test_book_builds_strictly(tmp_path):
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
