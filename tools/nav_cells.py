@@ -28,8 +28,8 @@ CHAPTER_LINK = "chapter-labs"
 # them into document links) and in JupyterLab on a checkout (they open the files).
 LAB_TEMPLATE = """:::{{admonition}} Run this lab
 :class: tip
-This lab goes with [{chapter_title}](../{chapter}.ipynb). It runs real gloo processes, so it needs the course
-installed from a checkout of its repository: [Run the labs](../book/run_the_labs.md) gives the two commands,
+This lab goes with [{chapter_title}](../{chapter}.ipynb). It imports the course's package `commlab`, so it
+needs the course installed from a checkout of its repository: [Run the labs](../book/run_the_labs.md) gives the two commands,
 how to start JupyterLab, what each lab needs, and how to run a downloaded copy of this notebook. In a checkout:
 `bash scripts/setup.sh --no-build`, then `.venv/bin/jupyter lab labs/`.
 :::"""
