@@ -1,5 +1,6 @@
 """Lab graders: a correct solution passes, each typical mistake is caught with a message that says what."""
 
+import dataclasses
 import math
 
 import torch
@@ -409,3 +410,119 @@ def test_the_mesh_solution_passes_and_slips_are_named_without_the_expected_answe
     assert "give back (d * pp + p) * tp + t" in text or "out of range" in text, text
     text = str(check_coords_and_groups(_mesh_bad_dp_stride))
     assert "dp group" in text and "should be" not in text, text
+
+
+# ------------------------------------------------------------------ lab 5: QSGD
+
+class _QSGDRight:
+    linear = False
+
+    def __init__(self, levels=7, seed=0):
+        self.levels, self.name = levels, f"q{levels}"
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _levels(self, flat, norm):
+        r = (self.levels * flat.abs() / norm).clamp(max=self.levels) if float(norm) > 0 else torch.zeros_like(flat)
+        low = r.floor()
+        return low + (torch.rand(flat.numel(), generator=self.generator, dtype=flat.dtype) < r - low).to(flat.dtype)
+
+    def compress(self, tensor):
+        from commlab.compress import Payload
+        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        flat = tensor.detach().reshape(-1).to(acc)
+        norm = torch.linalg.vector_norm(flat.double()).float().reshape(1)
+        xi = self._levels(flat, norm.to(acc)).to(torch.int8)
+        return Payload({"codes": torch.where(flat < 0, -xi, xi), "norm": norm}, tensor.shape, tensor.dtype,
+                       {"levels": self.levels, "bits": 8, "bucket_size": None})
+
+    def decompress(self, p):
+        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+        out = p.tensors["codes"].to(acc) * (p.tensors["norm"].to(acc) / p.meta["levels"])
+        return out.to(p.dtype).reshape(p.shape)
+
+
+class _QSGDNearest(_QSGDRight):  # deterministic rounding to the nearest level: biased
+    def _levels(self, flat, norm):
+        return (self.levels * flat.abs() / norm).round()
+
+
+class _QSGDInt32(_QSGDRight):
+    def compress(self, tensor):
+        p = super().compress(tensor)
+        return dataclasses.replace(p, tensors={**p.tensors, "codes": p.tensors["codes"].to(torch.int32)})
+
+
+def test_the_qsgd_solution_passes_and_commlab_s_qsgd_decodes_it():
+    from commlab.exercises import check_qsgd
+    report = check_qsgd(_QSGDRight)
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (_QSGDNearest, "standard errors: round up with probability r - floor(r)"),
+    (_QSGDInt32, "codes are int32: one int8 per element"),
+])
+def test_each_qsgd_slip_is_named(cls, message):
+    from commlab.exercises import check_qsgd
+    text = str(check_qsgd(cls))
+    assert "checks passed" in text and message in text, text
+
+
+# ------------------------------------------------------------------ lab 11: memory per GPU and step time
+
+def _mem_right(p, tp, dp, zero1, act):
+    return (4 + 12 / (dp if zero1 else 1)) * p / tp + act
+
+
+def _step_right(c, tp, pp, dp, p, m, v):
+    return (c + tp + pp) * (1 + (p - 1) / (v * m)) + dp
+
+
+def test_the_planner_solutions_pass():
+    from commlab.exercises import check_memory_per_gpu, check_step_seconds
+    assert check_memory_per_gpu(_mem_right).passed and check_step_seconds(_step_right).passed
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda p, tp, dp, z, a: _mem_right(p, 1, dp, z, a), "the parameters were not split by tp"),
+    (lambda p, tp, dp, z, a: 16 * p / tp / (dp if z else 1) + a, "ZeRO-1 shards only the 12 bytes"),
+    (lambda p, tp, dp, z, a: _mem_right(p, tp, dp, z, a) / 1e9, "that is GB; return bytes"),
+])
+def test_each_memory_slip_is_named_without_the_expected_bytes(slip, message):
+    from commlab.exercises import check_memory_per_gpu
+    text = str(check_memory_per_gpu(slip))
+    assert message in text and "expected" not in text, text
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda c, tp, pp, dp, p, m, v: (c + tp + pp) * (1 + (p - 1) / (v * m + p - 1)) + dp, "its share of the step"),
+    (lambda c, tp, pp, dp, p, m, v: _step_right(c, tp, pp, dp, p, m, 1), "the interleaving was ignored"),
+    (lambda c, tp, pp, dp, p, m, v: c + tp + pp + (p - 1) / (v * m) * c + dp, "not only the compute"),
+])
+def test_each_step_time_slip_is_named(slip, message):
+    from commlab.exercises import check_step_seconds
+    text = str(check_step_seconds(slip))
+    assert message in text and "too" in text, text
+
+
+# ------------------------------------------------------------------ the labs' stored pages
+
+def _lab_cells():
+    import json
+    import pathlib
+    for path in sorted((pathlib.Path(__file__).parents[1] / "labs").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                yield path.name, cell
+
+
+def test_solutions_are_folded_and_no_stored_check_prints_a_wall_of_failures():
+    for name, cell in _lab_cells():
+        src = "".join(cell["source"])
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        if "def solution_" in src or "class Solution" in src:
+            assert tags & {"hide-input", "hide-cell", "remove-input"}, f"{name}: a solution cell is open"
+        text = "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                       for o in cell.get("outputs", []))
+        assert text.count("FAIL ") <= 3, f"{name}: a stored output lists {text.count('FAIL ')} failures"
+        assert "<matplotlib." not in text, f"{name}: a stored output shows an object's repr"
