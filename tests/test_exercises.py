@@ -276,6 +276,19 @@ class _StubErrorFeedback:
         return self.compressor.decompress(payload)
 
 
+class _StubQSGD:
+    linear = False
+
+    def __init__(self, levels=7, seed=0):
+        self.name = "stub"
+
+    def compress(self, tensor):
+        return None
+
+    def decompress(self, payload):
+        return None
+
+
 def _graders():
     from commlab import exercises as ex
     return {
@@ -287,6 +300,9 @@ def _graders():
         "buckets": lambda: ex.check_buckets(_stub_fn, None),
         "mesh": lambda: ex.check_coords_and_groups(_stub_fn),
         "step budget": lambda: ex.check_step_budget(_stub_fn),
+        "QSGD": lambda: ex.check_qsgd(_StubQSGD),
+        "memory per GPU": lambda: ex.check_memory_per_gpu(_stub_fn),
+        "step seconds": lambda: ex.check_step_seconds(_stub_fn),
     }
 
 
@@ -296,7 +312,7 @@ def test_an_unfilled_exercise_prints_exactly_one_line(name):
     text = str(report)
     assert not report.passed and report.cases == []
     assert "\n" not in text and "FAIL" not in text and "expected" not in text, text
-    stub = "_StubErrorFeedback.compress" if name == "error feedback" else "_stub_fn"
+    stub = {"error feedback": "_StubErrorFeedback.compress", "QSGD": "_StubQSGD.compress"}.get(name, "_stub_fn")
     assert text.endswith(f"not attempted yet: fill in `{stub}` in the cell above"), text
 
 
