@@ -22,7 +22,7 @@ MESH_LAYOUTS = [(2, 2, 2), (1, 1, 1), (3, 2, 4), (2, 4, 1), (4, 1, 2), (1, 3, 1)
 _OTHER = {"tp": "d or p", "pp": "d or t", "dp": "p or t"}
 
 
-def _coords_problem(rank, got_c, want_c, dp, pp, tp) -> str:
+def _coords_problem(rank, got_c, dp, pp, tp) -> str:
     try:
         d, p, t = (int(v) for v in got_c)
     except (TypeError, ValueError):
@@ -73,7 +73,7 @@ def check_coords_and_groups(fn: Callable) -> CheckReport:
                 break
             got_c, got_g = got
             if not isinstance(got_c, (tuple, list)) or tuple(got_c) != want_c:
-                problem = _coords_problem(rank, got_c, want_c, dp, pp, tp)
+                problem = _coords_problem(rank, got_c, dp, pp, tp)
                 break
             if not isinstance(got_g, dict):
                 problem = f"rank {rank}: groups should be a dict with keys 'tp', 'pp', 'dp', got {got_g!r}"
