@@ -1,5 +1,8 @@
 """Lab graders: a correct solution passes, each typical mistake is caught with a message that says what."""
 
+import dataclasses
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -134,9 +137,9 @@ def test_no_reduction_is_diagnosed():
     assert "nothing was added" in str(report)
 
 
-def test_none_is_diagnosed():
-    report = check_reduce_scatter(lambda x: None, world_sizes=(2,), counts=(4,))
-    assert "returned None" in str(report) and not report.passed
+def test_none_from_some_ranks_is_diagnosed():
+    report = check_reduce_scatter(lambda x: x.clone() if dist.get_rank() else None, world_sizes=(2,), counts=(4,))
+    assert "rank 0 returned None" in str(report) and not report.passed
 
 
 def test_torch_collectives_are_refused():
@@ -248,9 +251,294 @@ def test_the_graded_capstone_model_is_the_capstone_s():
      "forward pass only"),
     (lambda m, tp, pp, dp, b, k: (_tokens(m, dp, b, k), _per_token(m)), "that is per token"),
     (lambda m, tp, pp, dp, b, k: (b * dp * m.seq, _per_token(m) * b * dp * m.seq), "micro-batches were forgotten"),
-    (lambda *a: None, "return a pair"),
+    (lambda *a: 7, "return a pair"),
 ])
 def test_each_step_budget_slip_is_named(slip, message):
     from commlab.exercises import check_step_budget
     report = check_step_budget(slip)
     assert not report.passed and message in str(report), str(report)
+
+
+# ------------------------------------------------------------------ every grader: the unfilled stub, one line
+
+def _stub_fn(*args):
+    return None  # what every lab's stub returns before its TODO is filled in
+
+
+class _StubErrorFeedback:
+    def __init__(self, compressor):
+        self.compressor = compressor
+
+    def compress(self, x, key):
+        return None
+
+    def decompress(self, payload):
+        return self.compressor.decompress(payload)
+
+
+class _StubQSGD:
+    linear = False
+
+    def __init__(self, levels=7, seed=0):
+        self.name = "stub"
+
+    def compress(self, tensor):
+        return None
+
+    def decompress(self, payload):
+        return None
+
+
+def _graders():
+    from commlab import exercises as ex
+    return {
+        "ring ReduceScatter": lambda: ex.check_reduce_scatter(_stub_fn),
+        "ring AllGather": lambda: ex.check_all_gather(_stub_fn),
+        "error feedback": lambda: ex.check_error_feedback(_StubErrorFeedback),
+        "PowerSGD bytes": lambda: ex.check_bytes_per_step(_stub_fn, None),
+        "step time": lambda: ex.check_step_time(_stub_fn),
+        "buckets": lambda: ex.check_buckets(_stub_fn, None),
+        "mesh": lambda: ex.check_coords_and_groups(_stub_fn),
+        "step budget": lambda: ex.check_step_budget(_stub_fn),
+        "QSGD": lambda: ex.check_qsgd(_StubQSGD),
+        "memory per GPU": lambda: ex.check_memory_per_gpu(_stub_fn),
+        "step seconds": lambda: ex.check_step_seconds(_stub_fn),
+    }
+
+
+@pytest.mark.parametrize("name", list(_graders()))
+def test_an_unfilled_exercise_prints_exactly_one_line(name):
+    report = _graders()[name]()
+    text = str(report)
+    assert not report.passed and report.cases == []
+    assert "\n" not in text and "FAIL" not in text and "expected" not in text, text
+    stub = {"error feedback": "_StubErrorFeedback.compress", "QSGD": "_StubQSGD.compress"}.get(name, "_stub_fn")
+    assert text.endswith(f"not attempted yet: fill in `{stub}` in the cell above"), text
+
+
+def test_a_report_lists_at_most_three_failures():
+    from commlab.exercises.report import CheckReport
+    r = CheckReport("x", [(f"case {i}", i == 0, "wrong") for i in range(7)])
+    lines = str(r).splitlines()
+    assert lines[0] == "x: 1 of 7 checks passed" and sum("FAIL" in l for l in lines) == 3
+    assert lines[-1].startswith("  ... and 3 more failing cases")
+
+
+# ------------------------------------------------------------------ lab 7: PowerSGD's bytes per step
+
+def _psgd_right(shapes, r):
+    total = 0
+    for shape in shapes:
+        numel = 1
+        for s in shape:
+            numel *= s
+        if len(shape) <= 1:
+            total += 4 * numel
+            continue
+        m, n = shape[0], numel // shape[0]
+        rr = min(m, n, r)
+        total += 4 * (m + n) * rr if (m + n) * rr * 2 < m * n else 4 * numel
+    return total
+
+
+def test_the_powersgd_bytes_solution_passes_and_the_answer_is_graded():
+    from commlab.exercises import check_bytes_per_step
+    report = check_bytes_per_step(_psgd_right, 4)
+    assert report.passed, str(report)
+    assert "too large" in str(check_bytes_per_step(_psgd_right, 5))
+    assert "too small" in str(check_bytes_per_step(_psgd_right, 3))
+    assert "not set yet" in str(check_bytes_per_step(_psgd_right, None))
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda shapes, r: _psgd_right(shapes, r) // 4, "counts elements, not bytes"),
+    (lambda shapes, r: sum(4 * math.prod(s) for s in shapes), "it should be compressed"),
+    (lambda shapes, r: _psgd_right(shapes[:1], r), "the total is not the sum"),
+])
+def test_each_powersgd_bytes_slip_is_named_for_its_input_without_the_expected_bytes(slip, message):
+    from commlab.exercises import check_bytes_per_step
+    report = check_bytes_per_step(slip, 4)
+    text = str(report)
+    assert not report.passed and message in text, text
+    assert "expected" not in text and "r=1" in text
+
+
+# ------------------------------------------------------------------ lab 9: DDP's buckets
+
+def _buckets_right(sizes, cap):
+    buckets, current, total = [], [], 0
+    for i, nbytes in enumerate(sizes):
+        current.append(i)
+        total += nbytes
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0
+    return buckets + [current] if current else buckets
+
+
+def _buckets_strict(sizes, cap):  # closes only once the bucket holds more than the cap
+    buckets, current, total = [], [], 0
+    for i, nbytes in enumerate(sizes):
+        if current and total + nbytes > cap:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += nbytes
+    return buckets + [current] if current else buckets
+
+
+def test_the_bucket_solution_passes_and_slips_are_named_without_the_expected_buckets():
+    from commlab.exercises import check_buckets
+    assert check_buckets(_buckets_right, 264).passed
+    text = str(check_buckets(lambda s, c: _buckets_right(s, c)[:-1], 264))
+    assert "are in no bucket: a bucket still open at the end is the last bucket" in text, text
+    text = str(check_buckets(_buckets_strict, 264))
+    assert "only the last bucket may hold less than the cap" in text and "expected" not in text, text
+    assert "with a cap of 8 KiB the MLP gets 4 buckets, not 3" in str(check_buckets(_buckets_right, 8))
+
+
+# ------------------------------------------------------------------ lab 10: mesh coordinates and groups
+
+def _mesh_right(rank, dp, pp, tp):
+    t = rank % tp
+    d, p = divmod(rank // tp, pp)
+    return (d, p, t), {"tp": [(d * pp + p) * tp + i for i in range(tp)],
+                       "pp": [(d * pp + i) * tp + t for i in range(pp)],
+                       "dp": [(i * pp + p) * tp + t for i in range(dp)]}
+
+
+def _mesh_swapped(rank, dp, pp, tp):
+    (d, p, t), g = _mesh_right(rank, dp, pp, tp)
+    return (t, p, d), g
+
+
+def _mesh_bad_dp_stride(rank, dp, pp, tp):
+    c, g = _mesh_right(rank, dp, pp, tp)
+    d, p, t = c
+    g["dp"] = sorted({(i * pp + p) + t for i in range(dp)} | {rank})[:dp]
+    return c, g
+
+
+def test_the_mesh_solution_passes_and_slips_are_named_without_the_expected_answer():
+    from commlab.exercises import check_coords_and_groups
+    assert check_coords_and_groups(_mesh_right).passed
+    text = str(check_coords_and_groups(_mesh_swapped))
+    assert "give back (d * pp + p) * tp + t" in text or "out of range" in text, text
+    text = str(check_coords_and_groups(_mesh_bad_dp_stride))
+    assert "dp group" in text and "should be" not in text, text
+
+
+# ------------------------------------------------------------------ lab 5: QSGD
+
+class _QSGDRight:
+    linear = False
+
+    def __init__(self, levels=7, seed=0):
+        self.levels, self.name = levels, f"q{levels}"
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _levels(self, flat, norm):
+        r = (self.levels * flat.abs() / norm).clamp(max=self.levels) if float(norm) > 0 else torch.zeros_like(flat)
+        low = r.floor()
+        return low + (torch.rand(flat.numel(), generator=self.generator, dtype=flat.dtype) < r - low).to(flat.dtype)
+
+    def compress(self, tensor):
+        from commlab.compress import Payload
+        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        flat = tensor.detach().reshape(-1).to(acc)
+        norm = torch.linalg.vector_norm(flat.double()).float().reshape(1)
+        xi = self._levels(flat, norm.to(acc)).to(torch.int8)
+        return Payload({"codes": torch.where(flat < 0, -xi, xi), "norm": norm}, tensor.shape, tensor.dtype,
+                       {"levels": self.levels, "bits": 8, "bucket_size": None})
+
+    def decompress(self, p):
+        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+        out = p.tensors["codes"].to(acc) * (p.tensors["norm"].to(acc) / p.meta["levels"])
+        return out.to(p.dtype).reshape(p.shape)
+
+
+class _QSGDNearest(_QSGDRight):  # deterministic rounding to the nearest level: biased
+    def _levels(self, flat, norm):
+        return (self.levels * flat.abs() / norm).round()
+
+
+class _QSGDInt32(_QSGDRight):
+    def compress(self, tensor):
+        p = super().compress(tensor)
+        return dataclasses.replace(p, tensors={**p.tensors, "codes": p.tensors["codes"].to(torch.int32)})
+
+
+def test_the_qsgd_solution_passes_and_commlab_s_qsgd_decodes_it():
+    from commlab.exercises import check_qsgd
+    report = check_qsgd(_QSGDRight)
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (_QSGDNearest, "standard errors: round up with probability r - floor(r)"),
+    (_QSGDInt32, "codes are int32: one int8 per element"),
+])
+def test_each_qsgd_slip_is_named(cls, message):
+    from commlab.exercises import check_qsgd
+    text = str(check_qsgd(cls))
+    assert "checks passed" in text and message in text, text
+
+
+# ------------------------------------------------------------------ lab 11: memory per GPU and step time
+
+def _mem_right(p, tp, dp, zero1, act):
+    return (4 + 12 / (dp if zero1 else 1)) * p / tp + act
+
+
+def _step_right(c, tp, pp, dp, p, m, v):
+    return (c + tp + pp) * (1 + (p - 1) / (v * m)) + dp
+
+
+def test_the_planner_solutions_pass():
+    from commlab.exercises import check_memory_per_gpu, check_step_seconds
+    assert check_memory_per_gpu(_mem_right).passed and check_step_seconds(_step_right).passed
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda p, tp, dp, z, a: _mem_right(p, 1, dp, z, a), "the parameters were not split by tp"),
+    (lambda p, tp, dp, z, a: 16 * p / tp / (dp if z else 1) + a, "ZeRO-1 shards only the 12 bytes"),
+    (lambda p, tp, dp, z, a: _mem_right(p, tp, dp, z, a) / 1e9, "that is GB; return bytes"),
+])
+def test_each_memory_slip_is_named_without_the_expected_bytes(slip, message):
+    from commlab.exercises import check_memory_per_gpu
+    text = str(check_memory_per_gpu(slip))
+    assert message in text and "expected" not in text, text
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda c, tp, pp, dp, p, m, v: (c + tp + pp) * (1 + (p - 1) / (v * m + p - 1)) + dp, "its share of the step"),
+    (lambda c, tp, pp, dp, p, m, v: _step_right(c, tp, pp, dp, p, m, 1), "the interleaving was ignored"),
+    (lambda c, tp, pp, dp, p, m, v: c + tp + pp + (p - 1) / (v * m) * c + dp, "not only the compute"),
+])
+def test_each_step_time_slip_is_named(slip, message):
+    from commlab.exercises import check_step_seconds
+    text = str(check_step_seconds(slip))
+    assert message in text and "too" in text, text
+
+
+# ------------------------------------------------------------------ the labs' stored pages
+
+def _lab_cells():
+    import json
+    import pathlib
+    for path in sorted((pathlib.Path(__file__).parents[1] / "labs").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                yield path.name, cell
+
+
+def test_solutions_are_folded_and_no_stored_check_prints_a_wall_of_failures():
+    for name, cell in _lab_cells():
+        src = "".join(cell["source"])
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        if "def solution_" in src or "class Solution" in src:
+            assert tags & {"hide-input", "hide-cell", "remove-input"}, f"{name}: a solution cell is open"
+        text = "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                       for o in cell.get("outputs", []))
+        assert text.count("FAIL ") <= 3, f"{name}: a stored output lists {text.count('FAIL ')} failures"
+        assert "<matplotlib." not in text, f"{name}: a stored output shows an object's repr"

@@ -62,8 +62,12 @@ def check_error_feedback(cls: Callable, steps: int = 5, numel: int = 40) -> Chec
             got = []
             for x in grads:
                 p = ef.compress(x.clone(), "w")
+                if p is None and not report.cases and not got:
+                    # The stub's None on the very first call: unfilled, say so in one line.
+                    report.not_attempted = f"{getattr(cls, '__name__', 'cls')}.compress"
+                    return report
                 if p is None:
-                    raise ValueError("compress returned None (the TODO is not filled in yet?)")
+                    raise ValueError("compress returned None: return the payload of the corrected tensor")
                 got.append(ef.decompress(p).reshape(-1))
         except Exception as e:  # report, do not crash the notebook
             report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))

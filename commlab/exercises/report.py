@@ -1,27 +1,76 @@
-"""The verdict of a grader: one line per case, printed deterministically (nbval compares it)."""
+"""The verdict of a grader: one line per case, printed deterministically (nbval compares it).
+
+Three outcomes, each printed so that a lab's page stays short:
+
+* not attempted (the exercise's stub still returns ``None``, its ``# TODO`` not replaced): one line,
+  ``not attempted yet: fill in `NAME` in the cell above``, and no case is run or listed;
+* passed: the title and one ``PASS`` line per case, so the learner sees what was checked;
+* failed: the cases in order, the failures after the first :data:`MAX_FAILURES_SHOWN` only counted; each
+  failure names its input and what is wrong with the learner's answer (the answer, its error or the rule it
+  breaks), never the whole expected answer.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "is_stub_result", "how_far"]
+
+#: Failures listed in a report; a mistake usually fails many cases alike, and the first ones say what it is.
+MAX_FAILURES_SHOWN = 3
+
+
+def is_stub_result(value) -> bool:
+    """Whether a learner's function returned what the labs' stubs return (``None``) instead of an answer."""
+    return value is None
+
+
+def how_far(got: float, want: float) -> str:
+    """How a wrong number compares with the right one, without giving the right one: ``"too high by 3.2 %"``,
+    ``"too low by a factor of 8"`` (a factor from 2 on, where a percentage would hide the slip)."""
+    if want == 0 or got == 0 or (got > 0) != (want > 0):
+        return "of the wrong sign or zero" if got != want else "right"
+    q = got / want
+    word = "too high" if abs(got) > abs(want) else "too low"
+    f = max(abs(q), 1 / abs(q))
+    return f"{word} by a factor of {f:.3g}" if f >= 2 else f"{word} by {100 * (f - 1):.3g} %"
+
 
 @dataclasses.dataclass
 class CheckReport:
-    """Cases checked by a grader. ``cases``: list of ``(description, passed, message)``."""
+    """Cases checked by a grader.
+
+    Attributes:
+        exercise: the title, e.g. ``"ReduceScatter exercise (my_reduce_scatter)"``.
+        cases: list of ``(description, passed, message)``; ``message`` says what is wrong (empty if passed).
+        not_attempted: the name to fill in (a function, class or variable of the lab) when the learner's code
+            is still the stub; then ``cases`` is empty and the report is one line.
+    """
 
     exercise: str
     cases: list[tuple[str, bool, str]] = dataclasses.field(default_factory=list)
+    not_attempted: str | None = None
 
     @property
     def passed(self) -> bool:
-        return bool(self.cases) and all(ok for _, ok, _ in self.cases)
+        return self.not_attempted is None and bool(self.cases) and all(ok for _, ok, _ in self.cases)
 
     def __str__(self) -> str:
-        lines = []
-        for desc, ok, msg in self.cases:
-            lines.append(f"  {'PASS' if ok else 'FAIL'}  {desc}" + ("" if ok else f": {msg}"))
-        n_ok = sum(ok for _, ok, _ in self.cases)
+        if self.not_attempted is not None:
+            return f"{self.exercise}: not attempted yet: fill in `{self.not_attempted}` in the cell above"
+        failures = [(d, m) for d, ok, m in self.cases if not ok]
+        n_ok = len(self.cases) - len(failures)
         verdict = "all checks passed" if self.passed else f"{n_ok} of {len(self.cases)} checks passed"
+        lines, shown = [], 0
+        for d, ok, m in self.cases:  # in the grader's order; failures after the first few are only counted
+            if ok:
+                lines.append(f"  PASS  {d}")
+            elif shown < MAX_FAILURES_SHOWN:
+                lines.append(f"  FAIL  {d}: {m}")
+                shown += 1
+        if len(failures) > MAX_FAILURES_SHOWN:
+            lines.append(f"  ... and {len(failures) - MAX_FAILURES_SHOWN} more failing cases: fix the first "
+                         "ones and run the check again")
         return f"{self.exercise}: {verdict}\n" + "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython displays the report as text, not as a dataclass repr
