@@ -4,34 +4,21 @@ the whole book builds strictly.
 The notebooks themselves are executed and their outputs compared by nbval (``--nbval`` in pytest's
 options collects every ``.ipynb`` under ``book/`` and ``labs/``). The build here therefore renders the
 stored outputs (``execute_notebooks: "off"``) instead of executing every notebook a second time: nbval has
-just shown that a fresh execution reproduces them. ``scripts/build_book.sh`` is the reader's build, with
-execution forced.
+just shown that a fresh execution reproduces them. That build is made once per session by the
+``built_book`` fixture (tests/book_build.py), which tests/test_browser.py reads as well.
+``scripts/build_book.sh`` is the reader's build, with execution forced.
 """
 
 import json
 import pathlib
-import shutil
-import subprocess
-import sys
 
 import pytest
-import yaml
+
+from tests.book_build import toc_files as _toc_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for p in list(ROOT.glob("book/**/*.ipynb")) + list(ROOT.glob("labs/**/*.ipynb"))
                    if ".ipynb_checkpoints" not in p.parts and "_build" not in p.parts)
-
-
-def _toc_files():
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]]
-    stack = list(toc.get("parts", [])) + list(toc.get("chapters", []))
-    while stack:
-        entry = stack.pop()
-        if "file" in entry:
-            files.append(entry["file"])
-        stack.extend(entry.get("chapters", []) + entry.get("sections", []))
-    return files
 
 
 def test_there_are_notebooks():
@@ -59,19 +46,10 @@ def test_every_page_is_in_the_table_of_contents():
 
 
 @pytest.mark.notebooks
-def test_book_builds_strictly(tmp_path):
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    config["execute"]["execute_notebooks"] = "off"
-    cfg = tmp_path / "_config.yml"
-    cfg.write_text(yaml.safe_dump(config, allow_unicode=True))
-    out = tmp_path / "build"
-    jb = pathlib.Path(sys.executable).with_name("jupyter-book")
-    proc = subprocess.run([str(jb), "build", str(ROOT), "--config", str(cfg), "--path-output", str(out),
-                           "-W", "-n", "--keep-going"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    html = out / "_build" / "html"
+def test_book_builds_strictly(built_book):
+    assert built_book.returncode == 0, built_book.log
+    html = built_book.html
     for page in _toc_files():
         assert (html / page).with_suffix(".html").exists(), page
     lab = (html / "labs" / "lab02_ring_reduce_scatter_all_gather.html").read_text()
     assert "<img" in lab and "all checks passed" in lab, "the lab's plots and checks should be in the HTML"
-    shutil.rmtree(out, ignore_errors=True)
