@@ -36,6 +36,18 @@ def test_notebook_is_stored_executed_without_errors(path):
     assert not errors, f"code cells {errors} hold error outputs"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nbval_markers_are_cell_tags_not_comments(path):
+    # A reader sees a cell's source, not its metadata: nbval's markers live in the cell's tags
+    # (nbval-ignore-output, ...). `python tools/nbtools.py tag-ignore PATH` moves a leading
+    # "# NBVAL_IGNORE_OUTPUT" comment into that tag.
+    cells = json.loads(path.read_text())["cells"]
+    marked = [i for i, c in enumerate(cells)
+              if c["cell_type"] == "code" and any(line.lstrip().startswith("# NBVAL_")
+                                                  for line in "".join(c["source"]).splitlines())]
+    assert not marked, f"code cells {marked} carry an NBVAL_ comment: run tools/nbtools.py tag-ignore {path.name}"
+
+
 def test_every_page_is_in_the_table_of_contents():
     listed = set(_toc_files())
     pages = {str(p.relative_to(ROOT).with_suffix("")) for p in NOTEBOOKS}
