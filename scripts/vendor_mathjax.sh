@@ -7,7 +7,7 @@ set -euo pipefail
 version=$1 integrity=$2 dest=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-(cd "$tmp" && npm pack --silent --json "mathjax@$version" > pack.json)
+(cd "$tmp" && npm pack --silent --json --fetch-retries=1 "mathjax@$version" > pack.json)
 got=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["integrity"])' "$tmp/pack.json")
 if [ "$got" != "$integrity" ]; then
   echo "!! mathjax@$version: integrity $got, expected $integrity" >&2
