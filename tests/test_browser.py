@@ -212,6 +212,7 @@ def report(request):
                 browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
             except PlaywrightError as exc:
                 _skip(request.config, f"Chromium at {CHROMIUM} did not start: {str(exc).splitlines()[0]}")
+            phases = {"launch": time.monotonic() - started}
             context = browser.new_context(viewport=VIEWPORT, service_workers="block")
             context.route("**/*", route)
             page = context.new_page()
@@ -239,6 +240,7 @@ def report(request):
                         if figure.count():
                             figure.scroll_into_view_if_needed()
                             page.screenshot(path=str(ARTIFACTS / f"{shot}-figure.png"))
+            phases["pages"] = time.monotonic() - started - sum(phases.values())
             for term in SEARCH_TERMS:
                 page.goto(base + "search.html?q=" + urllib.parse.quote(term), wait_until="load")
                 # Sphinx adds results one by one and then writes its summary line: count after that.
@@ -249,11 +251,13 @@ def report(request):
                     search[term] = page.locator("ul.search li").count()
                 except PlaywrightError:
                     search[term] = 0  # no summary: the search never finished
+            phases["search"] = time.monotonic() - started - sum(phases.values())
             browser.close()
     finally:
         server.shutdown()
         server.server_close()
-    table = _table(results, search) + f"\n(the browser check took {time.monotonic() - started:.0f} s)"
+    table = _table(results, search) + (f"\n(the browser check took {time.monotonic() - started:.0f} s: "
+                                       + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     (ARTIFACTS / "report.txt").write_text(table + "\n")
     # Every offender with its kind, width and first line, page by page, for whoever fixes them.
     (ARTIFACTS / "report.json").write_text(json.dumps({"pages": results, "search": search}, indent=1))
