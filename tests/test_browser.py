@@ -30,6 +30,9 @@ import pytest
 
 from tests.book_build import ROOT, toc_files
 
+# It reads the book build (marked like test_book's build, so `-m "not notebooks"` skips both).
+pytestmark = pytest.mark.notebooks
+
 CHROMIUM = os.environ.get("COMMLAB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = pathlib.Path(os.environ.get("COMMLAB_BROWSER_ARTIFACTS") or ROOT / "_build" / "browser-artifacts")
 VIEWPORT = {"width": 1280, "height": 900}
@@ -108,7 +111,14 @@ MEASURE_JS = r"""
   const broken = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.getAttribute("src"));
   const no_alt = images.filter((i) => alt_is_fake(i.getAttribute("alt") || "")).map((i) => i.getAttribute("src"));
   const maths = [...article.querySelectorAll(".math")];
-  const untypeset = maths.filter((m) => !m.querySelector("mjx-container"));
+  const untypeset = maths.filter((m) => !m.querySelector("mjx-container")).map((m) => m.textContent.slice(0, 40));
+  // TeX delimiters left in the prose (outside code and outside what MathJax replaced): maths that was
+  // never marked up as maths, or that MathJax skipped.
+  const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
+  for (let node; (node = walker.nextNode());) {
+    if (node.parentElement.closest("pre, code, script, style, mjx-container, .math")) continue;
+    if (/\\\(|\\\[/.test(node.textContent)) untypeset.push(node.textContent.trim().slice(0, 40));
+  }
   // Leaf kinds only (an output's <pre>, a code block's <pre>, a table, a display formula, an image),
   // so that one too-wide thing is counted once and not again through each of its wrappers.
   // Outputs first: an output's <pre> sits in a div.highlight too, and would otherwise count as code.
@@ -131,7 +141,7 @@ MEASURE_JS = r"""
   const column = article.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
   return {column: Math.round(column), page_width: document.documentElement.scrollWidth,
           images: images.length, broken, no_alt, maths: maths.length, untypeset: untypeset.length,
-          raw_math: untypeset.map((m) => m.textContent.slice(0, 40)), wide};
+          raw_math: untypeset, wide};
 }
 """
 
