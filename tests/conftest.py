@@ -14,3 +14,16 @@ def _seed_torch():
     # sees the same numbers whichever tests ran before it (two such tests used to pass or fail with the order).
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory):
+    """The book built strictly from its stored outputs, once per test session (test_book checks the
+    build, test_browser reads it in Chromium); deleted at the end of the session."""
+    import shutil
+
+    from tests.book_build import build_strictly
+
+    workdir = tmp_path_factory.mktemp("book")
+    yield build_strictly(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -4,34 +4,21 @@ the whole book builds strictly.
 The notebooks themselves are executed and their outputs compared by nbval (``--nbval`` in pytest's
 options collects every ``.ipynb`` under ``book/`` and ``labs/``). The build here therefore renders the
 stored outputs (``execute_notebooks: "off"``) instead of executing every notebook a second time: nbval has
-just shown that a fresh execution reproduces them. ``scripts/build_book.sh`` is the reader's build, with
-execution forced.
+just shown that a fresh execution reproduces them. That build is made once per session by the
+``built_book`` fixture (tests/book_build.py), which tests/test_browser.py reads as well.
+``scripts/build_book.sh`` is the reader's build, with execution forced.
 """
 
 import json
 import pathlib
-import shutil
-import subprocess
-import sys
 
 import pytest
-import yaml
+
+from tests.book_build import toc_files as _toc_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for p in list(ROOT.glob("book/**/*.ipynb")) + list(ROOT.glob("labs/**/*.ipynb"))
                    if ".ipynb_checkpoints" not in p.parts and "_build" not in p.parts)
-
-
-def _toc_files():
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]]
-    stack = list(toc.get("parts", [])) + list(toc.get("chapters", []))
-    while stack:
-        entry = stack.pop()
-        if "file" in entry:
-            files.append(entry["file"])
-        stack.extend(entry.get("chapters", []) + entry.get("sections", []))
-    return files
 
 
 def test_there_are_notebooks():
@@ -47,6 +34,18 @@ def test_notebook_is_stored_executed_without_errors(path):
     assert not unexecuted, f"code cells {unexecuted} were never executed (run tools/nbtools.py execute)"
     errors = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
     assert not errors, f"code cells {errors} hold error outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nbval_markers_are_cell_tags_not_comments(path):
+    # A reader sees a cell's source, not its metadata: nbval's markers live in the cell's tags
+    # (nbval-ignore-output, ...). `python tools/nbtools.py tag-ignore PATH` moves a leading
+    # "# NBVAL_IGNORE_OUTPUT" comment into that tag.
+    cells = json.loads(path.read_text())["cells"]
+    marked = [i for i, c in enumerate(cells)
+              if c["cell_type"] == "code" and any(line.lstrip().startswith("# NBVAL_")
+                                                  for line in "".join(c["source"]).splitlines())]
+    assert not marked, f"code cells {marked} carry an NBVAL_ comment: run tools/nbtools.py tag-ignore {path.name}"
 
 
 def test_every_page_is_in_the_table_of_contents():
@@ -89,19 +88,10 @@ def test_glossary_defines_the_terms_the_chapters_lean_on():
 
 
 @pytest.mark.notebooks
-def test_book_builds_strictly(tmp_path):
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    config["execute"]["execute_notebooks"] = "off"
-    cfg = tmp_path / "_config.yml"
-    cfg.write_text(yaml.safe_dump(config, allow_unicode=True))
-    out = tmp_path / "build"
-    jb = pathlib.Path(sys.executable).with_name("jupyter-book")
-    proc = subprocess.run([str(jb), "build", str(ROOT), "--config", str(cfg), "--path-output", str(out),
-                           "-W", "-n", "--keep-going"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    html = out / "_build" / "html"
+def test_book_builds_strictly(built_book):
+    assert built_book.returncode == 0, built_book.log
+    html = built_book.html
     for page in _toc_files():
         assert (html / page).with_suffix(".html").exists(), page
     lab = (html / "labs" / "lab02_ring_reduce_scatter_all_gather.html").read_text()
     assert "<img" in lab and "all checks passed" in lab, "the lab's plots and checks should be in the HTML"
-    shutil.rmtree(out, ignore_errors=True)

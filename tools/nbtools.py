@@ -2,6 +2,10 @@
 
 ``python tools/nbtools.py execute PATH...`` runs notebooks top to bottom with the current interpreter's
 kernel and stores their outputs, which nbval then compares on every test run.
+
+``python tools/nbtools.py tag-ignore PATH...`` moves nbval's output-ignoring marker out of the code the
+reader sees: each code cell whose first line is the comment ``# NBVAL_IGNORE_OUTPUT`` loses that line and
+gets nbval's cell tag ``nbval-ignore-output`` instead (same effect for nbval; the book shows no marker).
 """
 
 from __future__ import annotations
@@ -44,14 +48,45 @@ def execute(path: str, timeout: int = 300) -> None:
     nbformat.write(nb, path)
 
 
+IGNORE_COMMENT = "# NBVAL_IGNORE_OUTPUT"
+IGNORE_TAG = "nbval-ignore-output"  # nbval's metadata tag for the comment above (nbval/plugin.py)
+
+
+def tag_ignore(path: str) -> int:
+    """Replace a leading ``# NBVAL_IGNORE_OUTPUT`` line of each code cell by the ``nbval-ignore-output``
+    tag (other tags kept, outputs untouched). Returns the number of cells changed; rewrites the file
+    only if there was one."""
+    nb = nbformat.read(path, as_version=4)
+    changed = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        first, _, rest = cell.source.partition("\n")
+        if first.strip() != IGNORE_COMMENT:
+            continue
+        cell.source = rest
+        tags = list(cell.metadata.get("tags", []))
+        if IGNORE_TAG not in tags:
+            tags.append(IGNORE_TAG)
+        cell.metadata["tags"] = tags
+        changed += 1
+    if changed:
+        nbformat.write(nb, path)
+    return changed
+
+
 def _dir(path: str) -> str:
     import os
     return os.path.dirname(os.path.abspath(path))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "execute":
-        sys.exit("usage: python tools/nbtools.py execute NOTEBOOK...")
+    if len(sys.argv) < 3 or sys.argv[1] not in ("execute", "tag-ignore"):
+        sys.exit("usage: python tools/nbtools.py execute NOTEBOOK...\n"
+                 "       python tools/nbtools.py tag-ignore NOTEBOOK...")
     for p in sys.argv[2:]:
-        print(f"executing {p}", flush=True)
-        execute(p)
+        if sys.argv[1] == "execute":
+            print(f"executing {p}", flush=True)
+            execute(p)
+        else:
+            print(f"{p}: {tag_ignore(p)} cells now tagged {IGNORE_TAG}", flush=True)

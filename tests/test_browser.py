@@ -1,0 +1,360 @@
+"""The built book as a reader meets it: every page of ``_toc.yml`` opened in headless Chromium.
+
+The book is the strict build from stored outputs that tests/test_book.py checks (the session's
+``built_book`` fixture, built once), served on 127.0.0.1 by a thread running ``http.server``. Chromium is
+Debian's (``.ci/run`` installs it with apt-get), driven through the ``playwright`` package; where it is
+missing or cannot start, every test here is skipped with a message that says why.
+
+For every page it checks: no console errors; no failed requests; no request that leaves 127.0.0.1
+(every request is intercepted and any other host is aborted and counted, so the book must read offline);
+every image loaded and has a real alt text (not empty, not a file path or hash); all maths typeset by
+MathJax; no code cell, output, table or display formula wider than the 688 px text column at a 1280 px
+window. Sphinx's search page must find results for a few terms. Screenshots of a few key pages go to
+``$COMMLAB_BROWSER_ARTIFACTS`` (default ``_build/browser-artifacts/``), with the per-page table as
+``report.txt`` (and every offender in ``report.json``); the table is printed as well.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import pathlib
+import shutil
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from tests.book_build import ROOT, toc_files
+
+# It reads the book build (marked like test_book's build, so `-m "not notebooks"` skips both).
+pytestmark = pytest.mark.notebooks
+
+CHROMIUM = os.environ.get("COMMLAB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = pathlib.Path(os.environ.get("COMMLAB_BROWSER_ARTIFACTS") or ROOT / "_build" / "browser-artifacts")
+VIEWPORT = {"width": 1280, "height": 900}
+COLUMN_PX = 688  # the theme's text column at a 1280 px window (checked below against the page itself)
+SEARCH_TERMS = ["AllReduce", "PowerSGD", "bucket", "pipeline"]
+SCREENSHOTS = {
+    "home": "book/intro",
+    "ch02": "book/ch02_ring_collectives",
+    "ch08": "book/ch08_does_compression_pay",
+    "lab02": "labs/lab02_ring_reduce_scatter_all_gather",
+}
+# The only flags besides playwright's own: no background traffic of Chromium's own (updates, sync,
+# field trials), which the routing below would otherwise count against the book.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+# Known defects being fixed page by page (issue 13, points 3 and 7): figures whose alt text is a file
+# path, and elements wider than the text column. These allowances may only shrink, and must all reach
+# zero (and these dicts be removed) for the issue to be done. A page over its allowance fails (a
+# regression); a page under it fails too, so that the allowance is tightened in the same change.
+# Pages not listed are allowed nothing. Measured 2026-12-01 (32 images, 506 elements: 501 code cells,
+# 5 tables); report.json in the artifacts folder lists each offender with its width.
+ALLOWED_IMAGES_WITHOUT_ALT: dict[str, int] = {
+    "book/ch12_capstone": 2,
+    "book/ch11_3d_mapping_and_planner": 2,
+    "book/ch10_parallelism_patterns": 1,
+    "labs/lab10_device_mesh_and_pipeline": 1,
+    "book/ch09_overlap": 2,
+    "labs/lab09_overlap": 1,
+    "book/ch08_does_compression_pay": 4,
+    "labs/lab08_does_compression_pay": 1,
+    "book/ch07_powersgd": 2,
+    "labs/lab07_powersgd_ddp": 1,
+    "book/ch06_quantization_and_sign": 1,
+    "book/ch05_sparsification": 1,
+    "book/ch04_compression_foundations": 2,
+    "labs/lab04_error_feedback": 1,
+    "book/ch03_collective_algorithms": 3,
+    "labs/lab03_calibrate_alpha_beta": 2,
+    "book/ch02_ring_collectives": 3,
+    "labs/lab02_ring_reduce_scatter_all_gather": 1,
+    "book/ch01_communication_arithmetic": 1,
+}
+ALLOWED_OVERFLOWING: dict[str, int] = {
+    "book/glossary": 1,
+    "book/appendix_errata": 32,
+    "book/ch12_capstone": 42,
+    "labs/lab12_capstone": 12,
+    "book/ch11_3d_mapping_and_planner": 46,
+    "book/ch10_parallelism_patterns": 42,
+    "labs/lab10_device_mesh_and_pipeline": 8,
+    "book/ch09_overlap": 27,
+    "labs/lab09_overlap": 7,
+    "book/ch08_does_compression_pay": 43,
+    "labs/lab08_does_compression_pay": 11,
+    "book/ch07_powersgd": 22,
+    "labs/lab07_powersgd_ddp": 9,
+    "book/ch06_quantization_and_sign": 36,
+    "book/ch05_sparsification": 16,
+    "book/ch04_compression_foundations": 38,
+    "labs/lab04_error_feedback": 7,
+    "book/ch03_collective_algorithms": 42,
+    "labs/lab03_calibrate_alpha_beta": 10,
+    "book/ch02_ring_collectives": 20,
+    "labs/lab02_ring_reduce_scatter_all_gather": 15,
+    "book/ch01_communication_arithmetic": 20,
+}
+
+# Runs in the page: what the checks need, measured after MathJax's first typeset.
+MEASURE_JS = r"""
+(column_px) => {
+  const article = document.querySelector("article.bd-article") || document.querySelector("main") || document.body;
+  const alt_is_fake = (a) => !a.trim() || /\.(png|jpe?g|svg|gif|webp)$/i.test(a.trim()) || /[\\/]/.test(a)
+                             || /^[0-9a-f]{16,}$/i.test(a.trim());
+  const images = [...article.querySelectorAll("img")];
+  const broken = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.getAttribute("src"));
+  const no_alt = images.filter((i) => alt_is_fake(i.getAttribute("alt") || "")).map((i) => i.getAttribute("src"));
+  const maths = [...article.querySelectorAll(".math")];
+  const untypeset = maths.filter((m) => !m.querySelector("mjx-container")).map((m) => m.textContent.slice(0, 40));
+  // TeX delimiters left in the prose (outside code and outside what MathJax replaced): maths that was
+  // never marked up as maths, or that MathJax skipped.
+  const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
+  for (let node; (node = walker.nextNode());) {
+    if (node.parentElement.closest("pre, code, script, style, mjx-container, .math")) continue;
+    if (/\\\(|\\\[/.test(node.textContent)) untypeset.push(node.textContent.trim().slice(0, 40));
+  }
+  // Leaf kinds only (an output's <pre>, a code block's <pre>, a table, a display formula, an image),
+  // so that one too-wide thing is counted once and not again through each of its wrappers.
+  // Outputs first: an output's <pre> sits in a div.highlight too, and would otherwise count as code.
+  const kinds = [["output", ".cell_output pre"], ["code", ".cell_input pre, div.highlight pre"],
+                 ["table", "table"], ["math", "div.math, mjx-container[display='true']"], ["image", "img"]];
+  const seen = new Set();
+  const wide = [];
+  for (const [kind, selector] of kinds) {
+    for (const el of article.querySelectorAll(selector)) {
+      if (seen.has(el)) continue;
+      seen.add(el);
+      const width = Math.max(el.scrollWidth, Math.ceil(el.getBoundingClientRect().width));
+      if (width > column_px + 1 || el.scrollWidth > el.clientWidth + 1) {
+        const text = (el.innerText || el.getAttribute("src") || "").trim().split("\n")[0].slice(0, 60);
+        wide.push({kind, width, text});
+      }
+    }
+  }
+  const style = getComputedStyle(article);
+  const column = article.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  return {column: Math.round(column), page_width: document.documentElement.scrollWidth,
+          images: images.length, broken, no_alt, maths: maths.length, untypeset: untypeset.length,
+          raw_math: untypeset, wide};
+}
+"""
+
+
+def _say(config, text: str) -> None:
+    """Print past pytest's capture, so the table and any skip reason show in CI's log."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(text, flush=True)
+
+
+def _skip(config, reason: str):
+    _say(config, f"\n{'!' * 100}\n!! BROWSER TEST SKIPPED: {reason}\n{'!' * 100}")
+    pytest.skip(reason)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # one line per request would drown the test's own report
+        pass
+
+
+@functools.cache
+def _pages() -> list[str]:
+    return toc_files()
+
+
+@pytest.fixture(scope="module")
+def report(request):
+    """Per page: what MEASURE_JS measured, plus the console errors and requests seen while loading.
+
+    ``COMMLAB_BOOK_HTML=path/to/_build/html`` checks a book built before instead of the session's build
+    (for measuring while editing chapters; CI does not set it).
+    """
+    started = time.monotonic()
+    if os.environ.get("COMMLAB_BOOK_HTML"):
+        html = pathlib.Path(os.environ["COMMLAB_BOOK_HTML"])
+    else:
+        built_book = request.getfixturevalue("built_book")
+        if built_book.returncode != 0:
+            pytest.fail("the book did not build (see test_book.py::test_book_builds_strictly):\n" + built_book.log)
+        html = built_book.html
+        started = time.monotonic()
+    try:
+        from playwright.sync_api import Error as PlaywrightError
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        _skip(request.config, f"the playwright package is not installed ({exc}); pip install -r requirements.txt")
+    if not os.access(CHROMIUM, os.X_OK):
+        _skip(request.config, f"no Chromium at {CHROMIUM} (apt-get install chromium, or set COMMLAB_CHROMIUM)")
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(html)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    seen = {"console": [], "failed": [], "nonlocal": []}
+
+    def route(r):
+        url = urllib.parse.urlsplit(r.request.url)
+        if url.scheme in ("http", "https", "ws", "wss") and url.hostname != "127.0.0.1":
+            seen["nonlocal"].append(r.request.url)
+            r.abort()
+        else:
+            r.continue_()
+
+    def failed(req):
+        if urllib.parse.urlsplit(req.url).hostname == "127.0.0.1":
+            seen["failed"].append(f"{req.url} ({req.failure})")
+
+    def response(resp):
+        if resp.status >= 400:
+            seen["failed"].append(f"{resp.url} (HTTP {resp.status})")
+
+    results, search = {}, {}
+    try:
+        with sync_playwright() as pw:
+            try:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+            except PlaywrightError as exc:
+                _skip(request.config, f"Chromium at {CHROMIUM} did not start: {str(exc).splitlines()[0]}")
+            phases = {"launch": time.monotonic() - started}
+            context = browser.new_context(viewport=VIEWPORT, service_workers="block")
+            context.route("**/*", route)
+            page = context.new_page()
+            page.on("console", lambda m: m.type == "error" and seen["console"].append(m.text))
+            page.on("pageerror", lambda e: seen["console"].append(f"uncaught: {e}"))
+            page.on("requestfailed", failed)
+            page.on("response", response)
+            for name in _pages():
+                for v in seen.values():
+                    v.clear()
+                page_started = time.monotonic()
+                page.goto(base + name + ".html", wait_until="load")
+                # MathJax typesets after load; its startup promise resolves when the first pass is done
+                # (a MathJax that never loaded leaves no promise, and the page's maths stays raw).
+                page.evaluate("async () => { const s = window.MathJax && window.MathJax.startup;"
+                              " if (s && s.promise) await s.promise; }")
+                measured = page.evaluate(MEASURE_JS, COLUMN_PX)
+                measured.update({k: list(v) for k, v in seen.items()})
+                measured["seconds"] = round(time.monotonic() - page_started, 1)
+                results[name] = measured
+                for shot, shot_page in SCREENSHOTS.items():
+                    if shot_page == name:
+                        page.screenshot(path=str(ARTIFACTS / f"{shot}.png"))
+                        figure = page.locator(".cell_output img").first
+                        if figure.count():
+                            figure.scroll_into_view_if_needed()
+                            page.screenshot(path=str(ARTIFACTS / f"{shot}-figure.png"))
+            phases["pages"] = time.monotonic() - started - sum(phases.values())
+            for term in SEARCH_TERMS:
+                page.goto(base + "search.html?q=" + urllib.parse.quote(term), wait_until="load")
+                # Sphinx adds results one by one and then writes its summary line: count after that.
+                try:
+                    page.wait_for_function("() => /Search finished|did not match/.test("
+                                           "document.querySelector('.search-summary')?.innerText || '')",
+                                           timeout=20_000)
+                    search[term] = page.locator("ul.search li").count()
+                except PlaywrightError:
+                    search[term] = 0  # no summary: the search never finished
+            phases["search"] = time.monotonic() - started - sum(phases.values())
+            browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    table = _table(results, search) + (f"\n(the browser check took {time.monotonic() - started:.0f} s: "
+                                       + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
+    (ARTIFACTS / "report.txt").write_text(table + "\n")
+    # Every offender with its kind, width and first line, page by page, for whoever fixes them.
+    (ARTIFACTS / "report.json").write_text(json.dumps({"pages": results, "search": search}, indent=1))
+    _say(request.config, "\n" + table)
+    return {"pages": results, "search": search}
+
+
+def _table(results: dict, search: dict) -> str:
+    head = f"{'page':<46} {'console':>7} {'requests':>8} {'no alt':>6} {'overflow':>8} {'widest px':>9} {'maths':>7} {'s':>5}"
+    lines = [f"browser check at {VIEWPORT['width']} px (text column {COLUMN_PX} px): errors and offenders per page",
+             head, "-" * len(head)]
+    for name, r in results.items():
+        widest = max((w["width"] for w in r["wide"]), default=0)
+        lines.append(f"{name:<46} {len(r['console']):>7} {len(r['failed']) + len(r['nonlocal']):>8} "
+                     f"{len(r['no_alt']):>6} {len(r['wide']):>8} {widest:>9} "
+                     f"{r['maths'] - r['untypeset']:>3}/{r['maths']:<3} {r['seconds']:>5}")
+    total = lambda key: sum(len(r[key]) for r in results.values())  # noqa: E731
+    lines.append("-" * len(head))
+    lines.append(f"{'total':<46} {total('console'):>7} {total('failed') + total('nonlocal'):>8} "
+                 f"{total('no_alt'):>6} {total('wide'):>8}")
+    lines.append("search: " + ", ".join(f"{t!r} -> {n} results" for t, n in search.items()))
+    return "\n".join(lines)
+
+
+def _by_page(report, key) -> dict[str, list]:
+    return {name: r[key] for name, r in report["pages"].items() if r[key]}
+
+
+def test_every_page_was_opened(report):
+    assert list(report["pages"]) == _pages()
+
+
+def test_no_console_errors(report):
+    assert _by_page(report, "console") == {}
+
+
+def test_no_request_leaves_127_0_0_1(report):
+    # The book must read offline: MathJax and every other script or font come from the build itself.
+    assert _by_page(report, "nonlocal") == {}
+
+
+def test_no_failed_requests(report):
+    assert _by_page(report, "failed") == {}
+
+
+def test_every_image_loaded(report):
+    assert _by_page(report, "broken") == {}
+
+
+def test_maths_is_typeset(report):
+    untypeset = {name: r["raw_math"] for name, r in report["pages"].items() if r["untypeset"]}
+    assert untypeset == {}
+    # Not vacuous: the chapters do have maths, and the check saw it.
+    assert sum(r["maths"] for r in report["pages"].values()) > 100
+
+
+def test_text_column_is_the_width_the_overflow_check_assumes(report):
+    columns = {name: r["column"] for name, r in report["pages"].items()}
+    assert set(columns.values()) == {COLUMN_PX}, columns
+
+
+def test_no_page_scrolls_sideways(report):
+    wide = {name: r["page_width"] for name, r in report["pages"].items() if r["page_width"] > VIEWPORT["width"]}
+    assert wide == {}
+
+
+def test_search_finds_results(report):
+    assert all(n > 0 for n in report["search"].values()), report["search"]
+
+
+def _against_allowance(report, key: str, allowed: dict[str, int]) -> list[str]:
+    problems = []
+    for name, r in report["pages"].items():
+        got, limit = len(r[key]), allowed.get(name, 0)
+        detail = r[key] if key == "no_alt" else [f"{w['kind']} {w['width']} px: {w['text']}" for w in r[key]]
+        if got > limit:
+            problems.append(f"{name}: {got} > allowed {limit}: {detail}")
+        elif got < limit:
+            problems.append(f"{name}: {got} < allowed {limit}: tighten the allowance in tests/test_browser.py")
+    problems += [f"{name}: in the allowance but not in _toc.yml" for name in set(allowed) - set(report["pages"])]
+    return problems
+
+
+def test_images_have_real_alt_text_within_allowance(report):
+    assert _against_allowance(report, "no_alt", ALLOWED_IMAGES_WITHOUT_ALT) == []
+
+
+def test_nothing_wider_than_the_text_column_within_allowance(report):
+    assert _against_allowance(report, "wide", ALLOWED_OVERFLOWING) == []
+

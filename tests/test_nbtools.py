@@ -1,0 +1,62 @@
+"""tools/nbtools.py's tag-ignore: nbval's output-ignoring comment becomes a cell tag, and nbval still
+ignores that cell's output (checked by running nbval itself on a small notebook)."""
+
+import pathlib
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from tools import nbtools
+
+
+def _notebook(path: pathlib.Path, *cells: tuple[str, str]) -> None:
+    # Cells of (source, stored output): a stored output that can never match what the cell prints now
+    # makes nbval fail the cell unless it is told to ignore that cell's output.
+    nb = nbformat.v4.new_notebook()
+    for i, (source, stored) in enumerate(cells):
+        cell = nbformat.v4.new_code_cell(source, execution_count=i + 1)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stored)]
+        nb.cells.append(cell)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+def test_tag_ignore_moves_the_comment_into_a_tag(tmp_path):
+    nb = tmp_path / "a.ipynb"
+    _notebook(nb, ("# NBVAL_IGNORE_OUTPUT\nprint('fresh')", "stored\n"))
+    loaded = nbformat.read(nb, as_version=4)
+    loaded.cells[0].metadata["tags"] = ["hide-input"]
+    nbformat.write(loaded, nb)
+    assert nbtools.tag_ignore(str(nb)) == 1
+    cell = nbformat.read(nb, as_version=4).cells[0]
+    assert cell.source == "print('fresh')"
+    assert cell.metadata["tags"] == ["hide-input", "nbval-ignore-output"]
+    assert cell.outputs[0]["text"] == "stored\n"
+    assert nbtools.tag_ignore(str(nb)) == 0  # idempotent: nothing left to move
+
+
+def test_tag_ignore_leaves_other_cells_alone(tmp_path):
+    nb = tmp_path / "b.ipynb"
+    # The marker later in a cell is not the leading line this tool moves (nbval would still read it).
+    _notebook(nb, ("x = 1\n# NBVAL_IGNORE_OUTPUT\nprint(x)", "1\n"))
+    before = nb.read_text()
+    assert nbtools.tag_ignore(str(nb)) == 0
+    assert nb.read_text() == before
+
+
+@pytest.mark.notebooks
+def test_nbval_ignores_the_output_of_a_tagged_cell(tmp_path):
+    # Cell 0 carries the comment, then the tag; cell 1 is the same cell with neither: nbval must fail
+    # it, or cell 0 passing would prove nothing.
+    _notebook(tmp_path / "nb.ipynb", ("# NBVAL_IGNORE_OUTPUT\nprint('fresh')", "stored\n"),
+              ("print('fresh')", "stored\n"))
+    assert nbtools.tag_ignore(str(tmp_path / "nb.ipynb")) == 1
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", "pytest.ini",
+                           "--nbval", "--nbval-current-env", "-rA", "-q", "nb.ipynb"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "PASSED nb.ipynb::Cell 0" in out, out
+    assert "FAILED nb.ipynb::Cell 1" in out, out
