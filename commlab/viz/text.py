@@ -1,0 +1,111 @@
+"""Text the book shows in a cell's output: tables, docstrings and source listings that fit the text column.
+
+The book's text column is 688 px wide, about 85 characters of code font. A table printed with ``print``
+is a ``<pre>`` block that scrolls sideways once it is wider; a Markdown table, displayed through
+:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells. A docstring
+printed with ``print`` shows its reStructuredText markup (````code````, ``:func:`x```); :func:`docstring_markdown`
+turns the few constructs the package's docstrings use into Markdown. :func:`source_listing` shows a
+function's source as a highlighted block with long lines wrapped, so that the book shows the package's code
+(never a copy) without a sideways scroll.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+from typing import Any, Sequence
+
+__all__ = ["markdown_table", "docstring_markdown", "source_listing", "COLUMN_CHARS"]
+
+#: Characters of code font that fit the book's 688 px text column.
+COLUMN_CHARS = 84
+
+
+def _cell(v: Any) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None):
+    """A Markdown table as an :class:`IPython.display.Markdown` object (rendered as an HTML table).
+
+    Args:
+        headers: column titles.
+        rows: one sequence of cell values per row (formatted with ``str``; format numbers before).
+        align: one of ``l``, ``r``, ``c`` per column (default: the first column left, the others right).
+
+    Raises:
+        ValueError: a row whose length differs from ``headers``, or an ``align`` of the wrong length or letters.
+    """
+    from IPython.display import Markdown
+
+    align = align if align is not None else "l" + "r" * (len(headers) - 1)
+    if len(align) != len(headers) or set(align) - set("lrc"):
+        raise ValueError(f"align must give one of l, r, c for each of the {len(headers)} columns, got {align!r}")
+    for i, r in enumerate(rows):
+        if len(r) != len(headers):
+            raise ValueError(f"row {i} has {len(r)} cells for {len(headers)} columns")
+    rule = {"l": ":---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(_cell(h) for h in headers) + " |",
+             "|" + "|".join(rule[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in rows]
+    return Markdown("\n".join(lines))
+
+
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|obj|exc):`~?([^`]+)`")
+
+
+def docstring_markdown(obj: Any, paragraphs: slice | None = None):
+    """``obj``'s docstring (or the paragraphs ``paragraphs`` of it) as :class:`IPython.display.Markdown`.
+
+    Converts the reStructuredText the package writes: double-backquoted literals to single ones, Sphinx roles
+    (``:func:`name```) to literals of their target, and joins each paragraph's lines so that Markdown wraps it
+    (list items stay items).
+    """
+    from IPython.display import Markdown
+
+    doc = inspect.getdoc(obj) or ""
+    parts = doc.split("\n\n")
+    if paragraphs is not None:
+        parts = parts[paragraphs]
+    out = []
+    for p in parts:
+        p = _ROLE.sub(lambda m: f"`{m.group(1)}`", p).replace("``", "`")
+        items = re.split(r"\n(?=\* )", p)
+        out.append("\n".join(" ".join(line.strip() for line in item.splitlines()) for item in items))
+    return Markdown("\n\n".join(out))
+
+
+def _wrap_line(line: str, width: int) -> list[str]:
+    if len(line) <= width:
+        return [line]
+    indent = len(line) - len(line.lstrip())
+    return textwrap.wrap(line.strip(), width=width, initial_indent=" " * indent,
+                         subsequent_indent=" " * (indent + 8), break_long_words=False, break_on_hyphens=False,
+                         drop_whitespace=True) or [line]
+
+
+def source_listing(obj: Any, width: int = COLUMN_CHARS, start: str | None = None, docstring: bool = True):
+    """The source of ``obj`` as a highlighted Markdown code block, lines longer than ``width`` wrapped.
+
+    A wrapped line continues on the next with 8 more spaces of indent (so a reader can tell it from a new
+    statement). ``start``: begin at the first line containing this text. ``docstring=False`` drops the
+    docstring (the prose around the listing says what it says).
+
+    Raises:
+        ValueError: ``start`` not found in the source.
+    """
+    from IPython.display import Markdown
+
+    src = textwrap.dedent(inspect.getsource(obj))
+    if not docstring and getattr(obj, "__doc__", None):
+        m = re.search(r'\n(\s*)("""|\'\'\').*?\2\n', src, flags=re.S)
+        if m:
+            src = src[:m.start()] + "\n" + src[m.end():]
+    if start is not None:
+        i = src.find(start)
+        if i < 0:
+            raise ValueError(f"{start!r} is not in the source of {getattr(obj, '__qualname__', obj)!r}")
+        src = textwrap.dedent(src[src.rfind("\n", 0, i) + 1:])
+    lines = [w for line in src.rstrip().splitlines() for w in _wrap_line(line, width)]
+    return Markdown("```python\n" + "\n".join(lines) + "\n```")
