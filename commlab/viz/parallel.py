@@ -110,7 +110,7 @@ def plot_tp_block(batch: int = 1, seq: int = 2048, hidden: int = 12288, element_
                 ax.add_patch(FancyBboxPatch((x - 0.5 + off, 0.0 - off), 1.0, 0.5, boxstyle="round,pad=0.02",
                                             facecolor=colours[s["kind"]], edgecolor="black", lw=0.8))
             ax.text(x + 0.06 * (n - 1), 0.25 - 0.06 * (n - 1), s["label"], ha="center", va="center",
-                    fontsize=10 if s["kind"] in "fg" else 8.5, weight="bold" if s["kind"] in "fg" else None)
+                    fontsize=10 if s["kind"] in "fg" else 8, weight="bold" if s["kind"] in "fg" else None)
             if s["kind"] in ("f", "g"):
                 ax.text(x, -0.12, f"fwd: {s['forward']}\nbwd: {s['backward']}", ha="center", va="top", fontsize=8.5)
                 ax.text(x, -0.78, f"AllReduce of\n{_fmt_bytes(s['nbytes'])}", ha="center", va="top", fontsize=8.5,
