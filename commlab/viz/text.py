@@ -16,7 +16,7 @@ import re
 import textwrap
 from typing import Any, Sequence
 
-__all__ = ["markdown_table", "docstring_markdown", "source_listing", "COLUMN_CHARS"]
+__all__ = ["markdown_table", "docstring_markdown", "source_listing", "wrap", "COLUMN_CHARS"]
 
 #: Characters of code font that fit the book's 688 px text column.
 COLUMN_CHARS = 84
@@ -109,3 +109,14 @@ def source_listing(obj: Any, width: int = COLUMN_CHARS, start: str | None = None
         src = textwrap.dedent(src[src.rfind("\n", 0, i) + 1:])
     lines = [w for line in src.rstrip().splitlines() for w in _wrap_line(line, width)]
     return Markdown("```python\n" + "\n".join(lines) + "\n```")
+
+
+def wrap(text: str, width: int = COLUMN_CHARS) -> str:
+    """``text`` with every line longer than ``width`` wrapped at spaces, continuation lines indented by 2
+    more than their line; for printing prose-like results (error messages, lists) that fit the column."""
+    out = []
+    for line in str(text).splitlines() or [""]:
+        indent = len(line) - len(line.lstrip())
+        out += textwrap.wrap(line, width=width, subsequent_indent=" " * (indent + 2), break_long_words=False,
+                             break_on_hyphens=False) or [line]
+    return "\n".join(out)
