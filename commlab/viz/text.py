@@ -76,20 +76,67 @@ def docstring_markdown(obj: Any, paragraphs: slice | None = None):
     return Markdown("\n\n".join(out))
 
 
+def _split_points(line: str) -> list[int]:
+    """Positions where ``line`` may break and stay valid Python: after a comma, or before ``and``/``or``/``if``/
+    ``for``/``+``, outside string literals and inside brackets (where a newline continues the statement)."""
+    points, depth, quote, i = [], 0, None, 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            if ch == "\\":
+                i += 2
+                continue
+            if line.startswith(quote, i):
+                i += len(quote) - 1
+                quote = None
+        elif ch in "\"'":
+            quote = ch * 3 if line.startswith(ch * 3, i) else ch
+            i += len(quote) - 1
+        elif ch == "#":
+            break
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth > 0 and ch == "," and line[i + 1:i + 2] == " ":
+            points.append(i + 1)
+        elif ch == " " and any(line.startswith(w, i + 1) for w in ("and ", "or ", "if ", "for ", "+ ")):
+            if depth > 0:
+                points.append(i)
+            elif not line[:i].lstrip().startswith(("if ", "elif ", "while ", "return ", "for ", "assert ")):
+                pass  # at depth 0 only inside a statement that a backslash may continue: see below
+            else:
+                points.append(-i)  # negative: needs a backslash continuation
+        i += 1
+    return points
+
+
 def _wrap_line(line: str, width: int) -> list[str]:
-    if len(line) <= width:
-        return [line]
-    indent = len(line) - len(line.lstrip())
-    return textwrap.wrap(line.strip(), width=width, initial_indent=" " * indent,
-                         subsequent_indent=" " * (indent + 8), break_long_words=False, break_on_hyphens=False,
-                         drop_whitespace=True) or [line]
+    """Break ``line`` at the last safe point before ``width`` (repeatedly); a line with none stays whole."""
+    out, indent = [], len(line) - len(line.lstrip())
+    cont = " " * (indent + 8)
+    while len(line) > width:
+        pts = _split_points(line)
+        fits = [p for p in pts if 0 < p <= width and line[:p].strip()]
+        slash = [-p for p in pts if p < 0 and -p <= width - 2]
+        if fits:
+            p = fits[-1]
+            out.append(line[:p].rstrip())
+        elif slash:
+            p = slash[-1]
+            out.append(line[:p].rstrip() + " \\")
+        else:
+            break
+        line = cont + line[p:].lstrip()
+    return out + [line]
 
 
 def source_listing(obj: Any, width: int = COLUMN_CHARS, start: str | None = None, docstring: bool = True):
     """The source of ``obj`` as a highlighted Markdown code block, lines longer than ``width`` wrapped.
 
-    A wrapped line continues on the next with 8 more spaces of indent (so a reader can tell it from a new
-    statement). ``start``: begin at the first line containing this text. ``docstring=False`` drops the
+    A long line is broken only where Python allows it (after a comma or before an operator inside brackets, or
+    with a backslash before ``and``/``or`` in a condition; never inside a string), so the listing still parses and highlights; a wrapped line continues with 8 more
+    spaces of indent. A line with no such point stays whole. ``start``: begin at the first line containing this text. ``docstring=False`` drops the
     docstring (the prose around the listing says what it says).
 
     Raises:
