@@ -2,7 +2,8 @@
 
 The book's text column is 688 px wide, about 85 characters of code font. A table printed with ``print``
 is a ``<pre>`` block that scrolls sideways once it is wider; a Markdown table, displayed through
-:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells. A docstring
+:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells (with ``render_markdown_format: gfm`` in the
+notebook's ``mystnb`` metadata; commonmark, the default, has no tables). A docstring
 printed with ``print`` shows its reStructuredText markup (````code````, ``:func:`x```); :func:`docstring_markdown`
 turns the few constructs the package's docstrings use into Markdown. :func:`source_listing` shows a
 function's source as a highlighted block with long lines wrapped, so that the book shows the package's code
@@ -134,10 +135,12 @@ def _wrap_line(line: str, width: int) -> list[str]:
 def source_listing(obj: Any, width: int = COLUMN_CHARS, start: str | None = None, docstring: bool = True):
     """The source of ``obj`` as a highlighted Markdown code block, lines longer than ``width`` wrapped.
 
-    A long line is broken only where Python allows it (after a comma or before an operator inside brackets, or
-    with a backslash before ``and``/``or`` in a condition; never inside a string), so the listing still parses and highlights; a wrapped line continues with 8 more
-    spaces of indent. A line with no such point stays whole. ``start``: begin at the first line containing this text. ``docstring=False`` drops the
-    docstring (the prose around the listing says what it says).
+    A long line is broken only where Python allows it (after a comma or before an operator inside brackets,
+    or with a backslash before ``and``/``or`` in a condition; never inside a string), so the listing still
+    parses and highlights; a wrapped line continues with 8 more spaces of indent, and a line with no such
+    point stays whole. ``start``: begin at the first line containing this text. ``docstring=False`` drops
+    the docstring (the prose around the listing says what it says). Shown as Markdown: the notebook needs
+    myst-nb's ``render_markdown_format: gfm`` (notebook metadata ``mystnb``) for fences and tables.
 
     Raises:
         ValueError: ``start`` not found in the source.
