@@ -88,7 +88,8 @@ def plot_bucket_overlap(tensor_nbytes: Sequence[int], tensor_names: Sequence[str
     ax.set_yticks([])
     ax.set_xticks([])
     ax.set_title(f"gradients in backward order (last layer first), one colour per bucket\n"
-                 f"cap {bucket_cap_bytes / 2**20:g} MiB: {len(groups)} buckets; width ∝ bytes", fontsize=9, loc="left")
+                 f"cap {bucket_cap_bytes / 2**20:g} MiB: {len(groups)} buckets; width ∝ bytes",
+                 fontsize=9, loc="left")
     for ax, cap in zip(axes[1:], caps):
         bars = bucket_bars(total, backward_s, cap, allreduce_seconds)
         prev = 0.0

@@ -2,8 +2,9 @@
 
 The book's text column is 688 px wide, about 85 characters of code font. A table printed with ``print``
 is a ``<pre>`` block that scrolls sideways once it is wider; a Markdown table, displayed through
-:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells (with ``render_markdown_format: gfm`` in the
-notebook's ``mystnb`` metadata; commonmark, the default, has no tables). A docstring
+:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells (with
+``render_markdown_format: gfm`` in the notebook's ``mystnb`` metadata; commonmark, the default, has no
+tables). A docstring
 printed with ``print`` shows its reStructuredText markup (````code````, ``:func:`x```); :func:`docstring_markdown`
 turns the few constructs the package's docstrings use into Markdown. :func:`source_listing` shows a
 function's source as a highlighted block with long lines wrapped, so that the book shows the package's code
