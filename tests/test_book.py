@@ -11,6 +11,7 @@ just shown that a fresh execution reproduces them. That build is made once per s
 
 import json
 import pathlib
+import sys
 
 import pytest
 
