@@ -1,18 +1,21 @@
-"""Showing the package's own code and docstrings in the book, readable at the text column.
+"""Showing the package's own code, docstrings and tables in the book, readable at the text column.
 
 The chapters quote ``commlab``'s functions at build time, so the book cannot drift from the code. Printed
 raw, a listing scrolls sideways (the package's lines run to 120 characters) and a docstring shows its
 reStructuredText markup (````nbytes````, ``:func:`...```). These helpers return IPython display objects
-instead: a highlighted listing that wraps its long lines, and a docstring as Markdown.
+instead: a highlighted listing that wraps its long lines, a docstring as Markdown, and a table as Markdown
+(rendered as an HTML table whose columns wrap).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import html
 import inspect
 import re
 
-__all__ = ["source_listing", "docstring_markdown", "rst_to_markdown"]
+__all__ = ["source_listing", "docstring_markdown", "rst_to_markdown", "markdown_table"]
 
 
 def source_listing(*objects) -> "IPython.display.HTML":  # noqa: F821
@@ -89,3 +92,38 @@ def docstring_markdown(obj, paragraphs: slice | int | None = None, signature: bo
     if signature:
         text = f"`{obj.__name__}{inspect.signature(obj)}`\n\n" + text
     return Markdown(html.unescape(text))
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> "IPython.display.Markdown":  # noqa: F821
+    """A table for a notebook output, as Markdown (rendered as an HTML table in the book, so its columns
+    wrap within the text column instead of scrolling like printed text).
+
+    Args:
+        header: column titles.
+        rows: one sequence of cells per row (each turned into text with ``str``; ``|`` is escaped).
+        align: one letter per column, ``l``, ``r`` or ``c`` (default: left for text, right for numbers,
+            judged from the first row).
+
+    Raises:
+        ValueError: a row or ``align`` whose length is not the header's.
+    """
+    from IPython.display import Markdown
+
+    width = len(header)
+    for i, row in enumerate(rows):
+        if len(row) != width:
+            raise ValueError(f"row {i} has {len(row)} cells, the header {width}: {list(row)}")
+    if align is None:
+        first = rows[0] if rows else [""] * width
+        align = "".join("r" if isinstance(v, (int, float)) and not isinstance(v, bool) else "l" for v in first)
+    if len(align) != width:
+        raise ValueError(f"align gives {len(align)} columns, the header {width}: {align!r}")
+    rule = {"l": ":---", "r": "---:", "c": ":---:"}
+
+    def cell(v):
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "|" + "|".join(rule[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return Markdown("\n".join(lines))
