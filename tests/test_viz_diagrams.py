@@ -148,6 +148,8 @@ def test_listing_helpers_render_markdown_and_refuse_private_functions():
     assert "pre-wrap" in html and "reduce_scatter_send_chunk" in html
     with pytest.raises(ValueError, match="public functions only"):
         source_listing(ring._ring_steps)
-    assert markdown_table(["a", "b"], [["x|y", 2]]).data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
+    table = markdown_table(["a", "b"], [["x|y", 2]])
+    assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
+    assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()
     with pytest.raises(ValueError, match="row 0 has 1 cells"):
         markdown_table(["a", "b"], [["x"]])

@@ -3,8 +3,9 @@
 The chapters quote ``commlab``'s functions at build time, so the book cannot drift from the code. Printed
 raw, a listing scrolls sideways (the package's lines run to 120 characters) and a docstring shows its
 reStructuredText markup (````nbytes````, ``:func:`...```). These helpers return IPython display objects
-instead: a highlighted listing that wraps its long lines, a docstring as Markdown, and a table as Markdown
-(rendered as an HTML table whose columns wrap).
+instead: a highlighted listing that wraps its long lines, a docstring as Markdown, and a table as an HTML
+table whose columns wrap (with a Markdown version: the book renders Markdown outputs as CommonMark, which has
+no tables).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import html
 import inspect
 import re
 
-__all__ = ["source_listing", "docstring_markdown", "rst_to_markdown", "markdown_table"]
+__all__ = ["source_listing", "docstring_markdown", "rst_to_markdown", "markdown_table", "Table"]
 
 
 def source_listing(*objects) -> "IPython.display.HTML":  # noqa: F821
@@ -94,21 +95,54 @@ def docstring_markdown(obj, paragraphs: slice | int | None = None, signature: bo
     return Markdown(html.unescape(text))
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> "IPython.display.Markdown":  # noqa: F821
-    """A table for a notebook output, as Markdown (rendered as an HTML table in the book, so its columns
-    wrap within the text column instead of scrolling like printed text).
+class Table:
+    """A table for a notebook output, shown as an HTML table (the book, JupyterLab) with a Markdown
+    version beside it (``_repr_markdown_``), so that its columns wrap within the text column instead of
+    scrolling sideways like printed text. Built by :func:`markdown_table`."""
+
+    def __init__(self, header: Sequence[str], rows: Sequence[Sequence], align: str):
+        self.header, self.rows, self.align = [str(h) for h in header], [[str(v) for v in r] for r in rows], align
+
+    def _repr_markdown_(self) -> str:
+        rule = {"l": ":---", "r": "---:", "c": ":---:"}
+
+        def cell(v):
+            return v.replace("|", "\\|").replace("\n", " ")
+
+        lines = ["| " + " | ".join(cell(h) for h in self.header) + " |",
+                 "|" + "|".join(rule[a] for a in self.align) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows])
+
+    def _repr_html_(self) -> str:
+        side = {"l": "left", "r": "right", "c": "center"}
+
+        def cells(values, tag):
+            return "".join(f'<{tag} style="text-align: {side[a]}">{html.escape(v)}</{tag}>'
+                           for v, a in zip(values, self.align))
+
+        body = "".join(f"<tr>{cells(r, 'td')}</tr>" for r in self.rows)
+        return (f'<table class="table commlab-table"><thead><tr>{cells(self.header, "th")}</tr></thead>'
+                f"<tbody>{body}</tbody></table>")
+
+    @property
+    def data(self) -> str:
+        """The Markdown text (as ``IPython.display.Markdown(...).data``)."""
+        return self._repr_markdown_()
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> Table:
+    """A table for a notebook output: a :class:`Table`, displayed as HTML with a Markdown version.
 
     Args:
         header: column titles.
-        rows: one sequence of cells per row (each turned into text with ``str``; ``|`` is escaped).
+        rows: one sequence of cells per row (each turned into text with ``str``; ``|`` is escaped in the
+            Markdown, everything in the HTML).
         align: one letter per column, ``l``, ``r`` or ``c`` (default: left for text, right for numbers,
             judged from the first row).
 
     Raises:
         ValueError: a row or ``align`` whose length is not the header's.
     """
-    from IPython.display import Markdown
-
     width = len(header)
     for i, row in enumerate(rows):
         if len(row) != width:
@@ -116,14 +150,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str |
     if align is None:
         first = rows[0] if rows else [""] * width
         align = "".join("r" if isinstance(v, (int, float)) and not isinstance(v, bool) else "l" for v in first)
-    if len(align) != width:
-        raise ValueError(f"align gives {len(align)} columns, the header {width}: {align!r}")
-    rule = {"l": ":---", "r": "---:", "c": ":---:"}
-
-    def cell(v):
-        return str(v).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
-             "|" + "|".join(rule[a] for a in align) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return Markdown("\n".join(lines))
+    if len(align) != width or set(align) - set("lrc"):
+        raise ValueError(f"align must give one of l, r, c for each of the {width} columns, got {align!r}")
+    return Table(header, rows, align)
