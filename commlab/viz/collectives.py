@@ -172,7 +172,7 @@ def node_grid_positions(placement: Sequence[int]) -> list[tuple[float, float]]:
     pos = [(0.0, 0.0)] * len(placement)
     for i, ranks in enumerate(hierarchy_layout(placement)):
         for j, rank in enumerate(ranks):
-            pos[rank] = (float(j), -1.3 * i)
+            pos[rank] = (1.6 * j, -1.6 * i)
     return pos
 
 
@@ -186,7 +186,8 @@ def plot_transfers(steps: Sequence[Step], positions: Sequence[tuple[float, float
         positions: (x, y) of each rank.
         ncols: panels per row (the grid keeps each panel readable at a 688 px text column).
         title: figure title.
-        panel_inches: width of one panel, inches (fonts are 9-10 pt at that size).
+        panel_inches: width of one panel, inches (all text is 9 pt; keep ``ncols * panel_inches`` at most
+            6.9 so that the figure is not shrunk at the 688 px column).
         node_labels: text inside each rank's circle (default: the rank).
         groups: sets of ranks to outline together (the nodes of a hierarchical AllReduce).
         bend: curvature of the arrows (``arc3`` radius); a pair sending both ways bends twice as much.
@@ -205,7 +206,7 @@ def plot_transfers(steps: Sequence[Step], positions: Sequence[tuple[float, float
     xs = [x for x, _ in positions]
     ys = [y for _, y in positions]
     pad = 0.45
-    width, height = max(xs) - min(xs) + 2 * pad, max(ys) - min(ys) + 2 * pad
+    width = max(xs) - min(xs) + 2 * pad
     # Circles a fixed share of the panel, so fonts fit whatever the layout's units.
     radius = min(0.3, 0.066 * width)
     pad = max(pad, radius + 0.15)
@@ -237,8 +238,9 @@ def plot_transfers(steps: Sequence[Step], positions: Sequence[tuple[float, float
         for g in groups:
             gx = [positions[p][0] for p in g]
             gy = [positions[p][1] for p in g]
-            ax.add_patch(FancyBboxPatch((min(gx) - 0.3, min(gy) - 0.3), max(gx) - min(gx) + 0.6,
-                                        max(gy) - min(gy) + 0.6, boxstyle="round,pad=0.02",
+            m = radius + 0.12
+            ax.add_patch(FancyBboxPatch((min(gx) - m, min(gy) - m), max(gx) - min(gx) + 2 * m,
+                                        max(gy) - min(gy) + 2 * m, boxstyle="round,pad=0.02",
                                         fill=False, ls="--", lw=0.8, ec="grey"))
         for p, (x, y) in enumerate(positions):
             ax.add_patch(Circle((x, y), radius, fc="#dbe9f6", ec="#1f4e79", lw=1, zorder=3))
@@ -257,7 +259,7 @@ def plot_transfers(steps: Sequence[Step], positions: Sequence[tuple[float, float
             off = curve * norm * 0.5  # on the arc itself, over a white box
             if not label:
                 continue
-            ax.text(mx + dy / norm * off, my - dx / norm * off, label, ha="center", va="center", fontsize=8,
+            ax.text(mx + dy / norm * off, my - dx / norm * off, label, ha="center", va="center", fontsize=9,
                     color="tab:red", zorder=5,
                     bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
     if title:
