@@ -71,7 +71,7 @@ def plot_ring_schedule(n: int = 4, ncols: int = 4, ax_width: float = 1.7):
     fig, axes = plt.subplots(rows, ncols, figsize=(ax_width * ncols, ax_width * 1.3 * rows + 0.5),
                              squeeze=False)
     for ax in axes.flat[len(states):]:
-        ax.axis("off")
+        fig.delaxes(ax)  # the grid's unused cells: fig.axes holds exactly one panel per state
     for i, (ax, st) in enumerate(zip(axes.flat, states)):
         ax.imshow(st["contrib"], cmap="Blues", vmin=0, vmax=n + 1)
         for r in range(n):
