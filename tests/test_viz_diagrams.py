@@ -41,7 +41,7 @@ def close_figures():
 
 
 def check_panels(fig, steps):
-    assert len(fig.axes) >= len(steps)
+    assert len(fig.axes) == len(steps)
     for ax, (title, sends) in zip(fig.axes, steps):
         assert ax.get_title() == title
         assert len(arrows(ax)) == len(sends)

@@ -232,6 +232,7 @@ def plot_transfers(steps: Sequence[Step], positions: Sequence[tuple[float, float
         ax.set_aspect("equal")
         ax.axis("off")
         if i >= len(steps):
+            fig.delaxes(ax)  # the grid's unused cells: fig.axes holds exactly one panel per step
             continue
         name, sends = steps[i]
         ax.set_title(name, fontsize=9)
