@@ -151,5 +151,6 @@ def test_listing_helpers_render_markdown_and_refuse_private_functions():
     table = markdown_table(["a", "b"], [["x|y", 2]])
     assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
     assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()
+    assert repr(table) == table.data  # deterministic text/plain, no object address
     with pytest.raises(ValueError, match="row 0 has 1 cells"):
         markdown_table(["a", "b"], [["x"]])

@@ -124,6 +124,10 @@ class Table:
         return (f'<table class="table commlab-table"><thead><tr>{cells(self.header, "th")}</tr></thead>'
                 f"<tbody>{body}</tbody></table>")
 
+    def __repr__(self) -> str:
+        # The plain-text output nbval compares: the Markdown, never an object address.
+        return self._repr_markdown_()
+
     @property
     def data(self) -> str:
         """The Markdown text (as ``IPython.display.Markdown(...).data``)."""
