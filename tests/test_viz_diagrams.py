@@ -1,106 +1,156 @@
-"""The diagrams of chapters 7-11 read back equal to the functions they are drawn from."""
+"""The book's diagrams show what the schedules do: one arrow per message, the labels the chunks sent.
+
+Cheap (matplotlib Agg, no processes): each test draws one figure and counts what it drew against the
+schedule functions of commlab.collectives and the byte formulas of commlab.compress.
+"""
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch
 
-from commlab import launch  # noqa: E402
-from commlab.collectives import ring_all_reduce_seconds  # noqa: E402
-from commlab.overlap import assign_buckets  # noqa: E402
-from commlab.overlap.model import bucketed_allreduce_schedule  # noqa: E402
-from commlab.parallel.mesh import ParallelLayout, cross_node_groups  # noqa: E402
-from commlab.viz.buckets import bucket_bars, plot_bucket_overlap  # noqa: E402
-from commlab.viz.parallel import TP_BLOCK, plot_mesh_on_nodes, plot_tp_block, tp_block_steps  # noqa: E402
-from commlab.viz.powersgd import plot_powersgd_round, powersgd_steps  # noqa: E402
-
-
-def _gids(fig, prefix):
-    return [p.get_gid() for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith(prefix)]
-
-
-@pytest.mark.parametrize("layout,order", [(ParallelLayout(2, 2, 2, 4), ("dp", "pp", "tp")),
-                                          (ParallelLayout(2, 2, 2, 4), ("tp", "pp", "dp")),
-                                          (ParallelLayout(2, 2, 4, 8), ("dp", "pp", "tp"))])
-def test_mesh_diagram_boxes_are_the_mesh_groups(layout, order):
-    fig = plot_mesh_on_nodes(layout, order)
-    for dim in ("tp", "pp", "dp"):
-        drawn: dict[str, set] = {}
-        for gid in _gids(fig, dim + ":"):
-            _, rank, group = gid.split(":")
-            drawn.setdefault(group, set()).add(int(rank.removeprefix("rank")))
-        assert sorted(sorted(g) for g in drawn.values()) == layout.groups(dim, order)
-    texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
-    crossing = cross_node_groups(layout, order)
-    for dim in ("tp", "pp", "dp"):
-        n = len(crossing[dim])
-        assert (f"{n} of {len(layout.groups(dim, order))} groups cross nodes" in texts) == (n > 0)
-    plt.close(fig)
+from commlab.collectives.halving_doubling import halving_steps
+from commlab.collectives.ring import reduce_scatter_send_chunk
+from commlab.collectives.tree import binomial_tree
+from commlab.compress.two_phase import two_phase_bytes_sent_per_rank
+from commlab.topology.cluster import load_preset
+from commlab.viz import plot_ring_schedule
+from commlab.viz.collectives import (circle_positions, halving_doubling_transfers, hierarchical_transfers,
+                                     line_positions, node_grid_positions, plot_transfers, ring_transfers,
+                                     tree_positions, tree_transfers)
+from commlab.viz.compression import compressed_bytes_per_rank, compressed_path_transfers, plot_compressed_paths
+from commlab.viz.topology import plot_node_rails, plot_switch_tree, switch_tree
 
 
-def test_bucket_bars_replay_the_schedule():
-    cost = lambda b: ring_all_reduce_seconds(b, 8, 5e-6, 1 / 25e9)  # noqa: E731
-    for cap in (2**20, 3 * 2**20, 2**30):
-        total = bucketed_allreduce_schedule(10 * 2**20, 0.01, cap, cost)
-        bars = bucket_bars(10 * 2**20, 0.01, cap, cost)
-        assert len(bars) == total.buckets
-        assert bars[-1]["end_s"] == pytest.approx(total.end_s)
-        assert sum(b["end_s"] - b["start_s"] for b in bars) == pytest.approx(total.comm_s)
-        for a, b in zip(bars, bars[1:]):  # one link: a bucket starts after it is ready and the previous one ends
-            assert b["start_s"] >= max(a["end_s"], b["ready_s"]) - 1e-12
+def arrows(ax):
+    return [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
 
 
-def test_bucket_diagram_bars_match_the_schedule_and_the_assignment():
-    sizes = [4096, 2**22] * 4  # bias, weight of four equal layers, backward order
-    names = ["b", "W"] * 4
-    cap = 2**22 + 4096
-    cost = lambda b: ring_all_reduce_seconds(b, 8, 5e-6, 1 / 25e9)  # noqa: E731
-    fig = plot_bucket_overlap(sizes, names, cap, 2e-3, cost, compare_cap_bytes=2**40)
-    for c in (cap, 2**40):
-        bars = bucket_bars(sum(sizes), 2e-3, c, cost)
-        drawn = sorted((p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith(f"allreduce:{c}:")),
-                       key=lambda p: int(p.get_gid().rsplit(":", 1)[1]))
-        assert len(drawn) == len(bars)
-        for p, b in zip(drawn, bars):
-            assert p.get_x() == pytest.approx(b["start_s"] * 1e3)
-            assert p.get_width() == pytest.approx((b["end_s"] - b["start_s"]) * 1e3)
-    assert len(assign_buckets(sizes, cap)) == len(bucket_bars(sum(sizes), 2e-3, cap, cost))
-    plt.close(fig)
+def red_labels(ax):
+    return [t.get_text() for t in ax.texts if t.get_color() == "tab:red"]
 
 
-def test_powersgd_diagram_bytes_are_the_compressors():
-    steps = powersgd_steps((128, 64), 4)
-    reduces = [s for s in steps if s["all_reduce"]]
-    assert [s["label"] for s in reduces] == ["AllReduce P", "AllReduce Q"]
-    assert [s["nbytes"] for s in reduces] == [128 * 4 * 4, 64 * 4 * 4]
-    with pytest.raises(ValueError, match="uncompressed"):
-        powersgd_steps((512,), 2)
-    plt.close(plot_powersgd_round((128, 128), 2, 4))
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
 
 
-def test_tp_block_puts_f_before_column_and_g_after_row():
-    steps = tp_block_steps(1, 2048, 12288, 2, 8)
-    kinds = [s["kind"] for s in steps]
-    assert kinds == ["f", "column", "local", "row", "g"] * 2
-    assert all(s["nbytes"] == 2048 * 12288 * 2 for s in steps if s["kind"] in "fg")
-    assert all(s["nbytes"] == 0 for s in tp_block_steps(1, 8, 8, 2, 1) if s["kind"] in "fg")
-    plt.close(plot_tp_block())
+def check_panels(fig, steps):
+    assert len(fig.axes) == len(steps)
+    for ax, (title, sends) in zip(fig.axes, steps):
+        assert ax.get_title() == title
+        assert len(arrows(ax)) == len(sends)
+        assert sorted(red_labels(ax)) == sorted(label for _, _, label in sends if label)
 
 
-def _children():
-    from commlab.parallel import ParallelMLP, ParallelSelfAttention
-    out = {}
-    for cls, kwargs in ((ParallelSelfAttention, dict(hidden=8, heads=2)), (ParallelMLP, dict(hidden=8, ffn_hidden=16))):
-        block = cls.from_seed(group=dist.group.WORLD, seed=0, **kwargs)
-        out[cls.__name__] = [(name, type(child).__name__) for name, child in block.named_children()]
-    return out
+def test_ring_transfers_follow_the_ring_schedule():
+    steps = ring_transfers(5)
+    assert len(steps) == 2 * 4
+    for s, (_, sends) in enumerate(steps[:4]):
+        assert sends == [(p, (p + 1) % 5, f"c{reduce_scatter_send_chunk(p, s, 5)}") for p in range(5)]
+    fig = plot_transfers(steps, circle_positions(5))
+    check_panels(fig, steps)
 
 
-def test_tp_block_description_matches_the_real_modules():
-    (children,) = launch(_children, 1, timeout=60)
-    for cls, layers in TP_BLOCK:
-        described = [(attr, layer.__name__) for attr, layer in layers if attr is not None]
-        assert children[cls.__name__] == described
+def test_tree_transfers_use_every_edge_once_each_way():
+    n = 6
+    steps = tree_transfers(n)
+    up = [(s, d) for name, sends in steps if name.startswith("reduce") for s, d, _ in sends]
+    down = [(s, d) for name, sends in steps if name.startswith("broadcast") for s, d, _ in sends]
+    edges = sorted((r, binomial_tree(r, n)[0]) for r in range(1, n))
+    assert sorted(up) == edges and sorted((d, s) for s, d in down) == edges
+    check_panels(plot_transfers(steps, tree_positions(n), ncols=3, bend=0.0), steps)
+
+
+@pytest.mark.parametrize("n", [4, 6, 8])
+def test_halving_doubling_transfers_match_halving_steps(n):
+    steps = halving_doubling_transfers(n)
+    p = 4 if n < 8 else 8
+    folds = n - p
+    assert len(steps) == 2 * (p.bit_length() - 1) + 2 * bool(folds)
+    first_halving = steps[1 if folds else 0][1]
+    assert len(first_halving) == p
+    if n == 8:  # virtual = real ranks: the labels are the halving steps' send ranges
+        for src, dst, label in first_halving:
+            partner, _, (lo, hi) = halving_steps(src, p)[0]
+            assert dst == partner and label == f"b{lo}-{hi - 1}"
+    check_panels(plot_transfers(steps, line_positions(n), ncols=2, bend=0.2), steps)
+
+
+def test_hierarchical_transfers_phases_and_counts():
+    placement = [0, 0, 0, 1, 1, 1]
+    steps = hierarchical_transfers(placement)
+    assert len(steps) == 2 * 2 + 2 * 1  # (d-1) in node per half, (nodes-1) across nodes per half
+    assert all(len(sends) == 6 for _, sends in steps)
+    across = [sends for name, sends in steps if "across" in name]
+    assert all(s // 3 != d // 3 for sends in across for s, d, _ in sends)
+    check_panels(plot_transfers(steps, node_grid_positions(placement), ncols=3), steps)
+
+
+def test_ring_schedule_is_a_readable_grid():
+    fig = plot_ring_schedule(4)
+    width, _ = fig.get_size_inches()
+    assert width <= 6.9  # shown at the 688 px column without shrinking the 9 pt numbers
+    visible = [ax for ax in fig.axes if ax.axison]
+    assert len(visible) == 7
+    assert min(t.get_fontsize() for ax in visible for t in ax.texts) >= 9
+
+
+def test_node_rails_draws_every_link():
+    c = load_preset("dgx-h100-ndr", nodes=2)
+    fig = plot_node_rails(c)
+    lines = [ln for ln in fig.axes[0].get_lines() if isinstance(ln, Line2D)]
+    assert len(lines) == 2 * (2 * c.devices_per_node + c.nics_per_node)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert sum(t.startswith("GPU ") for t in texts) == 2 * c.devices_per_node
+    assert sum(t.startswith("rail ") for t in texts) == c.nics_per_node
+
+
+def test_switch_tree_arrows_are_the_tree_edges_both_ways():
+    parents = switch_tree(8, 4)
+    assert parents[0] == [0, 0, 1, 1, 2, 2, 3, 3] and parents[1] == [0, 0, 0, 0] and parents[2] == [-1]
+    edges = sum(len(level) for level in parents[:-1])
+    fig = plot_switch_tree(8, 4)
+    assert len(arrows(fig.axes[0])) == 2 * edges
+
+
+def test_compressed_paths_bytes_are_the_formulas():
+    n, payload = 4, 1e6
+    per = compressed_bytes_per_rank(n, payload)
+    assert per["all_reduce"] == pytest.approx(2 * (n - 1) / n * payload)
+    assert per["all_gather"] == pytest.approx((n - 1) * payload)
+    assert per["two_phase"] == two_phase_bytes_sent_per_rank(payload / n, payload / n, n)
+    steps = compressed_path_transfers(n, payload)
+    assert [len(sends) for _, sends in steps] == [n, n, n * (n - 1), n]
+    check_panels(plot_compressed_paths(n, payload), steps)
+
+
+def test_bad_rank_counts_are_refused():
+    with pytest.raises(ValueError, match="N >= 2"):
+        ring_transfers(1)
+    with pytest.raises(ValueError, match="same number of ranks"):
+        hierarchical_transfers([0, 0, 1])
+
+
+def test_listing_helpers_render_markdown_and_refuse_private_functions():
+    from commlab.collectives import ring
+    from commlab.viz.listing import docstring_markdown, markdown_table, rst_to_markdown, source_listing
+
+    assert rst_to_markdown("``n`` and :func:`~commlab.collectives.ring.ring_all_reduce`") == "`n` and `ring_all_reduce`"
+    md = docstring_markdown(ring.ring_bytes_sent_per_rank).data
+    assert "``" not in md and "`nbytes`" in md and "**Raises**" in md
+    html = source_listing(ring.reduce_scatter_send_chunk).data
+    assert "pre-wrap" in html and "reduce_scatter_send_chunk" in html
+    with pytest.raises(ValueError, match="public functions only"):
+        source_listing(ring._ring_steps)
+    table = markdown_table(["a", "b"], [["x|y", 2]])
+    assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
+    assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()
+    assert repr(table) == table.data  # deterministic text/plain, no object address
+    with pytest.raises(ValueError, match="row 0 has 1 cells"):
+        markdown_table(["a", "b"], [["x"]])

@@ -15,3 +15,17 @@ __all__ += ["plot_overlap_timeline"]
 from commlab.viz.p2p import plot_rendezvous
 
 __all__ += ["plot_rendezvous"]
+
+from commlab.viz.collectives import (halving_doubling_transfers, hierarchical_transfers, plot_transfers,
+                                     ring_transfers, tree_transfers)
+
+__all__ += ["ring_transfers", "tree_transfers", "halving_doubling_transfers", "hierarchical_transfers",
+            "plot_transfers"]
+
+from commlab.viz.topology import plot_node_rails, plot_switch_tree
+
+__all__ += ["plot_node_rails", "plot_switch_tree"]
+
+from commlab.viz.compression import plot_compressed_paths
+
+__all__ += ["plot_compressed_paths"]

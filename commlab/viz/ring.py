@@ -54,35 +54,41 @@ def _counts(have) -> np.ndarray:
     return np.array([[len(s) for s in row] for row in have], dtype=int)
 
 
-def plot_ring_schedule(n: int = 4, ax_width: float = 1.9):
-    """Draw every state of a ring AllReduce on ``n`` ranks; returns the matplotlib Figure.
+def plot_ring_schedule(n: int = 4, ncols: int = 4, ax_width: float = 1.7):
+    """Draw every state of a ring AllReduce on ``n`` ranks as a grid of panels; returns the Figure.
 
     Each panel is one state: rows are ranks, columns are chunks; the number in a cell is how many
     ranks' data that chunk holds (darker = more), an outlined cell is the chunk that rank sends to its
-    successor in the next step.
+    successor in the next step. ``ncols`` panels per row of ``ax_width`` inches each keep the numbers at
+    9 pt at a 688 px text column (4 x 1.7 in); ``fig.axes[i]`` is state i.
     """
+    import math
+
     import matplotlib.pyplot as plt
 
     states = ring_states(n)
-    fig, axes = plt.subplots(1, len(states), figsize=(ax_width * len(states), ax_width * 1.1),
+    rows = math.ceil(len(states) / ncols)
+    fig, axes = plt.subplots(rows, ncols, figsize=(ax_width * ncols, ax_width * 1.3 * rows + 0.5),
                              squeeze=False)
-    for i, (ax, st) in enumerate(zip(axes[0], states)):
+    for ax in axes.flat[len(states):]:
+        fig.delaxes(ax)  # the grid's unused cells: fig.axes holds exactly one panel per state
+    for i, (ax, st) in enumerate(zip(axes.flat, states)):
         ax.imshow(st["contrib"], cmap="Blues", vmin=0, vmax=n + 1)
         for r in range(n):
             for c in range(n):
-                ax.text(c, r, str(st["contrib"][r, c]), ha="center", va="center", fontsize=8,
+                ax.text(c, r, str(st["contrib"][r, c]), ha="center", va="center", fontsize=9,
                         color="white" if st["contrib"][r, c] > n / 2 + 0.5 else "black")
         nxt = states[i + 1]["sends"] if i + 1 < len(states) else []
         for r, c in nxt:
             ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=2))
         title = "start" if st["phase"] == "start" else f"{st['phase']}\nafter step {st['step']}"
-        ax.set_title(title, fontsize=8)
+        ax.set_title(title, fontsize=9)
         ax.set_xticks(range(n))
         ax.set_yticks(range(n))
-        ax.set_xticklabels([f"c{c}" for c in range(n)], fontsize=7)
-        ax.set_yticklabels([f"rank {r}" for r in range(n)] if i == 0 else [], fontsize=7)
-    fig.suptitle(f"Ring AllReduce on {n} ranks: numbers = contributions summed into each chunk; "
-                 "red = chunk sent in the next step", fontsize=9)
+        ax.set_xticklabels([f"c{c}" for c in range(n)], fontsize=9)
+        ax.set_yticklabels([f"rank {r}" for r in range(n)] if i % ncols == 0 else [], fontsize=9)
+    fig.suptitle(f"Ring AllReduce on {n} ranks: number = contributions summed into the chunk;\n"
+                 "red outline = chunk sent in the next step", fontsize=10)
     fig.tight_layout()
     return fig
 
