@@ -135,22 +135,3 @@ def test_bad_rank_counts_are_refused():
         ring_transfers(1)
     with pytest.raises(ValueError, match="same number of ranks"):
         hierarchical_transfers([0, 0, 1])
-
-
-def test_listing_helpers_render_markdown_and_refuse_private_functions():
-    from commlab.collectives import ring
-    from commlab.viz.listing import docstring_markdown, markdown_table, rst_to_markdown, source_listing
-
-    assert rst_to_markdown("``n`` and :func:`~commlab.collectives.ring.ring_all_reduce`") == "`n` and `ring_all_reduce`"
-    md = docstring_markdown(ring.ring_bytes_sent_per_rank).data
-    assert "``" not in md and "`nbytes`" in md and "**Raises**" in md
-    html = source_listing(ring.reduce_scatter_send_chunk).data
-    assert "pre-wrap" in html and "reduce_scatter_send_chunk" in html
-    with pytest.raises(ValueError, match="public functions only"):
-        source_listing(ring._ring_steps)
-    table = markdown_table(["a", "b"], [["x|y", 2]])
-    assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
-    assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()
-    assert repr(table) == table.data  # deterministic text/plain, no object address
-    with pytest.raises(ValueError, match="row 0 has 1 cells"):
-        markdown_table(["a", "b"], [["x"]])

@@ -4,29 +4,38 @@ import pytest
 
 from commlab.overlap.model import bucketed_allreduce_schedule
 from commlab.parallel.mesh import ParallelLayout
-from commlab.viz.text import COLUMN_CHARS, docstring_markdown, markdown_table, source_listing, wrap
+from commlab.viz.text import docstring_markdown, markdown_table, source_listing, wrap
 
 
-def test_markdown_table_renders_rows_and_rejects_ragged_ones():
-    md = markdown_table(["a", "b"], [[1, "x|y"], [2, "z"]]).data
-    assert md.splitlines() == ["| a | b |", "|:---|---:|", "| 1 | x\\|y |", "| 2 | z |"]
-    with pytest.raises(ValueError, match="row 1 has 1 cells for 2 columns"):
+def test_helpers_render_markdown_and_html_and_refuse_private_functions():
+    from commlab.collectives import ring
+    from commlab.viz.text import docstring_markdown, markdown_table, rst_to_markdown, source_listing
+
+    assert rst_to_markdown("``n`` and :func:`~commlab.collectives.ring.ring_all_reduce`") == "`n` and `ring_all_reduce`"
+    md = docstring_markdown(ring.ring_bytes_sent_per_rank).data
+    assert "``" not in md and "`nbytes`" in md and "**Raises**" in md
+    html = source_listing(ring.reduce_scatter_send_chunk).data
+    assert "pre-wrap" in html and "reduce_scatter_send_chunk" in html
+    with pytest.raises(ValueError, match="public functions only"):
+        source_listing(ring._ring_steps)
+    table = markdown_table(["a", "b"], [["x|y", 2]])
+    assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
+    assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()
+    assert repr(table) == table.data  # deterministic text/plain, no object address
+    with pytest.raises(ValueError, match="row 0 has 1 cells"):
+        markdown_table(["a", "b"], [["x"]])
+
+
+def test_docstring_paragraphs_and_listing_options():
+    md = docstring_markdown(ParallelLayout, slice(1, 2)).data
+    assert "``" not in md and "`devices_per_node`" in md
+    with pytest.raises(ValueError, match="row 1 has 1 cells"):
         markdown_table(["a", "b"], [[1, 2], [3]])
     with pytest.raises(ValueError, match="align"):
         markdown_table(["a", "b"], [[1, 2]], align="lx")
-
-
-def test_docstring_markdown_drops_rst_markup():
-    md = docstring_markdown(ParallelLayout, slice(1, 2)).data
-    assert "``" not in md and "`devices_per_node`" in md and "\n" not in md.strip()
-
-
-def test_source_listing_fits_the_column():
-    md = source_listing(bucketed_allreduce_schedule, docstring=False).data
-    body = md.splitlines()[1:-1]
-    assert md.startswith("```python\n") and '"""' not in md and "def bucketed_allreduce_schedule" in md
-    compile("\n".join(body), "listing", "exec")  # wrapped only where Python allows: it still parses and highlights
-    assert sum(len(line) > COLUMN_CHARS for line in body) <= 1  # one f-string message has no safe break
+    html = source_listing(bucketed_allreduce_schedule, docstring=False).data
+    assert '"""' not in html and "bucketed_allreduce_schedule" in html and "Args:" not in html
+    assert "def bucketed" not in source_listing(bucketed_allreduce_schedule, start="return").data
     with pytest.raises(ValueError, match="not in the source"):
         source_listing(bucketed_allreduce_schedule, start="no such line")
 

@@ -1,165 +1,190 @@
-"""Text the book shows in a cell's output: tables, docstrings and source listings that fit the text column.
+"""Text the book shows in a cell's output: tables, docstrings, source listings and prose that fit the column.
 
-The book's text column is 688 px wide, about 85 characters of code font. A table printed with ``print``
-is a ``<pre>`` block that scrolls sideways once it is wider; a Markdown table, displayed through
-:class:`IPython.display.Markdown`, is rendered by myst-nb as an HTML table that wraps its cells (with
-``render_markdown_format: gfm`` in the notebook's ``mystnb`` metadata; commonmark, the default, has no
-tables). A docstring
-printed with ``print`` shows its reStructuredText markup (````code````, ``:func:`x```); :func:`docstring_markdown`
-turns the few constructs the package's docstrings use into Markdown. :func:`source_listing` shows a
-function's source as a highlighted block with long lines wrapped, so that the book shows the package's code
-(never a copy) without a sideways scroll.
+The chapters quote ``commlab``'s own functions at build time, so the book cannot drift from the code. Printed
+raw, these scroll sideways or show markup: the book's text column is 688 px wide, about 85 characters of
+code font (the package's lines run to 120), a table printed with ``print`` is a ``<pre>`` block, and a
+printed docstring shows its reStructuredText (````nbytes````, ``:func:`...```). These helpers return IPython
+display objects instead:
+
+* :func:`markdown_table`: a :class:`Table`, shown as an HTML table whose cells wrap (with a Markdown
+  version for JupyterLab and as the plain text that nbval compares);
+* :func:`docstring_markdown`: a docstring, or some of its paragraphs, as Markdown;
+* :func:`source_listing`: public functions' source, highlighted, long lines wrapped by the page;
+* :func:`wrap`: prose-like results (messages, lists) folded to :data:`COLUMN_CHARS` before printing.
 """
 
 from __future__ import annotations
 
+import html
 import inspect
 import re
 import textwrap
-from typing import Any, Sequence
+from typing import Sequence
 
-__all__ = ["markdown_table", "docstring_markdown", "source_listing", "wrap", "COLUMN_CHARS"]
+__all__ = ["markdown_table", "Table", "docstring_markdown", "rst_to_markdown", "source_listing", "wrap",
+           "COLUMN_CHARS"]
 
 #: Characters of code font that fit the book's 688 px text column.
 COLUMN_CHARS = 84
 
 
-def _cell(v: Any) -> str:
-    return str(v).replace("|", "\\|").replace("\n", " ")
+def source_listing(*objects, start: str | None = None, docstring: bool = True) -> "IPython.display.HTML":  # noqa: F821
+    """The source of each function or class, highlighted, as one HTML block whose long lines wrap.
 
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None):
-    """A Markdown table as an :class:`IPython.display.Markdown` object (rendered as an HTML table).
+    Each object's source comes from :func:`inspect.getsource`; objects whose name starts with ``_`` are
+    refused, since the book shows what a reader may call (describe private helpers in prose).
 
     Args:
-        headers: column titles.
-        rows: one sequence of cell values per row (formatted with ``str``; format numbers before).
-        align: one of ``l``, ``r``, ``c`` per column (default: the first column left, the others right).
+        objects: the functions or classes, shown in this order.
+        start: begin each listing at its first line containing this text (the lines before are dropped).
+        docstring: ``False`` drops each docstring (the prose around the listing says what it says).
 
     Raises:
-        ValueError: a row whose length differs from ``headers``, or an ``align`` of the wrong length or letters.
+        ValueError: a private object, or ``start`` not in an object's source. TypeError: an object without
+        source (a builtin).
+    """
+    from IPython.display import HTML
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    private = [o.__name__ for o in objects if getattr(o, "__name__", "").startswith("_")]
+    if private:
+        raise ValueError(f"source_listing shows public functions only, got {private}: "
+                         "describe private helpers in prose instead")
+    sources = []
+    for o in objects:
+        src = textwrap.dedent(inspect.getsource(o))
+        if not docstring and getattr(o, "__doc__", None):
+            m = re.search(r'\n(\s*)("""|\'\'\').*?\2\n', src, flags=re.S)
+            if m:
+                src = src[:m.start()] + "\n" + src[m.end():]
+        if start is not None:
+            i = src.find(start)
+            if i < 0:
+                raise ValueError(f"{start!r} is not in the source of {getattr(o, '__qualname__', o)!r}")
+            src = textwrap.dedent(src[src.rfind("\n", 0, i) + 1:])
+        sources.append(src.rstrip())
+    code = "\n\n".join(sources)
+    # Inline styles (noclasses) so the colours do not depend on the theme's stylesheet; pre-wrap keeps the
+    # indentation and wraps a long line instead of scrolling.
+    body = highlight(code, PythonLexer(), HtmlFormatter(noclasses=True, nowrap=True, style="friendly"))
+    return HTML('<pre class="commlab-listing" style="white-space: pre-wrap; overflow-wrap: anywhere; '
+                'font-size: 0.85em; line-height: 1.35; padding: 0.6em; background: #f8f8f8; '
+                f'border-radius: 4px">{body}</pre>')
+
+
+_ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|obj|exc):`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def rst_to_markdown(text: str) -> str:
+    """Turn the reStructuredText of commlab's docstrings into Markdown: ````x```` and ``:func:`~a.b.c```
+    become `x` and `c` (a role's target, last dotted part when written with ``~``)."""
+    def role(m):
+        target = m.group(1)
+        shown = target.rsplit(".", 1)[-1] if m.group(0).split("`", 1)[1].startswith("~") else target
+        return f"`{shown}`"
+
+    text = _ROLE.sub(role, text)
+    return _LITERAL.sub(lambda m: f"`{m.group(1)}`", text)
+
+
+def docstring_markdown(obj, paragraphs: slice | int | None = None, signature: bool = False) -> "IPython.display.Markdown":  # noqa: F821
+    """``obj``'s docstring (or the chosen paragraphs of it) as Markdown, for a notebook output.
+
+    Args:
+        obj: a documented function, class or module.
+        paragraphs: which blank-line-separated paragraphs to show (an index or a slice; default all).
+        signature: put ``name(signature)`` in bold code before the text.
+
+    Raises:
+        ValueError: ``obj`` has no docstring.
     """
     from IPython.display import Markdown
 
-    align = align if align is not None else "l" + "r" * (len(headers) - 1)
-    if len(align) != len(headers) or set(align) - set("lrc"):
-        raise ValueError(f"align must give one of l, r, c for each of the {len(headers)} columns, got {align!r}")
-    for i, r in enumerate(rows):
-        if len(r) != len(headers):
-            raise ValueError(f"row {i} has {len(r)} cells for {len(headers)} columns")
-    rule = {"l": ":---", "r": "---:", "c": ":---:"}
-    lines = ["| " + " | ".join(_cell(h) for h in headers) + " |",
-             "|" + "|".join(rule[a] for a in align) + "|"]
-    lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in rows]
-    return Markdown("\n".join(lines))
-
-
-_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|obj|exc):`~?([^`]+)`")
-
-
-def docstring_markdown(obj: Any, paragraphs: slice | None = None):
-    """``obj``'s docstring (or the paragraphs ``paragraphs`` of it) as :class:`IPython.display.Markdown`.
-
-    Converts the reStructuredText the package writes: double-backquoted literals to single ones, Sphinx roles
-    (``:func:`name```) to literals of their target, and joins each paragraph's lines so that Markdown wraps it
-    (list items stay items).
-    """
-    from IPython.display import Markdown
-
-    doc = inspect.getdoc(obj) or ""
+    doc = inspect.getdoc(obj)
+    if not doc:
+        raise ValueError(f"{obj!r} has no docstring to show")
     parts = doc.split("\n\n")
-    if paragraphs is not None:
+    if isinstance(paragraphs, int):
+        parts = [parts[paragraphs]]
+    elif paragraphs is not None:
         parts = parts[paragraphs]
     out = []
-    for p in parts:
-        p = _ROLE.sub(lambda m: f"`{m.group(1)}`", p).replace("``", "`")
-        items = re.split(r"\n(?=\* )", p)
-        out.append("\n".join(" ".join(line.strip() for line in item.splitlines()) for item in items))
-    return Markdown("\n\n".join(out))
+    for part in parts:
+        # Google-style section headers ("Args:", "Returns:") become bold lines.
+        part = re.sub(r"^(Args|Returns|Raises|Attributes):\s*$", r"**\1**", part, flags=re.M)
+        # Continuation lines of a docstring are indented; Markdown would read them as code.
+        out.append("\n".join(line.strip() for line in part.splitlines()))
+    text = rst_to_markdown("\n\n".join(out))
+    if signature:
+        text = f"`{obj.__name__}{inspect.signature(obj)}`\n\n" + text
+    return Markdown(html.unescape(text))
 
 
-def _split_points(line: str) -> list[int]:
-    """Positions where ``line`` may break and stay valid Python: after a comma, or before ``and``/``or``/``if``/
-    ``for``/``+``, outside string literals and inside brackets (where a newline continues the statement)."""
-    points, depth, quote, i = [], 0, None, 0
-    while i < len(line):
-        ch = line[i]
-        if quote:
-            if ch == "\\":
-                i += 2
-                continue
-            if line.startswith(quote, i):
-                i += len(quote) - 1
-                quote = None
-        elif ch in "\"'":
-            quote = ch * 3 if line.startswith(ch * 3, i) else ch
-            i += len(quote) - 1
-        elif ch == "#":
-            break
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif depth > 0 and ch == "," and line[i + 1:i + 2] == " ":
-            points.append(i + 1)
-        elif ch == " " and any(line.startswith(w, i + 1) for w in ("and ", "or ", "if ", "for ", "+ ")):
-            if depth > 0:
-                points.append(i)
-            elif not line[:i].lstrip().startswith(("if ", "elif ", "while ", "return ", "for ", "assert ")):
-                pass  # at depth 0 only inside a statement that a backslash may continue: see below
-            else:
-                points.append(-i)  # negative: needs a backslash continuation
-        i += 1
-    return points
+class Table:
+    """A table for a notebook output, shown as an HTML table (the book, JupyterLab) with a Markdown
+    version beside it (``_repr_markdown_``), so that its columns wrap within the text column instead of
+    scrolling sideways like printed text. Built by :func:`markdown_table`."""
+
+    def __init__(self, header: Sequence[str], rows: Sequence[Sequence], align: str):
+        self.header, self.rows, self.align = [str(h) for h in header], [[str(v) for v in r] for r in rows], align
+
+    def _repr_markdown_(self) -> str:
+        rule = {"l": ":---", "r": "---:", "c": ":---:"}
+
+        def cell(v):
+            return v.replace("|", "\\|").replace("\n", " ")
+
+        lines = ["| " + " | ".join(cell(h) for h in self.header) + " |",
+                 "|" + "|".join(rule[a] for a in self.align) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows])
+
+    def _repr_html_(self) -> str:
+        side = {"l": "left", "r": "right", "c": "center"}
+
+        def cells(values, tag):
+            return "".join(f'<{tag} style="text-align: {side[a]}">{html.escape(v)}</{tag}>'
+                           for v, a in zip(values, self.align))
+
+        body = "".join(f"<tr>{cells(r, 'td')}</tr>" for r in self.rows)
+        return (f'<table class="table commlab-table"><thead><tr>{cells(self.header, "th")}</tr></thead>'
+                f"<tbody>{body}</tbody></table>")
+
+    def __repr__(self) -> str:
+        # The plain-text output nbval compares: the Markdown, never an object address.
+        return self._repr_markdown_()
+
+    @property
+    def data(self) -> str:
+        """The Markdown text (as ``IPython.display.Markdown(...).data``)."""
+        return self._repr_markdown_()
 
 
-def _wrap_line(line: str, width: int) -> list[str]:
-    """Break ``line`` at the last safe point before ``width`` (repeatedly); a line with none stays whole."""
-    out, indent = [], len(line) - len(line.lstrip())
-    cont = " " * (indent + 8)
-    while len(line) > width:
-        pts = _split_points(line)
-        fits = [p for p in pts if 0 < p <= width and line[:p].strip()]
-        slash = [-p for p in pts if p < 0 and -p <= width - 2]
-        if fits:
-            p = fits[-1]
-            out.append(line[:p].rstrip())
-        elif slash:
-            p = slash[-1]
-            out.append(line[:p].rstrip() + " \\")
-        else:
-            break
-        line = cont + line[p:].lstrip()
-    return out + [line]
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> Table:
+    """A table for a notebook output: a :class:`Table`, displayed as HTML with a Markdown version.
 
-
-def source_listing(obj: Any, width: int = COLUMN_CHARS, start: str | None = None, docstring: bool = True):
-    """The source of ``obj`` as a highlighted Markdown code block, lines longer than ``width`` wrapped.
-
-    A long line is broken only where Python allows it (after a comma or before an operator inside brackets,
-    or with a backslash before ``and``/``or`` in a condition; never inside a string), so the listing still
-    parses and highlights; a wrapped line continues with 8 more spaces of indent, and a line with no such
-    point stays whole. ``start``: begin at the first line containing this text. ``docstring=False`` drops
-    the docstring (the prose around the listing says what it says). Shown as Markdown: the notebook needs
-    myst-nb's ``render_markdown_format: gfm`` (notebook metadata ``mystnb``) for fences and tables.
+    Args:
+        header: column titles.
+        rows: one sequence of cells per row (each turned into text with ``str``; ``|`` is escaped in the
+            Markdown, everything in the HTML).
+        align: one letter per column, ``l``, ``r`` or ``c`` (default: left for text, right for numbers,
+            judged from the first row).
 
     Raises:
-        ValueError: ``start`` not found in the source.
+        ValueError: a row or ``align`` whose length is not the header's.
     """
-    from IPython.display import Markdown
-
-    src = textwrap.dedent(inspect.getsource(obj))
-    if not docstring and getattr(obj, "__doc__", None):
-        m = re.search(r'\n(\s*)("""|\'\'\').*?\2\n', src, flags=re.S)
-        if m:
-            src = src[:m.start()] + "\n" + src[m.end():]
-    if start is not None:
-        i = src.find(start)
-        if i < 0:
-            raise ValueError(f"{start!r} is not in the source of {getattr(obj, '__qualname__', obj)!r}")
-        src = textwrap.dedent(src[src.rfind("\n", 0, i) + 1:])
-    lines = [w for line in src.rstrip().splitlines() for w in _wrap_line(line, width)]
-    return Markdown("```python\n" + "\n".join(lines) + "\n```")
+    width = len(header)
+    for i, row in enumerate(rows):
+        if len(row) != width:
+            raise ValueError(f"row {i} has {len(row)} cells, the header {width}: {list(row)}")
+    if align is None:
+        first = rows[0] if rows else [""] * width
+        align = "".join("r" if isinstance(v, (int, float)) and not isinstance(v, bool) else "l" for v in first)
+    if len(align) != width or set(align) - set("lrc"):
+        raise ValueError(f"align must give one of l, r, c for each of the {width} columns, got {align!r}")
+    return Table(header, rows, align)
 
 
 def wrap(text: str, width: int = COLUMN_CHARS) -> str:
