@@ -20,6 +20,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "== installing requirements and commlab (editable)"
 "${PIP[@]}" install -q -r requirements.txt
+# The distribution is commlab-course; a distribution named "commlab" in this venv is either this course
+# installed under its old name or PyPI's unrelated package of that name, and would shadow the import.
+if "${PIP[@]}" show -q commlab >/dev/null 2>&1; then
+  echo "== removing the distribution 'commlab' (old name of this course, or PyPI's unrelated package)"
+  "${PIP[@]}" uninstall -q -y commlab
+fi
 "${PIP[@]}" install -q --no-deps -e .
 
 # MathJax 3, served from the book itself so that _build/html reads offline (book/_ext/offline_assets.py
