@@ -7,7 +7,8 @@ missing or cannot start, every test here is skipped with a message that says why
 
 For every page it checks: no console errors; no failed requests; no request that leaves 127.0.0.1
 (every request is intercepted and any other host is aborted and counted, so the book must read offline);
-every image loaded and has a real alt text (not empty, not a file path or hash); all maths typeset by
+every image loaded, has a real alt text (not empty, not a file path or hash) and sits in a figure
+captioned "Figure N"; all maths typeset by
 MathJax; no code cell, output, table or display formula wider than the 688 px text column at a 1280 px
 window. Sphinx's search page must find results for a few terms. Screenshots of a few key pages go to
 ``$COMMLAB_BROWSER_ARTIFACTS`` (default ``_build/browser-artifacts/``), with the per-page table as
@@ -44,6 +45,19 @@ SCREENSHOTS = {
     "ch08": "book/ch08_does_compression_pay",
     "lab02": "labs/lab02_ring_reduce_scatter_all_gather",
 }
+# A phone's width (390 px): on these pages the page itself must not scroll sideways and every figure must
+# shrink to the screen (wide tables may scroll inside their own box there).
+PHONE = {"width": 390, "height": 844}
+PHONE_PAGES = ["book/intro", "book/ch02_ring_collectives", "book/ch03_collective_algorithms",
+               "book/ch10_parallelism_patterns", "labs/lab02_ring_reduce_scatter_all_gather"]
+PHONE_JS = r"""
+() => {
+  const over = [...document.querySelectorAll("article img, article pre, article mjx-container")]
+    .filter((e) => e.getBoundingClientRect().width > window.innerWidth + 1 && !e.closest("table"))
+    .map((e) => `${e.tagName.toLowerCase()} ${Math.round(e.getBoundingClientRect().width)} px`);
+  return {page_width: document.documentElement.scrollWidth, over};
+}
+"""
 # The only flags besides playwright's own: no background traffic of Chromium's own (updates, sync,
 # field trials), which the routing below would otherwise count against the book.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -59,6 +73,11 @@ MEASURE_JS = r"""
   const images = [...article.querySelectorAll("img")];
   const broken = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.getAttribute("src"));
   const no_alt = images.filter((i) => alt_is_fake(i.getAttribute("alt") || "")).map((i) => i.getAttribute("src"));
+  // A figure is numbered and captioned: the image sits in a <figure> whose <figcaption> reads "Figure N".
+  const uncaptioned = images.filter((i) => {
+    const caption = i.closest("figure") && i.closest("figure").querySelector("figcaption");
+    return !(caption && /^Figure \d+/.test(caption.textContent.trim()));
+  }).map((i) => i.getAttribute("src"));
   const maths = [...article.querySelectorAll(".math")];
   const untypeset = maths.filter((m) => !m.querySelector("mjx-container")).map((m) => m.textContent.slice(0, 40));
   // TeX delimiters left in the prose (outside code and outside what MathJax replaced): maths that was
@@ -89,7 +108,7 @@ MEASURE_JS = r"""
   const style = getComputedStyle(article);
   const column = article.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
   return {column: Math.round(column), page_width: document.documentElement.scrollWidth,
-          images: images.length, broken, no_alt, maths: maths.length, untypeset: untypeset.length,
+          images: images.length, broken, no_alt, uncaptioned, maths: maths.length, untypeset: untypeset.length,
           raw_math: untypeset, wide};
 }
 """
@@ -157,14 +176,16 @@ def report(request):
             r.continue_()
 
     def failed(req):
-        if urllib.parse.urlsplit(req.url).hostname == "127.0.0.1":
+        # ERR_ABORTED is a load the browser itself cancelled on leaving the page (a font still in flight);
+        # a file that is missing answers 404, which response() counts.
+        if urllib.parse.urlsplit(req.url).hostname == "127.0.0.1" and "ERR_ABORTED" not in str(req.failure):
             seen["failed"].append(f"{req.url} ({req.failure})")
 
     def response(resp):
         if resp.status >= 400:
             seen["failed"].append(f"{resp.url} (HTTP {resp.status})")
 
-    results, search = {}, {}
+    results, search, phone = {}, {}, {}
     try:
         with sync_playwright() as pw:
             try:
@@ -187,7 +208,7 @@ def report(request):
                 # MathJax typesets after load; its startup promise resolves when the first pass is done
                 # (a MathJax that never loaded leaves no promise, and the page's maths stays raw).
                 page.evaluate("async () => { const s = window.MathJax && window.MathJax.startup;"
-                              " if (s && s.promise) await s.promise; }")
+                              " if (s && s.promise) await s.promise; await document.fonts.ready; }")
                 measured = page.evaluate(MEASURE_JS, COLUMN_PX)
                 measured.update({k: list(v) for k, v in seen.items()})
                 measured["seconds"] = round(time.monotonic() - page_started, 1)
@@ -211,17 +232,31 @@ def report(request):
                 except PlaywrightError:
                     search[term] = 0  # no summary: the search never finished
             phases["search"] = time.monotonic() - started - sum(phases.values())
+            phone_page = browser.new_context(viewport=PHONE, service_workers="block")
+            phone_page.route("**/*", route)
+            phone_page = phone_page.new_page()
+            for name in PHONE_PAGES:
+                phone_page.goto(base + name + ".html", wait_until="load")
+                phone_page.evaluate("async () => { const s = window.MathJax && window.MathJax.startup;"
+                                    " if (s && s.promise) await s.promise; await document.fonts.ready; }")
+                phone[name] = phone_page.evaluate(PHONE_JS)
+            phone_page.goto(base + "book/ch02_ring_collectives.html", wait_until="load")
+            phone_page.locator(".cell_output img").first.scroll_into_view_if_needed()
+            phone_page.screenshot(path=str(ARTIFACTS / "ch02-phone.png"))
+            phases["phone"] = time.monotonic() - started - sum(phases.values())
             browser.close()
     finally:
         server.shutdown()
         server.server_close()
     table = _table(results, search) + (f"\n(the browser check took {time.monotonic() - started:.0f} s: "
                                        + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
-    (ARTIFACTS / "report.txt").write_text(table + "\n")
     # Every offender with its kind, width and first line, page by page, for whoever fixes them.
-    (ARTIFACTS / "report.json").write_text(json.dumps({"pages": results, "search": search}, indent=1))
+    table += "\nat 390 px: " + ", ".join(f"{n.split('/')[-1]} {r['page_width']} px" for n, r in phone.items())
+    (ARTIFACTS / "report.txt").write_text(table + "\n")
+    (ARTIFACTS / "report.json").write_text(json.dumps({"pages": results, "search": search, "phone": phone},
+                                                      indent=1))
     _say(request.config, "\n" + table)
-    return {"pages": results, "search": search}
+    return {"pages": results, "search": search, "phone": phone}
 
 
 def _table(results: dict, search: dict) -> str:
@@ -264,6 +299,17 @@ def test_no_failed_requests(report):
 
 def test_every_image_loaded(report):
     assert _by_page(report, "broken") == {}
+
+
+def test_every_figure_is_numbered_and_captioned(report):
+    assert _by_page(report, "uncaptioned") == {}
+    assert sum(r["images"] for r in report["pages"].values()) >= 40  # not vacuous: the book has its figures
+
+
+def test_on_a_phone_the_page_does_not_scroll_sideways_and_figures_shrink(report):
+    assert set(report["phone"]) == set(PHONE_PAGES)
+    wide = {n: r for n, r in report["phone"].items() if r["page_width"] > PHONE["width"] or r["over"]}
+    assert wide == {}
 
 
 def test_maths_is_typeset(report):
