@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from commlab.exercises.report import CheckReport, how_far, is_stub_result
+from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 from commlab.parallel.planner import ModelConfig, load_model, model_flops_per_token, parameter_count
 
 __all__ = ["check_step_budget", "step_budget_cases"]
@@ -70,6 +70,11 @@ def _flop_slips(model, tokens: int) -> dict[str, float]:
     }
 
 
+def _float_pair(got) -> tuple[float, float]:
+    tokens, flops = got
+    return float(tokens), float(flops)
+
+
 def check_step_budget(fn: Callable) -> CheckReport:
     """Grade ``fn(model, tp, pp, dp, micro_batch, micro_batches) -> (tokens, model_flops)``."""
     report = CheckReport(f"step-budget exercise ({getattr(fn, '__name__', 'fn')})")
@@ -77,17 +82,13 @@ def check_step_budget(fn: Callable) -> CheckReport:
         model, tp, pp, dp, b, m = case
         want_tokens, want_flops = _want(*case)
         desc = f"{model.name}, tp={tp} pp={pp} dp={dp}, micro_batch={b} micro_batches={m}"
-        try:
-            got = fn(*case)
-            if is_stub_result(got) and not report.cases:
-                report.not_attempted = getattr(fn, "__name__", "fn")
-                return report
-            got_tokens, got_flops = got
-            got_tokens, got_flops = float(got_tokens), float(got_flops)
-        except Exception as e:  # the learner's code: report any error as a failed case
-            report.cases.append((desc, False, f"raised {type(e).__name__}: {e} "
-                                              "(return a pair: tokens, model FLOPs of the step)"))
+        got = report.call(desc, fn, *case, convert=_float_pair,
+                          hint="return a pair: tokens, model FLOPs of the step")
+        if report.not_attempted:
+            return report
+        if got is NO_ANSWER:
             continue
+        got_tokens, got_flops = got
         problems = []
         if got_tokens != want_tokens:
             why = next((k for k, v in _token_slips(*case).items() if got_tokens == v), None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from commlab.exercises.report import CheckReport, how_far, is_stub_result
+from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 from commlab.experiments.time_to_accuracy import StepCosts, step_seconds
 from commlab.topology.links import Link
 
@@ -58,14 +58,10 @@ def check_step_time(fn: Callable) -> CheckReport:
         compute, codec, p, path, n, a, b = case
         want = step_seconds(StepCosts("case", compute, codec, p, path, n), Link(a, b))
         desc = f"{path}, {p:g}-byte payload, {n} ranks"
-        try:
-            got = fn(*case)
-            if is_stub_result(got) and not report.cases:
-                report.not_attempted = getattr(fn, "__name__", "fn")
-                return report
-            got = float(got)
-        except Exception as e:  # the learner's code: report any error as a failed case
-            report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        got = report.call(desc, fn, *case, convert=float)
+        if report.not_attempted:
+            return report
+        if got is NO_ANSWER:
             continue
         if math.isclose(got, want, rel_tol=1e-6):
             report.cases.append((desc, True, ""))

@@ -22,7 +22,7 @@ import math
 from functools import lru_cache
 from typing import Callable
 
-from commlab.exercises.report import CheckReport, how_far, is_stub_result
+from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 from commlab.parallel.planner import Layout, load_model, memory_breakdown, step_time
 from commlab.parallel.planner.search import make_cluster
 
@@ -70,14 +70,10 @@ def check_memory_per_gpu(fn: Callable) -> CheckReport:
         mb = memory_breakdown(model, layout, global_batch=batch)
         stage = mb.params * layout.tp  # the stage's parameters before the tp split
         args = (stage, layout.tp, layout.dp, layout.zero1, mb.activations_bytes)
-        try:
-            got = fn(*args)
-            if is_stub_result(got) and not report.cases:
-                report.not_attempted = getattr(fn, "__name__", "fn")
-                return report
-            got = float(got)
-        except Exception as e:  # the learner's code: report any error as a failed case
-            report.cases.append((label, False, f"raised {type(e).__name__}: {e}"))
+        got = report.call(label, fn, *args, convert=float)
+        if report.not_attempted:
+            return report
+        if got is NO_ANSWER:
             continue
         want = mb.total_bytes
         if math.isclose(got, want, rel_tol=1e-9):
@@ -109,14 +105,10 @@ def check_step_seconds(fn: Callable) -> CheckReport:
     for label, model, layout, batch, cluster in planner_cases():
         t = step_time(model, layout, cluster, batch)
         args = (t.compute_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
-        try:
-            got = fn(*args)
-            if is_stub_result(got) and not report.cases:
-                report.not_attempted = getattr(fn, "__name__", "fn")
-                return report
-            got = float(got)
-        except Exception as e:  # the learner's code: report any error as a failed case
-            report.cases.append((label, False, f"raised {type(e).__name__}: {e}"))
+        got = report.call(label, fn, *args, convert=float)
+        if report.not_attempted:
+            return report
+        if got is NO_ANSWER:
             continue
         want = t.total_s
         if math.isclose(got, want, rel_tol=1e-9):

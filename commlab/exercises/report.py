@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "is_stub_result", "how_far"]
+__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "NO_ANSWER", "is_stub_result", "how_far"]
 
 #: Failures listed in a report; a mistake usually fails many cases alike, and the first ones say what it is.
 MAX_FAILURES_SHOWN = 3
+
+
+#: What :meth:`CheckReport.call` returns when a case is settled without an answer to compare: the learner's
+#: function raised (a failed case is recorded) or is still the stub (the report is "not attempted").
+NO_ANSWER = object()
 
 
 def is_stub_result(value) -> bool:
@@ -72,6 +77,25 @@ class CheckReport:
             lines.append(f"  ... and {len(failures) - MAX_FAILURES_SHOWN} more failing cases: fix the first "
                          "ones and run the check again")
         return f"{self.exercise}: {verdict}\n" + "\n".join(lines)
+
+    def call(self, description: str, fn, *args, convert=None, hint: str = ""):
+        """The learner's ``fn(*args)`` for one case, or :data:`NO_ANSWER` when the case is settled without it.
+
+        A stub's ``None`` on the first case sets :attr:`not_attempted` (stop grading and return the report); an
+        exception, raised by ``fn`` or by ``convert`` (applied to the answer, e.g. ``float``), is recorded as
+        the failed case ``description``, followed by ``hint`` (what to return). The one place where the
+        graders run a learner's code.
+        """
+        try:
+            got = fn(*args)
+            if is_stub_result(got) and not self.cases:
+                self.not_attempted = getattr(fn, "__name__", "fn")
+                return NO_ANSWER
+            return convert(got) if convert is not None else got
+        except Exception as e:  # noqa: BLE001 - the learner's code: any error is a failed case
+            message = f"raised {type(e).__name__}: {e}" + (f" ({hint})" if hint else "")
+            self.cases.append((description, False, message))
+            return NO_ANSWER
 
     def _repr_pretty_(self, p, cycle):  # IPython displays the report as text, not as a dataclass repr
         p.text(str(self))

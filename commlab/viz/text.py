@@ -90,7 +90,8 @@ def rst_to_markdown(text: str) -> str:
     return _LITERAL.sub(lambda m: f"`{m.group(1)}`", text)
 
 
-def docstring_markdown(obj, paragraphs: slice | int | None = None, signature: bool = False) -> "IPython.display.Markdown":  # noqa: F821
+def docstring_markdown(obj, paragraphs: slice | int | None = None,
+                       signature: bool = False) -> "IPython.display.Markdown":  # noqa: F821
     """``obj``'s docstring (or the chosen paragraphs of it) as Markdown, for a notebook output.
 
     Args:
