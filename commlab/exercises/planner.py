@@ -63,6 +63,21 @@ def _memory_slips(p: float, tp: int, dp: int, zero1: bool, act: float) -> dict[s
     }
 
 
+def _grade_number(report: CheckReport, label: str, fn: Callable, args: tuple, want: float,
+                  slips: dict[str, float], shown: Callable[[float], str]) -> None:
+    """One case of a numeric exercise: ``fn(*args)`` against ``want`` (relative 1e-9), a wrong answer named by
+    the slip it equals, if any, and shown by ``shown``; a stub or an exception as :meth:`CheckReport.call`
+    records it."""
+    got = report.call(label, fn, *args, convert=float)
+    if got is NO_ANSWER:
+        return
+    if math.isclose(got, want, rel_tol=1e-9):
+        report.cases.append((label, True, ""))
+        return
+    why = next((k for k, v in slips.items() if math.isclose(got, v, rel_tol=1e-9)), None)
+    report.cases.append((label, False, f"{shown(got)}, {how_far(got, want)}" + (f": {why}" if why else "")))
+
+
 def check_memory_per_gpu(fn: Callable) -> CheckReport:
     """Grade ``fn(stage_params, tp, dp, zero1, activation_bytes) -> bytes per GPU``."""
     report = CheckReport(f"memory exercise ({getattr(fn, '__name__', 'fn')})")
@@ -70,19 +85,10 @@ def check_memory_per_gpu(fn: Callable) -> CheckReport:
         mb = memory_breakdown(model, layout, global_batch=batch)
         stage = mb.params * layout.tp  # the stage's parameters before the tp split
         args = (stage, layout.tp, layout.dp, layout.zero1, mb.activations_bytes)
-        got = report.call(label, fn, *args, convert=float)
+        slips = {**_memory_slips(*args), "that is GB; return bytes": mb.total_bytes / 1e9}
+        _grade_number(report, label, fn, args, mb.total_bytes, slips, lambda got: f"{got / 1e9:.4g} GB")
         if report.not_attempted:
             return report
-        if got is NO_ANSWER:
-            continue
-        want = mb.total_bytes
-        if math.isclose(got, want, rel_tol=1e-9):
-            report.cases.append((label, True, ""))
-            continue
-        why = next((k for k, v in _memory_slips(*args).items() if math.isclose(got, v, rel_tol=1e-9)), None)
-        if why is None and math.isclose(got * 1e9, want, rel_tol=1e-9):
-            why = "that is GB; return bytes"
-        report.cases.append((label, False, f"{got / 1e9:.4g} GB, {how_far(got, want)}" + (f": {why}" if why else "")))
     return report
 
 
@@ -105,15 +111,7 @@ def check_step_seconds(fn: Callable) -> CheckReport:
     for label, model, layout, batch, cluster in planner_cases():
         t = step_time(model, layout, cluster, batch)
         args = (t.compute_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
-        got = report.call(label, fn, *args, convert=float)
+        _grade_number(report, label, fn, args, t.total_s, _step_slips(*args), lambda got: f"{got:.4g} s")
         if report.not_attempted:
             return report
-        if got is NO_ANSWER:
-            continue
-        want = t.total_s
-        if math.isclose(got, want, rel_tol=1e-9):
-            report.cases.append((label, True, ""))
-            continue
-        why = next((k for k, v in _step_slips(*args).items() if math.isclose(got, v, rel_tol=1e-9)), None)
-        report.cases.append((label, False, f"{got:.4g} s, {how_far(got, want)}" + (f": {why}" if why else "")))
     return report
