@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2 * args.timeout)
             dist.all_reduce(torch.ones(1, device=device))
     except Exception as e:  # noqa: BLE001 - what the collective raised is what this module is for
-        print(f"rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        # One write, so that two ranks' lines on the shared stderr cannot interleave mid-line.
+        sys.stderr.write(f"rank {ctx.rank}: {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
         time.sleep(GRACE_S)
         return 1
     print(f"rank {ctx.rank}: {args.job} went through", flush=True)
