@@ -45,3 +45,15 @@ def test_wrap_keeps_short_lines_and_indents_continuations():
     out = wrap(text, 30).splitlines()
     assert out[0] == "short" and all(len(line) <= 30 for line in out)
     assert out[1].startswith("  word") and out[2].startswith("    word")
+
+
+def test_bench_table_gives_each_size_its_busbw_ratio_and_wrong_count():
+    from commlab.bench.allreduce import BenchRow
+    from commlab.viz import bench_table
+
+    rows = [BenchRow(4096, 1024, "float32", 4, 1e-4, 2e-4, 0), BenchRow(2**20, 2**18, "float32", 4, 2e-3, 1e-3, 3)]
+    md = bench_table(rows)._repr_markdown_().splitlines()
+    assert md[0].startswith("| size | ours µs | ours busbw GB/s |") and len(md) == 4
+    # busbw = 2(N-1)/N × size / time (nccl-tests): 1.5 × 4096 B / 100 µs = 0.061 GB/s; ratio = torch/ours time.
+    assert md[2] == "| 4 KiB | 100 | 0.061 | 200 | 0.031 | 2.00 | 0 |"
+    assert md[3].endswith("| 0.50 | 3 |")

@@ -1,8 +1,8 @@
 """Figures of the course, drawn from the same functions the code runs."""
 
-from commlab.viz.ring import ring_states, plot_ring_schedule, plot_bench
+from commlab.viz.ring import ring_states, plot_ring_schedule, plot_bench, bench_table
 
-__all__ = ["ring_states", "plot_ring_schedule", "plot_bench"]
+__all__ = ["ring_states", "plot_ring_schedule", "plot_bench", "bench_table"]
 
 from commlab.viz.pipeline import plot_timeline
 
