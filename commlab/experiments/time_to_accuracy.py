@@ -174,6 +174,10 @@ class BreakEven:
     verdict: str
 
 
+#: Relative difference below which two byte totals count as equal in :func:`break_even`.
+_SAME_BYTES_REL = 1e-9
+
+
 def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_steps: int | None,
                alpha_s: float) -> BreakEven:
     """The bandwidth at which ``comp`` and ``dense`` reach the target in the same time (see module docstring).
@@ -181,6 +185,9 @@ def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_
     Args:
         dense, comp: step costs; dense_steps, comp_steps: steps each needs to reach the target (None: never).
         alpha_s: the link latency α in seconds (finite, >= 0).
+
+    Byte totals to the target that differ by less than 1e-9 of the larger are taken as equal: the verdict
+    is then "always pays" or "never pays" by the fixed costs alone.
 
     Raises:
         ValueError: negative or non-integer step counts, or a negative or non-finite α.
@@ -197,7 +204,9 @@ def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_
     ac, bc = comm_coefficients(comp)
     fixed = comp_steps * (comp.compute_s + comp.codec_s + ac * alpha_s) - dense_steps * (dense.compute_s + dense.codec_s + ad * alpha_s)
     saved_bytes = dense_steps * bd - comp_steps * bc
-    if saved_bytes == 0:
+    # Byte totals equal up to rounding (a ratio of 1 + 2e-16) do not cross: their "break-even" would be a
+    # bandwidth of ~1e-12 bytes/s at which the fixed costs vanish into the rounding of 1e16-second times.
+    if abs(saved_bytes) <= _SAME_BYTES_REL * max(dense_steps * bd, comp_steps * bc):
         return BreakEven(None, "always pays" if fixed < 0 else "never pays")
     if saved_bytes < 0:
         # The compressed run moves more bytes to the target (fewer steps, or an AllGather that grows with n):
