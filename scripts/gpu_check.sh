@@ -15,8 +15,8 @@
 #   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
 #   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter and AllGather on NCCL, the steps of 4 and the
 #      AllReduce table on all GPUs.
-# --dry-run runs step 6 on 2 gloo ranks, so that every step's logic runs in CI. The exit status is the number
-# of failed steps (0: all passed).
+# --dry-run runs steps 1-5b and 6a on 2 gloo ranks (6b and 6c would repeat 4 and 5 there), so that every
+# step's logic runs in CI. The exit status is the number of failed steps (0: all passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,7 +36,7 @@ PY=${PYTHON:-.venv/bin/python}
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --max-restarts 0)
 
 if [ "$DRY" = 1 ]; then
-  BACKEND=gloo; DEVICE=cpu; NGPU=2; SIZE=256K; NUMEL=4096
+  BACKEND=gloo; DEVICE=cpu; NGPU=2; SIZE=256K; NUMEL=4096; CAPSTONE_STEPS=6
 else
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$NGPU" -lt 1 ]; then
@@ -44,7 +44,7 @@ else
          "run with --dry-run to check the script on CPU" >&2
     exit 2
   fi
-  BACKEND=nccl; DEVICE=cuda; SIZE=64M; NUMEL=$((1 << 22))
+  BACKEND=nccl; DEVICE=cuda; SIZE=64M; NUMEL=$((1 << 22)); CAPSTONE_STEPS=20
 fi
 
 : > "$OUT"
@@ -83,13 +83,19 @@ step "4. DP, pipeline, ZeRO-1, trainer on $DEVICE (torchrun, world $ONE)" 120 \
 step "5. bench --backend $BACKEND, world $ONE" 120 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
 step "5b. capstone, $BACKEND, world $ONE: tokens/s, MFU, time split" 150 \
-  "${TORCHRUN[@]}" --nproc-per-node $ONE labs/capstone/train.py --dp $ONE --steps 20 --backend $BACKEND
+  "${TORCHRUN[@]}" --nproc-per-node $ONE labs/capstone/train.py --dp $ONE --steps $CAPSTONE_STEPS --backend $BACKEND
 if [ "$NGPU" -ge 2 ]; then
   step "6a. collectives on $NGPU ranks ($BACKEND)" 120 "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py collectives
-  step "6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks ($BACKEND)" 120 \
-    "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py steps
-  step "6c. bench --backend $BACKEND, world $NGPU" 150 \
-    "${TORCHRUN[@]}" --nproc-per-node $NGPU -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
+  if [ "$DRY" = 1 ]; then
+    # A dry run's steps 4 and 5 already ran these commands at world 2 ($ONE): not run twice.
+    SUMMARY+=("same        6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks: dry run, step 4's command")
+    SUMMARY+=("same        6c. bench, world $NGPU: dry run, step 5's command")
+  else
+    step "6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks ($BACKEND)" 120 \
+      "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py steps
+    step "6c. bench --backend $BACKEND, world $NGPU" 150 \
+      "${TORCHRUN[@]}" --nproc-per-node $NGPU -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
+  fi
 else
   SUMMARY+=("skipped     6. multi-GPU NCCL collectives and pipeline (one GPU: NCCL refuses two ranks on one GPU)")
 fi
