@@ -86,15 +86,27 @@ def test_two_phase_bench_prints_bytes_and_times_side_by_side(capsys):
     assert "--two-phase needs --world-size >= 2" in capsys.readouterr().err
 
 
+def _usage_error(flags, capsys):
+    """Run ``python -m commlab bench FLAGS`` in this process: the exit status and stderr. A usage error is
+    SystemExit(2) with a message; any other exception (a traceback for the user) propagates and fails."""
+    capsys.readouterr()
+    try:
+        code = main(["bench", *flags])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["-n", "0"], ["-r", "0"]])
-def test_command_line_rejects_bad_counts(flags):
-    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)
-    assert proc.returncode == 2 and "need --world-size >= 1 and --rounds >= 1" in proc.stderr
+def test_command_line_rejects_bad_counts(flags, capsys):
+    code, err = _usage_error(flags, capsys)
+    assert code == 2 and "need --world-size >= 1 and --rounds >= 1" in err
 
 
 def test_command_line_rejects_bad_sizes():
+    # Through the real entry point once (the others call main() in this process, the same code).
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "-b", "1X"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "cannot read '1X' as a size" in proc.stderr
+    assert proc.returncode == 2 and "cannot read '1X' as a size" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -108,26 +120,22 @@ def test_command_line_rejects_bad_sizes():
     (["--emulate", "2x2", "--backend", "nccl"], "--emulate starts its own gloo ranks"),
     (["--algorithms", "all", "--check"], "--algorithms starts its own gloo ranks"),
     (["--compressors", "--backend", "nccl"], "--compressors starts its own gloo ranks")])
-def test_command_line_rejects_flags_that_would_be_ignored(flags, message):
-    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", *flags], capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_command_line_rejects_flags_that_would_be_ignored(flags, message, capsys):
+    code, err = _usage_error(flags, capsys)
+    assert code == 2 and message in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("flags", [[], ["--torchrun", "1x2"]])
-def test_bench_on_nccl_without_a_gpu_is_a_usage_error_not_a_traceback(flags):
-    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--backend", "nccl", *flags],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--backend nccl needs CUDA GPUs" in proc.stderr and "use --backend gloo" in proc.stderr
+def test_bench_on_nccl_without_a_gpu_is_a_usage_error_not_a_traceback(flags, capsys):
+    code, err = _usage_error(["--backend", "nccl", *flags], capsys)
+    assert code == 2 and "--backend nccl needs CUDA GPUs" in err and "use --backend gloo" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_compressors_on_cuda_without_a_gpu_is_a_usage_error_not_a_traceback():
-    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--compressors", "--device", "cuda"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--device cuda needs CUDA GPUs" in proc.stderr
+def test_compressors_on_cuda_without_a_gpu_is_a_usage_error_not_a_traceback(capsys):
+    code, err = _usage_error(["--compressors", "--device", "cuda"], capsys)
+    assert code == 2 and "--device cuda needs CUDA GPUs" in err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -135,12 +143,11 @@ def test_compressors_on_cuda_without_a_gpu_is_a_usage_error_not_a_traceback():
     (["--inter-gbps", "nan"], "--inter-gbps must be a finite number of Gb/s > 0, got nan"),
     (["--inter-alpha-us", "-5"], "--inter-alpha-us must be a finite number of microseconds >= 0, got -5"),
     ([], "--emulate takes NODESxDEVICES with both >= 1, e.g. 2x4, got '2x0'")])
-def test_emulated_link_errors_name_the_option_in_its_own_unit(flags, message):
+def test_emulated_link_errors_name_the_option_in_its_own_unit(flags, message, capsys):
     """Before, a bad link was blamed on --emulate and shown in bytes/s or seconds."""
     emulate = "2x0" if not flags else "2x2"
-    proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "--emulate", emulate, *flags],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    code, err = _usage_error(["--emulate", emulate, *flags], capsys)
+    assert code == 2 and message in err
 
 
 def test_compressor_throughput_rows_time_every_codec_beside_its_primitive_and_a_copy():
