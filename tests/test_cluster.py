@@ -179,21 +179,6 @@ def _template_env(**extra):
 
 
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
-def test_the_slurm_template_runs_one_node_without_srun():
-    job = _free_slurm_job_id()
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch")],
-                          env=_template_env(SLURM_JOB_ID=str(job), SLURM_JOB_NODELIST="localhost",
-                                            SLURM_JOB_NUM_NODES="1", NPROC_PER_NODE="2", JOIN_TIMEOUT="60"),
-                          capture_output=True, text=True, timeout=150, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"rendezvous localhost:{20000 + job % 10000} (job {job}): -m commlab selftest" in proc.stdout
-    assert "srun not found: running this node's command directly (one node)" in proc.stdout
-    assert "2 rank(s), backend gloo, launcher torchrun" in proc.stdout
-    assert "# 11 of 11 checks passed" in proc.stdout
-    _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
-
-
-@pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
 def test_the_slurm_template_runs_the_capstone(tmp_path):
     job = _free_slurm_job_id()
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "commlab.sbatch"),
@@ -211,14 +196,18 @@ def test_the_slurm_template_runs_the_capstone(tmp_path):
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="srun is installed: the template would submit a step")
 @pytest.mark.skipif(not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK),
                     reason="no .venv in this checkout (scripts/setup.sh makes it)")
-def test_the_slurm_template_uses_the_checkouts_venv_with_nothing_on_path():
+def test_the_slurm_template_runs_one_node_without_srun_with_the_checkouts_venv_and_nothing_on_path():
     # No PYTHON, no virtual environment activated, a bare PATH: what a batch job on a fresh login gets.
     job = _free_slurm_job_id()
     proc = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", f"SLURM_JOB_ID={job}", "SLURM_JOB_NODELIST=localhost",
-                           "NPROC_PER_NODE=2", "JOIN_TIMEOUT=60", "bash", "scripts/slurm/commlab.sbatch"],
+                           "SLURM_JOB_NUM_NODES=1", "NPROC_PER_NODE=2", "JOIN_TIMEOUT=60", "OMP_NUM_THREADS=1",
+                           "bash", "scripts/slurm/commlab.sbatch"],
                           capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"commlab: python {ROOT}/.venv/bin/python" in proc.stdout
+    assert f"rendezvous localhost:{20000 + job % 10000} (job {job}): -m commlab selftest" in proc.stdout
+    assert "srun not found: running this node's command directly (one node)" in proc.stdout
+    assert "2 rank(s), backend gloo, launcher torchrun" in proc.stdout
     assert "# 11 of 11 checks passed" in proc.stdout
     _assert_nothing_left(f"--rdzv-id\0{job}\0", f"TORCHELASTIC_RUN_ID={job}\0")
 
