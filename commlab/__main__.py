@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                            "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
                            "search, median |error| (the other options but --achievable-fraction are not used)")
     plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
-    plan.add_argument("--preset", help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
+    plan.add_argument("--preset",
+                      help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
     plan.add_argument("--gpus", type=int, help="GPUs to use (a multiple of the preset's devices per node)")
     plan.add_argument("--global-batch", type=int, help="sequences per step")
     plan.add_argument("--software", default=None,
@@ -359,7 +360,8 @@ def _plan(args, parser) -> int:
         print(validation_table(rows))
         print(f"# {len(rows)} rows in {time.perf_counter() - started:.2f} s")
         return 0
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "preset", "gpus", "global_batch") if getattr(args, n) is None]
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "preset", "gpus", "global_batch")
+               if getattr(args, n) is None]
     if missing:
         parser.error(f"plan needs {', '.join(missing)} (or --validate)")
     try:

@@ -2,18 +2,22 @@
 planner against published layouts.
 
 :func:`search` enumerates tp over the divisors of ``devices_per_node`` (TP stays inside a node), pp over
-the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp), micro-batch sizes, interleaving depths, ZeRO-1 on/off
-and recomputation on/off; it rejects the layouts that do not fit in device memory (each with its reason)
-or cannot split the global batch, and ranks the rest by predicted step time. A few thousand candidates
-at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is searched in well under a
-second (the count does not grow with the GPU count, only with its divisors).
+the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp),
+micro-batch sizes, interleaving depths, ZeRO-1 on/off and recomputation policies (none, full and the
+software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
+sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
+(each with its reason) or cannot split the global batch, and ranks the rest by predicted step time. A
+few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
+searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
 :func:`validate_published` evaluates the time model on the layouts of ``data/published_layouts.json``
 (Megatron-LM SC'21 Table 1, Llama 3 405B) and runs the search for each, returning
-:class:`ValidationRow` s: published layout, planner's top layout, predicted vs reported TFLOP/s per GPU.
+:class:`ValidationRow` s: published layout, planner's top layout, predicted vs reported TFLOP/s per GPU,
+and where the published split ranks in the planner's own search (``python -m commlab plan --validate``).
 
 Unlike the source article's ``optimal_3d_config`` (§4.2), this planner does not divide TP traffic by the
-TP size, counts embeddings in the parameters, checks memory, and does not assume a fixed overlap.
+TP size, counts embeddings in the parameters, checks memory, and takes its overlap from the software
+profile instead of a fixed share.
 """
 
 from __future__ import annotations
