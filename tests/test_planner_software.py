@@ -232,6 +232,9 @@ def test_tp_overlap_and_the_compute_slowdown():
     # While the hidden half runs, compute goes at half speed: the step pays half of the hidden time.
     assert slow.overlap_slowdown_s == pytest.approx(0.5 * half.tp_hidden_s)
     assert slow.total_s == pytest.approx(half.total_s + 0.5 * half.tp_hidden_s)
+    # Megatron overlaps TP communication only under sequence parallelism.
+    no_sp = step_time(m, dataclasses.replace(layout, sequence_parallel=False), c, 1024, software=core)
+    assert no_sp.tp_hidden_s == 0 and no_sp.tp_s > 0
 
 
 def test_search_takes_its_knobs_from_the_profile():

@@ -28,7 +28,8 @@ The terms, per step, on the critical path of one GPU:
   give the Simple protocol's pair, the one NCCL's own model (:mod:`commlab.collectives.nccl_model`) picks
   for messages this large. The bytes are **not** divided by tp -- only the per-rank share of a ring,
   2(t-1)/t of them, depends on t (Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3.2). The profile's
-  ``overlap_tp`` share of it hides behind the matmuls (at most the compute time); the rest is exposed.
+  ``overlap_tp`` share of it hides behind the matmuls (at most the compute time) when the layout runs
+  sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires; the rest is exposed.
 * **PP**: per micro-batch and interleaved chunk, one send forward and one backward between neighbouring
   stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
   the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
@@ -418,7 +419,10 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
                                       link.beta_s_per_byte * share)
         recomputed = {"full": layers_per_stage, "every-k": layers_per_stage // L.recompute_every}.get(L.recompute, 0)
         tp_total = one * (4 * layers_per_stage + 2 * recomputed) * micro
-    tp_hidden = min(sw.overlap_tp * tp_total, compute)
+    # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
+    # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
+    overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
+    tp_hidden = min(overlap_tp * tp_total, compute)
 
     pp_total = 0.0
     if L.pp > 1:
