@@ -74,15 +74,25 @@ def main(argv: list[str] | None = None) -> int:
                             "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
                             "capped at the cores, and 2 x --rounds timed steps)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
-    plan.add_argument("--model", required=True, help="a model of data/models.json, e.g. llama3-405b")
-    plan.add_argument("--preset", required=True, help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr")
-    plan.add_argument("--gpus", type=int, required=True, help="GPUs to use (a multiple of the preset's devices per node)")
-    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--validate", action="store_true",
+                      help="check the planner against the published runs of data/published_layouts.json: reported vs "
+                           "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
+                           "search, median |error| (the other options but --achievable-fraction are not used)")
+    plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
+    plan.add_argument("--preset",
+                      help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
+    plan.add_argument("--gpus", type=int, help="GPUs to use (a multiple of the preset's devices per node)")
+    plan.add_argument("--global-batch", type=int, help="sequences per step")
+    plan.add_argument("--software", default=None,
+                      help="a software profile of data/software.json (what the stack overlaps, its pipeline message "
+                           "layout, gradient bytes, recomputation), e.g. megatron-core; default generic-no-overlap")
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     plan.add_argument("--achievable-fraction", type=float, default=None,
                       help="share of peak FLOP/s the matmuls reach (default 0.5, see time_model)")
-    plan.add_argument("--dp-overlap", type=float, default=0.0, help="share of the DP AllReduce hidden (0..1, default 0)")
+    plan.add_argument("--dp-overlap", type=float, default=None,
+                      help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
+                           "software profile's)")
     plan.add_argument("--even-stages", action="store_true", help="only pp values that divide the layer count")
     exp = sub.add_parser("experiments", help="chapter 8: train with every compressor, record to data/experiments/")
     exp_sub = exp.add_subparsers(dest="action", required=True)
@@ -329,9 +339,31 @@ def _bench_emulated(args, parser, nbytes) -> int:
 
 
 def _plan(args, parser) -> int:
-    from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, list_models, load_model, search
+    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, list_models, list_software, load_model, search,
+                                          validate_published, validation_table)
     from commlab.topology import list_presets
 
+    fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
+    if not 0 < fraction <= 1:
+        parser.error(f"--achievable-fraction must be in (0, 1], got {fraction}")
+    if args.dp_overlap is not None and not 0 <= args.dp_overlap <= 1:
+        parser.error(f"--dp-overlap must be in [0, 1], got {args.dp_overlap}")
+    if args.software is not None and args.software not in list_software():
+        parser.error(f"unknown software profile {args.software!r}; choose from {', '.join(list_software())}")
+    if args.validate:
+        import time
+        started = time.perf_counter()
+        rows = validate_published(achievable_fraction=fraction)
+        print(f"# the planner against published runs: achievable fraction of peak {fraction}, each row with its "
+              f"software profile; rank = where the published tp x pp split first appears in the planner's own "
+              f"search (1 = its top)")
+        print(validation_table(rows))
+        print(f"# {len(rows)} rows in {time.perf_counter() - started:.2f} s")
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "preset", "gpus", "global_batch")
+               if getattr(args, n) is None]
+    if missing:
+        parser.error(f"plan needs {', '.join(missing)} (or --validate)")
     try:
         model = load_model(args.model)
     except KeyError:
@@ -344,14 +376,14 @@ def _plan(args, parser) -> int:
         model = model.with_seq(args.seq)
     if args.top < 1:
         parser.error("--top must be >= 1")
-    fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
     try:
         result = search(model, args.preset, args.gpus, args.global_batch, achievable_fraction=fraction,
-                        dp_overlap=args.dp_overlap, even_stages=args.even_stages)
+                        dp_overlap=args.dp_overlap, even_stages=args.even_stages, software=args.software)
     except ValueError as e:
         parser.error(str(e))
     print(f"# {model.name}: {model.params / 1e9:.1f}B parameters, seq {model.seq}, global batch {args.global_batch} "
-          f"sequences, on {args.gpus} GPUs of {args.preset}; achievable fraction of peak {fraction}")
+          f"sequences, on {args.gpus} GPUs of {args.preset}; software {args.software or 'generic-no-overlap'}; "
+          f"achievable fraction of peak {fraction}")
     print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
           f"{result.rejected_for_memory} rejected for memory, "
           f"{len(result.rejected) - result.rejected_for_memory} for the batch split")

@@ -3,32 +3,42 @@
 * :mod:`~commlab.parallel.planner.memory` -- model configs (``data/models.json``), parameter counts with
   embeddings, bytes per GPU of a :class:`Layout` (weights, gradients, Adam states with or without ZeRO-1,
   activations after Korthikanti et al. 2022) and ``fits``.
-* :mod:`~commlab.parallel.planner.time_model` -- seconds per step: compute, TP AllReduces (bytes not
-  divided by tp), PP sends, bubble, DP AllReduce on the links each group crosses.
+* :mod:`~commlab.parallel.planner.software` -- software profiles (``data/software.json``): what the
+  training stack overlaps, its pipeline message layout, gradient and optimizer-state bytes, recomputation
+  policy and ZeRO stage, each field with its source.
+* :mod:`~commlab.parallel.planner.time_model` -- seconds per step: compute from executed FLOP, TP
+  AllReduces (bytes not divided by tp), PP sends (1/tp per rank with scatter/gather or sequence
+  parallelism), bubble, DP ReduceScatter + AllGather on the links each group crosses, each hidden behind
+  compute as far as the profile overlaps it; model FLOP in the definitions published runs use.
 * :mod:`~commlab.parallel.planner.search` -- the search over layouts, and :func:`validate_published`
-  against Megatron-LM (SC'21, Table 1) and Llama 3 405B.
+  against Megatron-LM (SC'21, Table 1) and Llama 3 405B (``python -m commlab plan --validate``).
 
 ``python -m commlab plan --model llama3-405b --preset dgx-h100-ndr --gpus 16384 --global-batch 2048``
 prints the top layouts.
 """
 
+from commlab.parallel.planner.software import (DEFAULT_SOFTWARE, RECOMPUTE_POLICIES, SoftwareProfile, list_software,
+                                               load_software)
 from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, Layout, MemoryBreakdown, ModelConfig,
                                              activation_bytes_per_layer, layer_params, list_models, load_model,
                                              memory_breakdown, parameter_count, stage_params)
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, dp_all_reduce_seconds,
-                                                 dp_gradient_nbytes, executed_flops_per_token, megatron_eq3_flops,
-                                                 model_flops_per_token, pp_message_nbytes, step_time,
-                                                 tp_all_reduce_nbytes)
+from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, TimeBreakdown,
+                                                 attention_flops_per_token, dp_all_reduce_seconds,
+                                                 dp_exposed_seconds, dp_gradient_nbytes, executed_flops_per_token,
+                                                 megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
+                                                 pp_message_nbytes, step_time, tp_all_reduce_nbytes)
 from commlab.parallel.planner.search import (WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
                                              load_published, make_cluster, search, validate_published,
-                                             validation_table)
+                                             validation_summary, validation_table)
 
 __all__ = [
+    "SoftwareProfile", "DEFAULT_SOFTWARE", "RECOMPUTE_POLICIES", "load_software", "list_software",
     "ModelConfig", "Layout", "MemoryBreakdown", "ADAM_STATE_BYTES_PER_PARAM", "load_model", "list_models",
     "layer_params", "parameter_count", "stage_params", "activation_bytes_per_layer", "memory_breakdown",
     "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "model_flops_per_token", "executed_flops_per_token",
-    "megatron_eq3_flops", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
+    "megatron_eq3_flops", "model_flops_per_step", "attention_flops_per_token", "FLOP_DEFINITIONS",
+    "dp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "step_time",
     "Plan", "Rejected", "SearchResult", "ValidationRow", "WITHIN_PCT", "divisors", "make_cluster", "search",
-    "load_published", "validate_published", "validation_table",
+    "load_published", "validate_published", "validation_table", "validation_summary",
 ]

@@ -11,13 +11,15 @@ What is counted, per GPU (all in bytes):
   embedding on the first stage and the output layer on the last, all divided by tp);
 * **gradients** -- ``grad_bytes`` per parameter (2 for bf16, 4 for fp32 main gradients);
 * **optimizer states** -- mixed-precision Adam keeps fp32 master weights, momentum and variance, 12 bytes
-  per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"); ZeRO stage 1 shards them over
-  the dp ranks (§5.1, P_os);
+  per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"; ``optimizer_state_bytes``
+  of the software profile); ZeRO stage 1 shards them over the dp ranks (§5.1, P_os);
 * **activations** -- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", §4: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism; with tensor
   parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
   ``s·b·h·(34 + 5·a·s/h)/t``; with full recomputation only each layer's input, ``2·s·b·h`` (``/t`` with
-  sequence parallelism), plus one layer's full activations while it is being recomputed. 1F1B keeps
+  sequence parallelism), plus one layer's full activations while it is being recomputed; with selective
+  recomputation (Korthikanti et al. 2022, §5) the ``5·a·s/h`` attention-core term is not stored; with
+  ``every-k`` one layer in k keeps only its input. 1F1B keeps
   ``min(pp, m)`` micro-batches in flight on the first stage (Narayanan et al. 2021, §2.2.1), times
   ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3).
 
@@ -36,6 +38,8 @@ import json
 import math
 from functools import lru_cache
 from pathlib import Path
+
+from commlab.parallel.planner.software import check_recompute_policy
 
 __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STATE_BYTES_PER_PARAM",
            "load_model", "list_models", "layer_params", "stage_layers", "parameter_count", "stage_params",
@@ -120,7 +124,12 @@ class Layout:
         tp, pp, dp: tensor-, pipeline- and data-parallel sizes (ints >= 1); the GPUs used are tp·pp·dp.
         micro_batch: sequences per micro-batch b (>= 1).
         zero1: shard the optimizer states over the dp ranks (ZeRO stage 1).
-        recompute: full activation recomputation (each layer's forward is rerun in the backward pass).
+        recompute: activation-recomputation policy, one of
+            :data:`~commlab.parallel.planner.software.RECOMPUTE_POLICIES`: ``"none"``, ``"selective"`` (the
+            attention core only, Korthikanti et al. 2022, §5), ``"full"`` (each layer's forward is rerun in
+            the backward pass) or ``"every-k"`` (the full forward of one layer in every ``recompute_every``).
+            ``True`` and ``False`` are read as ``"full"`` and ``"none"``; the stored value is the string.
+        recompute_every: k of the ``"every-k"`` policy (int >= 1; ignored otherwise).
         interleave: model chunks per GPU v of the interleaved 1F1B schedule (1 = plain 1F1B;
             Narayanan et al. 2021, §2.2.2).
         sequence_parallel: Megatron sequence parallelism in the TP group (Korthikanti et al. 2022, §4.2.2):
@@ -128,7 +137,8 @@ class Layout:
         flash_attention: attention kernels that do not store the s × s score matrices (Dao et al. 2022).
 
     Raises:
-        ValueError: a size that is not an int >= 1.
+        ValueError: a size that is not an int >= 1; an unknown recompute policy (the message lists the
+            allowed ones).
     """
 
     tp: int
@@ -136,14 +146,16 @@ class Layout:
     dp: int
     micro_batch: int = 1
     zero1: bool = False
-    recompute: bool = False
+    recompute: str = "none"
     interleave: int = 1
     sequence_parallel: bool = True
     flash_attention: bool = True
+    recompute_every: int = 1
 
     def __post_init__(self):
-        for f in ("tp", "pp", "dp", "micro_batch", "interleave"):
+        for f in ("tp", "pp", "dp", "micro_batch", "interleave", "recompute_every"):
             _check_int(f, getattr(self, f))
+        object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
 
     @property
     def gpus(self) -> int:
@@ -157,8 +169,12 @@ class Layout:
             s += f" v{self.interleave}"
         if self.zero1:
             s += " zero1"
-        if self.recompute:
+        if self.recompute == "full":
             s += " recompute"
+        elif self.recompute == "selective":
+            s += " selective"
+        elif self.recompute == "every-k":
+            s += f" recompute-every-{self.recompute_every}"
         return s
 
 
@@ -322,33 +338,41 @@ def _ffn_mult(m: ModelConfig) -> float:
 
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, sequence_parallel: bool = True,
-                               recompute: bool = False, flash_attention: bool = True) -> float:
+                               recompute: bool | str = False, flash_attention: bool = True) -> float:
     """Bytes of activations one layer keeps for the backward pass, per micro-batch (Korthikanti et al. 2022,
     §4): ``s·b·h·(34 + 5·a·s/h)`` unparallelised; ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP;
     ``s·b·h·(34 + 5·a·s/h)/t`` with TP and sequence parallelism; ``2·s·b·h`` (``/t`` with sequence
-    parallelism) with full recomputation. The MLP's 16 is scaled by ffn/(4h) (and 1.5 for SwiGLU); the
+    parallelism) with full recomputation (``recompute=True`` or ``"full"``); with selective recomputation
+    (``"selective"``, Korthikanti et al. 2022, §5) the ``5·a·s/h`` attention-core term is not stored, the
+    rest is. The MLP's 16 is scaled by ffn/(4h) (and 1.5 for SwiGLU); the
     ``5·a·s/h`` term is dropped with FlashAttention. The count is GPT-3's: K and V for every head and two
     dropout masks; for a Llama-style layer (grouped-query attention, no dropout) it is high by about a
     sixth (chapter 11, §11.4, counts Llama 3 405B term by term).
 
+    ``"every-k"`` is a mix of whole layers; :func:`memory_breakdown` prices it, not this function.
+
     Raises:
-        ValueError: micro_batch or tp not an int >= 1.
+        ValueError: micro_batch or tp not an int >= 1; ``recompute`` not a policy this function prices.
     """
     _check_int("micro_batch", micro_batch)
     _check_int("tp", tp)
+    policy = check_recompute_policy(recompute)
+    if policy == "every-k":
+        raise ValueError("activation_bytes_per_layer prices one layer: pass 'full' or 'none' for each layer of "
+                         "an 'every-k' policy (memory_breakdown does)")
     s, b, h, a = m.seq, micro_batch, m.hidden, m.heads
     sbh = s * b * h
-    if recompute:
+    if policy == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)
     mlp = 16 * _ffn_mult(m)
-    scores = 0.0 if flash_attention else 5 * a * s / h
+    scores = 0.0 if (flash_attention or policy == "selective") else 5 * a * s / h
     if tp == 1 or sequence_parallel:
         return sbh * (18 + mlp + scores) / tp
     return sbh * (10 + (8 + mlp) / tp + scores / tp)
 
 
 def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = None,
-                     grad_bytes: int = 2) -> MemoryBreakdown:
+                     grad_bytes: int = 2, optimizer_state_bytes: float = ADAM_STATE_BYTES_PER_PARAM) -> MemoryBreakdown:
     """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most memory.
 
     Args:
@@ -356,15 +380,19 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
         global_batch: sequences per step; sets the number of micro-batches ``m = global_batch/(dp·b)``, which
             caps the micro-batches in flight at ``min(pp, m)``. None: assume ``m >= pp``.
         grad_bytes: bytes per gradient element, 2 (bf16) or 4 (fp32 main gradients).
+        optimizer_state_bytes: bytes of optimizer state per parameter (default 12, Adam in mixed precision).
 
     Returns:
         the :class:`MemoryBreakdown` of the first or the last stage, whichever totals more.
 
     Raises:
-        ValueError: ``grad_bytes`` not 2 or 4; ``global_batch`` not a multiple of ``dp·micro_batch``.
+        ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; ``global_batch`` not a multiple
+            of ``dp·micro_batch``.
     """
     if grad_bytes not in (2, 4):
         raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    if not optimizer_state_bytes > 0:
+        raise ValueError(f"optimizer_state_bytes must be > 0, got {optimizer_state_bytes!r}")
     L = layout
     if global_batch is not None:
         _check_int("global_batch", global_batch)
@@ -375,18 +403,24 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     else:
         n_micro = L.pp
     layers = stage_layers(m.layers, L.pp, L.interleave)
-    per_layer = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, L.recompute,
-                                           L.flash_attention)
+    kept = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, "none", L.flash_attention)
+    if L.recompute == "every-k":  # one layer in every k keeps only its input, the others keep everything
+        recomputed = layers // L.recompute_every
+        inputs_only = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, "full")
+        per_layer = (recomputed * inputs_only + (layers - recomputed) * kept) / layers
+    else:
+        recomputed = layers if L.recompute == "full" else 0
+        per_layer = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, L.recompute,
+                                               L.flash_attention)
     working = 0.0
-    if L.recompute:  # one layer is recomputed at a time and needs its full activations meanwhile
-        working = activation_bytes_per_layer(m, L.micro_batch, L.tp, L.sequence_parallel, False,
-                                             L.flash_attention)
+    if recomputed:  # one layer is recomputed at a time and needs its full activations meanwhile
+        working = kept
     interleave_factor = 1 + (L.pp - 1) / (L.pp * L.interleave) if L.interleave > 1 else 1.0
     logits = 4 * m.seq * L.micro_batch * m.vocab / L.tp
 
     def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:
         p = stage_params(m, L.pp, stage, L.interleave) / L.tp
-        opt = ADAM_STATE_BYTES_PER_PARAM * p / (L.dp if L.zero1 else 1)
+        opt = optimizer_state_bytes * p / (L.dp if L.zero1 else 1)
         act = layers * per_layer * in_flight + working + extra_act
         return MemoryBreakdown(params=p, weights_bytes=2 * p, gradients_bytes=grad_bytes * p,
                                optimizer_bytes=opt, activations_bytes=act, in_flight=in_flight, stage=stage)

@@ -2,18 +2,22 @@
 planner against published layouts.
 
 :func:`search` enumerates tp over the divisors of ``devices_per_node`` (TP stays inside a node), pp over
-the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp), micro-batch sizes, interleaving depths, ZeRO-1 on/off
-and recomputation on/off; it rejects the layouts that do not fit in device memory (each with its reason)
-or cannot split the global batch, and ranks the rest by predicted step time. A few thousand candidates
-at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is searched in well under a
-second (the count does not grow with the GPU count, only with its divisors).
+the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp),
+micro-batch sizes, interleaving depths, ZeRO-1 on/off and recomputation policies (none, full and the
+software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
+sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
+(each with its reason) or cannot split the global batch, and ranks the rest by predicted step time. A
+few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
+searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
 :func:`validate_published` evaluates the time model on the layouts of ``data/published_layouts.json``
 (Megatron-LM SC'21 Table 1, Llama 3 405B) and runs the search for each, returning
-:class:`ValidationRow` s: published layout, planner's top layout, predicted vs reported TFLOP/s per GPU.
+:class:`ValidationRow` s: published layout, planner's top layout, predicted vs reported TFLOP/s per GPU,
+and where the published split ranks in the planner's own search (``python -m commlab plan --validate``).
 
 Unlike the source article's ``optimal_3d_config`` (§4.2), this planner does not divide TP traffic by the
-TP size, counts embeddings in the parameters, checks memory, and does not assume a fixed overlap.
+TP size, counts embeddings in the parameters, checks memory, and takes its overlap from the software
+profile instead of a fixed share.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from typing import Iterable, Sequence
 
 from commlab.parallel.planner.memory import (Layout, MemoryBreakdown, ModelConfig, load_model,
                                              memory_breakdown)
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, megatron_eq3_flops,
+from commlab.parallel.planner.software import SoftwareProfile, load_software
+from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
                                                  step_time)
 from commlab.topology import Cluster, load_preset
 
 __all__ = ["Plan", "Rejected", "SearchResult", "ValidationRow", "PUBLISHED_PATH", "divisors", "make_cluster",
-           "search", "load_published", "validate_published", "validation_table", "WITHIN_PCT"]
+           "search", "load_published", "validate_published", "validation_table", "validation_summary", "WITHIN_PCT"]
 
 #: Published layouts and throughputs: the repository's ``data/published_layouts.json``.
 PUBLISHED_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layouts.json"
@@ -125,12 +130,13 @@ def make_cluster(preset: str | Cluster, gpus: int) -> Cluster:
 
 
 def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_batch: int, *,
-           micro_batches: Sequence[int] = (1, 2, 4, 8), zero1: Sequence[bool] = (False, True),
-           recompute: Sequence[bool] = (False, True), interleave: Sequence[int] = (1, 2, 4, 8),
+           micro_batches: Sequence[int] = (1, 2, 4, 8), zero1: Sequence[bool] | None = None,
+           recompute: Sequence[bool | str] | None = None, interleave: Sequence[int] = (1, 2, 4, 8),
            tp_values: Iterable[int] | None = None, pp_values: Iterable[int] | None = None,
-           even_stages: bool = False, sequence_parallel: bool = True, flash_attention: bool = True,
-           achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float = 0.0,
-           usable_fraction: float = 1.0, grad_bytes: int = 2, dtype: str = "bf16") -> SearchResult:
+           even_stages: bool = False, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
+           achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+           usable_fraction: float = 1.0, grad_bytes: int | None = None, dtype: str = "bf16",
+           software: SoftwareProfile | str | None = None) -> SearchResult:
     """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
 
     Args:
@@ -138,7 +144,11 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         cluster: a :class:`~commlab.topology.Cluster` or a preset name.
         gpus: GPUs to use; a multiple of ``devices_per_node``.
         global_batch: sequences per step.
-        micro_batches, zero1, recompute, interleave: the values to try.
+        micro_batches, interleave: the values to try.
+        zero1: ZeRO-1 off/on values to try; default both, or only off when the profile has no distributed
+            optimizer (``zero_stage`` 0).
+        recompute: the recomputation policies to try (see :class:`Layout`); default ``none`` and ``full``
+            plus the software profile's own policy.
         tp_values: default the divisors of ``devices_per_node`` (TP inside a node); a value that does not
             divide it raises.
         pp_values: the pipeline sizes to try. Default: with ``even_stages`` the divisors of the layer count
@@ -148,9 +158,13 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             divisor between 9 and 14 or above 21 other than 42, 63, 126, and its training used pp = 16 with
             uneven stages (Llama 3 paper, §3.3.2).
         even_stages: restrict the default pp values to the divisors of L.
-        sequence_parallel, flash_attention: what the training software does (see :class:`Layout`).
+        sequence_parallel, flash_attention: what the training software does (see :class:`Layout`); default
+            the software profile's.
         achievable_fraction, dp_overlap, grad_bytes, dtype: passed to
-            :func:`~commlab.parallel.planner.time_model.step_time`.
+            :func:`~commlab.parallel.planner.time_model.step_time` (grad_bytes also to the memory model;
+            default the profile's).
+        software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
+            ``data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
         usable_fraction: share of device memory the model may use (see ``MemoryBreakdown.fits``).
 
     Interleaving (v > 1) is tried only when pp > 1, ``v·pp <= L`` (and divides L with ``even_stages``) and
@@ -159,9 +173,17 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     Raises:
         KeyError: unknown model or preset.
         ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp value that would cross nodes; bad
-            ``global_batch``.
+            ``global_batch``; an unknown software profile or recompute policy.
     """
     started = time.perf_counter()
+    sw = load_software(software)
+    sequence_parallel = sw.sequence_parallel if sequence_parallel is None else sequence_parallel
+    flash_attention = sw.flash_attention if flash_attention is None else flash_attention
+    g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
+    if zero1 is None:
+        zero1 = (False, True) if sw.zero_stage >= 1 else (False,)
+    if recompute is None:
+        recompute = ("none", "full") + ((sw.recompute,) if sw.recompute not in ("none", "full") else ())
     m = load_model(model) if isinstance(model, str) else model
     c = make_cluster(cluster, gpus)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -196,7 +218,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                             continue
                         for r in recompute:
                             layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero1=z, recompute=r, interleave=v,
-                                            sequence_parallel=sequence_parallel, flash_attention=flash_attention)
+                                            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
+                                            recompute_every=sw.recompute_every)
                             candidates += 1
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "
@@ -207,14 +230,14 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                 rejected.append(Rejected(layout, "batch", f"interleaving needs the {n_micro} "
                                                          f"micro-batches to be a multiple of pp={pp}"))
                                 continue
-                            mem = memory_breakdown(m, layout, global_batch, grad_bytes)
+                            mem = memory_breakdown(m, layout, global_batch, g_bytes, sw.optimizer_state_bytes)
                             if mem.total_bytes > memory_cap:
                                 rejected.append(Rejected(layout, "memory", f"{layout.short()} needs "
                                                          f"{mem.total_bytes / 1e9:.1f} GB per GPU ({mem.stage} "
                                                          f"stage) > {memory_cap / 1e9:.1f} GB"))
                                 continue
                             t = step_time(m, layout, c, global_batch, achievable_fraction, dp_overlap, dtype,
-                                          grad_bytes)
+                                          g_bytes, sw)
                             plans.append(Plan(layout, mem, t))
     plans.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
     rejected.sort(key=lambda r: r.kind != "memory")
@@ -238,14 +261,20 @@ class ValidationRow:
         config: the key in ``data/published_layouts.json``.
         published: its layout (``tp8 pp64 dp6``) and the micro-batch/interleaving/ZeRO/recomputation the
             planner chose for what the source does not report.
-        planner_top: the planner's fastest layout for the same model, GPUs and batch.
-        reported_tflops: the source's TFLOP/s per GPU (in its own accounting, ``accounting``).
-        predicted_tflops: the time model's, for the published layout, in the same accounting.
-        top_tflops: the time model's for the planner's top layout, same accounting.
+        planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
+            free.
+        reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``).
+        predicted_tflops: the time model's, for the published layout, in the same definition.
+        top_tflops: the time model's for the planner's top layout, same definition (Eq. 3 credits a layout
+            without recomputation with the recomputed forward it assumes).
         error_pct: (predicted - reported) / reported × 100.
         top_tp_within_node: the top layout's tp divides devices_per_node.
         published_step_s, top_step_s: predicted step times, s.
-        accounting: ``"megatron-eq3"`` or ``"model"``.
+        accounting: the FLOP definition (a key of
+            :data:`~commlab.parallel.planner.time_model.FLOP_DEFINITIONS`).
+        published_rank: where the published tp × pp × dp split first appears in the planner's own ranking
+            (1 = the planner's top; None = it does not fit).
+        software: the software profile the row names.
     """
 
     config: str
@@ -259,6 +288,8 @@ class ValidationRow:
     published_step_s: float
     top_step_s: float
     accounting: str
+    published_rank: int | None = None
+    software: str = ""
 
     @property
     def within(self) -> bool:
@@ -266,23 +297,21 @@ class ValidationRow:
         return abs(self.error_pct) <= WITHIN_PCT
 
 
-def _flops_per_step(entry: dict, m: ModelConfig, plan: Plan) -> float:
-    if entry.get("flop_accounting") == "megatron-eq3":
-        return megatron_eq3_flops(m, entry["global_batch"])
-    return plan.time.model_flop_per_step
-
-
-def validate_published(achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float = 0.0,
+def validate_published(achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                        path: str | Path | None = None) -> list[ValidationRow]:
     """The planner against every published run it can model (runs with context parallelism are skipped).
 
-    For each run: the published tp, pp and dp are fixed, and whatever the source fixes besides (activation
-    recomputation, sequence parallelism, FlashAttention, ZeRO); the search picks the rest (micro-batch,
-    interleaving) and the fastest such plan is the "published layout" prediction. The unconstrained search
-    with the same software gives the planner's top layout. Throughput is put in the source's own FLOP
-    accounting: Megatron's Eq. 3 (which counts the recomputed forward) or model FLOP for Llama 3.
+    For each run: the software profile it names (``software``, a key of ``data/software.json``) sets what
+    the stack overlaps and how; the published tp, pp and dp are fixed, and whatever the source fixes besides
+    (activation recomputation, ZeRO); the search picks the rest (micro-batch, interleaving) and the fastest
+    such plan is the "published layout" prediction. The unconstrained search with the same software (every
+    knob free, recomputation and ZeRO included) gives the planner's top layout, and ``published_rank`` says
+    where the published tp × pp split first stands in it. Throughput is put in the source's own FLOP definition (``flop_accounting``).
 
     One global ``achievable_fraction`` for all runs; nothing is fitted per run.
+
+    Raises:
+        ValueError: a row names an unknown software profile or FLOP definition.
     """
     rows = []
     for key, e in load_published(path).items():
@@ -291,37 +320,65 @@ def validate_published(achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION,
         m = load_model(e["model"])
         if e.get("seq"):
             m = m.with_seq(e["seq"])
-        common = dict(sequence_parallel=e.get("sequence_parallel", True),
-                      flash_attention=e.get("flash_attention", True),
-                      achievable_fraction=achievable_fraction, dp_overlap=dp_overlap)
+        sw = load_software(e.get("software"))
+        common = dict(achievable_fraction=achievable_fraction, dp_overlap=dp_overlap, software=sw)
         fixed = {}
         if "recompute" in e:
             fixed["recompute"] = (e["recompute"],)
         if "zero1" in e:
             fixed["zero1"] = (e["zero1"],)
+        definition = e.get("flop_accounting", "model")
         pub = search(m, e["preset"], e["gpus"], e["global_batch"], tp_values=[e["tp"]], pp_values=[e["pp"]],
                      **fixed, **common).best
-        top = search(m, e["preset"], e["gpus"], e["global_batch"], **fixed, **common).best
-        flops = _flops_per_step(e, m, pub)
+        res = search(m, e["preset"], e["gpus"], e["global_batch"], **common)  # the planner's own choice
+        top = res.best
+        rank = next((i + 1 for i, p in enumerate(res.plans) if (p.layout.tp, p.layout.pp) == (e["tp"], e["pp"])),
+                    None)
+        flops = model_flops_per_step(m, e["global_batch"], definition)
         predicted = pub.time.flop_per_s_per_gpu(flops) / 1e12
-        top_tf = top.time.flop_per_s_per_gpu(_flops_per_step(e, m, top)) / 1e12
+        top_tf = top.time.flop_per_s_per_gpu(flops) / 1e12
         reported = float(e["tflops_per_gpu"])
         d = load_preset(e["preset"]).devices_per_node
         rows.append(ValidationRow(config=key, published=pub.layout.short(), planner_top=top.layout.short(),
                                   reported_tflops=reported, predicted_tflops=predicted, top_tflops=top_tf,
                                   error_pct=(predicted - reported) / reported * 100,
                                   top_tp_within_node=d % top.layout.tp == 0, published_step_s=pub.step_s,
-                                  top_step_s=top.step_s, accounting=e.get("flop_accounting", "model")))
+                                  top_step_s=top.step_s, accounting=definition, published_rank=rank,
+                                  software=sw.name))
     return rows
 
 
+def validation_summary(rows: Sequence[ValidationRow]) -> dict:
+    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5"}`` of ``rows``.
+
+    Raises:
+        ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("no validation rows")
+    errs = sorted(abs(r.error_pct) for r in rows)
+    n = len(errs)
+    median = errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2
+    return {"rows": n, "median_abs_error_pct": median, "within_10": sum(e <= 10 for e in errs),
+            "within_25": sum(e <= 25 for e in errs),
+            "published_in_top5": sum(r.published_rank is not None and r.published_rank <= 5 for r in rows)}
+
+
 def validation_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %)."""
-    head = (f"{'config':<26} {'published (+planner-chosen knobs)':<34} {'reported':>8} {'predicted':>9} "
-            f"{'error %':>8}  {'planner top layout':<32} {'top TF/s':>8}")
+    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, rank of the published split in the
+    planner's own search), and a closing summary line (:func:`validation_summary`)."""
+    head = (f"{'config':<26} {'software':<29} {'published (+planner-chosen knobs)':<36} {'reported':>8} "
+            f"{'predicted':>9} {'error %':>8} {'rank':>5}  {'planner top layout':<34} {'top TF/s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         flag = "" if r.within else "  (outside ±%d %%)" % WITHIN_PCT
-        lines.append(f"{r.config:<26} {r.published:<34} {r.reported_tflops:>8.0f} {r.predicted_tflops:>9.0f} "
-                     f"{r.error_pct:>+8.1f}  {r.planner_top:<32} {r.top_tflops:>8.0f}{flag}")
+        rank = "-" if r.published_rank is None else str(r.published_rank)
+        lines.append(f"{r.config:<26} {r.software:<29} {r.published:<36} {r.reported_tflops:>8.0f} "
+                     f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {rank:>5}  {r.planner_top:<34} "
+                     f"{r.top_tflops:>8.0f}{flag}")
+    if rows:
+        s = validation_summary(rows)
+        lines.append(f"median |error| {s['median_abs_error_pct']:.1f} % over {s['rows']} rows; within 10 %: "
+                     f"{s['within_10']}, within 25 %: {s['within_25']}; published split in the planner's top 5: "
+                     f"{s['published_in_top5']}")
     return "\n".join(lines)

@@ -2,34 +2,53 @@
 
 :func:`step_time` returns a :class:`TimeBreakdown` (seconds) for a model (:class:`~.memory.ModelConfig`),
 a layout (:class:`~.memory.Layout`), a cluster (:class:`~commlab.topology.Cluster`: links with α in s
-and β in s/byte per direction, devices and NICs per node, peak FLOP/s) and a global batch (sequences).
+and β in s/byte per direction, devices and NICs per node, peak FLOP/s), a global batch (sequences) and a
+software profile (:class:`~.software.SoftwareProfile`: what the stack overlaps, how it lays out pipeline
+messages, its gradient bytes).
 
 The terms, per step, on the critical path of one GPU:
 
 * **compute** = executed FLOP / (tp·pp·dp GPUs × peak FLOP/s × ``achievable_fraction``). Executed FLOP
-  per token: ``6·P + 12·L·h·s`` (weights: 2 FLOP per parameter forward, 4 backward, Kaplan et al. 2020;
-  attention scores and context: Chowdhery et al. 2022, PaLM, Appendix B), plus ``2·P + 4·L·h·s`` with
-  full recomputation (one more forward). Multiplied by ``stage_layers·pp/L`` when the layers do not divide
-  evenly (the heaviest stage, ``ceil(L/(pp·v))·v`` layers, sets the pace).
+  per token (:func:`executed_flops_per_token`): ``6·P_mm`` for the weight matmuls (2 FLOP per weight
+  forward, 4 backward, Kaplan et al. 2020), where ``P_mm`` is the layers' parameters plus the ``V·h``
+  output layer -- the input-embedding lookup is a gather, not a matmul, so it is not counted; plus the
+  attention core, ``4·s·h`` per layer forward and twice that backward (PaLM, Chowdhery et al. 2022,
+  Appendix B), or with FlashAttention on causal attention half the forward, ``2·s·h``, and 2.5 times that
+  backward (the accounting of FlashAttention-2's benchmark, Dao-AILab/flash-attention
+  ``benchmarks/benchmark_flash_attention.py``, ``flops()``: ``4·b·s²·heads·head_dim``, halved when causal,
+  ×2.5 for the backward, whose kernel recomputes the scores). Recomputation adds the forward it reruns:
+  the layers' ``2·P_layers`` and attention forward with full recomputation (never the output layer,
+  which is not recomputed), a ``1/k`` share of that with ``every-k``, and only the attention-core forward
+  with selective recomputation (Korthikanti et al. 2022, §5). Multiplied by ``stage_layers·pp/L`` when the
+  layers do not divide evenly (the heaviest stage, ``ceil(L/(pp·v))·v`` layers, sets the pace).
 * **TP**: per layer and micro-batch, 4 AllReduces of the ``b·s·h·2``-byte activation (2 forward, 2
-  backward; 6 with recomputation, whose forward repeats its 2), each a ring over the tp ranks on the
-  link the group uses (inside a node when tp divides ``devices_per_node``), with that link's (α, β): the
-  presets give the Simple protocol's pair, the one NCCL's own model (:mod:`commlab.collectives.nccl_model`)
-  picks for messages this large. The message is the whole activation on every rank: the bytes are
-  **not** divided by tp -- only the per-rank share of a ring, 2(t-1)/t of them, depends on t (Shoeybi et
-  al. 2019, §3; Narayanan et al. 2021, §3.2: ``8bsh(t-1)/t`` per layer and micro-batch). Not overlapped
-  with compute.
-* **PP**: per micro-batch (and per interleaved chunk), one ``b·s·h·2``-byte send forward and one backward
-  between neighbouring stages, on the inter-node link when stages cross nodes (the tp ranks of a stage
-  send at once, sharing the node's NICs).
-* **bubble**: ``(pp-1)/(v·m)`` of the per-micro-batch work (Narayanan et al. 2021, §2.2.1-2.2.2), with m
-  micro-batches per step and v interleaved chunks; :func:`commlab.parallel.pipeline.bubble_fraction`
-  gives the same as a fraction of the whole step.
-* **DP**: an AllReduce (or, with ZeRO-1, ReduceScatter + AllGather: the same bytes) of the GPU's
-  gradient shard, ``stage params / tp × grad_bytes``, over the dp ranks: a ring inside the node for the
-  members that share it, then a ring across nodes in which all of a node's devices send at once through
-  its NICs (the NIC sharing of :func:`commlab.collectives.hierarchical.hierarchical_all_reduce_seconds`).
-  ``dp_overlap`` (0..1) of it may hide behind the backward pass of the last micro-batch.
+  backward; 2 more per recomputed layer, whose forward repeats its 2; with sequence parallelism each is an
+  AllGather + ReduceScatter pair moving the same bytes), each a ring over the tp ranks on the link the
+  group uses (inside a node when tp divides ``devices_per_node``), with that link's (α, β): the presets
+  give the Simple protocol's pair, the one NCCL's own model (:mod:`commlab.collectives.nccl_model`) picks
+  for messages this large. The bytes are **not** divided by tp -- only the per-rank share of a ring,
+  2(t-1)/t of them, depends on t (Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3.2). The profile's
+  ``overlap_tp`` share of it hides behind the matmuls (at most the compute time) when the layout runs
+  sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires; the rest is exposed.
+* **PP**: per micro-batch and interleaved chunk, one send forward and one backward between neighbouring
+  stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
+  the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
+  over the tp ranks (Narayanan et al. 2021, §4.1) or runs sequence parallelism (each rank then holds
+  ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute.
+* **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP;
+  Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
+  :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
+* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an
+  AllGather: of the updated bf16 parameters with a distributed optimizer (ZeRO-1; Megatron's
+  ``--use-distributed-optimizer``), of the reduced gradients otherwise (the two halves of an AllReduce).
+  Each is half of :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps), on the links
+  the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and the
+  AllGather half without a distributed optimizer) hides behind the backward pass of the last
+  micro-batch; ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first
+  (Megatron's ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed.
+* **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
+  fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
+  Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
 
 ``achievable_fraction`` (default :data:`DEFAULT_ACHIEVABLE_FRACTION` = 0.5) is the one calibration constant:
 the share of dense peak that the matrix multiplications of a large transformer sustain. Half of peak is
@@ -39,11 +58,15 @@ kernels themselves must therefore run somewhat above it. It is a single global n
 model: the planner's validation (:func:`~commlab.parallel.planner.search.validate_published`) reports
 how far that takes it.
 
-What is left out (see the book): overlap of TP communication with compute (possible when the matrix
-multiplications are split into pieces whose AllReduces overlap the next piece's compute), partial
-recomputation (only none or full), the scatter/gather optimisation of PP sends (Narayanan et al. 2021,
-§4.1), context parallelism, kernel-efficiency changes with the GEMM shapes (small micro-batches or large
-tp are not penalised), optimizer step time, data loading, stragglers.
+Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP in a stated definition
+(for an MFU or a published TFLOP/s figure): :func:`model_flops_per_step` with one of
+:data:`FLOP_DEFINITIONS` (Megatron's Eq. 3, which counts the recomputed forward; ``6·P + 12·L·h·s`` of
+PaLM's Appendix B; ``6·P``).
+
+What is left out (see the book): the step timeline (the terms are summed, not scheduled), kernel-efficiency
+changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations,
+the all-gather inside the node after a scattered pipeline message, ZeRO-2/3 and FSDP, context
+parallelism, optimizer step time, data loading, stragglers.
 """
 
 from __future__ import annotations
@@ -52,15 +75,27 @@ import dataclasses
 import math
 
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.memory import Layout, ModelConfig, parameter_count, stage_layers, stage_params
+from commlab.parallel.planner.memory import (Layout, ModelConfig, layer_params, parameter_count, stage_layers,
+                                             stage_params)
+from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
 from commlab.topology import Cluster, Link
 
-__all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "model_flops_per_token", "executed_flops_per_token",
-           "megatron_eq3_flops", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
-           "dp_all_reduce_seconds", "step_time"]
+__all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
+           "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "model_flops_per_step",
+           "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
+           "dp_exposed_seconds", "step_time"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
+
+#: Model-FLOP definitions published runs use, for :func:`model_flops_per_step`.
+FLOP_DEFINITIONS = {
+    "megatron-eq3": "Narayanan et al. 2021, Eq. 3: 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)); assumes full "
+                    "activation recomputation (counts the recomputed forward)",
+    "model": "6·P + 12·L·h·s per token, P with embeddings, no recomputation (PaLM's MFU accounting, Chowdhery et "
+             "al. 2022, Appendix B)",
+    "6n": "6·P per token, P with embeddings: weights only, no attention, no recomputation",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +103,21 @@ class TimeBreakdown:
     """One step, seconds, and what it yields.
 
     Attributes:
-        compute_s: matrix multiplications of all micro-batches on one GPU.
-        tp_s: tensor-parallel AllReduces of all micro-batches.
-        pp_s: pipeline sends and receives of all micro-batches.
+        compute_s: matrix multiplications of all micro-batches on one GPU (executed FLOP).
+        tp_s: tensor-parallel communication of all micro-batches on the critical path (not hidden).
+        pp_s: pipeline sends and receives of all micro-batches on the critical path (not hidden).
         bubble_s: pipeline fill and drain.
-        dp_s: the gradient AllReduce (ZeRO-1: ReduceScatter + AllGather), in full.
-        dp_exposed_s: the part of ``dp_s`` not hidden behind the backward pass.
+        dp_s: the gradient ReduceScatter + AllGather (or AllReduce), in full.
+        dp_exposed_s: the part of ``dp_s`` not hidden behind compute.
         micro_batches: micro-batches per step m.
         tokens_per_step: global batch × sequence length.
-        model_flop_per_step: ``(6·P + 12·L·h·s) × tokens`` (recomputation not counted), FLOP.
+        model_flop_per_step: ``(6·P + 12·L·h·s) × tokens`` (the ``"model"`` definition), FLOP.
         gpus: tp·pp·dp.
+        tp_hidden_s, pp_hidden_s: the TP and PP communication hidden behind compute.
+        dp_reduce_scatter_s, dp_all_gather_s: the two halves of ``dp_s``.
+        overlap_slowdown_s: what compute loses while hidden communication shares the GPU.
+        executed_flop_per_step: FLOP the GPUs execute (:func:`executed_flops_per_token` × tokens).
+        software: the software profile's name.
     """
 
     compute_s: float
@@ -90,11 +130,19 @@ class TimeBreakdown:
     tokens_per_step: int
     model_flop_per_step: float
     gpus: int
+    tp_hidden_s: float = 0.0
+    pp_hidden_s: float = 0.0
+    dp_reduce_scatter_s: float = 0.0
+    dp_all_gather_s: float = 0.0
+    overlap_slowdown_s: float = 0.0
+    executed_flop_per_step: float = 0.0
+    software: str = ""
 
     @property
     def total_s(self) -> float:
-        """Step time, s: compute + TP + PP + bubble + exposed DP."""
-        return self.compute_s + self.tp_s + self.pp_s + self.bubble_s + self.dp_exposed_s
+        """Step time, s: compute + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP."""
+        return (self.compute_s + self.overlap_slowdown_s + self.tp_s + self.pp_s + self.bubble_s
+                + self.dp_exposed_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,11 +151,11 @@ class TimeBreakdown:
 
     @property
     def model_flop_per_s_per_gpu(self) -> float:
-        """Achieved model FLOP/s per GPU: model FLOP per step / step time / GPUs."""
+        """Achieved model FLOP/s per GPU (``"model"`` definition): model FLOP per step / step time / GPUs."""
         return self.model_flop_per_step / self.total_s / self.gpus
 
     def flop_per_s_per_gpu(self, flop_per_step: float) -> float:
-        """FLOP/s per GPU in another accounting (e.g. :func:`megatron_eq3_flops`), given its FLOP per step."""
+        """FLOP/s per GPU in another accounting (e.g. :func:`model_flops_per_step`), given its FLOP per step."""
         return flop_per_step / self.total_s / self.gpus
 
     def as_dict(self) -> dict:
@@ -121,16 +169,62 @@ class TimeBreakdown:
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Model FLOP per token of a training step, no recomputation: ``6·P + 12·L·h·s`` (P with embeddings;
-    the input-embedding lookup is not a matmul, a small over-count). PaLM's MFU accounting (Chowdhery et
-    al. 2022, Appendix B)."""
+    the input-embedding lookup is not a matmul, a small over-count that this definition keeps). PaLM's MFU
+    accounting (Chowdhery et al. 2022, Appendix B); the ``"model"`` entry of :data:`FLOP_DEFINITIONS`."""
     return 6.0 * parameter_count(m) + 12.0 * m.layers * m.hidden * m.seq
 
 
-def executed_flops_per_token(m: ModelConfig, recompute: bool) -> float:
-    """FLOP per token the GPUs execute: model FLOP, plus one more forward (``2·P + 4·L·h·s``) with full
-    recomputation."""
-    extra = 2.0 * parameter_count(m) + 4.0 * m.layers * m.hidden * m.seq if recompute else 0.0
-    return model_flops_per_token(m) + extra
+def attention_flops_per_token(m: ModelConfig, flash_attention: bool = True, causal: bool = True) -> tuple[float, float]:
+    """``(forward, backward)`` FLOP per token of one layer's attention core (QKᵀ and attention over V).
+
+    Without FlashAttention: ``4·s·h`` forward, ``8·s·h`` backward (the full s × s scores are computed and
+    masked; PaLM, Appendix B). With FlashAttention (FlashAttention-2's benchmark accounting,
+    Dao-AILab/flash-attention ``benchmarks/benchmark_flash_attention.py``): forward ``4·s·h``, halved
+    when causal (the masked blocks are skipped), backward 2.5 times the forward (its kernel recomputes
+    the scores).
+    """
+    fwd = 4.0 * m.seq * m.hidden
+    if not flash_attention:
+        return fwd, 2.0 * fwd
+    if causal:
+        fwd /= 2.0
+    return fwd, 2.5 * fwd
+
+
+def _matmul_params(m: ModelConfig) -> float:
+    """Parameters that take part in matmuls: the layers plus the ``V·h`` output layer (tied or not); the
+    input embedding (and a learned position table) is a lookup."""
+    return m.layers * layer_params(m) + m.vocab * m.hidden
+
+
+def executed_flops_per_token(m: ModelConfig, recompute: bool | str = False, flash_attention: bool = True,
+                             causal: bool = True, recompute_every: int = 1) -> float:
+    """FLOP per token the GPUs execute in one training step (see the module docstring).
+
+    ``6·P_mm + L·(attention forward + backward)`` (:func:`attention_flops_per_token`), plus the recomputed
+    forward: ``L·(2·layer_params + attention forward)`` with ``"full"`` (the output layer is not
+    recomputed), ``floor(L/k)`` layers of it with ``"every-k"`` (k = ``recompute_every``), and
+    ``L × attention forward`` with ``"selective"`` (Korthikanti et al. 2022, §5: only the attention core is
+    recomputed).
+
+    Raises:
+        ValueError: unknown recompute policy; ``recompute_every`` not an int >= 1.
+    """
+    policy = check_recompute_policy(recompute)
+    if isinstance(recompute_every, bool) or not isinstance(recompute_every, int) or recompute_every < 1:
+        raise ValueError(f"recompute_every must be an int >= 1, got {recompute_every!r}")
+    fwd, bwd = attention_flops_per_token(m, flash_attention, causal)
+    base = 6.0 * _matmul_params(m) + m.layers * (fwd + bwd)
+    layer_forward = 2.0 * layer_params(m) + fwd
+    extra = {"none": 0.0, "full": m.layers * layer_forward,
+             "every-k": (m.layers // recompute_every) * layer_forward,
+             "selective": m.layers * fwd}[policy]
+    return base + extra
+
+
+def _forward_flops_per_token(m: ModelConfig, flash_attention: bool, causal: bool = True) -> float:
+    fwd, _ = attention_flops_per_token(m, flash_attention, causal)
+    return 2.0 * _matmul_params(m) + m.layers * fwd
 
 
 def megatron_eq3_flops(m: ModelConfig, global_batch: int) -> float:
@@ -140,6 +234,26 @@ def megatron_eq3_flops(m: ModelConfig, global_batch: int) -> float:
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "model") -> float:
+    """Model FLOP of one step of ``global_batch`` sequences in a published definition (:data:`FLOP_DEFINITIONS`):
+    ``"megatron-eq3"`` (:func:`megatron_eq3_flops`), ``"model"`` (:func:`model_flops_per_token` × tokens) or
+    ``"6n"`` (``6·P`` × tokens). Divide by the step time and the GPUs for the FLOP/s per GPU a source reports.
+
+    Raises:
+        ValueError: unknown definition (the message lists the known ones); ``global_batch`` not an int >= 1.
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
+    tokens = global_batch * m.seq
+    if definition == "megatron-eq3":
+        return megatron_eq3_flops(m, global_batch)
+    if definition == "model":
+        return model_flops_per_token(m) * tokens
+    if definition == "6n":
+        return 6.0 * parameter_count(m) * tokens
+    raise ValueError(f"unknown FLOP definition {definition!r}; known: {sorted(FLOP_DEFINITIONS)}")
+
+
 # ----------------------------------------------------------------------------------------- bytes
 
 def tp_all_reduce_nbytes(m: ModelConfig, micro_batch: int) -> float:
@@ -147,13 +261,22 @@ def tp_all_reduce_nbytes(m: ModelConfig, micro_batch: int) -> float:
     return 2.0 * micro_batch * m.seq * m.hidden
 
 
-def pp_message_nbytes(m: ModelConfig, micro_batch: int) -> float:
-    """Bytes one stage sends its neighbour per micro-batch, each way: ``b·s·h·2`` (bf16)."""
-    return 2.0 * micro_batch * m.seq * m.hidden
+def pp_message_nbytes(m: ModelConfig, micro_batch: int, tp: int = 1, split: bool = False) -> float:
+    """Bytes each rank of a stage sends its neighbour per micro-batch, each way: the bf16 boundary activation
+    ``b·s·h·2``, or ``b·s·h·2/tp`` when ``split`` (scatter/gather, Narayanan et al. 2021, §4.1, or sequence
+    parallelism: each of the tp ranks sends its 1/tp).
+
+    Raises:
+        ValueError: tp not an int >= 1.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    return 2.0 * micro_batch * m.seq * m.hidden / (tp if split else 1)
 
 
 def dp_gradient_nbytes(m: ModelConfig, layout: Layout, grad_bytes: int = 2) -> float:
-    """Bytes each GPU reduces over its DP group: the heavier pipeline stage's parameters / tp × grad_bytes."""
+    """Bytes each GPU reduces over its DP group: the heavier pipeline stage's parameters / tp × grad_bytes
+    (with ``grad_bytes = 2``: also the bf16 parameters a distributed optimizer all-gathers)."""
     if layout.pp == 1:
         p = stage_params(m, 1, "only")
     else:
@@ -199,6 +322,28 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
                                       cluster.inter.beta_s_per_byte * share)
     return t_intra + t_inter
 
+def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
+                       gather_window_s: float = 0.0, gather_overlap: float = 0.0) -> tuple[float, float]:
+    """``(exposed, hidden)`` seconds of the DP communication.
+
+    The gradient reduction (``reduce_s``) may hide up to ``reduce_overlap × reduce_s`` behind
+    ``reduce_window_s`` (the last micro-batch's backward pass); the parameter all-gather (``gather_s``) up to
+    ``gather_overlap × gather_s`` behind ``gather_window_s`` (the first micro-batch's forward pass). What
+    does not fit in its window, and the share not overlapped, is exposed.
+
+    Raises:
+        ValueError: a negative time or an overlap share outside [0, 1].
+    """
+    for name, v in (("reduce_s", reduce_s), ("reduce_window_s", reduce_window_s), ("gather_s", gather_s),
+                    ("gather_window_s", gather_window_s)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+    for name, v in (("reduce_overlap", reduce_overlap), ("gather_overlap", gather_overlap)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    hidden = min(reduce_overlap * reduce_s, reduce_window_s) + min(gather_overlap * gather_s, gather_window_s)
+    return reduce_s + gather_s - hidden, hidden
+
 
 def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
     d = cluster.devices_per_node
@@ -210,25 +355,29 @@ def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
 # ----------------------------------------------------------------------------------------- the step
 
 def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
-              achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float = 0.0,
-              dtype: str = "bf16", grad_bytes: int = 2) -> TimeBreakdown:
+              achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+              dtype: str = "bf16", grad_bytes: int | None = None,
+              software: SoftwareProfile | str | None = None) -> TimeBreakdown:
     """Predicted time of one training step (seconds), term by term (see the module docstring).
 
     Args:
         m: the model (its ``seq`` is the training sequence length).
-        layout: tp, pp, dp, micro-batch, recomputation, interleaving.
+        layout: tp, pp, dp, micro-batch, recomputation policy, interleaving, ZeRO-1, sequence parallelism,
+            FlashAttention.
         cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used: the
             layout says how many GPUs run).
         global_batch: sequences per step; must be a multiple of ``dp·micro_batch``.
         achievable_fraction: share of peak the matmuls sustain, in (0, 1].
-        dp_overlap: share (0..1) of the DP AllReduce that may overlap the last micro-batch's backward
-            pass; 0 = not overlapped (Megatron-LM 2021), 1 = hidden up to that backward time.
+        dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
         dtype: key of ``cluster.peak_flop_per_s``.
-        grad_bytes: bytes per gradient element in the DP reduction (2 bf16, 4 fp32).
+        grad_bytes: if given, replaces the profile's bytes per gradient element (2 or 4).
+        software: a :class:`~.software.SoftwareProfile` or the name of one in ``data/software.json``;
+            None = :data:`~.software.DEFAULT_SOFTWARE` (nothing overlapped).
 
     Raises:
         ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of
-            range; ``dtype`` not in the cluster's peak table.
+            range; ``dtype`` not in the cluster's peak table; an unknown software profile; a profile with
+            ZeRO stage 3 (FSDP is not priced yet).
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
@@ -237,11 +386,21 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
                          f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")
     if not 0 < achievable_fraction <= 1:
         raise ValueError(f"achievable_fraction must be in (0, 1], got {achievable_fraction!r}")
-    if not 0 <= dp_overlap <= 1:
+    if dp_overlap is not None and not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
     if dtype not in cluster.peak_flop_per_s:
         raise ValueError(f"cluster {cluster.name!r} has no peak FLOP/s for dtype {dtype!r}; it has "
                          f"{sorted(cluster.peak_flop_per_s)}")
+    sw = load_software(software)
+    if sw.zero_stage == 3:
+        raise ValueError(f"software {sw.name!r} shards parameters (ZeRO stage 3 / FSDP), which the time model does "
+                         "not price yet; use a profile with zero_stage 0 or 1")
+    g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
+    if g_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {g_bytes!r}")
+    ov_grad = sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap
+    ov_param = sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap
+
     L = layout
     micro = global_batch // (L.dp * L.micro_batch)
     tokens = global_batch * m.seq
@@ -249,29 +408,50 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     layers_per_stage = stage_layers(m.layers, L.pp, L.interleave)
     imbalance = layers_per_stage * L.pp / m.layers
     rate = cluster.peak_flop_per_s[dtype] * achievable_fraction
-    compute = executed_flops_per_token(m, L.recompute) * tokens / (gpus * rate) * imbalance
+    executed = executed_flops_per_token(m, L.recompute, L.flash_attention, True, L.recompute_every)
+    compute = executed * tokens / (gpus * rate) * imbalance
+    forward_share = _forward_flops_per_token(m, L.flash_attention) / executed
 
-    tp_s = 0.0
+    tp_total = 0.0
     if L.tp > 1:
         link, share = _tp_link(L, cluster)
         one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, L.micro_batch), L.tp, link.alpha_s,
                                       link.beta_s_per_byte * share)
-        per_layer = 6 if L.recompute else 4
-        tp_s = one * per_layer * layers_per_stage * micro
+        recomputed = {"full": layers_per_stage, "every-k": layers_per_stage // L.recompute_every}.get(L.recompute, 0)
+        tp_total = one * (4 * layers_per_stage + 2 * recomputed) * micro
+    # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
+    # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
+    overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
+    tp_hidden = min(overlap_tp * tp_total, compute)
 
-    pp_s = 0.0
+    pp_total = 0.0
     if L.pp > 1:
         if L.tp * L.pp <= cluster.devices_per_node:
             link, share = cluster.intra, 1.0
         else:
             link, share = cluster.inter, _nic_share(cluster, min(L.tp, cluster.devices_per_node))
-        one = link.alpha_s + pp_message_nbytes(m, L.micro_batch) * link.beta_s_per_byte * share
-        pp_s = 2 * one * micro * L.interleave
+        split = sw.pp_scatter_gather or L.sequence_parallel
+        one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
+        pp_total = 2 * one * micro * L.interleave
+    pp_hidden = min(sw.overlap_pp * pp_total, compute - tp_hidden)
+    tp_s, pp_s = tp_total - tp_hidden, pp_total - pp_hidden
 
     bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s)
-    dp_s = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, grad_bytes), L, cluster)
-    backward_last = compute / micro * (2.0 / 3.0)
-    dp_exposed = max(0.0, dp_s - min(dp_overlap * dp_s, backward_last))
-    return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=dp_s,
+
+    grad_ar = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, g_bytes), L, cluster)
+    if L.zero1:  # distributed optimizer: ReduceScatter the gradients, AllGather the updated bf16 parameters
+        rs = grad_ar / 2
+        ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
+        reduce_s, gather_s = rs, ag
+    else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
+        rs = ag = grad_ar / 2
+        reduce_s, gather_s = grad_ar, 0.0
+    per_micro = compute / micro
+    dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
+                                               gather_s, per_micro * forward_share, ov_param)
+    slowdown = (tp_hidden + pp_hidden + dp_hidden) * (1 - 1 / sw.overlap_compute_slowdown)
+    return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,
-                         model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus)
+                         model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus,
+                         tp_hidden_s=tp_hidden, pp_hidden_s=pp_hidden, dp_reduce_scatter_s=rs, dp_all_gather_s=ag,
+                         overlap_slowdown_s=slowdown, executed_flop_per_step=executed * tokens, software=sw.name)

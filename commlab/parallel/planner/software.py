@@ -1,0 +1,205 @@
+"""Software profiles: facts about the training stack, beside the cluster preset.
+
+A :class:`SoftwareProfile` says what the stack does, not how fast it is: whether sequence parallelism is
+on, whether pipeline sends are split over the tp ranks (scatter/gather), which communication it overlaps
+with compute, the bytes of its gradients and optimizer states, its activation-recomputation policy and its
+ZeRO stage. :func:`load_software` reads a preset of ``data/software.json``, where every field carries the
+flag, source file or paper section it comes from (or says ``assumption:``).
+
+The time model (:func:`~commlab.parallel.planner.time_model.step_time`) uses the overlap fields, the
+scatter/gather layout, the gradient bytes and the compute slowdown; the search
+(:func:`~commlab.parallel.planner.search.search`) uses the rest to fill in the layouts it tries
+(sequence parallelism, FlashAttention, the recomputation policies and ZeRO-1 it may choose).
+
+Overlap fields are shares in [0, 1]: 1 = the stack may hide all of that communication behind compute (up
+to the compute there is to hide behind), 0 = it runs in series. They restate a flag (on = 1, off = 0); none
+is fitted to a measured run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGES", "DEFAULT_SOFTWARE",
+           "load_software", "list_software", "check_recompute_policy"]
+
+#: The profile table: the repository's ``data/software.json``.
+SOFTWARE_PATH = Path(__file__).resolve().parents[3] / "data" / "software.json"
+
+#: Activation-recomputation policies: none; ``selective`` = only the attention core (the s²-terms: QKᵀ,
+#: softmax, dropout, attention over V; Korthikanti et al. 2022, §5); ``full`` = every layer's forward;
+#: ``every-k`` = the full forward of one layer in every k (Megatron-Core's ``recompute_method``
+#: / ``recompute_num_layers`` give the same kind of partial recomputation).
+RECOMPUTE_POLICIES = ("none", "selective", "full", "every-k")
+
+#: ZeRO stages a profile may name: 0 (none), 1 (optimizer states sharded; Megatron's distributed
+#: optimizer), 3 (parameters, gradients and states sharded; FSDP). Stage 3 is not priced yet.
+ZERO_STAGES = (0, 1, 3)
+
+#: The profile ``step_time`` and ``search`` use when none is given.
+DEFAULT_SOFTWARE = "generic-no-overlap"
+
+_FRACTIONS = ("overlap_dp_grad_reduce", "overlap_dp_param_gather", "overlap_tp", "overlap_pp")
+
+
+def check_recompute_policy(policy) -> str:
+    """``policy`` as one of :data:`RECOMPUTE_POLICIES` (``True`` -> ``"full"``, ``False`` -> ``"none"``).
+
+    Raises:
+        ValueError: anything else; the message names it and the allowed values.
+    """
+    if policy is True:
+        return "full"
+    if policy is False:
+        return "none"
+    if isinstance(policy, str) and policy in RECOMPUTE_POLICIES:
+        return policy
+    raise ValueError(f"recompute policy {policy!r} is not one of {list(RECOMPUTE_POLICIES)} (or True = 'full', "
+                     "False = 'none')")
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftwareProfile:
+    """What a training stack does (see the module docstring).
+
+    Attributes:
+        name: the preset's key.
+        description: one line.
+        sequence_parallel: Megatron sequence parallelism (Korthikanti et al. 2022, §4.2.2).
+        pp_scatter_gather: each tp rank sends 1/tp of the boundary activation to the next stage, which
+            all-gathers it (Narayanan et al. 2021, §4.1); implied by sequence parallelism.
+        flash_attention: attention kernels that neither store the s × s scores nor compute the masked
+            half of causal attention (Dao et al. 2022; FlashAttention-2).
+        overlap_dp_grad_reduce: share (0..1) of the DP gradient reduction that may hide behind the
+            backward pass of the last micro-batch (Megatron ``--overlap-grad-reduce``).
+        overlap_dp_param_gather: share (0..1) of the distributed optimizer's parameter all-gather that may
+            hide behind the forward pass of the first micro-batch (``--overlap-param-gather``).
+        overlap_tp: share (0..1) of the TP communication hidden behind the layer's matmuls
+            (``--tp-comm-overlap``).
+        overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
+            (``overlap_p2p_comm``).
+        overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
+            kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
+            was checked, so every preset has 1.0 and says so.
+        grad_bytes: bytes per gradient element, held and reduced (2 bf16/fp16, 4 fp32).
+        optimizer_state_bytes: bytes of optimizer state per parameter (12 for Adam with fp32 master weights,
+            momentum and variance).
+        recompute: the stack's recomputation policy (:data:`RECOMPUTE_POLICIES`); the search tries it beside
+            none and full.
+        recompute_every: k of the ``every-k`` policy (>= 1).
+        zero_stage: 0, 1 (distributed optimizer) or 3 (FSDP; not priced yet).
+        sources: where each field comes from, keyed by field name.
+
+    Raises:
+        ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy or ZeRO
+            stage, grad_bytes not 2 or 4, a non-positive byte count; each message names the value and the
+            allowed ones.
+    """
+
+    name: str
+    sequence_parallel: bool = True
+    pp_scatter_gather: bool = False
+    flash_attention: bool = True
+    overlap_dp_grad_reduce: float = 0.0
+    overlap_dp_param_gather: float = 0.0
+    overlap_tp: float = 0.0
+    overlap_pp: float = 0.0
+    overlap_compute_slowdown: float = 1.0
+    grad_bytes: int = 2
+    optimizer_state_bytes: int = 12
+    recompute: str = "full"
+    recompute_every: int = 1
+    zero_stage: int = 1
+    description: str = ""
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        for f in _FRACTIONS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"software {self.name!r}: {f} = {v!r} must be a share in [0, 1] "
+                                 "(0 = not overlapped, 1 = fully hidden behind compute)")
+        s = self.overlap_compute_slowdown
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 1.0:
+            raise ValueError(f"software {self.name!r}: overlap_compute_slowdown = {s!r} must be >= 1 "
+                             "(1 = compute does not slow down while communication overlaps it)")
+        object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
+        if isinstance(self.recompute_every, bool) or not isinstance(self.recompute_every, int) \
+                or self.recompute_every < 1:
+            raise ValueError(f"software {self.name!r}: recompute_every = {self.recompute_every!r} must be an "
+                             "int >= 1")
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            raise ValueError(f"software {self.name!r}: zero_stage = {self.zero_stage!r} is not one of "
+                             f"{list(ZERO_STAGES)}")
+        if self.grad_bytes not in (2, 4) or isinstance(self.grad_bytes, bool):
+            raise ValueError(f"software {self.name!r}: grad_bytes = {self.grad_bytes!r} must be 2 (bf16/fp16) "
+                             "or 4 (fp32)")
+        b = self.optimizer_state_bytes
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0:
+            raise ValueError(f"software {self.name!r}: optimizer_state_bytes = {b!r} must be > 0")
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Optimizer states sharded over the DP ranks (ZeRO stage >= 1)."""
+        return self.zero_stage >= 1
+
+    def replace(self, **changes) -> "SoftwareProfile":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@lru_cache(maxsize=4)
+def _read(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def list_software(path: str | Path | None = None) -> list[str]:
+    """Names of the profiles in ``path`` (default :data:`SOFTWARE_PATH`), sorted."""
+    return sorted(_read(str(Path(path or SOFTWARE_PATH).resolve())))
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SoftwareProfile) if f.name not in ("name", "description",
+                                                                                      "sources"))
+
+
+def load_software(name: str | SoftwareProfile | None = None, path: str | Path | None = None) -> SoftwareProfile:
+    """The profile ``name`` of ``data/software.json`` (None: :data:`DEFAULT_SOFTWARE`; a profile is returned
+    as it is).
+
+    Every field of the entry must be ``{"value": ..., "source": "..."}`` with a non-empty source, and every
+    field of :class:`SoftwareProfile` must be given.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones); a field missing, unknown, without a
+            source, or with a bad value (see :class:`SoftwareProfile`).
+    """
+    if isinstance(name, SoftwareProfile):
+        return name
+    name = DEFAULT_SOFTWARE if name is None else name
+    table = _read(str(Path(path or SOFTWARE_PATH).resolve()))
+    if name not in table:
+        raise ValueError(f"unknown software profile {name!r}; known profiles: {sorted(table)}")
+    entry = dict(table[name])
+    description = entry.pop("description", "")
+    unknown = set(entry) - set(_FIELDS)
+    missing = set(_FIELDS) - set(entry)
+    if unknown or missing:
+        raise ValueError(f"software {name!r}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}; "
+                         f"each profile gives exactly {list(_FIELDS)}")
+    values, sources = {}, {}
+    for field in _FIELDS:
+        fig = entry[field]
+        if not isinstance(fig, dict) or "value" not in fig:
+            raise ValueError(f"software {name!r}: field {field!r} must be an object with value and source")
+        src = fig.get("source")
+        if not isinstance(src, str) or not src.strip():
+            raise ValueError(f"software {name!r}: field {field!r} has no source; every field names the flag, "
+                             "file or paper section it comes from, or starts with 'assumption:'")
+        values[field], sources[field] = fig["value"], src
+    return SoftwareProfile(name=name, description=description, sources=sources, **values)

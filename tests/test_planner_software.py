@@ -1,0 +1,258 @@
+"""The planner's software profiles and the terms they drive, each against a value computed by hand from its
+source's formula: PP scatter/gather bytes (Narayanan et al. 2021, §4.1), the interleaved bubble (§2.2.2),
+DP as ReduceScatter + AllGather with only the remainder exposed, selective recomputation (Korthikanti et
+al. 2022, §5), causal FlashAttention FLOPs (FlashAttention-2's benchmark accounting), executed vs model FLOPs
+(no embedding matmul, no recomputed output layer, Megatron's Eq. 3)."""
+
+import dataclasses
+
+import pytest
+
+from commlab.__main__ import main
+from commlab.collectives.ring import ring_all_reduce_seconds
+from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layout, ModelConfig, SoftwareProfile,
+                                      attention_flops_per_token, dp_exposed_seconds, dp_gradient_nbytes,
+                                      dp_all_reduce_seconds, executed_flops_per_token, layer_params, list_software,
+                                      load_model, load_software, make_cluster, megatron_eq3_flops,
+                                      memory_breakdown, model_flops_per_step, model_flops_per_token,
+                                      parameter_count, pp_message_nbytes, search, step_time)
+from commlab.parallel.planner.software import _FIELDS
+
+TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
+
+
+# ----------------------------------------------------------------------------------------- profiles
+
+@pytest.mark.parametrize("name", list_software())
+def test_every_profile_loads_and_every_field_has_a_source(name):
+    p = load_software(name)
+    assert set(p.sources) == set(_FIELDS)
+    assert all(src.strip() for src in p.sources.values())
+    assert p.recompute in RECOMPUTE_POLICIES
+
+
+def test_the_published_stacks_are_there():
+    assert {"megatron-lm-2021", "megatron-lm-2022-sp-selective", "megatron-core", "torchtitan"} <= set(list_software())
+    old, core = load_software("megatron-lm-2021"), load_software("megatron-core")
+    assert old.pp_scatter_gather and not old.sequence_parallel and old.overlap_dp_grad_reduce == 0
+    assert core.sequence_parallel and core.overlap_dp_grad_reduce == 1 and core.recompute == "selective"
+    assert load_software(None).name == "generic-no-overlap"
+
+
+def test_bad_profiles_name_the_value_and_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"'nope'.*megatron-core"):
+        load_software("nope")
+    with pytest.raises(ValueError, match=r"overlap_tp = 1.5 .*\[0, 1\]"):
+        SoftwareProfile(name="x", overlap_tp=1.5)
+    with pytest.raises(ValueError, match=r"overlap_dp_grad_reduce = -0.1"):
+        SoftwareProfile(name="x", overlap_dp_grad_reduce=-0.1)
+    with pytest.raises(ValueError, match=r"'sometimes'.*'none', 'selective', 'full', 'every-k'"):
+        SoftwareProfile(name="x", recompute="sometimes")
+    with pytest.raises(ValueError, match=r"'sometimes'.*'selective'"):
+        Layout(1, 1, 1, recompute="sometimes")
+    with pytest.raises(ValueError, match="slowdown"):
+        SoftwareProfile(name="x", overlap_compute_slowdown=0.5)
+    with pytest.raises(ValueError, match=r"zero_stage = 2 .*\[0, 1, 3\]"):
+        SoftwareProfile(name="x", zero_stage=2)
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        step_time(TINY, Layout(1, 1, 1), make_cluster("dgx-a100-hdr", 8), 1, software="torchtitan")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dp_exposed_seconds(1.0, 1.0, 1.2)
+
+
+def test_a_profile_file_without_a_source_is_refused(tmp_path):
+    entry = {f: {"value": v, "source": "x"} for f, v in dataclasses.asdict(SoftwareProfile(name="a")).items()
+             if f in _FIELDS}
+    entry["overlap_tp"] = {"value": 0.0}
+    import json
+    path = tmp_path / "software.json"
+    path.write_text(json.dumps({"a": entry}))
+    with pytest.raises(ValueError, match="'overlap_tp' has no source"):
+        load_software("a", path)
+
+
+# ----------------------------------------------------------------------------------------- FLOP
+
+def test_causal_flash_attention_flops_follow_flashattention2s_accounting():
+    m = load_model("llama3-405b")
+    s, h = m.seq, m.hidden
+    # benchmark_flash_attention.py: fwd = 4·b·s²·heads·head_dim, / 2 when causal; bwd = 2.5·fwd. Per token:
+    assert attention_flops_per_token(m, flash_attention=True, causal=True) == (4 * s * h / 2, 2.5 * 4 * s * h / 2)
+    assert attention_flops_per_token(m, flash_attention=True, causal=False) == (4 * s * h, 10 * s * h)
+    # Without FlashAttention the whole s x s score matrix is computed: PaLM's 12·s·h per layer, fwd + bwd.
+    assert sum(attention_flops_per_token(m, flash_attention=False)) == 12 * s * h
+
+
+def test_no_embedding_matmul_in_the_executed_flops():
+    llama = load_model("llama3-405b")  # untied: P holds the input embedding and the output layer
+    V, h, L, s = llama.vocab, llama.hidden, llama.layers, llama.seq
+    ex = executed_flops_per_token(llama, "none", flash_attention=False)
+    assert ex == 6 * (L * layer_params(llama) + V * h) + 12 * L * s * h
+    # model FLOP (6P + 12Lhs) count the input-embedding lookup and the final norm as matmul work; executed not.
+    assert model_flops_per_token(llama) - ex == 6 * (V * h + h)
+    gpt = load_model("megatron-1.7b")  # tied embedding, learned positions
+    assert model_flops_per_token(gpt) - executed_flops_per_token(gpt, "none", flash_attention=False) == \
+        6 * (gpt.seq * gpt.hidden + 2 * gpt.hidden)
+
+
+def test_recomputation_does_not_rerun_the_output_layer():
+    m = load_model("megatron-18.4b")
+    L, s, h = m.layers, m.seq, m.hidden
+    none = executed_flops_per_token(m, "none", flash_attention=False)
+    full = executed_flops_per_token(m, "full", flash_attention=False)
+    assert full - none == L * (2 * layer_params(m) + 4 * s * h)  # no 2·V·h for the logits
+    assert executed_flops_per_token(m, True, flash_attention=False) == full
+    # every-k: the full forward of floor(L/k) layers.
+    assert executed_flops_per_token(m, "every-k", flash_attention=False, recompute_every=3) - none == \
+        (L // 3) * (2 * layer_params(m) + 4 * s * h)
+
+
+def test_megatron_eq3_is_the_executed_count_of_full_recomputation_without_biases():
+    # Eq. 3 per token: 96·L·h² + 16·L·s·h + 6·V·h. The executed count of a GPT layer (12h² + 13h weights,
+    # full recomputation, no FlashAttention) has the same terms plus 8 FLOP for each of the 13h biases and
+    # LayerNorm weights of every layer (2 forward, 4 backward, 2 recomputed forward).
+    m = load_model("megatron-18.4b")
+    tokens = 1024 * m.seq
+    ex = executed_flops_per_token(m, "full", flash_attention=False)
+    assert ex * tokens - megatron_eq3_flops(m, 1024) == pytest.approx(8 * 13 * m.layers * m.hidden * tokens,
+                                                                      rel=1e-9)
+
+
+def test_selective_recomputation_reruns_only_the_attention_core():
+    m = load_model("megatron-18.4b")
+    L, s, h = m.layers, m.seq, m.hidden
+    none = executed_flops_per_token(m, "none", flash_attention=False)
+    # Korthikanti et al. 2022, §5: QKᵀ and the attention over V, 2·s·h each per token and layer, forward.
+    assert executed_flops_per_token(m, "selective", flash_attention=False) - none == L * 4 * s * h
+    assert executed_flops_per_token(m, "selective", flash_attention=True) - \
+        executed_flops_per_token(m, "none", flash_attention=True) == L * 2 * s * h
+    # Selective recomputation also drops the 5·a·s/h score term from the stored activations.
+    sel = memory_breakdown(m, Layout(8, 1, 4, recompute="selective", flash_attention=False), 32)
+    none_mem = memory_breakdown(m, Layout(8, 1, 4, recompute="none", flash_attention=False), 32)
+    fa = memory_breakdown(m, Layout(8, 1, 4, recompute="none", flash_attention=True), 32)
+    assert sel.activations_bytes == fa.activations_bytes < none_mem.activations_bytes
+
+
+def test_flop_converters():
+    m = load_model("megatron-1t")
+    B = 3072
+    assert model_flops_per_step(m, B, "megatron-eq3") == megatron_eq3_flops(m, B)
+    assert model_flops_per_step(m, B, "model") == model_flops_per_token(m) * B * m.seq
+    assert model_flops_per_step(m, B, "6n") == 6 * parameter_count(m) * B * m.seq
+    assert set(FLOP_DEFINITIONS) == {"megatron-eq3", "model", "6n"}
+    with pytest.raises(ValueError, match=r"'palm'.*megatron-eq3"):
+        model_flops_per_step(m, B, "palm")
+
+
+def test_time_breakdown_keeps_executed_and_model_flops_apart():
+    m = load_model("llama3-405b")
+    t = step_time(m, Layout(8, 16, 128, interleave=4, zero1=True, recompute=True), make_cluster("dgx-h100-ndr", 16384),
+                  2048)
+    tokens = 2048 * m.seq
+    assert t.model_flop_per_step == model_flops_per_token(m) * tokens
+    assert t.executed_flop_per_step == executed_flops_per_token(m, "full", flash_attention=True) * tokens
+    assert t.executed_flop_per_step != t.model_flop_per_step
+
+
+# ----------------------------------------------------------------------------------------- communication
+
+def test_pp_bytes_per_rank_with_scatter_gather():
+    assert pp_message_nbytes(TINY, 2) == 2 * 2 * 4 * 8
+    assert pp_message_nbytes(TINY, 2, tp=4, split=True) == 2 * 2 * 4 * 8 / 4
+    assert pp_message_nbytes(TINY, 2, tp=4, split=False) == 2 * 2 * 4 * 8
+    with pytest.raises(ValueError, match="tp must be"):
+        pp_message_nbytes(TINY, 1, tp=0)
+    m = load_model("megatron-18.4b")
+    c = make_cluster("dgx-a100-hdr", 8)
+    layout = Layout(tp=4, pp=2, dp=1, micro_batch=1, sequence_parallel=False, recompute=True, flash_attention=False)
+    # tp·pp = 8 GPUs of one node: NVLink. m = 8 micro-batches, one send each way per micro-batch.
+    one_whole = c.intra.alpha_s + 2 * m.seq * m.hidden * c.intra.beta_s_per_byte
+    one_split = c.intra.alpha_s + 2 * m.seq * m.hidden / 4 * c.intra.beta_s_per_byte
+    assert step_time(m, layout, c, 8, software="generic-no-overlap").pp_s == pytest.approx(2 * one_whole * 8)
+    assert step_time(m, layout, c, 8, software="megatron-lm-2021").pp_s == pytest.approx(2 * one_split * 8)
+    # Sequence parallelism splits the boundary activation by itself.
+    sp = dataclasses.replace(layout, sequence_parallel=True)
+    assert step_time(m, sp, c, 8, software="generic-no-overlap").pp_s == pytest.approx(2 * one_split * 8)
+
+
+def test_interleaved_bubble_is_p_minus_1_over_v_m():
+    m = load_model("megatron-145.6b")
+    c = make_cluster("dgx-a100-hdr", 1536)
+    t = step_time(m, Layout(8, 8, 24, interleave=4, recompute=True), c, 2304, software="megatron-lm-2021")
+    assert t.micro_batches == 96
+    assert t.bubble_s == pytest.approx((8 - 1) / (4 * 96) * (t.compute_s + t.tp_s + t.pp_s))
+
+
+def test_dp_remainder_after_overlap_by_hand():
+    assert dp_exposed_seconds(1.0, 0.4, 1.0) == pytest.approx((0.6, 0.4))
+    assert dp_exposed_seconds(1.0, 2.0, 0.5) == pytest.approx((0.5, 0.5))
+    assert dp_exposed_seconds(1.0, 2.0, 1.0, gather_s=0.3, gather_window_s=0.1, gather_overlap=1.0) == \
+        pytest.approx((0.2, 1.1))
+    assert dp_exposed_seconds(1.0, 2.0, 0.0, 0.3, 2.0, 0.0) == pytest.approx((1.3, 0.0))
+
+
+def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_and_first_forward():
+    m = load_model("llama3-405b")
+    c = make_cluster("dgx-h100-ndr", 16384)
+    layout = Layout(8, 16, 128, micro_batch=1, interleave=4, zero1=True, recompute=True)
+    core = load_software("megatron-core")
+    t = step_time(m, layout, c, 2048, software=core)
+    # ReduceScatter of the fp32 gradient shard, AllGather of the bf16 parameters: half a ring AllReduce each.
+    rs = dp_all_reduce_seconds(dp_gradient_nbytes(m, layout, 4), layout, c) / 2
+    ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, layout, 2), layout, c) / 2
+    assert (t.dp_reduce_scatter_s, t.dp_all_gather_s) == pytest.approx((rs, ag))
+    assert t.dp_s == pytest.approx(rs + ag)
+    # Windows: the last micro-batch's backward and the first one's forward (executed-FLOP shares).
+    L, s, h, V = m.layers, m.seq, m.hidden, m.vocab
+    fwd_attn = 4 * s * h / 2
+    forward = 2 * (L * layer_params(m) + V * h) + L * fwd_attn
+    executed = executed_flops_per_token(m, "full", flash_attention=True)
+    per_micro = t.compute_s / t.micro_batches
+    bwd_window, fwd_window = per_micro * (1 - forward / executed), per_micro * forward / executed
+    assert t.dp_exposed_s == pytest.approx(max(0.0, rs - bwd_window) + max(0.0, ag - fwd_window))
+    # Nothing overlapped: all of it is exposed.
+    none = step_time(m, layout, c, 2048, software=core.replace(overlap_dp_grad_reduce=0.0,
+                                                               overlap_dp_param_gather=0.0))
+    assert none.dp_exposed_s == pytest.approx(rs + ag)
+
+
+def test_tp_overlap_and_the_compute_slowdown():
+    m = load_model("megatron-18.4b")
+    c = make_cluster("dgx-a100-hdr", 256)
+    layout = Layout(8, 1, 32, micro_batch=1, recompute="selective")
+    plain = step_time(m, layout, c, 1024, software="generic-no-overlap")
+    core = load_software("megatron-core")
+    half = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_dp_grad_reduce=0.0,
+                                                               overlap_dp_param_gather=0.0))
+    assert half.tp_hidden_s == pytest.approx(0.5 * plain.tp_s)
+    assert half.tp_s == pytest.approx(0.5 * plain.tp_s)
+    slow = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_dp_grad_reduce=0.0,
+                                                               overlap_dp_param_gather=0.0,
+                                                               overlap_compute_slowdown=2.0))
+    # While the hidden half runs, compute goes at half speed: the step pays half of the hidden time.
+    assert slow.overlap_slowdown_s == pytest.approx(0.5 * half.tp_hidden_s)
+    assert slow.total_s == pytest.approx(half.total_s + 0.5 * half.tp_hidden_s)
+    # Megatron overlaps TP communication only under sequence parallelism.
+    no_sp = step_time(m, dataclasses.replace(layout, sequence_parallel=False), c, 1024, software=core)
+    assert no_sp.tp_hidden_s == 0 and no_sp.tp_s > 0
+
+
+def test_search_takes_its_knobs_from_the_profile():
+    res = search("megatron-18.4b", "dgx-a100-hdr", 256, 1024, software="megatron-lm-2021", micro_batches=(1,),
+                 interleave=(1,))
+    layouts = [p.layout for p in res.plans] + [r.layout for r in res.rejected]
+    assert {lay.recompute for lay in layouts} == {"none", "full"}
+    assert not any(lay.zero1 or lay.sequence_parallel or lay.flash_attention for lay in layouts)
+    res = search("megatron-18.4b", "dgx-a100-hdr", 256, 1024, software="megatron-core", micro_batches=(1,),
+                 interleave=(1,))
+    assert {p.layout.recompute for p in res.plans} >= {"selective"}
+
+
+def test_cli_validate_prints_rows_ranks_and_the_median(capsys):
+    assert main(["plan", "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "median |error|" in out and "rank" in out and "megatron-lm-2021" in out and "llama3-405b-8k-16384gpus" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "megatron-1t", "--preset", "dgx-a100-hdr", "--gpus", "3072", "--global-batch",
+              "3072", "--software", "nope"])
+    assert "unknown software profile 'nope'" in capsys.readouterr().err
