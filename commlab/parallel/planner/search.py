@@ -3,8 +3,8 @@ planner against published layouts.
 
 :func:`search` enumerates tp over the divisors of ``devices_per_node`` (TP stays inside a node), pp over
 the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp),
-micro-batch sizes, interleaving depths, ZeRO stages (up to the profile's) and recomputation policies (none, full and the
-software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
+micro-batch sizes, interleaving depths, ZeRO stages (up to the profile's) and recomputation policies
+(none, full and the software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
 sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
 (each with its reason; the usable memory keeps ``memory_reserve`` of the device free) or cannot split the
 global batch, and ranks the rest by predicted step time, marking those near the limit ``fragile``. A
@@ -231,9 +231,9 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                         if z and dp == 1:
                             continue
                         for r in recompute:
-                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero_stage=z, recompute=r, interleave=v,
-                                            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
-                                            recompute_every=sw.recompute_every)
+                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero_stage=z, recompute=r,
+                                            interleave=v, sequence_parallel=sequence_parallel,
+                                            flash_attention=flash_attention, recompute_every=sw.recompute_every)
                             candidates += 1
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "

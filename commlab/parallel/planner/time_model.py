@@ -38,21 +38,21 @@ The terms, per step, on the critical path of one GPU:
 * **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP;
   Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
   :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
-* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an
-  AllGather: of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's
-  ``--use-distributed-optimizer``; ZeRO-2 shards the gradient memory too but moves the same bytes), of the
-  reduced gradients otherwise (the two halves of an AllReduce). Each is half of
-  :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps), on the links the DP group
-  crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and the AllGather half
-  without a distributed optimizer) hides behind the backward pass of the last micro-batch;
-  ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first
-  (Megatron's ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed.
-  **ZeRO-3 / FSDP** (Rajbhandari et al. 2020, §5.3, P_os+g+p): for every micro-batch, an AllGather of the bf16 parameters before the forward pass and again before the
-  backward pass, and a ReduceScatter of the gradients after it (:func:`fsdp_exposed_seconds`); the
-  forward AllGather hides behind that micro-batch's forward compute as far as ``overlap_dp_param_gather``
-  says, the backward AllGather and the ReduceScatter behind its backward compute (FSDP's layer-by-layer
-  prefetch): three passes over the parameter bytes where an AllReduce makes two. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients
-  held) and HSDP are not modelled.
+* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an AllGather:
+  of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's ``--use-distributed-optimizer``; ZeRO-2
+  shards the gradient memory too but moves the same bytes), of the reduced gradients otherwise (the two halves
+  of an AllReduce). Each is half of :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps),
+  on the links the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and
+  the AllGather half without a distributed optimizer) hides behind the backward pass of the last micro-batch;
+  ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first (Megatron's
+  ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed. **ZeRO-3 / FSDP**
+  (Rajbhandari et al. 2020, §5.3, P_os+g+p): for every micro-batch, an AllGather of the bf16 parameters before
+  the forward pass and again before the backward pass, and a ReduceScatter of the gradients after it
+  (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
+  as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
+  compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
+  two. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held) and
+  HSDP are not modelled.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
   fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
   Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
@@ -71,8 +71,9 @@ Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP i
 PaLM's Appendix B; ``6·P``).
 
 What is left out (see the book): the step timeline (the terms are summed, not scheduled), kernel-efficiency
-changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations,
-the all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time, data loading, stragglers.
+changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
+all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
+data loading, stragglers.
 """
 
 from __future__ import annotations
