@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
                            "software profile's)")
     plan.add_argument("--even-stages", action="store_true", help="only pp values that divide the layer count")
+    plan.add_argument("--memory-reserve", type=float, default=None,
+                      help="share of device memory kept free for what the model does not count (CUDA context, NCCL "
+                           "buffers, fragmentation), in [0, 1); default 0.1. Plans within 5 %% of the rest are "
+                           "marked fragile (!)")
     exp = sub.add_parser("experiments", help="chapter 8: train with every compressor, record to data/experiments/")
     exp_sub = exp.add_subparsers(dest="action", required=True)
     exp_run = exp_sub.add_parser("run", help="run a grid (resumes: runs already recorded are skipped)")
@@ -339,8 +343,8 @@ def _bench_emulated(args, parser, nbytes) -> int:
 
 
 def _plan(args, parser) -> int:
-    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, list_models, list_software, load_model, search,
-                                          validate_published, validation_table)
+    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, list_models,
+                                          list_software, load_model, search, validate_published, validation_table)
     from commlab.topology import list_presets
 
     fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
@@ -348,6 +352,9 @@ def _plan(args, parser) -> int:
         parser.error(f"--achievable-fraction must be in (0, 1], got {fraction}")
     if args.dp_overlap is not None and not 0 <= args.dp_overlap <= 1:
         parser.error(f"--dp-overlap must be in [0, 1], got {args.dp_overlap}")
+    reserve = DEFAULT_MEMORY_RESERVE if args.memory_reserve is None else args.memory_reserve
+    if not 0 <= reserve < 1:
+        parser.error(f"--memory-reserve must be in [0, 1), got {reserve}")
     if args.software is not None and args.software not in list_software():
         parser.error(f"unknown software profile {args.software!r}; choose from {', '.join(list_software())}")
     if args.validate:
@@ -378,12 +385,14 @@ def _plan(args, parser) -> int:
         parser.error("--top must be >= 1")
     try:
         result = search(model, args.preset, args.gpus, args.global_batch, achievable_fraction=fraction,
-                        dp_overlap=args.dp_overlap, even_stages=args.even_stages, software=args.software)
+                        dp_overlap=args.dp_overlap, even_stages=args.even_stages, software=args.software,
+                        memory_reserve=reserve)
     except ValueError as e:
         parser.error(str(e))
     print(f"# {model.name}: {model.params / 1e9:.1f}B parameters, seq {model.seq}, global batch {args.global_batch} "
           f"sequences, on {args.gpus} GPUs of {args.preset}; software {args.software or 'generic-no-overlap'}; "
-          f"achievable fraction of peak {fraction}")
+          f"achievable fraction of peak {fraction}; {reserve:.0%} of device memory reserved, ! = fragile (within 5 % "
+          f"of the rest)")
     print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
           f"{result.rejected_for_memory} rejected for memory, "
           f"{len(result.rejected) - result.rejected_for_memory} for the batch split")
@@ -397,7 +406,8 @@ def _plan(args, parser) -> int:
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()
         print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f} {r['compute_s']:>8.3f} {r['tp_s']:>7.3f} {r['pp_s']:>7.3f} "
-              f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>7.1f} {r['tokens_per_s']:>11.4g} "
+              f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "
+              f"{r['tokens_per_s']:>11.4g} "
               f"{r['tflops_per_gpu']:>12.0f}")
     return 0
 

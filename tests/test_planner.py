@@ -153,15 +153,15 @@ def test_megatron_eq3_flops():
 def test_search_returns_only_fitting_layouts_with_tp_inside_a_node():
     res = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536)
     assert res.plans and res.rejected_for_memory > 0
-    for p in res.plans:
-        assert p.memory.fits(80e9)
+    for p in res.plans:  # the default reserve keeps 10 % of the 80 GB free
+        assert p.memory.fits(80e9, 0.9)
         assert 8 % p.layout.tp == 0
         assert p.layout.gpus == 512
     assert [p.step_s for p in res.plans] == sorted(p.step_s for p in res.plans)
     for r in res.rejected:
         if r.kind == "memory":
             assert "GB per GPU" in r.reason
-            assert not memory_breakdown(load_model("megatron-39.1b"), r.layout, 1536).fits(80e9)
+            assert not memory_breakdown(load_model("megatron-39.1b"), r.layout, 1536).fits(80e9, 0.9)
 
 
 def test_search_even_stages_and_errors():

@@ -52,10 +52,10 @@ def test_bad_profiles_name_the_value_and_the_allowed_ones():
         Layout(1, 1, 1, recompute="sometimes")
     with pytest.raises(ValueError, match="slowdown"):
         SoftwareProfile(name="x", overlap_compute_slowdown=0.5)
-    with pytest.raises(ValueError, match=r"zero_stage = 2 .*\[0, 1, 3\]"):
-        SoftwareProfile(name="x", zero_stage=2)
-    with pytest.raises(ValueError, match="ZeRO stage 3"):
-        step_time(TINY, Layout(1, 1, 1), make_cluster("dgx-a100-hdr", 8), 1, software="torchtitan")
+    with pytest.raises(ValueError, match=r"zero_stage = 4 .*\[0, 1, 2, 3\]"):
+        SoftwareProfile(name="x", zero_stage=4)
+    with pytest.raises(ValueError, match=r"optimizer_dtypes = 'fp8-adam' .*bf16-fp32-adam"):
+        SoftwareProfile(name="x", optimizer_dtypes="fp8-adam")
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         dp_exposed_seconds(1.0, 1.0, 1.2)
 

@@ -1,8 +1,9 @@
 """The 3D-parallelism planner: which TP × PP × DP layout to use on a cluster, and why.
 
 * :mod:`~commlab.parallel.planner.memory` -- model configs (``data/models.json``), parameter counts with
-  embeddings, bytes per GPU of a :class:`Layout` (weights, gradients, Adam states with or without ZeRO-1,
-  activations after Korthikanti et al. 2022) and ``fits``.
+  embeddings, bytes per GPU of a :class:`Layout` (weights, gradients, Adam states by optimizer dtype option,
+  ZeRO stages 0-3, activations after Korthikanti et al. 2022 by recompute policy), the memory reserve and the
+  fragile flag.
 * :mod:`~commlab.parallel.planner.software` -- software profiles (``data/software.json``): what the
   training stack overlaps, its pipeline message layout, gradient and optimizer-state bytes, recomputation
   policy and ZeRO stage, each field with its source.
@@ -17,14 +18,17 @@
 prints the top layouts.
 """
 
-from commlab.parallel.planner.software import (DEFAULT_SOFTWARE, RECOMPUTE_POLICIES, SoftwareProfile, list_software,
-                                               load_software)
-from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, Layout, MemoryBreakdown, ModelConfig,
-                                             activation_bytes_per_layer, layer_params, list_models, load_model,
-                                             memory_breakdown, parameter_count, stage_params)
+from commlab.parallel.planner.software import (DEFAULT_SOFTWARE, OPTIMIZER_DTYPES, RECOMPUTE_POLICIES, ZERO_STAGES,
+                                               OptimizerDtypes, SoftwareProfile, list_software, load_software)
+from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE,
+                                             Layout, MemoryBreakdown, ModelConfig, activation_bytes_per_layer,
+                                             interleave_memory_factor, is_fragile, layer_params, list_models,
+                                             load_model, memory_breakdown, model_state_bytes_per_param,
+                                             parameter_count, stage_params, usable_memory_bytes)
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, TimeBreakdown,
                                                  attention_flops_per_token, dp_all_reduce_seconds,
                                                  dp_exposed_seconds, dp_gradient_nbytes, executed_flops_per_token,
+                                                 fsdp_exposed_seconds,
                                                  megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
                                                  pp_message_nbytes, step_time, tp_all_reduce_nbytes)
 from commlab.parallel.planner.search import (WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
@@ -32,12 +36,15 @@ from commlab.parallel.planner.search import (WITHIN_PCT, Plan, Rejected, SearchR
                                              validation_summary, validation_table)
 
 __all__ = [
-    "SoftwareProfile", "DEFAULT_SOFTWARE", "RECOMPUTE_POLICIES", "load_software", "list_software",
-    "ModelConfig", "Layout", "MemoryBreakdown", "ADAM_STATE_BYTES_PER_PARAM", "load_model", "list_models",
-    "layer_params", "parameter_count", "stage_params", "activation_bytes_per_layer", "memory_breakdown",
+    "SoftwareProfile", "DEFAULT_SOFTWARE", "RECOMPUTE_POLICIES", "ZERO_STAGES", "OPTIMIZER_DTYPES", "OptimizerDtypes",
+    "load_software", "list_software",
+    "ModelConfig", "Layout", "MemoryBreakdown", "ADAM_STATE_BYTES_PER_PARAM", "DEFAULT_MEMORY_RESERVE",
+    "DEFAULT_FRAGILE_MARGIN", "load_model", "list_models", "layer_params", "parameter_count", "stage_params",
+    "activation_bytes_per_layer", "interleave_memory_factor", "model_state_bytes_per_param", "usable_memory_bytes",
+    "is_fragile", "memory_breakdown",
     "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "model_flops_per_token", "executed_flops_per_token",
     "megatron_eq3_flops", "model_flops_per_step", "attention_flops_per_token", "FLOP_DEFINITIONS",
-    "dp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
+    "dp_exposed_seconds", "fsdp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "step_time",
     "Plan", "Rejected", "SearchResult", "ValidationRow", "WITHIN_PCT", "divisors", "make_cluster", "search",
     "load_published", "validate_published", "validation_table", "validation_summary",

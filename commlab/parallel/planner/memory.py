@@ -7,28 +7,47 @@ ZeRO-1, recomputation, interleaving, sequence parallelism). :func:`memory_breakd
 
 What is counted, per GPU (all in bytes):
 
-* **weights** -- bf16, 2 bytes per parameter of the GPU's shard (its pipeline stage's layers, plus the
-  embedding on the first stage and the output layer on the last, all divided by tp);
+* **weights** -- ``param_bytes`` per parameter of the GPU's shard (its pipeline stage's layers, plus the
+  embedding on the first stage and the output layer on the last, all divided by tp): 2 for bf16/fp16, 4 for
+  the fp32 parameters FSDP2 keeps sharded (the optimizer dtype option, :data:`OPTIMIZER_DTYPES`);
 * **gradients** -- ``grad_bytes`` per parameter (2 for bf16, 4 for fp32 main gradients);
-* **optimizer states** -- mixed-precision Adam keeps fp32 master weights, momentum and variance, 12 bytes
-  per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"; ``optimizer_state_bytes``
-  of the software profile); ZeRO stage 1 shards them over the dp ranks (§5.1, P_os);
+* **optimizer states** -- the option's fp32 main copies and Adam moments: 12 bytes per parameter for bf16
+  parameters (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"), 16 for fp16 (fp32 main gradients
+  too), 8 for fp32 parameters. With the gradients these are the bytes per parameter of Megatron-LM's
+  ``docs/user-guide/features/dist_optimizer.md``: 18 (bf16, fp32 gradients), 20 (fp16), 16 (fp32), and
+  ``6 + 12/d``, ``4 + 16/d``, ``8 + 8/d`` with its distributed optimizer;
+* **ZeRO** (Rajbhandari et al. 2020, §5.1-5.3): stage 1 divides the optimizer states by dp (P_os; Megatron's
+  distributed optimizer, whose gradient buffer stays whole), stage 2 the gradients too (P_os+g), stage 3 the
+  parameters too (P_os+g+p; FSDP). Stage 3 adds a working set: the bf16 parameters of two layers gathered at
+  once (the one computing and the one prefetched) and the unsharded gradients of one layer before their
+  ReduceScatter (an assumption about FSDP's prefetch depth, documented, not checked in its source);
 * **activations** -- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", §4: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism; with tensor
-  parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
-  ``s·b·h·(34 + 5·a·s/h)/t``; with full recomputation only each layer's input, ``2·s·b·h`` (``/t`` with
-  sequence parallelism), plus one layer's full activations while it is being recomputed; with selective
-  recomputation (Korthikanti et al. 2022, §5) the ``5·a·s/h`` attention-core term is not stored; with
-  ``every-k`` one layer in k keeps only its input. 1F1B keeps
-  ``min(pp, m)`` micro-batches in flight on the first stage (Narayanan et al. 2021, §2.2.1), times
-  ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3).
+  Models", §4 and Table 2: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism;
+  with tensor parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
+  ``s·b·h·(34 + 5·a·s/h)/t``; with selective recomputation (§5) the ``5·a·s/h`` attention-core term is not
+  stored (Megatron-LM ``megatron/training/theoretical_memory_usage.py``, which cites Table 2, uses
+  ``s·b·h·(18 + 4·ffn/h)/t``, = 34 for ffn = 4h); with full recomputation only each layer's input, ``2·s·b·h``
+  (``/t`` with sequence parallelism), plus one layer's full activations while it is being recomputed;
+  with ``every-k`` one layer in k keeps only its input. 1F1B keeps ``min(pp, m)`` micro-batches in flight on
+  the first stage (Narayanan et al. 2021, §2.2.1), times :func:`interleave_memory_factor`
+  ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3; the same factor in
+  ``theoretical_memory_usage.py``).
+
+What does not fit: :func:`usable_memory_bytes` keeps a reserve, :data:`DEFAULT_MEMORY_RESERVE` = 10 % of the
+device by default, for what no term counts (the CUDA context, NCCL's communication buffers, the caching
+allocator's fragmentation, framework workspaces). The 10 % is a documented default, not a measured or
+cited share: no source checked gives one (PyTorch's caching allocator can fail to serve a request with
+enough free bytes in total, which is why some room must stay free; how much depends on the run). Change it
+with ``memory_reserve``. A plan within :data:`DEFAULT_FRAGILE_MARGIN` (5 %) of the usable
+limit is *fragile* (:func:`is_fragile`): a little more than the model counts and it will not run.
 
 Generalisations, stated as assumptions: the MLP part of the 34 (16 of it: the 4h-wide fc1 output and
 activation output) is scaled by ``ffn/(4h)``, and by 1.5 for a gated (SwiGLU) MLP, which stores gate, up
 and their product; with FlashAttention (Dao et al. 2022) the ``5·a·s/h`` score matrices are not stored;
 grouped-query attention's smaller K and V are not credited (slight over-estimate); the last stage adds
-fp32 logits for the loss, ``4·s·b·V/t``; layer norms are counted as if split by tp like the matrices;
-framework workspace, communication buffers and fragmentation are not counted (see ``fits``).
+fp32 logits for the loss, ``4·s·b·V/t``; layer norms are counted as if split by tp like the matrices; the
+embedding's token ids and dropout mask (``8·s·b·p + s·b·h·p`` in ``theoretical_memory_usage.py``, under 1 %)
+are left out; HSDP (ZeRO-3 within a node, replicated across) is not modelled.
 """
 
 from __future__ import annotations
@@ -39,17 +58,27 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from commlab.parallel.planner.software import check_recompute_policy
+from commlab.parallel.planner.software import (OPTIMIZER_DTYPES, OptimizerDtypes, check_recompute_policy,
+                                               check_zero_stage, optimizer_dtypes)
 
 __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STATE_BYTES_PER_PARAM",
-           "load_model", "list_models", "layer_params", "stage_layers", "parameter_count", "stage_params",
-           "activation_bytes_per_layer", "memory_breakdown"]
+           "DEFAULT_MEMORY_RESERVE", "DEFAULT_FRAGILE_MARGIN", "OPTIMIZER_DTYPES", "load_model", "list_models",
+           "layer_params", "stage_layers", "parameter_count", "stage_params", "activation_bytes_per_layer",
+           "interleave_memory_factor", "model_state_bytes_per_param", "usable_memory_bytes", "is_fragile",
+           "memory_breakdown"]
 
 #: The model table: the repository's ``data/models.json``.
 MODELS_PATH = Path(__file__).resolve().parents[3] / "data" / "models.json"
 
 #: fp32 master weights + Adam momentum + variance: 4 + 4 + 4 bytes per parameter (ZeRO, §3.1).
 ADAM_STATE_BYTES_PER_PARAM = 12
+
+#: Share of device memory kept free by default for what the model does not count (CUDA context, NCCL
+#: buffers, allocator fragmentation, workspaces): a documented default, not a measurement (module docstring).
+DEFAULT_MEMORY_RESERVE = 0.10
+
+#: A plan whose need is within this share of the usable memory is flagged fragile (:func:`is_fragile`).
+DEFAULT_FRAGILE_MARGIN = 0.05
 
 
 def _check_int(name: str, v, minimum: int = 1) -> int:
@@ -123,7 +152,11 @@ class Layout:
     Attributes:
         tp, pp, dp: tensor-, pipeline- and data-parallel sizes (ints >= 1); the GPUs used are tp·pp·dp.
         micro_batch: sequences per micro-batch b (>= 1).
-        zero1: shard the optimizer states over the dp ranks (ZeRO stage 1).
+        zero1: shard the optimizer states over the dp ranks (ZeRO stage >= 1); kept for the layouts written
+            before ``zero_stage``: ``zero1=True`` alone means stage 1, and it is set to ``zero_stage >= 1``.
+        zero_stage: ZeRO stage 0-3 (:data:`~commlab.parallel.planner.software.ZERO_STAGES`): 1 shards the
+            optimizer states over dp, 2 the gradients too, 3 the parameters too (FSDP). None: 1 if ``zero1``
+            else 0.
         recompute: activation-recomputation policy, one of
             :data:`~commlab.parallel.planner.software.RECOMPUTE_POLICIES`: ``"none"``, ``"selective"`` (the
             attention core only, Korthikanti et al. 2022, §5), ``"full"`` (each layer's forward is rerun in
@@ -137,8 +170,8 @@ class Layout:
         flash_attention: attention kernels that do not store the s × s score matrices (Dao et al. 2022).
 
     Raises:
-        ValueError: a size that is not an int >= 1; an unknown recompute policy (the message lists the
-            allowed ones).
+        ValueError: a size that is not an int >= 1; an unknown recompute policy or ZeRO stage (the message
+            lists the allowed ones); ``zero1=True`` with ``zero_stage=0``.
     """
 
     tp: int
@@ -151,11 +184,18 @@ class Layout:
     sequence_parallel: bool = True
     flash_attention: bool = True
     recompute_every: int = 1
+    zero_stage: int | None = None
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "micro_batch", "interleave", "recompute_every"):
             _check_int(f, getattr(self, f))
         object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
+        if self.zero_stage is None:
+            object.__setattr__(self, "zero_stage", 1 if self.zero1 else 0)
+        check_zero_stage(self.zero_stage)
+        if self.zero1 and self.zero_stage == 0:
+            raise ValueError("zero1=True contradicts zero_stage=0: give zero_stage alone (0-3)")
+        object.__setattr__(self, "zero1", self.zero_stage >= 1)
 
     @property
     def gpus(self) -> int:
@@ -167,8 +207,8 @@ class Layout:
         s = f"tp{self.tp} pp{self.pp} dp{self.dp} b{self.micro_batch}"
         if self.interleave > 1:
             s += f" v{self.interleave}"
-        if self.zero1:
-            s += " zero1"
+        if self.zero_stage:
+            s += f" zero{self.zero_stage}"
         if self.recompute == "full":
             s += " recompute"
         elif self.recompute == "selective":
@@ -183,7 +223,8 @@ class MemoryBreakdown:
     """Bytes per GPU on the stage that needs the most (``stage``: ``"first"``, ``"last"`` or ``"only"``).
 
     Attributes:
-        params: parameters held by this GPU (count, not bytes).
+        params: parameters of this GPU's model shard (its stage / tp; a count, not bytes); with ZeRO-3 it
+            keeps 1/dp of their bytes.
         weights_bytes, gradients_bytes, optimizer_bytes, activations_bytes: the four parts, bytes.
         in_flight: micro-batches whose activations the stage holds at once (after the interleaving factor).
         stage: which pipeline stage this is.
@@ -371,28 +412,100 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     return sbh * (10 + (8 + mlp) / tp + scores / tp)
 
 
+def interleave_memory_factor(pp: int, interleave: int) -> float:
+    """Extra activation memory of the interleaved 1F1B schedule on the first stage: ``1 + (p-1)/(p·v)`` for
+    v > 1 chunks per stage, 1 for plain 1F1B (Korthikanti et al. 2022, §4.2.3; Megatron-LM
+    ``megatron/training/theoretical_memory_usage.py``, ``interleaved_schedule_memory_penalty``).
+
+    Raises:
+        ValueError: pp or interleave not an int >= 1.
+    """
+    _check_int("pp", pp)
+    _check_int("interleave", interleave)
+    return 1.0 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0
+
+
+def model_state_bytes_per_param(option: str | OptimizerDtypes = "bf16-fp32-adam", grad_bytes: int = 4,
+                                zero_stage: int = 0, dp: int = 1) -> tuple[float, float, float]:
+    """``(weights, gradients, optimizer states)`` bytes per parameter on one GPU (ZeRO, Rajbhandari et al.
+    2020, §5: stage 1 divides the states by dp, stage 2 the gradients too, stage 3 the weights too).
+
+    ``sum(...)`` is the bytes-per-parameter figure of Megatron-LM's ``dist_optimizer.md``: 18 for
+    ``"bf16-fp32-adam"`` with fp32 gradients, ``6 + 12/d`` at stage 1 over d ranks.
+
+    Raises:
+        ValueError: an unknown option, grad_bytes not 2 or 4, a ZeRO stage not in 0-3, dp not an int >= 1.
+    """
+    o = optimizer_dtypes(option)
+    if grad_bytes not in (2, 4) or isinstance(grad_bytes, bool):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    check_zero_stage(zero_stage)
+    _check_int("dp", dp)
+    return (o.param_bytes / (dp if zero_stage >= 3 else 1), grad_bytes / (dp if zero_stage >= 2 else 1),
+            o.state_bytes / (dp if zero_stage >= 1 else 1))
+
+
+def usable_memory_bytes(device_memory_bytes: float, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> float:
+    """Bytes a plan may use: ``(1 - memory_reserve) × device_memory_bytes`` (see the module docstring).
+
+    Raises:
+        ValueError: ``device_memory_bytes <= 0`` or ``memory_reserve`` not in [0, 1).
+    """
+    if not device_memory_bytes > 0:
+        raise ValueError(f"device_memory_bytes must be > 0, got {device_memory_bytes!r}")
+    if isinstance(memory_reserve, bool) or not isinstance(memory_reserve, (int, float)) \
+            or not 0 <= memory_reserve < 1:
+        raise ValueError(f"memory_reserve must be a share in [0, 1) of device memory (0.1 keeps 10 % free), "
+                         f"got {memory_reserve!r}")
+    return (1.0 - memory_reserve) * device_memory_bytes
+
+
+def is_fragile(total_bytes: float, usable_bytes: float, margin: float = DEFAULT_FRAGILE_MARGIN) -> bool:
+    """Whether a plan that needs ``total_bytes`` comes within ``margin`` of ``usable_bytes``:
+    ``total_bytes > (1 - margin) × usable_bytes`` (it fits, but a few per cent more than counted and it
+    would not).
+
+    Raises:
+        ValueError: ``usable_bytes <= 0`` or ``margin`` not in [0, 1).
+    """
+    if not usable_bytes > 0:
+        raise ValueError(f"usable_bytes must be > 0, got {usable_bytes!r}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"fragile margin must be a share in [0, 1) of the usable memory, got {margin!r}")
+    return total_bytes > (1.0 - margin) * usable_bytes
+
+
 def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = None,
-                     grad_bytes: int = 2, optimizer_state_bytes: float = ADAM_STATE_BYTES_PER_PARAM) -> MemoryBreakdown:
+                     grad_bytes: int = 2, optimizer_state_bytes: float = ADAM_STATE_BYTES_PER_PARAM,
+                     optimizer: str | OptimizerDtypes | None = None) -> MemoryBreakdown:
     """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most memory.
 
     Args:
-        m: the model. layout: the layout.
+        m: the model. layout: the layout (its ``zero_stage`` says what is sharded over dp).
         global_batch: sequences per step; sets the number of micro-batches ``m = global_batch/(dp·b)``, which
             caps the micro-batches in flight at ``min(pp, m)``. None: assume ``m >= pp``.
         grad_bytes: bytes per gradient element, 2 (bf16) or 4 (fp32 main gradients).
-        optimizer_state_bytes: bytes of optimizer state per parameter (default 12, Adam in mixed precision).
+        optimizer_state_bytes: bytes of optimizer state per parameter, with 2-byte parameters (default 12,
+            Adam in mixed precision); used when ``optimizer`` is None.
+        optimizer: an optimizer dtype option (a key of :data:`OPTIMIZER_DTYPES`, e.g. a software profile's
+            ``optimizer_dtypes``): sets the parameter bytes and the state bytes together.
 
     Returns:
         the :class:`MemoryBreakdown` of the first or the last stage, whichever totals more.
 
     Raises:
-        ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; ``global_batch`` not a multiple
-            of ``dp·micro_batch``.
+        ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; an unknown ``optimizer``
+            option (the message lists the known ones); ``global_batch`` not a multiple of ``dp·micro_batch``.
     """
     if grad_bytes not in (2, 4):
         raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
-    if not optimizer_state_bytes > 0:
-        raise ValueError(f"optimizer_state_bytes must be > 0, got {optimizer_state_bytes!r}")
+    if optimizer is not None:
+        opt_dtypes = optimizer_dtypes(optimizer)
+        param_bytes, state_bytes = opt_dtypes.param_bytes, opt_dtypes.state_bytes
+    else:
+        if not optimizer_state_bytes > 0:
+            raise ValueError(f"optimizer_state_bytes must be > 0, got {optimizer_state_bytes!r}")
+        param_bytes, state_bytes = 2, optimizer_state_bytes
     L = layout
     if global_batch is not None:
         _check_int("global_batch", global_batch)
@@ -415,15 +528,21 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     working = 0.0
     if recomputed:  # one layer is recomputed at a time and needs its full activations meanwhile
         working = kept
-    interleave_factor = 1 + (L.pp - 1) / (L.pp * L.interleave) if L.interleave > 1 else 1.0
+    interleave_factor = interleave_memory_factor(L.pp, L.interleave)
     logits = 4 * m.seq * L.micro_batch * m.vocab / L.tp
+    z = L.zero_stage
+    shard = {k: (L.dp if z >= s else 1) for k, s in (("opt", 1), ("grad", 2), ("param", 3))}
+    # ZeRO-3 gathers whole layers for compute: two layers' bf16 weights at once (the one running and the one
+    # prefetched) and one layer's unsharded gradients before their ReduceScatter (assumption, module docstring).
+    gathered = layer_params(m) / L.tp if z >= 3 and L.dp > 1 else 0.0
 
     def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:
         p = stage_params(m, L.pp, stage, L.interleave) / L.tp
-        opt = optimizer_state_bytes * p / (L.dp if L.zero1 else 1)
-        act = layers * per_layer * in_flight + working + extra_act
-        return MemoryBreakdown(params=p, weights_bytes=2 * p, gradients_bytes=grad_bytes * p,
-                               optimizer_bytes=opt, activations_bytes=act, in_flight=in_flight, stage=stage)
+        return MemoryBreakdown(params=p, weights_bytes=param_bytes * p / shard["param"] + 2 * 2 * gathered,
+                               gradients_bytes=grad_bytes * p / shard["grad"] + grad_bytes * gathered,
+                               optimizer_bytes=state_bytes * p / shard["opt"],
+                               activations_bytes=layers * per_layer * in_flight + working + extra_act,
+                               in_flight=in_flight, stage=stage)
 
     if L.pp == 1:
         return build("only", 1.0, logits)

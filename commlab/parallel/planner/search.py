@@ -3,10 +3,11 @@ planner against published layouts.
 
 :func:`search` enumerates tp over the divisors of ``devices_per_node`` (TP stays inside a node), pp over
 the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp),
-micro-batch sizes, interleaving depths, ZeRO-1 on/off and recomputation policies (none, full and the
-software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
+micro-batch sizes, interleaving depths, ZeRO stages (up to the profile's) and recomputation policies
+(none, full and the software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
 sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
-(each with its reason) or cannot split the global batch, and ranks the rest by predicted step time. A
+(each with its reason; the usable memory keeps ``memory_reserve`` of the device free) or cannot split the
+global batch, and ranks the rest by predicted step time, marking those near the limit ``fragile``. A
 few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
 searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
@@ -29,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from commlab.parallel.planner.memory import (Layout, MemoryBreakdown, ModelConfig, load_model,
-                                             memory_breakdown)
+from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE, Layout,
+                                             MemoryBreakdown, ModelConfig, is_fragile, load_model,
+                                             memory_breakdown, usable_memory_bytes)
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
                                                  step_time)
@@ -53,11 +55,14 @@ def divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A layout that fits, with its memory (bytes per GPU) and time (seconds per step) breakdowns."""
+    """A layout that fits, with its memory (bytes per GPU) and time (seconds per step) breakdowns;
+    ``fragile``: its memory is within the search's ``fragile_margin`` of the usable limit
+    (:func:`~commlab.parallel.planner.memory.is_fragile`)."""
 
     layout: Layout
     memory: MemoryBreakdown
     time: TimeBreakdown
+    fragile: bool = False
 
     @property
     def step_s(self) -> float:
@@ -69,7 +74,7 @@ class Plan:
         t, mem = self.time, self.memory
         return {"layout": self.layout.short(), "step_s": t.total_s, "compute_s": t.compute_s, "tp_s": t.tp_s,
                 "pp_s": t.pp_s, "bubble_s": t.bubble_s, "dp_s": t.dp_exposed_s, "micro_batches": t.micro_batches,
-                "memory_gb": mem.total_bytes / 1e9, "tokens_per_s": t.tokens_per_s,
+                "memory_gb": mem.total_bytes / 1e9, "fragile": self.fragile, "tokens_per_s": t.tokens_per_s,
                 "tflops_per_gpu": t.model_flop_per_s_per_gpu / 1e12}
 
 
@@ -135,8 +140,9 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            tp_values: Iterable[int] | None = None, pp_values: Iterable[int] | None = None,
            even_stages: bool = False, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
            achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
-           usable_fraction: float = 1.0, grad_bytes: int | None = None, dtype: str = "bf16",
-           software: SoftwareProfile | str | None = None) -> SearchResult:
+           usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
+           software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+           fragile_margin: float = DEFAULT_FRAGILE_MARGIN) -> SearchResult:
     """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
 
     Args:
@@ -145,8 +151,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         gpus: GPUs to use; a multiple of ``devices_per_node``.
         global_batch: sequences per step.
         micro_batches, interleave: the values to try.
-        zero1: ZeRO-1 off/on values to try; default both, or only off when the profile has no distributed
-            optimizer (``zero_stage`` 0).
+        zero1: ZeRO-1 off/on values to try (off = stage 0, on = stage 1); default every ZeRO stage from 0 up
+            to the profile's ``zero_stage`` (Megatron-Core: 0 and 1; torchtitan's FSDP: 0 to 3).
         recompute: the recomputation policies to try (see :class:`Layout`); default ``none`` and ``full``
             plus the software profile's own policy.
         tp_values: default the divisors of ``devices_per_node`` (TP inside a node); a value that does not
@@ -165,7 +171,10 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             default the profile's).
         software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
             ``data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
-        usable_fraction: share of device memory the model may use (see ``MemoryBreakdown.fits``).
+        memory_reserve: share of device memory kept free for what the memory model does not count
+            (:func:`~commlab.parallel.planner.memory.usable_memory_bytes`; default 10 %, in [0, 1)).
+        usable_fraction: the older spelling of ``1 - memory_reserve``; when given it replaces it.
+        fragile_margin: plans within this share of the usable memory are marked ``fragile`` (default 5 %).
 
     Interleaving (v > 1) is tried only when pp > 1, ``v·pp <= L`` (and divides L with ``even_stages``) and
     the number of micro-batches is a multiple of pp (Narayanan et al. 2021, §2.2.2).
@@ -173,15 +182,15 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     Raises:
         KeyError: unknown model or preset.
         ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp value that would cross nodes; bad
-            ``global_batch``; an unknown software profile or recompute policy.
+            ``global_batch``; an unknown software profile or recompute policy; a reserve or margin outside
+            [0, 1).
     """
     started = time.perf_counter()
     sw = load_software(software)
     sequence_parallel = sw.sequence_parallel if sequence_parallel is None else sequence_parallel
     flash_attention = sw.flash_attention if flash_attention is None else flash_attention
     g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
-    if zero1 is None:
-        zero1 = (False, True) if sw.zero_stage >= 1 else (False,)
+    stages = tuple(range(sw.zero_stage + 1)) if zero1 is None else tuple(sorted({int(bool(z)) for z in zero1}))
     if recompute is None:
         recompute = ("none", "full") + ((sw.recompute,) if sw.recompute not in ("none", "full") else ())
     m = load_model(model) if isinstance(model, str) else model
@@ -203,7 +212,12 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     candidates = 0
-    memory_cap = usable_fraction * c.device_memory_bytes
+    if usable_fraction is not None:
+        if not 0 < usable_fraction <= 1:
+            raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
+        memory_reserve = 1.0 - usable_fraction
+    memory_cap = usable_memory_bytes(c.device_memory_bytes, memory_reserve)
+    is_fragile(0.0, memory_cap, fragile_margin)  # checks the margin before the loop
     for tp in tps:
         for pp in pps:
             if gpus % (tp * pp):
@@ -213,13 +227,13 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                 for v in interleave:
                     if v > 1 and (pp == 1 or pp * v > m.layers or (even_stages and m.layers % (pp * v))):
                         continue
-                    for z in zero1:
+                    for z in stages:
                         if z and dp == 1:
                             continue
                         for r in recompute:
-                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero1=z, recompute=r, interleave=v,
-                                            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
-                                            recompute_every=sw.recompute_every)
+                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero_stage=z, recompute=r,
+                                            interleave=v, sequence_parallel=sequence_parallel,
+                                            flash_attention=flash_attention, recompute_every=sw.recompute_every)
                             candidates += 1
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "
@@ -230,7 +244,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                 rejected.append(Rejected(layout, "batch", f"interleaving needs the {n_micro} "
                                                          f"micro-batches to be a multiple of pp={pp}"))
                                 continue
-                            mem = memory_breakdown(m, layout, global_batch, g_bytes, sw.optimizer_state_bytes)
+                            mem = memory_breakdown(m, layout, global_batch, g_bytes, optimizer=sw.optimizer)
                             if mem.total_bytes > memory_cap:
                                 rejected.append(Rejected(layout, "memory", f"{layout.short()} needs "
                                                          f"{mem.total_bytes / 1e9:.1f} GB per GPU ({mem.stage} "
@@ -238,7 +252,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                 continue
                             t = step_time(m, layout, c, global_batch, achievable_fraction, dp_overlap, dtype,
                                           g_bytes, sw)
-                            plans.append(Plan(layout, mem, t))
+                            plans.append(Plan(layout, mem, t, is_fragile(mem.total_bytes, memory_cap, fragile_margin)))
     plans.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
     rejected.sort(key=lambda r: r.kind != "memory")
     return SearchResult(plans, rejected, candidates, time.perf_counter() - started)

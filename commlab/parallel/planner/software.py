@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Mapping
 
 __all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGES", "DEFAULT_SOFTWARE",
-           "load_software", "list_software", "check_recompute_policy"]
+           "OptimizerDtypes", "OPTIMIZER_DTYPES", "load_software", "list_software", "check_recompute_policy",
+           "check_zero_stage", "optimizer_dtypes"]
 
 #: The profile table: the repository's ``data/software.json``.
 SOFTWARE_PATH = Path(__file__).resolve().parents[3] / "data" / "software.json"
@@ -36,9 +37,82 @@ SOFTWARE_PATH = Path(__file__).resolve().parents[3] / "data" / "software.json"
 #: / ``recompute_num_layers`` give the same kind of partial recomputation).
 RECOMPUTE_POLICIES = ("none", "selective", "full", "every-k")
 
-#: ZeRO stages a profile may name: 0 (none), 1 (optimizer states sharded; Megatron's distributed
-#: optimizer), 3 (parameters, gradients and states sharded; FSDP). Stage 3 is not priced yet.
-ZERO_STAGES = (0, 1, 3)
+#: ZeRO stages (Rajbhandari et al. 2020, "ZeRO", §5.1-5.3): 0 (none: plain data parallelism), 1 (optimizer
+#: states sharded over the dp ranks, P_os; Megatron's distributed optimizer), 2 (gradients too, P_os+g),
+#: 3 (parameters too, P_os+g+p; PyTorch FSDP / FSDP2 ``fully_shard``).
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerDtypes:
+    """Bytes per parameter of the weights and of the optimizer's state, for Adam in one precision setup.
+
+    Attributes:
+        name: the key in :data:`OPTIMIZER_DTYPES`.
+        param_bytes: the model's stored parameters (2 for bf16/fp16, 4 for fp32).
+        master_bytes: fp32 copies the optimizer keeps beside them: main parameters (4), and with fp16 also
+            fp32 main gradients (4 more), which Megatron's distributed optimizer shards with the states.
+        moment_bytes: Adam's momentum and variance together (8 for two fp32 moments, 4 for two bf16 ones).
+        source: where the numbers come from.
+
+    The gradients the backward pass writes are the profile's ``grad_bytes`` (2 or 4), not part of this.
+    """
+
+    name: str
+    param_bytes: int
+    master_bytes: int
+    moment_bytes: int
+    source: str
+
+    @property
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes per parameter: ``master_bytes + moment_bytes`` (what ZeRO-1 shards)."""
+        return self.master_bytes + self.moment_bytes
+
+
+_DIST_OPT = ("Megatron-LM docs/user-guide/features/dist_optimizer.md (bytes per parameter, non-distributed vs "
+             "distributed optimizer over d dp ranks)")
+
+#: Optimizer-state dtype options. With the profile's gradient bytes the totals are Megatron's table:
+#: bf16 params + fp32 grads 2 + 4 + 4 + 8 = 18 (distributed: 6 + 12/d); fp16 params + fp16 grads
+#: 2 + 2 + 16 = 20 (4 + 16/d); fp32 params + fp32 grads 4 + 4 + 8 = 16 (8 + 8/d).
+OPTIMIZER_DTYPES = {o.name: o for o in (
+    OptimizerDtypes("bf16-fp32-adam", 2, 4, 8, f"{_DIST_OPT}: bf16 parameters, fp32 main parameters and fp32 "
+                    "Adam moments (Megatron-LM --main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype default "
+                    "fp32); also ZeRO's K = 12 (Rajbhandari et al. 2020, section 3.1)"),
+    OptimizerDtypes("fp16-fp32-adam", 2, 8, 8, f"{_DIST_OPT}: fp16 parameters and gradients, fp32 main "
+                    "parameters and main gradients, fp32 Adam moments: 20 bytes, 4 + 16/d distributed"),
+    OptimizerDtypes("fp32-adam", 4, 0, 8, f"{_DIST_OPT}: fp32 parameters and gradients, no separate main copy, "
+                    "fp32 Adam moments: 16 bytes, 8 + 8/d distributed"),
+    OptimizerDtypes("bf16-bf16-moments-adam", 2, 4, 4, "Megatron-LM --use-precision-aware-optimizer with "
+                    "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (megatron/training/arguments.py): fp32 main "
+                    "parameters, two bf16 moments"),
+)}
+
+
+def optimizer_dtypes(name) -> OptimizerDtypes:
+    """The :data:`OPTIMIZER_DTYPES` entry ``name`` (an :class:`OptimizerDtypes` is returned as it is).
+
+    Raises:
+        ValueError: an unknown name; the message names it and lists the known ones.
+    """
+    if isinstance(name, OptimizerDtypes):
+        return name
+    if isinstance(name, str) and name in OPTIMIZER_DTYPES:
+        return OPTIMIZER_DTYPES[name]
+    raise ValueError(f"optimizer dtype option {name!r} is not one of {sorted(OPTIMIZER_DTYPES)}")
+
+
+def check_zero_stage(stage) -> int:
+    """``stage`` if it is one of :data:`ZERO_STAGES`.
+
+    Raises:
+        ValueError: anything else (a bool included); the message names it and the allowed stages.
+    """
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage {stage!r} is not one of {list(ZERO_STAGES)} (0 none, 1 optimizer states, "
+                         "2 + gradients, 3 + parameters / FSDP)")
+    return stage
 
 #: The profile ``step_time`` and ``search`` use when none is given.
 DEFAULT_SOFTWARE = "generic-no-overlap"
@@ -86,17 +160,18 @@ class SoftwareProfile:
             kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
             was checked, so every preset has 1.0 and says so.
         grad_bytes: bytes per gradient element, held and reduced (2 bf16/fp16, 4 fp32).
-        optimizer_state_bytes: bytes of optimizer state per parameter (12 for Adam with fp32 master weights,
-            momentum and variance).
+        optimizer_dtypes: the stack's parameter and optimizer-state dtypes, a key of
+            :data:`OPTIMIZER_DTYPES` (e.g. ``"bf16-fp32-adam"``: 2-byte parameters, 12 bytes of state).
         recompute: the stack's recomputation policy (:data:`RECOMPUTE_POLICIES`); the search tries it beside
             none and full.
         recompute_every: k of the ``every-k`` policy (>= 1).
-        zero_stage: 0, 1 (distributed optimizer) or 3 (FSDP; not priced yet).
+        zero_stage: the most the stack shards over the dp ranks, one of :data:`ZERO_STAGES` (1: Megatron's
+            distributed optimizer; 3: FSDP); the search tries every stage up to it.
         sources: where each field comes from, keyed by field name.
 
     Raises:
-        ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy or ZeRO
-            stage, grad_bytes not 2 or 4, a non-positive byte count; each message names the value and the
+        ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO
+            stage or optimizer dtype option, grad_bytes not 2 or 4; each message names the value and the
             allowed ones.
     """
 
@@ -110,7 +185,7 @@ class SoftwareProfile:
     overlap_pp: float = 0.0
     overlap_compute_slowdown: float = 1.0
     grad_bytes: int = 2
-    optimizer_state_bytes: int = 12
+    optimizer_dtypes: str = "bf16-fp32-adam"
     recompute: str = "full"
     recompute_every: int = 1
     zero_stage: int = 1
@@ -135,12 +210,22 @@ class SoftwareProfile:
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise ValueError(f"software {self.name!r}: zero_stage = {self.zero_stage!r} is not one of "
                              f"{list(ZERO_STAGES)}")
+        if not isinstance(self.optimizer_dtypes, str) or self.optimizer_dtypes not in OPTIMIZER_DTYPES:
+            raise ValueError(f"software {self.name!r}: optimizer_dtypes = {self.optimizer_dtypes!r} is not one of "
+                             f"{sorted(OPTIMIZER_DTYPES)}")
         if self.grad_bytes not in (2, 4) or isinstance(self.grad_bytes, bool):
             raise ValueError(f"software {self.name!r}: grad_bytes = {self.grad_bytes!r} must be 2 (bf16/fp16) "
                              "or 4 (fp32)")
-        b = self.optimizer_state_bytes
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0:
-            raise ValueError(f"software {self.name!r}: optimizer_state_bytes = {b!r} must be > 0")
+
+    @property
+    def optimizer(self) -> OptimizerDtypes:
+        """The :class:`OptimizerDtypes` the profile names."""
+        return OPTIMIZER_DTYPES[self.optimizer_dtypes]
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Optimizer-state bytes per parameter (master copies + Adam moments) of :attr:`optimizer`."""
+        return self.optimizer.state_bytes
 
     @property
     def distributed_optimizer(self) -> bool:

@@ -38,14 +38,21 @@ The terms, per step, on the critical path of one GPU:
 * **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP;
   Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
   :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
-* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an
-  AllGather: of the updated bf16 parameters with a distributed optimizer (ZeRO-1; Megatron's
-  ``--use-distributed-optimizer``), of the reduced gradients otherwise (the two halves of an AllReduce).
-  Each is half of :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps), on the links
-  the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and the
-  AllGather half without a distributed optimizer) hides behind the backward pass of the last
-  micro-batch; ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first
-  (Megatron's ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed.
+* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an AllGather:
+  of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's ``--use-distributed-optimizer``; ZeRO-2
+  shards the gradient memory too but moves the same bytes), of the reduced gradients otherwise (the two halves
+  of an AllReduce). Each is half of :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps),
+  on the links the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and
+  the AllGather half without a distributed optimizer) hides behind the backward pass of the last micro-batch;
+  ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first (Megatron's
+  ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed. **ZeRO-3 / FSDP**
+  (Rajbhandari et al. 2020, §5.3, P_os+g+p): for every micro-batch, an AllGather of the bf16 parameters before
+  the forward pass and again before the backward pass, and a ReduceScatter of the gradients after it
+  (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
+  as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
+  compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
+  two. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held) and
+  HSDP are not modelled.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
   fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
   Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
@@ -64,9 +71,9 @@ Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP i
 PaLM's Appendix B; ``6·P``).
 
 What is left out (see the book): the step timeline (the terms are summed, not scheduled), kernel-efficiency
-changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations,
-the all-gather inside the node after a scattered pipeline message, ZeRO-2/3 and FSDP, context
-parallelism, optimizer step time, data loading, stragglers.
+changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
+all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
+data loading, stragglers.
 """
 
 from __future__ import annotations
@@ -83,7 +90,7 @@ from commlab.topology import Cluster, Link
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
-           "dp_exposed_seconds", "step_time"]
+           "dp_exposed_seconds", "fsdp_exposed_seconds", "step_time"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -107,7 +114,8 @@ class TimeBreakdown:
         tp_s: tensor-parallel communication of all micro-batches on the critical path (not hidden).
         pp_s: pipeline sends and receives of all micro-batches on the critical path (not hidden).
         bubble_s: pipeline fill and drain.
-        dp_s: the gradient ReduceScatter + AllGather (or AllReduce), in full.
+        dp_s: the gradient ReduceScatter + AllGather (or AllReduce), in full (ZeRO-3: those of every
+            micro-batch, two AllGathers and one ReduceScatter each).
         dp_exposed_s: the part of ``dp_s`` not hidden behind compute.
         micro_batches: micro-batches per step m.
         tokens_per_step: global batch × sequence length.
@@ -345,6 +353,31 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
     return reduce_s + gather_s - hidden, hidden
 
 
+def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, backward_s: float,
+                         gather_overlap: float, reduce_overlap: float) -> tuple[float, float]:
+    """``(exposed, hidden)`` seconds of one micro-batch's ZeRO-3 / FSDP communication.
+
+    ``gather_s``: one AllGather of the parameters; it runs twice, before the forward pass (hidden up to
+    ``gather_overlap × gather_s``, at most ``forward_s``) and before the backward pass; ``reduce_s``: the
+    ReduceScatter of the gradients after it. The backward AllGather (``gather_overlap``) and the
+    ReduceScatter (``reduce_overlap``) hide behind ``backward_s`` together: three ring passes over the
+    parameter bytes, where plain data parallelism's AllReduce makes two (Rajbhandari et al. 2020, §5.3).
+
+    Raises:
+        ValueError: a negative time or an overlap share outside [0, 1].
+    """
+    for name, v in (("gather_s", gather_s), ("reduce_s", reduce_s), ("forward_s", forward_s),
+                    ("backward_s", backward_s)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+    for name, v in (("gather_overlap", gather_overlap), ("reduce_overlap", reduce_overlap)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    hidden = (min(gather_overlap * gather_s, forward_s)
+              + min(gather_overlap * gather_s + reduce_overlap * reduce_s, backward_s))
+    return 2 * gather_s + reduce_s - hidden, hidden
+
+
 def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
     d = cluster.devices_per_node
     if layout.tp <= d and d % layout.tp == 0:
@@ -362,7 +395,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
 
     Args:
         m: the model (its ``seq`` is the training sequence length).
-        layout: tp, pp, dp, micro-batch, recomputation policy, interleaving, ZeRO-1, sequence parallelism,
+        layout: tp, pp, dp, micro-batch, recomputation policy, interleaving, ZeRO stage, sequence parallelism,
             FlashAttention.
         cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used: the
             layout says how many GPUs run).
@@ -376,8 +409,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
 
     Raises:
         ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of
-            range; ``dtype`` not in the cluster's peak table; an unknown software profile; a profile with
-            ZeRO stage 3 (FSDP is not priced yet).
+            range; ``dtype`` not in the cluster's peak table; an unknown software profile.
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
@@ -392,9 +424,6 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         raise ValueError(f"cluster {cluster.name!r} has no peak FLOP/s for dtype {dtype!r}; it has "
                          f"{sorted(cluster.peak_flop_per_s)}")
     sw = load_software(software)
-    if sw.zero_stage == 3:
-        raise ValueError(f"software {sw.name!r} shards parameters (ZeRO stage 3 / FSDP), which the time model does "
-                         "not price yet; use a profile with zero_stage 0 or 1")
     g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
     if g_bytes not in (2, 4):
         raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {g_bytes!r}")
@@ -439,16 +468,23 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s)
 
     grad_ar = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, g_bytes), L, cluster)
-    if L.zero1:  # distributed optimizer: ReduceScatter the gradients, AllGather the updated bf16 parameters
-        rs = grad_ar / 2
-        ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
-        reduce_s, gather_s = rs, ag
-    else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
-        rs = ag = grad_ar / 2
-        reduce_s, gather_s = grad_ar, 0.0
     per_micro = compute / micro
-    dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
-                                               gather_s, per_micro * forward_share, ov_param)
+    if L.zero_stage >= 3:  # FSDP: per micro-batch, AllGather before forward and backward, ReduceScatter after
+        one_rs = grad_ar / 2
+        one_ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
+        exposed, hidden = fsdp_exposed_seconds(one_ag, one_rs, per_micro * forward_share,
+                                               per_micro * (1 - forward_share), ov_param, ov_grad)
+        rs, ag, dp_exposed, dp_hidden = micro * one_rs, micro * 2 * one_ag, micro * exposed, micro * hidden
+    else:
+        if L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
+            rs = grad_ar / 2
+            ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
+            reduce_s, gather_s = rs, ag
+        else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
+            rs = ag = grad_ar / 2
+            reduce_s, gather_s = grad_ar, 0.0
+        dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
+                                                   gather_s, per_micro * forward_share, ov_param)
     slowdown = (tp_hidden + pp_hidden + dp_hidden) * (1 - 1 / sw.overlap_compute_slowdown)
     return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,

@@ -1,0 +1,167 @@
+"""The planner's memory model, each term against a value computed by hand from its source's formula:
+activations by recompute policy (Korthikanti et al. 2022, §4-5, Table 2), the interleaved schedule's factor
+(§4.2.3; Megatron-LM theoretical_memory_usage.py), bytes per parameter by optimizer dtype option (Megatron-LM
+docs/user-guide/features/dist_optimizer.md), ZeRO-2/3 memory and the bytes ZeRO-3 moves (Rajbhandari et al.
+2020, §5), the memory reserve and the fragile flag; bad input named in the error."""
+
+import pytest
+
+from commlab.__main__ import main
+from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, activation_bytes_per_layer,
+                                      dp_all_reduce_seconds, dp_gradient_nbytes, fsdp_exposed_seconds,
+                                      interleave_memory_factor, is_fragile, layer_params, load_software,
+                                      make_cluster, memory_breakdown, model_state_bytes_per_param, search,
+                                      stage_params, step_time, usable_memory_bytes)
+from commlab.parallel.planner.software import optimizer_dtypes
+
+TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
+DEEP = ModelConfig(name="deep", layers=8, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
+SBH = 4 * 1 * 8  # s·b·h of TINY at micro-batch 1
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+def test_activation_bytes_per_policy_by_hand():
+    kw = dict(flash_attention=False)
+    # sbh(34 + 5as/h): 5·2·4/8 = 5 -> 39 per token-width; selective drops the 5as/h term; full keeps 2sbh.
+    assert activation_bytes_per_layer(TINY, 1, 1, False, "none", **kw) == SBH * 39 == 1248
+    assert activation_bytes_per_layer(TINY, 1, 1, False, "selective", **kw) == SBH * 34
+    assert activation_bytes_per_layer(TINY, 1, 1, False, "full", **kw) == 2 * SBH
+    # TP and SP: everything / t.
+    assert activation_bytes_per_layer(TINY, 1, 2, True, "none", **kw) == SBH * 39 / 2
+    assert activation_bytes_per_layer(TINY, 1, 2, True, "selective", **kw) == SBH * 34 / 2
+    assert activation_bytes_per_layer(TINY, 1, 2, True, "full", **kw) == 2 * SBH / 2
+
+
+def test_every_k_is_the_mix_of_whole_layers():
+    # 2 layers, k = 2: one layer keeps only its input (2sbh), one keeps all (39 sbh), and one layer's full
+    # activations are the working set while it is recomputed.
+    lay = Layout(1, 1, 1, recompute="every-k", recompute_every=2, flash_attention=False, sequence_parallel=False)
+    mem = memory_breakdown(TINY, lay)
+    logits = 4 * 4 * 1 * 16
+    assert mem.activations_bytes == 2 * SBH + 39 * SBH + 39 * SBH + logits
+
+
+def test_interleaved_factor_and_in_flight_micro_batches():
+    assert interleave_memory_factor(4, 1) == 1.0
+    assert interleave_memory_factor(4, 2) == 1 + 3 / 8
+    assert interleave_memory_factor(16, 4) == 1 + 15 / 64
+    # DEEP: 8 layers, pp = 4, v = 2: the first stage holds 2 layers, 4 micro-batches × 1.375 in flight.
+    lay = Layout(1, 4, 1, interleave=2, flash_attention=False, sequence_parallel=False)
+    mem = memory_breakdown(DEEP, lay, global_batch=8)
+    assert mem.stage == "first" and mem.in_flight == 4 * 1.375
+    assert mem.activations_bytes == 2 * 1248 * 5.5
+    # plain 1F1B with fewer micro-batches than stages holds only those.
+    assert memory_breakdown(DEEP, Layout(1, 4, 1, flash_attention=False), global_batch=2).in_flight <= 2
+    with pytest.raises(ValueError, match="interleave"):
+        interleave_memory_factor(4, 0)
+
+
+# ----------------------------------------------------------------------------------------- states
+
+@pytest.mark.parametrize("option, grad_bytes, plain, dist", [
+    ("bf16-fp32-adam", 4, 18, (6, 12)),   # dist_optimizer.md: bf16 params, fp32 grads: 18 | 6 + 12/d
+    ("fp16-fp32-adam", 2, 20, (4, 16)),   # fp16 params, fp16 grads: 20 | 4 + 16/d
+    ("fp32-adam", 4, 16, (8, 8)),         # fp32 params, fp32 grads: 16 | 8 + 8/d
+])
+def test_bytes_per_parameter_are_megatrons_table(option, grad_bytes, plain, dist):
+    assert sum(model_state_bytes_per_param(option, grad_bytes, 0, 1)) == plain
+    assert sum(model_state_bytes_per_param(option, grad_bytes, 1, 8)) == dist[0] + dist[1] / 8
+
+
+def test_bf16_moments_and_the_profiles_options():
+    assert sum(model_state_bytes_per_param("bf16-bf16-moments-adam", 4)) == 2 + 4 + 4 + 4
+    assert load_software("megatron-core").optimizer_state_bytes == 12
+    assert load_software("megatron-lm-2021").optimizer_dtypes == "fp16-fp32-adam"
+    assert load_software("torchtitan").optimizer.param_bytes == 4
+    assert set(OPTIMIZER_DTYPES) >= {"bf16-fp32-adam", "fp16-fp32-adam", "fp32-adam"}
+
+
+def test_zero_stages_shard_states_then_grads_then_params():
+    p = stage_params(TINY, 1, "only")
+    by_stage = {z: memory_breakdown(TINY, Layout(1, 1, 4, zero_stage=z), 4, grad_bytes=4, optimizer="bf16-fp32-adam")
+                for z in range(4)}
+    assert (by_stage[0].weights_bytes, by_stage[0].gradients_bytes, by_stage[0].optimizer_bytes) == (2 * p, 4 * p, 12 * p)
+    assert (by_stage[1].weights_bytes, by_stage[1].gradients_bytes, by_stage[1].optimizer_bytes) == (2 * p, 4 * p, 3 * p)
+    assert (by_stage[2].weights_bytes, by_stage[2].gradients_bytes, by_stage[2].optimizer_bytes) == (2 * p, p, 3 * p)
+    # ZeRO-3: 1/dp of everything, plus two gathered bf16 layers and one layer's unsharded gradients.
+    lp = layer_params(TINY)
+    assert by_stage[3].weights_bytes == 2 * p / 4 + 2 * 2 * lp
+    assert by_stage[3].gradients_bytes == 4 * p / 4 + 4 * lp
+    assert by_stage[3].optimizer_bytes == 3 * p
+    assert Layout(1, 1, 4, zero1=True).zero_stage == 1 and Layout(1, 1, 4, zero_stage=3).zero1
+    assert Layout(8, 16, 128, zero_stage=3).short().endswith("zero3")
+
+
+def test_zero3_moves_three_passes_per_micro_batch_and_zero2_moves_what_zero1_does():
+    m = DEEP
+    c = make_cluster("dgx-a100-hdr", 16)
+    base = dict(tp=1, pp=1, dp=16, micro_batch=1, recompute="none")
+    t1 = step_time(m, Layout(**base, zero_stage=1), c, 32)
+    t2 = step_time(m, Layout(**base, zero_stage=2), c, 32)
+    t3 = step_time(m, Layout(**base, zero_stage=3), c, 32, software="torchtitan")
+    assert (t2.dp_reduce_scatter_s, t2.dp_all_gather_s) == (t1.dp_reduce_scatter_s, t1.dp_all_gather_s)
+    lay = Layout(**base, zero_stage=3)
+    one_rs = dp_all_reduce_seconds(dp_gradient_nbytes(m, lay, 4), lay, c) / 2
+    one_ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, lay, 2), lay, c) / 2
+    assert t3.micro_batches == 2
+    assert t3.dp_reduce_scatter_s == pytest.approx(2 * one_rs)
+    assert t3.dp_all_gather_s == pytest.approx(2 * 2 * one_ag)
+    # By hand: AG 1 s, RS 2 s, forward 0.5 s, backward 1 s, both fully overlappable: hidden 0.5 + 1.
+    assert fsdp_exposed_seconds(1.0, 2.0, 0.5, 1.0, 1.0, 1.0) == (4.0 - 1.5, 1.5)
+    assert fsdp_exposed_seconds(1.0, 2.0, 5.0, 5.0, 0.0, 0.0) == (4.0, 0.0)
+    with pytest.raises(ValueError, match="gather_overlap"):
+        fsdp_exposed_seconds(1.0, 1.0, 1.0, 1.0, 1.5, 0.0)
+
+
+def test_torchtitan_is_priced_and_searched_with_fsdp():
+    res = search(DEEP, "dgx-a100-hdr", 16, 32, software="torchtitan", pp_values=[1])
+    assert any(p.layout.zero_stage == 3 for p in res.plans)
+
+
+# ----------------------------------------------------------------------------------------- reserve, fragile
+
+def test_reserve_and_fragile_flag():
+    assert usable_memory_bytes(80e9) == pytest.approx(72e9)
+    assert usable_memory_bytes(80e9, 0.0) == 80e9
+    assert is_fragile(69e9, 72e9) and not is_fragile(68e9, 72e9)  # within 5 %: above 68.4 GB
+    res = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536)
+    cap = 0.9 * 80e9
+    assert all(p.memory.total_bytes <= cap for p in res.plans)
+    assert all(p.fragile == (p.memory.total_bytes > 0.95 * cap) for p in res.plans)
+    assert any(p.fragile for p in res.plans)
+    loose = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536, memory_reserve=0.0)
+    assert len(loose.plans) > len(res.plans)
+    assert len(search("megatron-39.1b", "dgx-a100-hdr", 512, 1536, usable_fraction=1.0).plans) == len(loose.plans)
+
+
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match=r"'fp8-adam'.*bf16-fp32-adam"):
+        optimizer_dtypes("fp8-adam")
+    with pytest.raises(ValueError, match=r"'fp8-adam'"):
+        memory_breakdown(TINY, Layout(1, 1, 1), optimizer="fp8-adam")
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"memory_reserve .*\[0, 1\).*{bad}"):
+            usable_memory_bytes(80e9, bad)
+    with pytest.raises(ValueError, match=r"memory_reserve .*1\.0"):
+        search("megatron-1.7b", "dgx-a100-hdr", 32, 512, memory_reserve=1.0)
+    with pytest.raises(ValueError, match=r"fragile margin .*1\.2"):
+        is_fragile(1.0, 2.0, 1.2)
+    for stage in (4, -1, True):
+        with pytest.raises(ValueError, match=rf"ZeRO stage {stage!r} is not one of \[0, 1, 2, 3\]"):
+            Layout(1, 1, 2, zero_stage=stage)
+        with pytest.raises(ValueError, match=r"ZeRO stage"):
+            model_state_bytes_per_param("bf16-fp32-adam", 4, stage, 2)
+    with pytest.raises(ValueError, match="zero1=True contradicts zero_stage=0"):
+        Layout(1, 1, 2, zero1=True, zero_stage=0)
+
+
+def test_cli_plan_shows_the_reserve_and_fragile_plans(capsys):
+    assert main(["plan", "--model", "megatron-39.1b", "--preset", "dgx-a100-hdr", "--gpus", "512",
+                 "--global-batch", "1536", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "10% of device memory reserved" in out and "fragile" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "megatron-39.1b", "--preset", "dgx-a100-hdr", "--gpus", "512",
+              "--global-batch", "1536", "--memory-reserve", "1.0"])
+    assert "--memory-reserve must be in [0, 1), got 1.0" in capsys.readouterr().err
