@@ -2,6 +2,7 @@
 made the same from run to run (tidy_output), and the jobs that fail on purpose (commlab.launch.failures):
 each failure prints what chapter 12 says it prints, within its deadline, and leaves no process behind."""
 
+import concurrent.futures
 import socket
 import sys
 import uuid
@@ -16,6 +17,24 @@ def _marker():
     return {"COMMLAB_TEST_JOB": uuid.uuid4().hex}
 
 
+FAIL = ["-m", "commlab.launch.failures"]
+# The failing jobs, started at once (three at a time): most of each one's time is spent waiting for its
+# collective timeout, its grace period or its deadline, so together they take about as long as the slowest.
+JOBS = {
+    "order DETAIL": dict(job=FAIL + ["order", "--timeout", "20"], env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+    "order": dict(job=FAIL + ["order", "--timeout", "2"], env={"TORCH_DISTRIBUTED_DEBUG": "OFF"}),
+    "stuck": dict(job=FAIL + ["timeout", "--timeout", "2"]),
+    "shape DETAIL": dict(job=FAIL + ["shape"], env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+}
+
+
+@pytest.fixture(scope="module")
+def failed():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(run_standalone, nproc_per_node=2, timeout_s=120, **kw) for name, kw in JOBS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 def test_a_job_that_works_exits_zero_with_its_output():
     res = run_standalone(["-m", "commlab", "selftest"], 2, timeout_s=180).check()
     assert res.returncode == 0 and not res.stopped and res.seconds > 0
@@ -23,9 +42,8 @@ def test_a_job_that_works_exits_zero_with_its_output():
     assert "OMP_NUM_THREADS" not in res.stderr   # set for the job, so torchrun prints no banner
 
 
-def test_an_order_mismatch_is_named_with_torch_distributed_debug_detail():
-    res = run_standalone(["-m", "commlab.launch.failures", "order", "--timeout", "20"], 2, timeout_s=120,
-                         env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+def test_an_order_mismatch_is_named_with_torch_distributed_debug_detail(failed):
+    res = failed["order DETAIL"]
     assert res.returncode != 0 and not res.stopped
     assert "Detected mismatch between collectives on ranks" in res.stderr
     assert "rank 0: RuntimeError: Detected mismatch" in res.stderr and "rank 1: RuntimeError: Detected" in res.stderr
@@ -33,11 +51,10 @@ def test_an_order_mismatch_is_named_with_torch_distributed_debug_detail():
     assert res.seconds < 60   # at the first wrong call, not after the 20 s timeout
 
 
-def test_without_detail_the_same_mismatch_is_a_timeout_that_every_rank_reports():
+def test_without_detail_the_same_mismatch_is_a_timeout_that_every_rank_reports(failed):
     # The first rank to time out closes its connections, so its peer reports either its own timeout or
     # "Connection closed by peer", depending on which of the two clocks ran out first (seen both ways).
-    res = run_standalone(["-m", "commlab.launch.failures", "order", "--timeout", "2"], 2, timeout_s=120,
-                         env={"TORCH_DISTRIBUTED_DEBUG": "OFF"})
+    res = failed["order"]
     assert res.returncode != 0
     assert "Timed out waiting 2000ms" in res.stderr
     for rank in (0, 1):
@@ -45,15 +62,14 @@ def test_without_detail_the_same_mismatch_is_a_timeout_that_every_rank_reports()
         assert "Timed out waiting 2000ms" in line or "Connection closed by peer" in line, line
 
 
-def test_a_stuck_rank_makes_its_peers_time_out():
-    res = run_standalone(["-m", "commlab.launch.failures", "timeout", "--timeout", "2"], 2, timeout_s=120)
+def test_a_stuck_rank_makes_its_peers_time_out(failed):
+    res = failed["stuck"]
     assert res.returncode != 0
     assert "rank 0: RuntimeError:" in res.stderr and "Timed out waiting 2000ms" in res.stderr
 
 
-def test_shape_mismatch_is_named_with_detail():
-    res = run_standalone(["-m", "commlab.launch.failures", "shape"], 2, timeout_s=120,
-                         env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+def test_shape_mismatch_is_named_with_detail(failed):
+    res = failed["shape DETAIL"]
     assert res.returncode != 0
     assert "TensorShape=[4]" in res.stderr and "TensorShape=[5]" in res.stderr
 
