@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import lru_cache
 from typing import Sequence
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_schedule, interleaved_schedule,
@@ -75,8 +76,8 @@ from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, Ti
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
-           "StepTimeline", "ReplayState", "chunk_layers", "step_costs", "make_timeline_schedule", "run_op", "replay",
-           "finish_stage", "timeline_from_costs", "step_timeline"]
+           "StepTimeline", "ReplayState", "chunk_layers", "step_costs", "make_timeline_schedule", "replay",
+           "finish_stage", "timeline_from_costs", "step_timeline", "rerank_by_timeline"]
 
 #: Interval kinds, in drawing order.
 KINDS = ("forward", "backward", "recompute", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
@@ -344,135 +345,191 @@ class ReplayState:
     Attributes:
         compute_free: per stage, when its compute stream is next free, s.
         next_op: per stage, the index of its next operation in the schedule.
-        done: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each finished computation (end
-            = when the stream is free again, exposed TP and send included).
-        arrival: the same key -> ``(send_start_s, arrival_s)`` of the message it produced, for ops that
-            send one.
+        arrival: per op code (see :func:`_encoded_schedule`), when the message it sent has arrived, s (None
+            before it ran).
         last_backward: ``(stage, chunk)`` -> start of that chunk's latest backward computation, s.
-        first_forward_end: per stage, the end of its first forward's computation (None before).
-        intervals: the bars so far.
+        gathered: per stage, whether its first forward has run (it waits for the overlapped AllGather).
+        record: whether to keep bars and op times (False: step time only, for the search's ranking).
+        done: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each op (when recording).
+        sent: the same key -> ``(send_start_s, arrival_s)`` of its message (when recording).
+        intervals: the bars so far (when recording).
     """
 
     compute_free: list
     next_op: list
+    arrival: list
+    last_backward: dict
+    gathered: list
+    record: bool = True
     done: dict = dataclasses.field(default_factory=dict)
-    arrival: dict = dataclasses.field(default_factory=dict)
-    last_backward: dict = dataclasses.field(default_factory=dict)
-    first_forward_end: list = dataclasses.field(default_factory=list)
+    sent: dict = dataclasses.field(default_factory=dict)
     intervals: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, p: int) -> "ReplayState":
-        return cls(compute_free=[0.0] * p, next_op=[0] * p, first_forward_end=[None] * p)
+    def start(cls, p: int, n_codes: int, record: bool = True) -> "ReplayState":
+        return cls(compute_free=[0.0] * p, next_op=[0] * p, arrival=[None] * n_codes, last_backward={},
+                   gathered=[False] * p, record=record)
 
 
-def _key(op: Op) -> tuple:
-    return (op.stage, op.kind, op.microbatch, op.chunk)
+def _code(stage: int, kind: str, microbatch: int, chunk: int, p: int, m: int) -> int:
+    return ((chunk * p + stage) * m + microbatch) * 2 + (kind == BACKWARD)
 
 
-def _sends(op: Op, p: int, v: int) -> bool:
-    vs = op.chunk * p + op.stage
-    return vs < p * v - 1 if op.kind == FORWARD else vs > 0
+@lru_cache(maxsize=64)
+def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
+    """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op, in
+    order: the schedule as integers, so that the replay of a long pipeline is a tight loop (cached)."""
+    out = []
+    for ops in make_timeline_schedule(name, p, m, v):
+        row = []
+        for op in ops:
+            deps = virtual_dependencies(op, p, v)
+            vs = op.chunk * p + op.stage
+            sends = vs < p * v - 1 if op.kind == FORWARD else vs > 0
+            row.append((_code(op.stage, op.kind, op.microbatch, op.chunk, p, m),
+                        _code(*deps[0], p=p, m=m) if deps else -1, op.kind == BACKWARD, op.chunk, op.microbatch,
+                        sends))
+        out.append(tuple(row))
+    return tuple(out)
 
 
-def _wait(state: ReplayState, stage: int, start: float, msg: tuple | None) -> None:
-    """Bars for the gap before an op: ``pp_recv`` while its message was in flight, ``bubble`` otherwise."""
-    free = state.compute_free[stage]
-    if start <= free:
-        return
-    in_flight_from = max(free, msg[0]) if msg is not None else start
-    if in_flight_from > free:
-        state.intervals.append(Interval(stage, "bubble", free, in_flight_from))
-    if start > in_flight_from:
-        state.intervals.append(Interval(stage, "pp_recv", in_flight_from, start))
-
-
-def _compute(state: ReplayState, costs: StepCosts, op: Op, kind: str, t: float, work_s: float, tp_s: float) -> float:
-    """Bars of one computation with its TP communication from t; returns when the stream is free."""
+def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float) -> tuple[list, float]:
+    """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
+    times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
+    length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it."""
     hidden = min(costs.overlap_tp * tp_s, work_s)
     work = work_s + hidden * (1 - 1 / costs.compute_slowdown)
     exposed = tp_s - hidden
-    ivs = state.intervals
+    bars = []
     if work > 0:
-        ivs.append(Interval(op.stage, kind, t, t + work, op.microbatch, op.chunk))
+        bars.append((kind, t, t + work, COMPUTE_LANE))
     if hidden > 0:
-        ivs.append(Interval(op.stage, "tp", t, t + hidden, op.microbatch, op.chunk, COMM_LANE))
+        bars.append(("tp", t, t + hidden, COMM_LANE))
     if exposed > 0:
-        ivs.append(Interval(op.stage, "tp", t + work, t + work + exposed, op.microbatch, op.chunk))
-    return t + work + exposed
+        bars.append(("tp", t + work, t + work + exposed, COMPUTE_LANE))
+    return bars, t + work + exposed
 
 
-def run_op(state: ReplayState, costs: StepCosts, op: Op, input_msg: tuple | None) -> None:
-    """Run one op at the earliest time its stage and its input allow, and record its bars and message."""
-    s, c = op.stage, op.chunk
-    sc = costs.stages[s]
-    start = max(state.compute_free[s], input_msg[1] if input_msg is not None else 0.0)
-    _wait(state, s, start, input_msg)
-    if op.kind == FORWARD:
-        t = _compute(state, costs, op, "forward", start, sc.forward_s[c], sc.tp_forward_s[c])
-        if state.first_forward_end[s] is None:
-            state.first_forward_end[s] = t
-            # The stream cannot run past its first layers before the overlapped parameter AllGather is done.
-            gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
-            if gathered > t:
-                state.intervals.append(Interval(s, "dp_all_gather", t, gathered, op.microbatch, c))
-                t = gathered
-    else:
-        t = _compute(state, costs, op, "recompute", start, sc.recompute_s[c], sc.tp_recompute_s[c])
-        state.last_backward[(s, c)] = t
-        t = _compute(state, costs, op, "backward", t, sc.backward_s[c], sc.tp_backward_s[c])
-    if _sends(op, costs.pp, costs.interleave) and costs.pp_message_s > 0:
-        exposed = (1 - costs.overlap_pp) * costs.pp_message_s
-        if exposed > 0:
-            state.intervals.append(Interval(s, "pp_send", t, t + exposed, op.microbatch, c))
-        if costs.pp_message_s > exposed:
-            state.intervals.append(Interval(s, "pp_send", t + exposed, t + costs.pp_message_s, op.microbatch, c,
-                                            COMM_LANE))
-        state.arrival[_key(op)] = (t, t + costs.pp_message_s)
-        t += exposed
-    elif _sends(op, costs.pp, costs.interleave):
-        state.arrival[_key(op)] = (t, t)
-    state.done[_key(op)] = (start, t)
-    state.compute_free[s] = t
+@dataclasses.dataclass(frozen=True)
+class _OpTemplate:
+    """One chunk's forward or backward relative to its start: compute bars, when its computation ends
+    (``compute_end``), when its backward computation starts (``backward_at``), and its send."""
+
+    bars: tuple
+    compute_end: float
+    backward_at: float
+    send_bars: tuple  # relative to compute_end
+    send_stall: float
+    message_s: float
 
 
-def replay(schedule: Sequence[Sequence[Op]], costs: StepCosts) -> ReplayState:
-    """Replay the forward and backward passes of ``schedule`` (per stage, in order) with ``costs``; every op
-    starts as early as its stage and its input allow (see the module docstring).
+def _templates(costs: StepCosts) -> dict:
+    exposed = (1 - costs.overlap_pp) * costs.pp_message_s
+    send = []
+    if exposed > 0:
+        send.append(("pp_send", 0.0, exposed, COMPUTE_LANE))
+    if costs.pp_message_s > exposed:
+        send.append(("pp_send", exposed, costs.pp_message_s, COMM_LANE))
+    out = {}
+    for s, sc in enumerate(costs.stages):
+        for c in range(sc.chunks):
+            bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
+            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s)
+            bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
+            at = t
+            more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t)
+            out[(s, c, True)] = _OpTemplate(tuple(bars + more), t, at, tuple(send), exposed, costs.pp_message_s)
+    return out
+
+
+def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start: float, mid: float,
+               stall_from: float, msg: tuple | None, end: float) -> None:
+    """Bars of one op: its wait (``pp_recv`` while its input was in flight, ``bubble`` otherwise), its
+    computation, a stall for the parameter AllGather, its send."""
+    code, _, backward, c, j, sends = entry
+    ivs = state.intervals
+    free = state.compute_free[s]
+    if start > free:
+        in_flight = max(free, msg[0]) if msg is not None else start
+        if in_flight > free:
+            ivs.append(Interval(s, "bubble", free, in_flight))
+        if start > in_flight:
+            ivs.append(Interval(s, "pp_recv", in_flight, start))
+    for kind, a, b, lane in tpl.bars:
+        ivs.append(Interval(s, kind, start + a, start + b, j, c, lane))
+    if mid > stall_from:
+        ivs.append(Interval(s, "dp_all_gather", stall_from, mid, j, c))
+    if sends:
+        for kind, a, b, lane in tpl.send_bars:
+            ivs.append(Interval(s, kind, mid + a, mid + b, j, c, lane))
+    key = (s, BACKWARD if backward else FORWARD, j, c)
+    state.done[key] = (start, end)
+    if sends:
+        state.sent[key] = (mid, mid + tpl.message_s)
+
+
+def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayState:
+    """Replay the forward and backward passes of the schedule ``schedule_name`` (see
+    :func:`make_timeline_schedule`) with ``costs``: every op starts as soon as its stage is free and its
+    input has arrived (see the module docstring). ``record=False`` keeps only the times (faster).
 
     Raises:
-        ValueError: the schedule's stage count differs from the costs'; the schedule deadlocks (names the
-            stuck ops).
+        ValueError: as :func:`make_timeline_schedule`; the schedule deadlocks (names the stuck stages).
     """
-    p, v = costs.pp, costs.interleave
-    if len(schedule) != p:
-        raise ValueError(f"the schedule has {len(schedule)} stages, the costs {p}")
-    state = ReplayState.start(p)
-    total = sum(len(ops) for ops in schedule)
+    p, v, m = costs.pp, costs.interleave, costs.micro_batches
+    order = _encoded_schedule(schedule_name, p, m, v)
+    tpl = _templates(costs)
+    state = ReplayState.start(p, 2 * m * p * v, record)
+    gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
+    free, arrival, nxt, last_b = state.compute_free, state.arrival, state.next_op, state.last_backward
+    sent_at = [0.0] * len(arrival) if record else None
+    total = sum(len(ops) for ops in order)
     ran = 0
     while ran < total:
         progressed = False
         for s in range(p):
-            ops = schedule[s]
-            while state.next_op[s] < len(ops):
-                op = ops[state.next_op[s]]
-                deps = virtual_dependencies(op, p, v)
-                if deps and deps[0] not in state.arrival:
+            ops = order[s]
+            i = nxt[s]
+            while i < len(ops):
+                entry = ops[i]
+                code, dep, backward, c, j, sends = entry
+                if dep >= 0 and arrival[dep] is None:
                     break
-                run_op(state, costs, op, state.arrival[deps[0]] if deps else None)
-                state.next_op[s] += 1
+                start = free[s] if dep < 0 or arrival[dep] <= free[s] else arrival[dep]
+                t = tpl[(s, c, backward)]
+                mid = start + t.compute_end
+                stall_from = mid
+                if not backward and not state.gathered[s]:
+                    # The stream cannot run past its first layers before the overlapped AllGather is done.
+                    state.gathered[s] = True
+                    mid = max(mid, gathered)
+                if backward:
+                    last_b[(s, c)] = start + t.backward_at
+                end = mid + t.send_stall if sends else mid
+                if record:
+                    msg = (sent_at[dep], arrival[dep]) if dep >= 0 else None
+                    _record_op(state, s, entry, t, start, mid, stall_from, msg, end)
+                    sent_at[code] = mid
+                arrival[code] = mid + t.message_s if sends else end
+                free[s] = end
+                i += 1
                 ran += 1
                 progressed = True
+            nxt[s] = i
         if not progressed:
-            stuck = [str(schedule[s][state.next_op[s]]) for s in range(p) if state.next_op[s] < len(schedule[s])]
-            raise ValueError(f"the schedule deadlocks: every stage waits ({', '.join(stuck)} cannot start)")
+            stuck = [f"stage {s} at op {nxt[s]}" for s in range(p) if nxt[s] < len(order[s])]
+            raise ValueError(f"the schedule deadlocks: every stage waits ({', '.join(stuck)})")
     return state
 
 
-def _lay(state: ReplayState, stage: int, pieces, t: float, lane: str = COMPUTE_LANE, chunk=None) -> float:
+def _lay(state: ReplayState, stage: int, pieces, t: float, lane: str = COMPUTE_LANE, chunk=None,
+         out: list | None = None) -> float:
     for kind, d in pieces:
         if d > 0:
-            state.intervals.append(Interval(stage, kind, t, t + d, None, chunk, lane))
+            if state.record:
+                state.intervals.append(Interval(stage, kind, t, t + d, None, chunk, lane))
+            if out is not None:
+                out.append((kind, t, t + d, chunk))
             t += d
     return t
 
@@ -490,16 +547,13 @@ def finish_stage(state: ReplayState, costs: StepCosts, stage: int) -> float:
     launches = sorted((state.last_backward.get((stage, c), t_end), c) for c in range(v))
     comm, hidden = 0.0, []
     for at, c in launches:
-        first = len(state.intervals)
-        comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c)
-        hidden += state.intervals[first:]
+        comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c, hidden)
     # The stream waits for the overlapped reduction still running after its last backward (exposed).
     t = t_end
-    for iv in hidden:
-        if iv.end_s > t:
-            a = max(iv.start_s, t)
-            state.intervals.append(Interval(stage, iv.kind, a, iv.end_s, None, iv.chunk))
-            t = iv.end_s
+    for kind, a, b, c in hidden:
+        if b > t:
+            _lay(state, stage, [(kind, b - max(a, t))], max(a, t), COMPUTE_LANE, c)
+            t = b
     t = _lay(state, stage, [(k, (1 - costs.overlap_dp_grad_reduce) * d) for k, d in costs.dp_reduce], t)
     t = _lay(state, stage, [("optimizer", costs.optimizer_s)], t)
     t = _lay(state, stage, [("dp_all_gather", costs.dp_gather_s - gathered)], t)
@@ -550,29 +604,31 @@ class StepTimeline:
 
 
 def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytical: TimeBreakdown | None = None,
-                        layout: Layout | None = None) -> StepTimeline:
+                        layout: Layout | None = None, record: bool = True) -> StepTimeline:
     """Replay ``costs`` under ``schedule`` (see :func:`make_timeline_schedule`) and finish every stage.
+    ``record=False``: the step time only (no bars, ops or arrivals).
 
     Raises:
         ValueError: as :func:`make_timeline_schedule` and :func:`replay`.
     """
     name = schedule or ("interleaved" if costs.interleave > 1 else "1f1b")
-    order = make_timeline_schedule(name, costs.pp, costs.micro_batches, costs.interleave)
-    state = replay(order, costs)
+    state = replay(name, costs, record)
     ends = [finish_stage(state, costs, s) for s in range(costs.pp)]
     step = max(ends)
-    for s, e in enumerate(ends):
-        if step > e:
-            state.intervals.append(Interval(s, "idle", e, step))
+    if record:
+        for s, e in enumerate(ends):
+            if step > e:
+                state.intervals.append(Interval(s, "idle", e, step))
     ivs = tuple(sorted(state.intervals, key=lambda iv: (iv.stage, iv.lane != COMPUTE_LANE, iv.start_s)))
     return StepTimeline(intervals=ivs, step_s=step, schedule=name, costs=costs, ops=dict(state.done),
-                        arrivals=dict(state.arrival), analytical=analytical, layout=layout)
+                        arrivals=dict(state.sent), analytical=analytical, layout=layout)
 
 
 def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                   software: SoftwareProfile | str | None = None, schedule: str | None = None,
                   achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
-                  dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float = 0.0) -> StepTimeline:
+                  dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float = 0.0,
+                  record: bool = True) -> StepTimeline:
     """The step timeline of a plan (see the module docstring).
 
     Args:
@@ -581,6 +637,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; None: interleaved when
             ``layout.interleave > 1``, else 1F1B.
         optimizer_s: seconds of the optimizer step (default 0, unpriced in the time model).
+        record: keep the bars (False: only ``step_s``, as the search's re-ranking needs).
 
     Returns:
         a :class:`StepTimeline`; its ``step_s`` is the step time in seconds.
@@ -591,4 +648,19 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
     """
     costs, bd = step_costs(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype,
                            grad_bytes, optimizer_s)
-    return timeline_from_costs(costs, schedule, bd, layout)
+    return timeline_from_costs(costs, schedule, bd, layout, record)
+
+
+def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster, global_batch: int,
+                       software: SoftwareProfile | str | None = None,
+                       achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                       dtype: str = "bf16", grad_bytes: int | None = None) -> list:
+    """The search's final ranking: the first ``k`` plans (sorted by the analytical step time) replayed with
+    :func:`step_timeline`, given their ``timeline_step_s`` and sorted among themselves by it (ties by
+    memory); the rest follow unchanged. ``plans`` are :class:`~commlab.parallel.planner.search.Plan` s."""
+    head = [dataclasses.replace(p, timeline_step_s=step_timeline(m, p.layout, cluster, global_batch, software, None,
+                                                                 achievable_fraction, dp_overlap, dtype,
+                                                                 grad_bytes, record=False).step_s)
+            for p in plans[:k]]
+    head.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
+    return head + list(plans[k:])
