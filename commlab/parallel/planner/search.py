@@ -6,7 +6,9 @@ the divisors of the layer count (or, by default, any pp up to it with uneven sta
 micro-batch sizes, interleaving depths, ZeRO-1 on/off and recomputation policies (none, full and the
 software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
 sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
-(each with its reason) or cannot split the global batch, and ranks the rest by predicted step time. A
+(each with its reason) or cannot split the global batch, and ranks the rest by predicted step time (the
+analytical sum of terms; the :data:`TIMELINE_TOP_K` fastest are then replayed as step timelines,
+:mod:`~commlab.parallel.planner.timeline`, and re-ranked among themselves by the timeline's step time). A
 few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
 searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
