@@ -371,24 +371,25 @@ class ReplayState:
                    gathered=[False] * p, record=record)
 
 
-def _code(stage: int, kind: str, microbatch: int, chunk: int, p: int, m: int) -> int:
-    return ((chunk * p + stage) * m + microbatch) * 2 + (kind == BACKWARD)
-
-
 @lru_cache(maxsize=64)
 def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
     """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op, in
     order: the schedule as integers, so that the replay of a long pipeline is a tight loop (cached)."""
+    last = p * v - 1
     out = []
     for ops in make_timeline_schedule(name, p, m, v):
         row = []
         for op in ops:
-            deps = virtual_dependencies(op, p, v)
             vs = op.chunk * p + op.stage
-            sends = vs < p * v - 1 if op.kind == FORWARD else vs > 0
-            row.append((_code(op.stage, op.kind, op.microbatch, op.chunk, p, m),
-                        _code(*deps[0], p=p, m=m) if deps else -1, op.kind == BACKWARD, op.chunk, op.microbatch,
-                        sends))
+            backward = op.kind == BACKWARD
+            code = (vs * m + op.microbatch) * 2 + backward
+            # virtual_dependencies in integers: a forward waits for virtual stage vs-1's forward (code - 2m), a
+            # backward for vs+1's backward (code + 2m); the first forward and the last backward for nothing.
+            if backward:
+                dep, sends = (code + 2 * m if vs < last else -1), vs > 0
+            else:
+                dep, sends = (code - 2 * m if vs > 0 else -1), vs < last
+            row.append((code, dep, backward, op.chunk, op.microbatch, sends))
         out.append(tuple(row))
     return tuple(out)
 
@@ -478,7 +479,8 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
     """
     p, v, m = costs.pp, costs.interleave, costs.micro_batches
     order = _encoded_schedule(schedule_name, p, m, v)
-    tpl = _templates(costs)
+    templates = _templates(costs)
+    tpl = [[templates[(s, c, b)] for c in range(v) for b in (False, True)] for s in range(p)]
     state = ReplayState.start(p, 2 * m * p * v, record)
     gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
     free, arrival, nxt, last_b = state.compute_free, state.arrival, state.next_op, state.last_backward
@@ -488,7 +490,7 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
     while ran < total:
         progressed = False
         for s in range(p):
-            ops = order[s]
+            ops, tpl_s = order[s], tpl[s]
             i = nxt[s]
             while i < len(ops):
                 entry = ops[i]
@@ -496,7 +498,7 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                 if dep >= 0 and arrival[dep] is None:
                     break
                 start = free[s] if dep < 0 or arrival[dep] <= free[s] else arrival[dep]
-                t = tpl[(s, c, backward)]
+                t = tpl_s[2 * c + backward]
                 mid = start + t.compute_end
                 stall_from = mid
                 if not backward and not state.gathered[s]:
