@@ -50,7 +50,8 @@ both the exact offsets and the relative agreement). Where they differ legitimate
   replay, and one with a lighter first or last stage (Llama 3) fills and drains faster;
 * *interleaving* -- a micro-batch crosses ``p·v - 1`` stage boundaries instead of ``p - 1``, and the
   interleaved warm-up is deeper, so fill and drain pay ``(p·v - 1)`` messages, not ``(p - 1)/v`` of the
-  per-micro-batch message time;
+  per-micro-batch message time; and with ``m == p`` Megatron-LM runs every forward before any backward
+  (its all-warm-up case), which the replay follows (Llama 3 405B on 16,384 GPUs: m = 16 = p);
 * *overlap* -- an overlapped pipeline message is hidden from its sender but still delays its receiver
   (the analytical form hides it altogether); DP communication may also hide behind the waits of the drain,
   and a later stage's parameter AllGather behind its wait for the first activation.
@@ -68,7 +69,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_schedule, interleaved_schedule,
-                                                 one_f_one_b_schedule, virtual_dependencies)
+                                                 one_f_one_b_schedule)
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown,
