@@ -291,7 +291,8 @@ class ValidationRow:
         planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
             free.
         reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``).
-        predicted_tflops: the time model's, for the published layout, in the same definition.
+        predicted_tflops: the planner's, for the published layout, in the same definition, at its step time
+            (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the re-ranked top 5).
         top_tflops: the time model's for the planner's top layout, same definition (Eq. 3 credits a layout
             without recomputation with the recomputed forward it assumes).
         error_pct: (predicted - reported) / reported × 100.
