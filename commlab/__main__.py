@@ -343,8 +343,9 @@ def _bench_emulated(args, parser, nbytes) -> int:
 
 
 def _plan(args, parser) -> int:
-    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, list_models,
-                                          list_software, load_model, search, validate_published, validation_table)
+    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, TIMELINE_TOP_K,
+                                          list_models, list_software, load_model, search, validate_published,
+                                          validation_table)
     from commlab.topology import list_presets
 
     fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
@@ -400,6 +401,8 @@ def _plan(args, parser) -> int:
         mem = [r.reason for r in result.rejected if r.kind == "memory"]
         print("# nothing fits" + (f"; smallest need e.g. {min(mem, key=len)}" if mem else ""))
         return 1
+    print(f"# step s: the replayed step timeline for the top {TIMELINE_TOP_K} (re-ranked by it), the analytical sum "
+          f"of terms below them; the term columns are the analytical ones")
     head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'TP':>7} {'PP':>7} {'bubble':>7} {'DP':>7} "
             f"{'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
     print(head)

@@ -29,3 +29,7 @@ __all__ += ["plot_node_rails", "plot_switch_tree"]
 from commlab.viz.compression import plot_compressed_paths
 
 __all__ += ["plot_compressed_paths"]
+
+from commlab.viz.timeline import plot_step_timeline
+
+__all__ += ["plot_step_timeline"]

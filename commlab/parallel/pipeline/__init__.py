@@ -1,6 +1,6 @@
 """Pipeline parallelism: schedules as data, point-to-point stage communication, and a step engine.
 
-* :mod:`~commlab.parallel.pipeline.schedules`: GPipe and 1F1B op orders, the ideal timeline and the bubble.
+* :mod:`~commlab.parallel.pipeline.schedules`: GPipe, 1F1B and interleaved 1F1B op orders, the ideal timeline and the bubble.
 * :mod:`~commlab.parallel.pipeline.plan`: which messages each stage exchanges between its computations, in
   which groups, and a simulator of NCCL's rendezvous rules that checks the plan cannot deadlock.
 * :mod:`~commlab.parallel.pipeline.communications`: one group of the plan as one grouped exchange.
@@ -9,8 +9,9 @@
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, Op, TimedOp, bubble_fraction,
                                                  bubble_time_ratio, check_schedule, gpipe_schedule,
-                                                 ideal_timeline, idle_fraction, in_flight, make_schedule,
-                                                 max_in_flight, one_f_one_b_schedule, stage_busy_idle)
+                                                 ideal_timeline, idle_fraction, in_flight, interleaved_schedule,
+                                                 make_schedule, max_in_flight, one_f_one_b_schedule, stage_busy_idle,
+                                                 virtual_dependencies)
 from commlab.parallel.pipeline.plan import (ACTIVATION, GRADIENT, CommGroup, Message, RendezvousDeadlock,
                                             communication_plan, simulate_plan, ungrouped_plan)
 from commlab.parallel.pipeline.communications import (Boundary, PendingSends, agree_boundary_shapes, agree_step,
@@ -18,7 +19,7 @@ from commlab.parallel.pipeline.communications import (Boundary, PendingSends, ag
 from commlab.parallel.pipeline.engine import PipelineResult, pipeline_step, split_sequential
 
 __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
-           "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline", "bubble_fraction",
+           "interleaved_schedule", "virtual_dependencies", "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline", "bubble_fraction",
            "bubble_time_ratio", "idle_fraction", "stage_busy_idle",
            "ACTIVATION", "GRADIENT", "Message", "CommGroup", "RendezvousDeadlock", "communication_plan",
            "ungrouped_plan", "simulate_plan",

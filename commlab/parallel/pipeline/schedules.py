@@ -41,8 +41,8 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
-           "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline",
-           "bubble_fraction", "bubble_time_ratio", "idle_fraction", "stage_busy_idle"]
+           "interleaved_schedule", "make_schedule", "check_schedule", "in_flight", "max_in_flight", "ideal_timeline",
+           "bubble_fraction", "bubble_time_ratio", "idle_fraction", "stage_busy_idle", "virtual_dependencies"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -50,14 +50,18 @@ BACKWARD = "B"
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One operation of a schedule: ``kind`` (``"F"`` or ``"B"``) of ``microbatch`` on ``stage`` (0-based)."""
+    """One operation of a schedule: ``kind`` (``"F"`` or ``"B"``) of ``microbatch`` on ``stage`` (0-based),
+    on model chunk ``chunk`` of that stage (0 unless the schedule is interleaved, see
+    :func:`interleaved_schedule`)."""
 
     stage: int
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}@{self.stage}"
+        tail = f".{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.microbatch}@{self.stage}{tail}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,84 @@ def one_f_one_b_schedule(p: int, m: int) -> list[list[Op]]:
         ops += [Op(s, BACKWARD, j) for j in range(m - warmup, m)]
         schedule.append(ops)
     return schedule
+
+
+def interleaved_schedule(p: int, m: int, v: int) -> list[list[Op]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, SC'21, §2.2.2, Fig. 4 bottom): each stage holds v model
+    chunks, chunk c of stage s being virtual stage ``c·p + s`` of ``p·v``; forward and backward of one
+    micro-batch visit every virtual stage, so a stage runs ``2·m·v`` operations.
+
+    The order is that of Megatron-LM's ``forward_backward_pipelining_with_interleaving``
+    (``megatron/schedules.py``, 2022; ``megatron/core/pipeline_parallel/schedules.py`` later). Stage s walks
+    ``k = 0 .. m·v - 1`` "virtual micro-batches" in groups of p: the k-th forward is on chunk
+    ``(k mod p·v) // p`` and micro-batch ``(k // (p·v))·p + k mod p``; the k-th backward on the chunk
+    ``v - 1 -`` that, same micro-batch. Stage s first runs ``w = min(2·(p - s - 1) + (v - 1)·p, m·v)``
+    warm-up forwards (all ``m·v`` of them when ``m == p``), then alternates forward ``w + k``, backward
+    ``k``, then drains the remaining backwards. Megatron requires ``m`` to be a multiple of ``p``.
+
+    Its dependencies (:func:`virtual_dependencies`) run across chunks: the forward of chunk c on stage 0
+    needs chunk c - 1's forward on stage p - 1.
+
+    The engine (:func:`~commlab.parallel.pipeline.engine.pipeline_step`) runs one chunk per stage, so this
+    schedule is not in :data:`SCHEDULES`; the planner's step timeline
+    (:mod:`commlab.parallel.planner.timeline`) replays it.
+
+    Returns:
+        ``schedule[s]``: stage s's :class:`Op` s in order (``2·m·v`` each, ``chunk`` set).
+
+    Raises:
+        ValueError: p < 2, m < 1, v < 1 (each not an int), or m not a multiple of p; the message names
+            the value.
+    """
+    _check_pm(p, m)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"interleaving needs v >= 1 model chunks per stage (an int), got v={v!r}")
+    if p < 2:
+        raise ValueError(f"interleaving needs p >= 2 pipeline stages, got p={p!r}")
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs the m={m} micro-batches to be a multiple of p={p} "
+                         "(Megatron-LM asserts it); choose m from "
+                         f"{[p * k for k in range(1, 4)]}, ...")
+    total = m * v
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def micro_of(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    schedule = []
+    for s in range(p):
+        warmup = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        fwd = [Op(s, FORWARD, micro_of(k), chunk_of(k, True)) for k in range(total)]
+        bwd = [Op(s, BACKWARD, micro_of(k), chunk_of(k, False)) for k in range(total)]
+        ops = fwd[:warmup]
+        for k in range(total - warmup):
+            ops += [fwd[warmup + k], bwd[k]]
+        ops += bwd[total - warmup:]
+        schedule.append(ops)
+    return schedule
+
+
+def virtual_dependencies(op: Op, p: int, v: int) -> list[tuple[int, str, int, int]]:
+    """``(stage, kind, microbatch, chunk)`` of the ops on other virtual stages that ``op`` waits for.
+
+    Virtual stage ``c·p + s`` (chunk c of stage s): a forward needs the forward of the virtual stage before
+    it, a backward the backward of the one after it; the last virtual stage's backward needs only its own
+    forward, which comes earlier in its stage's order. With v = 1 these are the dependencies of GPipe and
+    1F1B (see the module docstring).
+    """
+    vs = op.chunk * p + op.stage
+    if op.kind == FORWARD:
+        if vs == 0:
+            return []
+        prev = vs - 1
+        return [(prev % p, FORWARD, op.microbatch, prev // p)]
+    if vs == p * v - 1:
+        return []
+    nxt = vs + 1
+    return [(nxt % p, BACKWARD, op.microbatch, nxt // p)]
 
 
 #: Schedule generators by name, as accepted by :func:`make_schedule` and the engine.

@@ -11,6 +11,9 @@
   AllReduces (bytes not divided by tp), PP sends (1/tp per rank with scatter/gather or sequence
   parallelism), bubble, DP ReduceScatter + AllGather on the links each group crosses, each hidden behind
   compute as far as the profile overlaps it; model FLOP in the definitions published runs use.
+* :mod:`~commlab.parallel.planner.timeline` -- the step timeline of a plan: the real schedule (GPipe,
+  1F1B, interleaved 1F1B) replayed per pipeline stage with the time model's durations, overlap as the
+  profile says; its step time re-ranks the search's top candidates.
 * :mod:`~commlab.parallel.planner.search` -- the search over layouts, and :func:`validate_published`
   against Megatron-LM (SC'21, Table 1) and Llama 3 405B (``python -m commlab plan --validate``).
 
@@ -31,7 +34,9 @@ from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FL
                                                  fsdp_exposed_seconds,
                                                  megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
                                                  pp_message_nbytes, step_time, tp_all_reduce_nbytes)
-from commlab.parallel.planner.search import (WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
+from commlab.parallel.planner.timeline import (StepCosts, StageCosts, StepTimeline, step_costs, step_timeline,
+                                               timeline_from_costs)
+from commlab.parallel.planner.search import (TIMELINE_TOP_K, WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
                                              load_published, make_cluster, search, validate_published,
                                              validation_summary, validation_table)
 
@@ -46,6 +51,7 @@ __all__ = [
     "megatron_eq3_flops", "model_flops_per_step", "attention_flops_per_token", "FLOP_DEFINITIONS",
     "dp_exposed_seconds", "fsdp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "step_time",
-    "Plan", "Rejected", "SearchResult", "ValidationRow", "WITHIN_PCT", "divisors", "make_cluster", "search",
+    "StepCosts", "StageCosts", "StepTimeline", "step_costs", "step_timeline", "timeline_from_costs",
+    "Plan", "Rejected", "SearchResult", "ValidationRow", "TIMELINE_TOP_K", "WITHIN_PCT", "divisors", "make_cluster", "search",
     "load_published", "validate_published", "validation_table", "validation_summary",
 ]

@@ -7,7 +7,9 @@ micro-batch sizes, interleaving depths, ZeRO stages (up to the profile's) and re
 (none, full and the software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
 sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
 (each with its reason; the usable memory keeps ``memory_reserve`` of the device free) or cannot split the
-global batch, and ranks the rest by predicted step time, marking those near the limit ``fragile``. A
+global batch, and ranks the rest by predicted step time (the analytical sum of terms; the
+:data:`TIMELINE_TOP_K` fastest are then replayed as step timelines, :mod:`~commlab.parallel.planner.timeline`,
+and re-ranked among themselves by the timeline's step time), marking those near the limit ``fragile``. A
 few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
 searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
@@ -36,13 +38,20 @@ from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEM
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
                                                  step_time)
+from commlab.parallel.planner.timeline import rerank_by_timeline
 from commlab.topology import Cluster, load_preset
 
-__all__ = ["Plan", "Rejected", "SearchResult", "ValidationRow", "PUBLISHED_PATH", "divisors", "make_cluster",
+__all__ = ["Plan", "Rejected", "SearchResult", "ValidationRow", "PUBLISHED_PATH", "TIMELINE_TOP_K", "divisors",
+           "make_cluster",
            "search", "load_published", "validate_published", "validation_table", "validation_summary", "WITHIN_PCT"]
 
 #: Published layouts and throughputs: the repository's ``data/published_layouts.json``.
 PUBLISHED_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layouts.json"
+
+#: How many of the fastest candidates (by the analytical step time) :func:`search` replays as step timelines
+#: and re-ranks by the timeline's step time: 5, the "top 5" in which the validation looks for published
+#: layouts; a replay costs milliseconds, the analytical form microseconds.
+TIMELINE_TOP_K = 5
 
 #: The agreement the validation asks of the time model: predicted within this many percent of reported.
 WITHIN_PCT = 25.0
@@ -57,25 +66,34 @@ def divisors(n: int) -> list[int]:
 class Plan:
     """A layout that fits, with its memory (bytes per GPU) and time (seconds per step) breakdowns;
     ``fragile``: its memory is within the search's ``fragile_margin`` of the usable limit
-    (:func:`~commlab.parallel.planner.memory.is_fragile`)."""
+    (:func:`~commlab.parallel.planner.memory.is_fragile`); for the top candidates of a search, the step time
+    of its replayed timeline (:func:`~commlab.parallel.planner.timeline.step_timeline`), which then is its
+    step time."""
 
     layout: Layout
     memory: MemoryBreakdown
     time: TimeBreakdown
     fragile: bool = False
+    timeline_step_s: float | None = None
 
     @property
     def step_s(self) -> float:
-        """Predicted step time, s."""
-        return self.time.total_s
+        """Predicted step time, s: the timeline's where it was replayed, else the analytical sum of terms."""
+        return self.time.total_s if self.timeline_step_s is None else self.timeline_step_s
+
+    def flop_per_s_per_gpu(self, flop_per_step: float) -> float:
+        """FLOP/s per GPU at :attr:`step_s`, given the FLOP per step in some accounting."""
+        return flop_per_step / self.step_s / self.time.gpus
 
     def row(self) -> dict:
         """A flat dict for tables: layout, step and term times (s), memory (GB), tokens/s, TFLOP/s/GPU."""
         t, mem = self.time, self.memory
-        return {"layout": self.layout.short(), "step_s": t.total_s, "compute_s": t.compute_s, "tp_s": t.tp_s,
+        return {"layout": self.layout.short(), "step_s": self.step_s, "analytical_step_s": t.total_s,
+                "compute_s": t.compute_s, "tp_s": t.tp_s,
                 "pp_s": t.pp_s, "bubble_s": t.bubble_s, "dp_s": t.dp_exposed_s, "micro_batches": t.micro_batches,
-                "memory_gb": mem.total_bytes / 1e9, "fragile": self.fragile, "tokens_per_s": t.tokens_per_s,
-                "tflops_per_gpu": t.model_flop_per_s_per_gpu / 1e12}
+                "memory_gb": mem.total_bytes / 1e9, "fragile": self.fragile,
+                "tokens_per_s": t.tokens_per_step / self.step_s,
+                "tflops_per_gpu": self.flop_per_s_per_gpu(t.model_flop_per_step) / 1e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +160,13 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
            usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
            software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-           fragile_margin: float = DEFAULT_FRAGILE_MARGIN) -> SearchResult:
+           fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
     """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
+
+    The ranking is by the analytical step time, then the ``timeline_top`` fastest (default
+    :data:`TIMELINE_TOP_K`) are replayed as step timelines
+    (:func:`~commlab.parallel.planner.timeline.step_timeline`) and re-ranked among themselves by the
+    timeline's step time, which their :class:`Plan` carries (``timeline_top=0``: analytical only).
 
     Args:
         model: a :class:`ModelConfig` or a name in ``data/models.json``.
@@ -175,6 +198,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             (:func:`~commlab.parallel.planner.memory.usable_memory_bytes`; default 10 %, in [0, 1)).
         usable_fraction: the older spelling of ``1 - memory_reserve``; when given it replaces it.
         fragile_margin: plans within this share of the usable memory are marked ``fragile`` (default 5 %).
+        timeline_top: how many of the fastest plans to replay and re-rank (int >= 0).
 
     Interleaving (v > 1) is tried only when pp > 1, ``v·pp <= L`` (and divides L with ``even_stages``) and
     the number of micro-batches is a multiple of pp (Narayanan et al. 2021, §2.2.2).
@@ -183,9 +207,11 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         KeyError: unknown model or preset.
         ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp value that would cross nodes; bad
             ``global_batch``; an unknown software profile or recompute policy; a reserve or margin outside
-            [0, 1).
+            [0, 1); ``timeline_top`` < 0.
     """
     started = time.perf_counter()
+    if isinstance(timeline_top, bool) or not isinstance(timeline_top, int) or timeline_top < 0:
+        raise ValueError(f"timeline_top must be an int >= 0 (plans to replay as timelines), got {timeline_top!r}")
     sw = load_software(software)
     sequence_parallel = sw.sequence_parallel if sequence_parallel is None else sequence_parallel
     flash_attention = sw.flash_attention if flash_attention is None else flash_attention
@@ -254,6 +280,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                           g_bytes, sw)
                             plans.append(Plan(layout, mem, t, is_fragile(mem.total_bytes, memory_cap, fragile_margin)))
     plans.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
+    plans = rerank_by_timeline(plans, timeline_top, m, c, global_batch, sw, achievable_fraction, dp_overlap, dtype,
+                               g_bytes)
     rejected.sort(key=lambda r: r.kind != "memory")
     return SearchResult(plans, rejected, candidates, time.perf_counter() - started)
 
@@ -278,7 +306,8 @@ class ValidationRow:
         planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
             free.
         reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``).
-        predicted_tflops: the time model's, for the published layout, in the same definition.
+        predicted_tflops: the planner's, for the published layout, in the same definition, at its step time
+            (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the re-ranked top 5).
         top_tflops: the time model's for the planner's top layout, same definition (Eq. 3 credits a layout
             without recomputation with the recomputed forward it assumes).
         error_pct: (predicted - reported) / reported × 100.
@@ -349,8 +378,8 @@ def validate_published(achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION,
         rank = next((i + 1 for i, p in enumerate(res.plans) if (p.layout.tp, p.layout.pp) == (e["tp"], e["pp"])),
                     None)
         flops = model_flops_per_step(m, e["global_batch"], definition)
-        predicted = pub.time.flop_per_s_per_gpu(flops) / 1e12
-        top_tf = top.time.flop_per_s_per_gpu(flops) / 1e12
+        predicted = pub.flop_per_s_per_gpu(flops) / 1e12
+        top_tf = top.flop_per_s_per_gpu(flops) / 1e12
         reported = float(e["tflops_per_gpu"])
         d = load_preset(e["preset"]).devices_per_node
         rows.append(ValidationRow(config=key, published=pub.layout.short(), planner_top=top.layout.short(),

@@ -70,7 +70,9 @@ Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP i
 :data:`FLOP_DEFINITIONS` (Megatron's Eq. 3, which counts the recomputed forward; ``6·P + 12·L·h·s`` of
 PaLM's Appendix B; ``6·P``).
 
-What is left out (see the book): the step timeline (the terms are summed, not scheduled), kernel-efficiency
+Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeline` replays them in the
+schedule's order, and the search ranks its top candidates by that replay. What is left out (see the book):
+kernel-efficiency
 changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
 all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
 data loading, stragglers.

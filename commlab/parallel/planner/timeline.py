@@ -1,0 +1,671 @@
+"""The step timeline of a plan: what every pipeline stage does, second by second, during one training step.
+
+:func:`step_timeline` replays the real schedule order -- GPipe, 1F1B or interleaved 1F1B
+(:mod:`commlab.parallel.pipeline.schedules`) -- for one GPU of every pipeline stage, with the durations of
+the time model (:func:`~commlab.parallel.planner.time_model.step_time`), and returns a
+:class:`StepTimeline`: intervals ``(stage, kind, start_s, end_s, microbatch, chunk, lane)`` in seconds from
+the start of the step, and the step time, the end of the last stage's optimizer step.
+
+**Durations** (:func:`step_costs`) come from the same terms as the analytical step time, so the two cannot
+disagree on a price: seconds per executed FLOP, the time of one TP collective and of one pipeline message are
+read off the :class:`~commlab.parallel.planner.time_model.TimeBreakdown` of the same plan; the FLOP split
+into forward (``2·P_layer`` + attention forward per token and layer), backward (``4·P_layer`` + attention
+backward) and recomputation (what :func:`~commlab.parallel.planner.time_model.executed_flops_per_token`
+adds for the policy) sums to the executed FLOP of the time model. What the timeline adds is *where* the work
+sits: each stage's own layers (``ceil(L/(pp·v))`` per chunk, one layer fewer on the first, then the last,
+then the second chunk ... until the count is right: Llama 3 405B's 126 layers over 16 stages put 7 on the
+first and last stage, as its paper says), the output layer's matmul on the last stage, and the order of the
+operations.
+
+**Replay** (:func:`replay`): a stage runs its operations in schedule order on its compute stream; an
+operation starts when the previous one on the stage is done and its input has arrived (the forward of
+micro-batch j on virtual stage k waits for virtual stage k-1's forward of j plus one pipeline message; the
+backward the reverse; :func:`~commlab.parallel.pipeline.schedules.virtual_dependencies`). A backward starts
+with its recomputation. TP communication follows each computation: the profile's ``overlap_tp`` share (under
+sequence parallelism only, as in the time model), up to the computation's own length, runs on the comm lane
+beside it; the rest stalls the stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
+``1 - overlap_pp`` share stalls the sender (``pp_send``), and the receiver cannot start before it has fully
+arrived; a receiver's wait while a message is in flight is ``pp_recv``, any other wait ``bubble``.
+
+**DP** (:func:`finish_stage`): the gradient ReduceScatter (and, without a distributed optimizer, the
+AllGather half of the AllReduce) of each chunk starts, for its ``overlap_dp_grad_reduce`` share, on the comm
+lane at the start of that chunk's last backward (Megatron ``--overlap-grad-reduce`` launches the buckets
+during the last micro-batch's backward); the stream waits at the end for what is still running, then runs
+the non-overlapped share, the optimizer step (``optimizer_s``; 0 by default, as the time model does not
+price it) and the parameter AllGather's non-overlapped share (a distributed optimizer gathers the updated
+parameters at the end of its step). The overlapped share of that AllGather (``--overlap-param-gather``)
+runs at the start of the step, and the stage's first forward cannot finish before it has.
+
+**Against the analytical form.** The analytical step is ``(1 + (p-1)/m)·m·(t_f + t_b + 2c)`` for
+micro-batch forward and backward times ``t_f``, ``t_b`` and message time c, nothing overlapped. With equal
+stages the replay takes ``2c`` less with GPipe (the first stage never sends a gradient, the last never an
+activation) and ``3c`` less with 1F1B for ``p >= 3``; with 1F1B on ``p = 2`` each stage sends one message
+per micro-batch, not two, and the replay is ``(m + 1)·c`` shorter. A message is small beside a
+micro-batch's work, so these are well under 1 % of a real step (``tests/test_planner_timeline.py`` checks
+both the exact offsets and the relative agreement). Where they differ legitimately:
+
+* *uneven stages* -- the analytical form runs every stage at the heaviest stage's pace and spreads the
+  output layer over all stages; the replay gives each stage its own layers and the output layer to the last,
+  so a plan whose last stage carries the output layer on top of a full share of layers is slower in the
+  replay, and one with a lighter first or last stage (Llama 3) fills and drains faster;
+* *interleaving* -- a micro-batch crosses ``p·v - 1`` stage boundaries instead of ``p - 1``, and the
+  interleaved warm-up is deeper, so fill and drain pay ``(p·v - 1)`` messages, not ``(p - 1)/v`` of the
+  per-micro-batch message time; and with ``m == p`` Megatron-LM runs every forward before any backward
+  (its all-warm-up case), which the replay follows (Llama 3 405B on 16,384 GPUs: m = 16 = p);
+* *overlap* -- an overlapped pipeline message is hidden from its sender but still delays its receiver
+  (the analytical form hides it altogether); DP communication may also hide behind the waits of the drain,
+  and a later stage's parameter AllGather behind its wait for the first activation.
+
+Left out: the compute slowdown under overlapped PP and DP communication (applied to TP only; every preset
+sets it to 1.0), stragglers and jitter, the optimizer's own time, and per-stage DP volumes (every stage
+reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed with the time model's
+totals as ZeRO-1's pattern is (one parameter AllGather from the step's start, the gradient ReduceScatter
+after each chunk's last backward), not as its per-micro-batch gathers before each forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import lru_cache
+from typing import Sequence
+
+from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_schedule, interleaved_schedule,
+                                                 one_f_one_b_schedule)
+from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
+from commlab.parallel.planner.software import SoftwareProfile, load_software
+from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown,
+                                                 attention_flops_per_token, executed_flops_per_token, step_time)
+from commlab.topology import Cluster
+
+__all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
+           "StepTimeline", "ReplayState", "chunk_layers", "step_costs", "make_timeline_schedule", "replay",
+           "finish_stage", "timeline_from_costs", "step_timeline", "rerank_by_timeline"]
+
+#: Interval kinds, in drawing order.
+KINDS = ("forward", "backward", "recompute", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
+         "optimizer", "bubble", "idle")
+
+#: The lane of the stream that computes (and stalls on exposed communication).
+COMPUTE_LANE = "compute"
+#: The lane of communication running beside compute (hidden, or partly hidden).
+COMM_LANE = "comm"
+
+#: Schedules :func:`step_timeline` replays.
+TIMELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """One bar of the timeline: ``kind`` (one of :data:`KINDS`) on ``stage`` from ``start_s`` to ``end_s``
+    (seconds from the step's start), for ``microbatch`` and ``chunk`` (None where not one micro-batch's), on
+    ``lane`` (:data:`COMPUTE_LANE` or :data:`COMM_LANE`)."""
+
+    stage: int
+    kind: str
+    start_s: float
+    end_s: float
+    microbatch: int | None = None
+    chunk: int | None = None
+    lane: str = COMPUTE_LANE
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def _check_seconds(name: str, values) -> tuple:
+    out = tuple(float(x) for x in values)
+    for x in out:
+        if not (x >= 0 and math.isfinite(x)):
+            raise ValueError(f"{name} must be finite seconds >= 0, got {x!r}")
+    return out
+
+
+def _check_share(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+    """Per-micro-batch seconds of one GPU of a pipeline stage, one entry per model chunk (v of them).
+
+    Attributes:
+        forward_s, backward_s, recompute_s: computation of one micro-batch on the chunk.
+        tp_forward_s, tp_backward_s, tp_recompute_s: the TP collectives of that computation, in full (the
+            overlapped share is taken off by the replay).
+
+    Raises:
+        ValueError: a negative or non-finite time; the tuples of unequal length or empty.
+    """
+
+    forward_s: tuple
+    backward_s: tuple
+    recompute_s: tuple = ()
+    tp_forward_s: tuple = ()
+    tp_backward_s: tuple = ()
+    tp_recompute_s: tuple = ()
+
+    def __post_init__(self):
+        v = len(self.forward_s)
+        if v < 1:
+            raise ValueError("a stage needs the costs of at least one chunk")
+        for f in dataclasses.fields(self):
+            vals = getattr(self, f.name) or (0.0,) * v
+            if len(vals) != v:
+                raise ValueError(f"{f.name} has {len(vals)} chunks, forward_s has {v}")
+            object.__setattr__(self, f.name, _check_seconds(f.name, vals))
+
+    @property
+    def chunks(self) -> int:
+        return len(self.forward_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Everything the replay needs (seconds, shares), independent of how it was priced.
+
+    Attributes:
+        stages: one :class:`StageCosts` per pipeline stage, all with ``interleave`` chunks.
+        micro_batches: m per step.
+        pp_message_s: one pipeline message (activation forward or gradient backward), s.
+        overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
+        compute_slowdown: factor (>= 1) by which compute slows while TP overlaps it.
+        dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction, in order (``dp_reduce_scatter``, and
+            ``dp_all_gather`` for the second half of an AllReduce).
+        dp_gather_s: the distributed optimizer's parameter AllGather, s (0 without one).
+        overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares.
+        optimizer_s: the optimizer step, s.
+
+    Raises:
+        ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside
+            [0, 1], a slowdown below 1, an unknown DP kind.
+    """
+
+    stages: tuple
+    micro_batches: int
+    pp_message_s: float = 0.0
+    overlap_tp: float = 0.0
+    overlap_pp: float = 0.0
+    compute_slowdown: float = 1.0
+    dp_reduce: tuple = ()
+    dp_gather_s: float = 0.0
+    overlap_dp_grad_reduce: float = 0.0
+    overlap_dp_param_gather: float = 0.0
+    optimizer_s: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise ValueError("a timeline needs at least one pipeline stage")
+        if len({s.chunks for s in self.stages}) != 1:
+            raise ValueError(f"every stage must hold the same number of chunks, got "
+                             f"{[s.chunks for s in self.stages]}")
+        m = self.micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
+        for name in ("pp_message_s", "dp_gather_s", "optimizer_s"):
+            _check_seconds(name, (getattr(self, name),))
+        for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather"):
+            object.__setattr__(self, name, _check_share(name, getattr(self, name)))
+        if not self.compute_slowdown >= 1:
+            raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
+        pieces = tuple((str(k), float(d)) for k, d in self.dp_reduce)
+        for k, d in pieces:
+            if k not in ("dp_reduce_scatter", "dp_all_gather"):
+                raise ValueError(f"dp_reduce kind must be dp_reduce_scatter or dp_all_gather, got {k!r}")
+            _check_seconds(f"dp_reduce {k}", (d,))
+        object.__setattr__(self, "dp_reduce", pieces)
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def interleave(self) -> int:
+        return self.stages[0].chunks
+
+
+# ----------------------------------------------------------------------------------------- pricing
+
+def chunk_layers(layers: int, pp: int, interleave: int = 1) -> list[list[int]]:
+    """Layers of each chunk of each stage: ``out[s][c]`` for virtual stage ``c·pp + s``.
+
+    Every virtual stage gets ``ceil(L/(pp·v))`` layers, and the surplus is taken off one layer at a time
+    from virtual stages 0, ``pp·v - 1``, 1, ``pp·v - 2``, ...: the first and last stages also carry the
+    embedding and the output layer, and Llama 3 405B's training took its two surplus layers off exactly
+    those (Llama 3 paper, §3.3.2). The heaviest stage then holds :func:`~.memory.stage_layers` layers, as
+    the memory and time models assume.
+
+    Raises:
+        ValueError: as :func:`~.memory.stage_layers` (a count < 1, or ``pp·v > L``).
+    """
+    stage_layers(layers, pp, interleave)  # validates
+    n = pp * interleave
+    per = [math.ceil(layers / n)] * n
+    surplus = sum(per) - layers
+    order = [i // 2 if i % 2 == 0 else n - 1 - i // 2 for i in range(n)]
+    for k in order[:surplus]:
+        per[k] -= 1
+    return [[per[c * pp + s] for c in range(interleave)] for s in range(pp)]
+
+
+def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
+               software: SoftwareProfile | str | None = None,
+               achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+               dtype: str = "bf16", grad_bytes: int | None = None,
+               optimizer_s: float = 0.0) -> tuple[StepCosts, TimeBreakdown]:
+    """The per-stage, per-micro-batch durations of a plan, and the analytical breakdown they are read from.
+
+    Arguments as :func:`~commlab.parallel.planner.time_model.step_time` (same defaults), plus
+    ``optimizer_s``, the optimizer step's seconds (default 0, as the time model does not price it).
+
+    Raises:
+        ValueError: what :func:`~commlab.parallel.planner.time_model.step_time` raises; a negative
+            ``optimizer_s``.
+    """
+    bd = step_time(m, layout, cluster, global_batch, achievable_fraction, dp_overlap, dtype, grad_bytes, software)
+    sw = load_software(software)
+    L, pp, v = m.layers, layout.pp, layout.interleave
+    micro = bd.micro_batches
+    heavy = stage_layers(L, pp, v)
+    # Seconds per executed FLOP on one GPU, as the time model prices it (compute_s is the heaviest stage's).
+    sec_per_flop = bd.compute_s / (bd.executed_flop_per_step / bd.gpus * heavy * pp / L)
+    tokens = layout.micro_batch * m.seq / layout.tp  # per GPU and micro-batch: the tp ranks split each matmul
+    lp = layer_params(m)
+    att_f, att_b = attention_flops_per_token(m, layout.flash_attention, True)
+    none = executed_flops_per_token(m, "none", layout.flash_attention)
+    full = executed_flops_per_token(m, layout.recompute, layout.flash_attention, True, layout.recompute_every)
+    rec_layer = (full - none) / L  # every-k: the recomputed layers' FLOP spread evenly over the layers
+    f_layer, b_layer = 2.0 * lp + att_f, 4.0 * lp + att_b
+    out_f, out_b = 2.0 * m.vocab * m.hidden, 4.0 * m.vocab * m.hidden  # output layer, never recomputed
+
+    tp_one = 0.0
+    if layout.tp > 1:
+        rec_heavy = {"full": heavy, "every-k": heavy // layout.recompute_every}.get(layout.recompute, 0)
+        tp_one = (bd.tp_s + bd.tp_hidden_s) / (micro * (4 * heavy + 2 * rec_heavy))
+    rec_share = {"full": 1.0, "every-k": 1.0 / layout.recompute_every}.get(layout.recompute, 0.0)
+    pp_one = (bd.pp_s + bd.pp_hidden_s) / (2 * micro * v) if pp > 1 else 0.0
+
+    stages = []
+    for s, counts in enumerate(chunk_layers(L, pp, v)):
+        f, b, r, tf, tb, tr = [], [], [], [], [], []
+        for c, n in enumerate(counts):
+            last = (c * pp + s) == pp * v - 1
+            f.append((n * f_layer + (out_f if last else 0.0)) * tokens * sec_per_flop)
+            b.append((n * b_layer + (out_b if last else 0.0)) * tokens * sec_per_flop)
+            r.append(n * rec_layer * tokens * sec_per_flop)
+            tf.append(2 * n * tp_one)
+            tb.append(2 * n * tp_one)
+            tr.append(2 * n * rec_share * tp_one)
+        stages.append(StageCosts(tuple(f), tuple(b), tuple(r), tuple(tf), tuple(tb), tuple(tr)))
+
+    ov_grad = sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap
+    ov_param = sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap
+    if layout.zero1:
+        reduce = (("dp_reduce_scatter", bd.dp_reduce_scatter_s),)
+        gather = bd.dp_all_gather_s
+    else:
+        reduce = (("dp_reduce_scatter", bd.dp_reduce_scatter_s), ("dp_all_gather", bd.dp_all_gather_s))
+        gather = 0.0
+    costs = StepCosts(stages=tuple(stages), micro_batches=micro, pp_message_s=pp_one,
+                      overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0, overlap_pp=sw.overlap_pp,
+                      compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
+                      overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
+                      optimizer_s=optimizer_s)
+    return costs, bd
+
+
+def make_timeline_schedule(name: str | None, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """The op order the replay follows: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (None: interleaved when
+    v > 1, else 1F1B, as Megatron-LM chooses).
+
+    Raises:
+        ValueError: an unknown name; v < 1; v > 1 with GPipe or 1F1B; what the schedule itself raises
+            (interleaved: p < 2, or m not a multiple of p).
+    """
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"interleave v must be an int >= 1 model chunks per stage, got v={v!r}")
+    if name is None:
+        name = "interleaved" if v > 1 else "1f1b"
+    if name not in TIMELINE_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(TIMELINE_SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_schedule(p, m, v)
+    if v != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk per stage, got v={v}; use 'interleaved'")
+    return gpipe_schedule(p, m) if name == "gpipe" else one_f_one_b_schedule(p, m)
+
+
+# ----------------------------------------------------------------------------------------- replay
+
+@dataclasses.dataclass
+class ReplayState:
+    """The replay's state, passed explicitly to the functions that advance it.
+
+    Attributes:
+        compute_free: per stage, when its compute stream is next free, s.
+        next_op: per stage, the index of its next operation in the schedule.
+        arrival: per op code (see :func:`_encoded_schedule`), when the message it sent has arrived, s (None
+            before it ran).
+        last_backward: ``(stage, chunk)`` -> start of that chunk's latest backward computation, s.
+        gathered: per stage, whether its first forward has run (it waits for the overlapped AllGather).
+        record: whether to keep bars and op times (False: step time only, for the search's ranking).
+        done: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each op (when recording).
+        sent: the same key -> ``(send_start_s, arrival_s)`` of its message (when recording).
+        intervals: the bars so far (when recording).
+    """
+
+    compute_free: list
+    next_op: list
+    arrival: list
+    last_backward: dict
+    gathered: list
+    record: bool = True
+    done: dict = dataclasses.field(default_factory=dict)
+    sent: dict = dataclasses.field(default_factory=dict)
+    intervals: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, p: int, n_codes: int, record: bool = True) -> "ReplayState":
+        return cls(compute_free=[0.0] * p, next_op=[0] * p, arrival=[None] * n_codes, last_backward={},
+                   gathered=[False] * p, record=record)
+
+
+@lru_cache(maxsize=64)
+def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
+    """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op, in
+    order: the schedule as integers, so that the replay of a long pipeline is a tight loop (cached)."""
+    last = p * v - 1
+    out = []
+    for ops in make_timeline_schedule(name, p, m, v):
+        row = []
+        for op in ops:
+            vs = op.chunk * p + op.stage
+            backward = op.kind == BACKWARD
+            code = (vs * m + op.microbatch) * 2 + backward
+            # virtual_dependencies in integers: a forward waits for virtual stage vs-1's forward (code - 2m), a
+            # backward for vs+1's backward (code + 2m); the first forward and the last backward for nothing.
+            if backward:
+                dep, sends = (code + 2 * m if vs < last else -1), vs > 0
+            else:
+                dep, sends = (code - 2 * m if vs > 0 else -1), vs < last
+            row.append((code, dep, backward, op.chunk, op.microbatch, sends))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float) -> tuple[list, float]:
+    """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
+    times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
+    length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it."""
+    hidden = min(costs.overlap_tp * tp_s, work_s)
+    work = work_s + hidden * (1 - 1 / costs.compute_slowdown)
+    exposed = tp_s - hidden
+    bars = []
+    if work > 0:
+        bars.append((kind, t, t + work, COMPUTE_LANE))
+    if hidden > 0:
+        bars.append(("tp", t, t + hidden, COMM_LANE))
+    if exposed > 0:
+        bars.append(("tp", t + work, t + work + exposed, COMPUTE_LANE))
+    return bars, t + work + exposed
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpTemplate:
+    """One chunk's forward or backward relative to its start: compute bars, when its computation ends
+    (``compute_end``), when its backward computation starts (``backward_at``), and its send."""
+
+    bars: tuple
+    compute_end: float
+    backward_at: float
+    send_bars: tuple  # relative to compute_end
+    send_stall: float
+    message_s: float
+
+
+def _templates(costs: StepCosts) -> dict:
+    exposed = (1 - costs.overlap_pp) * costs.pp_message_s
+    send = []
+    if exposed > 0:
+        send.append(("pp_send", 0.0, exposed, COMPUTE_LANE))
+    if costs.pp_message_s > exposed:
+        send.append(("pp_send", exposed, costs.pp_message_s, COMM_LANE))
+    out = {}
+    for s, sc in enumerate(costs.stages):
+        for c in range(sc.chunks):
+            bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
+            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s)
+            bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
+            at = t
+            more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t)
+            out[(s, c, True)] = _OpTemplate(tuple(bars + more), t, at, tuple(send), exposed, costs.pp_message_s)
+    return out
+
+
+def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start: float, mid: float,
+               stall_from: float, msg: tuple | None, end: float) -> None:
+    """Bars of one op: its wait (``pp_recv`` while its input was in flight, ``bubble`` otherwise), its
+    computation, a stall for the parameter AllGather, its send."""
+    code, _, backward, c, j, sends = entry
+    ivs = state.intervals
+    free = state.compute_free[s]
+    if start > free:
+        in_flight = max(free, msg[0]) if msg is not None else start
+        if in_flight > free:
+            ivs.append(Interval(s, "bubble", free, in_flight))
+        if start > in_flight:
+            ivs.append(Interval(s, "pp_recv", in_flight, start))
+    for kind, a, b, lane in tpl.bars:
+        ivs.append(Interval(s, kind, start + a, start + b, j, c, lane))
+    if mid > stall_from:
+        ivs.append(Interval(s, "dp_all_gather", stall_from, mid, j, c))
+    if sends:
+        for kind, a, b, lane in tpl.send_bars:
+            ivs.append(Interval(s, kind, mid + a, mid + b, j, c, lane))
+    key = (s, BACKWARD if backward else FORWARD, j, c)
+    state.done[key] = (start, end)
+    if sends:
+        state.sent[key] = (mid, mid + tpl.message_s)
+
+
+def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayState:
+    """Replay the forward and backward passes of the schedule ``schedule_name`` (see
+    :func:`make_timeline_schedule`) with ``costs``: every op starts as soon as its stage is free and its
+    input has arrived (see the module docstring). ``record=False`` keeps only the times (faster).
+
+    Raises:
+        ValueError: as :func:`make_timeline_schedule`; the schedule deadlocks (names the stuck stages).
+    """
+    p, v, m = costs.pp, costs.interleave, costs.micro_batches
+    order = _encoded_schedule(schedule_name, p, m, v)
+    templates = _templates(costs)
+    tpl = [[templates[(s, c, b)] for c in range(v) for b in (False, True)] for s in range(p)]
+    state = ReplayState.start(p, 2 * m * p * v, record)
+    gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
+    free, arrival, nxt, last_b = state.compute_free, state.arrival, state.next_op, state.last_backward
+    sent_at = [0.0] * len(arrival) if record else None
+    total = sum(len(ops) for ops in order)
+    ran = 0
+    while ran < total:
+        progressed = False
+        for s in range(p):
+            ops, tpl_s = order[s], tpl[s]
+            i = nxt[s]
+            while i < len(ops):
+                entry = ops[i]
+                code, dep, backward, c, j, sends = entry
+                if dep >= 0 and arrival[dep] is None:
+                    break
+                start = free[s] if dep < 0 or arrival[dep] <= free[s] else arrival[dep]
+                t = tpl_s[2 * c + backward]
+                mid = start + t.compute_end
+                stall_from = mid
+                if not backward and not state.gathered[s]:
+                    # The stream cannot run past its first layers before the overlapped AllGather is done.
+                    state.gathered[s] = True
+                    mid = max(mid, gathered)
+                if backward:
+                    last_b[(s, c)] = start + t.backward_at
+                end = mid + t.send_stall if sends else mid
+                if record:
+                    msg = (sent_at[dep], arrival[dep]) if dep >= 0 else None
+                    _record_op(state, s, entry, t, start, mid, stall_from, msg, end)
+                    sent_at[code] = mid
+                arrival[code] = mid + t.message_s if sends else end
+                free[s] = end
+                i += 1
+                ran += 1
+                progressed = True
+            nxt[s] = i
+        if not progressed:
+            stuck = [f"stage {s} at op {nxt[s]}" for s in range(p) if nxt[s] < len(order[s])]
+            raise ValueError(f"the schedule deadlocks: every stage waits ({', '.join(stuck)})")
+    return state
+
+
+def _lay(state: ReplayState, stage: int, pieces, t: float, lane: str = COMPUTE_LANE, chunk=None,
+         out: list | None = None) -> float:
+    for kind, d in pieces:
+        if d > 0:
+            if state.record:
+                state.intervals.append(Interval(stage, kind, t, t + d, None, chunk, lane))
+            if out is not None:
+                out.append((kind, t, t + d, chunk))
+            t += d
+    return t
+
+
+def finish_stage(state: ReplayState, costs: StepCosts, stage: int) -> float:
+    """After the stage's last backward: DP communication (overlapped share launched at each chunk's last
+    backward), the optimizer step, the non-overlapped parameter AllGather; returns when the stage is done.
+    The overlapped parameter AllGather of the step (from its start) is drawn here as well."""
+    v = costs.interleave
+    t_end = state.compute_free[stage]
+    gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
+    _lay(state, stage, [("dp_all_gather", gathered)], 0.0, COMM_LANE)
+    # Overlapped gradient reduction: one share per chunk, launched in the order the chunks finish.
+    share = [(k, costs.overlap_dp_grad_reduce * d / v) for k, d in costs.dp_reduce]
+    launches = sorted((state.last_backward.get((stage, c), t_end), c) for c in range(v))
+    comm, hidden = 0.0, []
+    for at, c in launches:
+        comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c, hidden)
+    # The stream waits for the overlapped reduction still running after its last backward (exposed).
+    t = t_end
+    for kind, a, b, c in hidden:
+        if b > t:
+            _lay(state, stage, [(kind, b - max(a, t))], max(a, t), COMPUTE_LANE, c)
+            t = b
+    t = _lay(state, stage, [(k, (1 - costs.overlap_dp_grad_reduce) * d) for k, d in costs.dp_reduce], t)
+    t = _lay(state, stage, [("optimizer", costs.optimizer_s)], t)
+    t = _lay(state, stage, [("dp_all_gather", costs.dp_gather_s - gathered)], t)
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeline:
+    """One training step, per pipeline stage (one GPU of each).
+
+    Attributes:
+        intervals: every bar (:class:`Interval`), sorted by (stage, lane, start).
+        step_s: the step time: when the last stage has finished its optimizer step, s.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        costs: the durations replayed.
+        ops: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each forward / backward
+            (recomputation, exposed TP and the sender's stall included).
+        arrivals: the same key -> ``(send_start_s, arrival_s)`` of the message the op sent.
+        analytical: the time model's breakdown of the same plan (None for hand-made costs).
+        layout: the plan's layout (None for hand-made costs).
+    """
+
+    intervals: tuple
+    step_s: float
+    schedule: str
+    costs: StepCosts
+    ops: dict
+    arrivals: dict
+    analytical: TimeBreakdown | None = None
+    layout: Layout | None = None
+
+    @property
+    def pp(self) -> int:
+        return self.costs.pp
+
+    def stage_intervals(self, stage: int, lane: str | None = COMPUTE_LANE) -> list:
+        """The bars of one stage (of one lane; None: both)."""
+        return [iv for iv in self.intervals if iv.stage == stage and (lane is None or iv.lane == lane)]
+
+    def time_by_kind(self, stage: int | None = None, lane: str = COMPUTE_LANE) -> dict:
+        """Seconds per kind on ``lane`` of one stage (None: summed over stages), kinds in :data:`KINDS`
+        order; on the compute lane of a stage they add up to ``step_s``."""
+        out = {k: 0.0 for k in KINDS}
+        for iv in self.intervals:
+            if iv.lane == lane and (stage is None or iv.stage == stage):
+                out[iv.kind] += iv.duration_s
+        return out
+
+
+def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytical: TimeBreakdown | None = None,
+                        layout: Layout | None = None, record: bool = True) -> StepTimeline:
+    """Replay ``costs`` under ``schedule`` (see :func:`make_timeline_schedule`) and finish every stage.
+    ``record=False``: the step time only (no bars, ops or arrivals).
+
+    Raises:
+        ValueError: as :func:`make_timeline_schedule` and :func:`replay`.
+    """
+    name = schedule or ("interleaved" if costs.interleave > 1 else "1f1b")
+    state = replay(name, costs, record)
+    ends = [finish_stage(state, costs, s) for s in range(costs.pp)]
+    step = max(ends)
+    if record:
+        for s, e in enumerate(ends):
+            if step > e:
+                state.intervals.append(Interval(s, "idle", e, step))
+    ivs = tuple(sorted(state.intervals, key=lambda iv: (iv.stage, iv.lane != COMPUTE_LANE, iv.start_s)))
+    return StepTimeline(intervals=ivs, step_s=step, schedule=name, costs=costs, ops=dict(state.done),
+                        arrivals=dict(state.sent), analytical=analytical, layout=layout)
+
+
+def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
+                  software: SoftwareProfile | str | None = None, schedule: str | None = None,
+                  achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                  dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float = 0.0,
+                  record: bool = True) -> StepTimeline:
+    """The step timeline of a plan (see the module docstring).
+
+    Args:
+        m, layout, cluster, global_batch, achievable_fraction, dp_overlap, dtype, grad_bytes, software: as
+            :func:`~commlab.parallel.planner.time_model.step_time`.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; None: interleaved when
+            ``layout.interleave > 1``, else 1F1B.
+        optimizer_s: seconds of the optimizer step (default 0, unpriced in the time model).
+        record: keep the bars (False: only ``step_s``, as the search's re-ranking needs).
+
+    Returns:
+        a :class:`StepTimeline`; its ``step_s`` is the step time in seconds.
+
+    Raises:
+        ValueError: what :func:`~commlab.parallel.planner.time_model.step_time` raises; an unknown schedule;
+            GPipe or 1F1B with ``interleave > 1``; interleaving with m not a multiple of pp.
+    """
+    costs, bd = step_costs(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype,
+                           grad_bytes, optimizer_s)
+    return timeline_from_costs(costs, schedule, bd, layout, record)
+
+
+def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster, global_batch: int,
+                       software: SoftwareProfile | str | None = None,
+                       achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                       dtype: str = "bf16", grad_bytes: int | None = None) -> list:
+    """The search's final ranking: the first ``k`` plans (sorted by the analytical step time) replayed with
+    :func:`step_timeline`, given their ``timeline_step_s`` and sorted among themselves by it (ties by
+    memory); the rest follow unchanged. ``plans`` are :class:`~commlab.parallel.planner.search.Plan` s."""
+    head = [dataclasses.replace(p, timeline_step_s=step_timeline(m, p.layout, cluster, global_batch, software, None,
+                                                                 achievable_fraction, dp_overlap, dtype,
+                                                                 grad_bytes, record=False).step_s)
+            for p in plans[:k]]
+    head.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
+    return head + list(plans[k:])

@@ -1,0 +1,218 @@
+"""The planner's step timeline: replayed schedules by hand, Megatron-LM's interleaved order, dependencies,
+agreement with the analytical step time, the search's re-ranking, the figure."""
+
+import dataclasses
+
+import matplotlib
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from commlab.parallel.pipeline import BACKWARD, FORWARD, interleaved_schedule, virtual_dependencies
+from commlab.parallel.planner import Layout, load_model, search, step_time
+from commlab.parallel.planner.search import TIMELINE_TOP_K, make_cluster
+from commlab.parallel.planner.timeline import (COMM_LANE, KINDS, StageCosts, StepCosts, chunk_layers,
+                                               make_timeline_schedule, step_costs, step_timeline,
+                                               timeline_from_costs)
+
+matplotlib.use("Agg")
+
+
+def _unit(p, m, f=1.0, b=2.0, c=0.5, v=1, **kw):
+    st_ = StageCosts((f,) * v, (b,) * v)
+    return StepCosts((st_,) * p, m, pp_message_s=c, **kw)
+
+
+def _bars(tl, stage):
+    return [(iv.kind, iv.start_s, iv.end_s, iv.microbatch) for iv in tl.stage_intervals(stage)]
+
+
+# ----------------------------------------------------------------------------------------- by hand
+
+def test_gpipe_two_stages_two_micro_batches_by_hand():
+    # F = 1, B = 2, a message 0.5, the sender stalls while it sends (nothing overlapped).
+    tl = timeline_from_costs(_unit(2, 2), "gpipe")
+    assert _bars(tl, 0) == [("forward", 0, 1, 0), ("pp_send", 1, 1.5, 0), ("forward", 1.5, 2.5, 1),
+                            ("pp_send", 2.5, 3, 1), ("bubble", 3, 6, None), ("pp_recv", 6, 6.5, None),
+                            ("backward", 6.5, 8.5, 0), ("pp_recv", 8.5, 9, None), ("backward", 9, 11, 1)]
+    assert _bars(tl, 1) == [("bubble", 0, 1, None), ("pp_recv", 1, 1.5, None), ("forward", 1.5, 2.5, 0),
+                            ("pp_recv", 2.5, 3, None), ("forward", 3, 4, 1), ("backward", 4, 6, 0),
+                            ("pp_send", 6, 6.5, 0), ("backward", 6.5, 8.5, 1), ("pp_send", 8.5, 9, 1),
+                            ("idle", 9, 11, None)]
+    assert tl.step_s == 11
+
+
+def test_1f1b_two_stages_two_micro_batches_by_hand():
+    tl = timeline_from_costs(_unit(2, 2), "1f1b")
+    assert _bars(tl, 0) == [("forward", 0, 1, 0), ("pp_send", 1, 1.5, 0), ("forward", 1.5, 2.5, 1),
+                            ("pp_send", 2.5, 3, 1), ("bubble", 3, 4.5, None), ("pp_recv", 4.5, 5, None),
+                            ("backward", 5, 7, 0), ("bubble", 7, 8, None), ("pp_recv", 8, 8.5, None),
+                            ("backward", 8.5, 10.5, 1)]
+    assert _bars(tl, 1) == [("bubble", 0, 1, None), ("pp_recv", 1, 1.5, None), ("forward", 1.5, 2.5, 0),
+                            ("backward", 2.5, 4.5, 0), ("pp_send", 4.5, 5, 0), ("forward", 5, 6, 1),
+                            ("backward", 6, 8, 1), ("pp_send", 8, 8.5, 1), ("idle", 8.5, 10.5, None)]
+    assert tl.step_s == 10.5
+    for s in range(2):  # the compute lane of every stage covers the step exactly
+        assert sum(tl.time_by_kind(s).values()) == pytest.approx(tl.step_s)
+
+
+def test_overlap_hides_tp_and_the_send_but_not_the_message_latency():
+    st_ = StageCosts((1.0,), (2.0,), tp_forward_s=(0.4,), tp_backward_s=(0.4,))
+    tl = timeline_from_costs(StepCosts((st_, st_), 1, pp_message_s=0.5, overlap_tp=1.0, overlap_pp=1.0), "1f1b")
+    assert tl.time_by_kind(None)["tp"] == 0 and tl.time_by_kind(None)["pp_send"] == 0
+    assert tl.time_by_kind(None, COMM_LANE)["tp"] == pytest.approx(4 * 0.4)
+    # F0 on stage 0 [0, 1], message [1, 1.5], F0+B0 on stage 1 [1.5, 4.5], gradient [4.5, 5], B0 on stage 0.
+    assert tl.ops[(1, FORWARD, 0, 0)][0] == 1.5 and tl.step_s == 7.0
+
+
+def test_dp_reduction_overlaps_the_last_backward_as_far_as_the_profile_says():
+    st_ = StageCosts((1.0,), (2.0,))
+    for overlap, expected in ((0.0, 3 + 1.5), (1.0, 3 + 0.0), (0.5, 3 + 0.75)):
+        tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),),
+                                           overlap_dp_grad_reduce=overlap), "1f1b")
+        assert tl.step_s == pytest.approx(expected)
+    # Longer than the backward it hides behind: the rest is exposed (1.5 + 1.5 hidden from t = 1, ends at 4).
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 3.0),),
+                                       overlap_dp_grad_reduce=1.0), "1f1b")
+    assert tl.step_s == pytest.approx(4.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------------------- interleaved order
+
+def test_interleaved_order_p2_v2_m4_is_megatron_lms():
+    # Megatron-LM forward_backward_pipelining_with_interleaving: warm-up 2(p-s-1) + (v-1)p forwards (4 on
+    # stage 0, 2 on stage 1); k-th forward on chunk (k mod pv)//p, micro-batch (k//pv)p + k mod p; backwards
+    # on the chunks in reverse.
+    got = [[f"{o.kind}{o.microbatch}.{o.chunk}" for o in ops] for ops in interleaved_schedule(2, 4, 2)]
+    assert got[0] == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0".split()
+    assert got[1] == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0".split()
+    # m == p: all forwards first (Megatron's all-warm-up case).
+    assert [o.kind for o in interleaved_schedule(2, 2, 2)[1]] == [FORWARD] * 4 + [BACKWARD] * 4
+    # Stage 0's chunk 1 waits for stage 1's chunk 0 (the model wraps around the pipeline).
+    assert virtual_dependencies(interleaved_schedule(2, 4, 2)[0][2], 2, 2) == [(1, FORWARD, 0, 0)]
+
+
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="m=3 micro-batches to be a multiple of p=2"):
+        make_timeline_schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ValueError, match="m=1 micro-batches to be a multiple of p=4"):
+        interleaved_schedule(4, 1, 2)
+    with pytest.raises(ValueError, match="v=0"):
+        make_timeline_schedule(None, 2, 4, 0)
+    with pytest.raises(ValueError, match="v=0"):
+        interleaved_schedule(2, 4, 0)
+    with pytest.raises(ValueError, match="'zero-bubble'"):
+        make_timeline_schedule("zero-bubble", 2, 4)
+    with pytest.raises(ValueError, match="v=2; use 'interleaved'"):
+        make_timeline_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="p >= 2"):
+        interleaved_schedule(1, 4, 2)
+    with pytest.raises(ValueError, match="forward_s must be finite seconds >= 0"):
+        StageCosts((-1.0,), (1.0,))
+    with pytest.raises(ValueError, match="overlap_pp must be a share"):
+        _unit(2, 2, overlap_pp=1.5)
+    with pytest.raises(ValueError, match="same number of chunks"):
+        StepCosts((StageCosts((1.0,), (1.0,)), StageCosts((1.0, 1.0), (1.0, 1.0))), 2)
+    with pytest.raises(ValueError, match="timeline_top must be an int >= 0"):
+        search("megatron-1.7b", "dgx-a100-hdr", 32, 512, timeline_top=-1)
+
+
+# ----------------------------------------------------------------------------------------- properties
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 4), k=st.integers(1, 3), v=st.integers(1, 3), sched=st.sampled_from(["gpipe", "1f1b",
+       "interleaved"]), f=st.floats(0.1, 3), b=st.floats(0.1, 3), c=st.floats(0, 1), ov=st.sampled_from([0, 0.5, 1]))
+def test_dependencies_are_never_violated(p, k, v, sched, f, b, c, ov):
+    if sched != "interleaved":
+        v = 1
+    elif p == 1:
+        p = 2
+    m = k * p
+    stages = tuple(StageCosts(tuple(f * (1 + 0.1 * s) for _ in range(v)), tuple(b for _ in range(v)))
+                   for s in range(p))
+    tl = timeline_from_costs(StepCosts(stages, m, pp_message_s=c, overlap_pp=ov), sched)
+    for s, ops in enumerate(make_timeline_schedule(sched, p, m, v)):
+        prev_end = 0.0
+        for op in ops:
+            start, end = tl.ops[(s, op.kind, op.microbatch, op.chunk)]
+            assert start >= prev_end - 1e-12  # the stage's own order
+            for dep in virtual_dependencies(op, p, v):
+                assert start >= tl.arrivals[dep][1] - 1e-12  # the input has arrived
+                assert tl.arrivals[dep][1] == pytest.approx(tl.ops[dep][1] - (1 - ov) * c + c)
+            prev_end = end
+        bars = sorted((iv.start_s, iv.end_s) for iv in tl.stage_intervals(s))
+        assert all(a[1] <= b_[0] + 1e-9 for a, b_ in zip(bars, bars[1:]))  # one stream: no two bars at once
+        assert sum(e - a for a, e in bars) == pytest.approx(tl.step_s)
+    assert tl.step_s >= max(m * v * (f * (1 + 0.1 * s) + b) for s in range(p)) - 1e-9
+
+
+# ----------------------------------------------------------------------------------------- vs analytical
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 8), (6, 12)])
+def test_unit_timeline_against_the_analytical_bubble(p, m):
+    f, b, c = 1.0, 2.0, 0.25
+    analytical = (1 + (p - 1) / m) * m * (f + b + 2 * c)
+    assert timeline_from_costs(_unit(p, m, f, b, c), "gpipe").step_s == pytest.approx(analytical - 2 * c)
+    one = timeline_from_costs(_unit(p, m, f, b, c), "1f1b").step_s
+    assert one == pytest.approx(analytical - ((m + 1) * c if p == 2 else 3 * c))
+    # Without messages the replay is the analytical form exactly, interleaved included ((p-1)/(v·m)).
+    for v in (1, 2):
+        sched = "interleaved" if v > 1 else "1f1b"
+        if v > 1 and m % p:
+            continue
+        tl = timeline_from_costs(_unit(p, m, f / v, b / v, 0.0, v=v), sched)
+        assert tl.step_s == pytest.approx((1 + (p - 1) / (v * m)) * m * (f + b))
+
+
+def test_model_timeline_agrees_with_step_time_with_even_stages_and_no_overlap():
+    # 24 layers over 4 stages; a 64-token vocabulary makes the output layer (placed on the last stage by
+    # the timeline, spread by the analytical form) negligible, so only the messages differ: < 0.5 %.
+    m = dataclasses.replace(load_model("megatron-1.7b"), vocab=64)
+    c = make_cluster("dgx-a100-hdr", 64)
+    for lay in (Layout(tp=2, pp=4, dp=8, micro_batch=2, recompute="full"),
+                Layout(tp=1, pp=4, dp=16, micro_batch=1, recompute="none")):
+        for sched in ("gpipe", "1f1b"):
+            tl = step_timeline(m, lay, c, 512, "generic-no-overlap", sched)
+            ana = step_time(m, lay, c, 512, software="generic-no-overlap").total_s
+            assert tl.step_s == pytest.approx(ana, rel=5e-3), (lay.short(), sched)
+
+
+def test_stage_costs_add_up_to_the_time_models_compute():
+    m = load_model("llama3-405b").with_seq(8192)
+    lay = Layout(tp=8, pp=16, dp=128, micro_batch=1, zero1=True, recompute="selective", interleave=4)
+    costs, bd = step_costs(m, lay, make_cluster("dgx-h100-ndr", 16384), 2048, "megatron-core")
+    per_micro = sum(sum(s.forward_s) + sum(s.backward_s) + sum(s.recompute_s) for s in costs.stages)
+    # The time model prices one GPU of the heaviest stage (8 of the 126 layers); the stages together hold 126.
+    assert per_micro * costs.micro_batches == pytest.approx(bd.compute_s * 126 / 8)
+    tp_total = sum(sum(s.tp_forward_s) + sum(s.tp_backward_s) + sum(s.tp_recompute_s) for s in costs.stages)
+    assert tp_total * costs.micro_batches == pytest.approx((bd.tp_s + bd.tp_hidden_s) * 126 / 8)
+    assert chunk_layers(126, 16) == [[7]] + [[8]] * 14 + [[7]]  # Llama 3: one layer fewer on first and last
+    assert sum(map(sum, chunk_layers(126, 16, 4))) == 126 and max(map(sum, chunk_layers(126, 16, 4))) == 8
+
+
+# ----------------------------------------------------------------------------------------- search, figure
+
+def test_search_reranks_its_top_candidates_by_the_timeline():
+    res = search("megatron-76.1b", "dgx-a100-hdr", 1024, 1024, software="megatron-lm-2021")
+    head, tail = res.plans[:TIMELINE_TOP_K], res.plans[TIMELINE_TOP_K:]
+    assert all(p.timeline_step_s is not None for p in head) and all(p.timeline_step_s is None for p in tail)
+    assert [p.step_s for p in head] == sorted(p.step_s for p in head)
+    assert {p.layout for p in head} == {p.layout for p in search("megatron-76.1b", "dgx-a100-hdr", 1024, 1024,
+                                                                 software="megatron-lm-2021",
+                                                                 timeline_top=0).plans[:TIMELINE_TOP_K]}
+    assert head[0].row()["step_s"] == head[0].timeline_step_s
+
+
+def test_plot_step_timeline_llama3_405b():
+    from commlab.viz import plot_step_timeline
+    m = load_model("llama3-405b").with_seq(8192)
+    lay = Layout(tp=8, pp=16, dp=128, micro_batch=1, recompute="full", interleave=4)
+    tl = step_timeline(m, lay, make_cluster("dgx-h100-ndr", 16384), 2048, "megatron-core")
+    assert set(tl.time_by_kind(None)) == set(KINDS)
+    fig = plot_step_timeline(tl)
+    ax = fig.axes[0]
+    assert fig.get_size_inches()[0] <= 6.9 and len(ax.get_yticklabels()) == 16
+    texts = [t for t in ax.get_yticklabels() + ax.get_xticklabels()] + list(fig.legends[0].get_texts())
+    assert min(t.get_fontsize() for t in texts) >= 9
+    with pytest.raises(ValueError, match="recorded timeline"):
+        plot_step_timeline(step_timeline(m, lay, make_cluster("dgx-h100-ndr", 16384), 2048, "megatron-core",
+                                         record=False))
