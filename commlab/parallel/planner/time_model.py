@@ -72,8 +72,7 @@ PaLM's Appendix B; ``6·P``).
 
 Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeline` replays them in the
 schedule's order, and the search ranks its top candidates by that replay. What is left out (see the book):
-kernel-efficiency
-changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
+kernel-efficiency changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
 all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
 data loading, stragglers.
 """
