@@ -453,4 +453,5 @@ def _experiments_action(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlab.launch.env import exit_process
+    exit_process(main())

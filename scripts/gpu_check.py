@@ -281,4 +281,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlab.launch.env import exit_process
+    exit_process(main())

@@ -348,3 +348,17 @@ def test_gloo_ranks_under_torchrun_get_their_share_of_the_cores(tmp_path):
     lines = [(tmp_path / f"rank{rank}").read_text().split() for rank in range(2)]
     for threads, cores in lines:
         assert int(threads) == max(1, min(64, int(cores) // 2))
+
+
+def test_exit_process_exits_with_the_code_after_freezing_the_collector(capsys):
+    import gc
+
+    from commlab.launch import exit_process
+    print("buffered", end="")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            exit_process(3)
+        assert exit_info.value.code == 3 and gc.get_freeze_count() > 0
+        assert capsys.readouterr().out == "buffered"
+    finally:
+        gc.unfreeze()   # this test process goes on

@@ -8,7 +8,8 @@ Two doors into one world, and everything above them sees only an initialised pro
   job (:mod:`commlab.launch.inprocess`), so one function serves both.
 * :func:`init_from_env` (:mod:`commlab.launch.env`) is the cluster entry for scripts: it reads torchrun's or
   Slurm's variables, binds ``cuda:LOCAL_RANK`` under NCCL and initialises with ``env://``; with no launcher
-  it makes a world of one.
+  it makes a world of one. :func:`exit_process` ends such a script without CPython's last garbage
+  collection, which costs each torch process seconds of CPU at exit.
 * :mod:`commlab.launch.torchrun` is the per-node command of a multi-node job (torchrun with a named
   rendezvous, a preflight and a deadline); ``scripts/slurm/commlab.sbatch`` runs it under SLURM.
 
@@ -20,11 +21,11 @@ the point-to-point sends a rank has started until they are delivered.
 
 from commlab.launch.device import Clock, group_device
 from commlab.launch.env import (DEFAULT_ENV_TIMEOUT_S, DistContext, LauncherEnvError, detect_launcher,
-                                init_from_env, read_env)
+                                exit_process, init_from_env, read_env)
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError
 from commlab.launch.inprocess import UnfinishedSendsError
 from commlab.launch.local import DEFAULT_TIMEOUT_S, launch
 
 __all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "UnfinishedSendsError", "DEFAULT_TIMEOUT_S",
            "init_from_env", "read_env", "detect_launcher", "DistContext", "LauncherEnvError",
-           "DEFAULT_ENV_TIMEOUT_S", "group_device", "Clock"]
+           "DEFAULT_ENV_TIMEOUT_S", "group_device", "Clock", "exit_process"]

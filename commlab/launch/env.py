@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import re
-from typing import Mapping
+import sys
+from typing import Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,7 @@ __all__ = ["DistContext", "LauncherEnv", "LauncherEnvError", "init_from_env", "r
            "cpu_thread_share",
            "DEFAULT_ENV_TIMEOUT_S",
            "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER", "BACKENDS",
-           "check_timeout"]
+           "check_timeout", "exit_process"]
 
 #: Seconds a rank waits for its peers, in the rendezvous and in every collective, unless ``timeout=`` says
 #: otherwise. torch's own default is 30 minutes (gloo) or 10 (NCCL): that long, a crashed peer or a rank that
@@ -480,3 +482,24 @@ def cpu_thread_share(threads: int, local_world_size: int, cores: int | None = No
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(int(threads), cores // max(1, int(local_world_size))))
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """End a commlab script's process (``if __name__ == "__main__": exit_process(main())``) with ``code``,
+    without the interpreter's last garbage collection.
+
+    A process that has imported torch and trained holds about a million objects, and CPython's shutdown
+    collects them once more before the OS frees the memory anyway: 0.5 s to a few seconds of CPU per
+    process, which 8 ranks on 2 cores wait for in turn (an 8-rank capstone job under torchrun: about 27 s
+    with it, 15-17 s without, on this course's 2-core machine). ``gc.freeze()`` moves every object to the
+    permanent generation, so that collection has nothing to do; atexit handlers and module teardown still
+    run, and a file closes as usual when its last reference goes. Only a file held by a reference cycle and
+    never closed would lose its buffer; the scripts close theirs.
+
+    Raises:
+        SystemExit: always, with ``code`` (None: 0).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
+    sys.exit(code)

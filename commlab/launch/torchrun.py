@@ -698,4 +698,5 @@ def tidy_output(text: str, replace: dict[str, str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlab.launch.env import exit_process
+    exit_process(main())

@@ -50,4 +50,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlab.launch.env import exit_process
+    exit_process(main())

@@ -44,13 +44,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from commlab.compress import CompressionHookState, PowerSGDState
 from commlab.overlap import BucketedDataParallel
 from commlab.parallel import ZeroOneOptimizer
 from commlab.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported on first use: it takes about a second per process to import
+    (it pulls in DTensor), which every rank of a run without checkpoints would otherwise pay at start-up."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
 
 __all__ = ["DPSync", "save", "load", "latest_step"]
 
@@ -159,13 +165,13 @@ def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: i
             print(f"warning: checkpoint {path!r} {why} ({fresh}); model and optimizer are loaded exactly",
                   file=sys.stderr, flush=True)
         return
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
     prefix = f"dp_sync.{sync.rank_key}/"
     want: dict[str, Any] = {f"{sync.rank_key}/skeleton": None}
     for key, md in meta.items():
         if key.startswith(prefix) and key != prefix + "skeleton":
             want[key[len("dp_sync."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=device)
-    dcp.load({"dp_sync": want}, checkpoint_id=path)
+    _dcp().load({"dp_sync": want}, checkpoint_id=path)
     tensors = {k[len(sync.rank_key) + 1:]: v for k, v in want.items() if isinstance(v, torch.Tensor)}
     state_dict = _join(pickle.loads(want[f"{sync.rank_key}/skeleton"]), tensors)
     if isinstance(sync.state, PowerSGDState):
@@ -206,7 +212,7 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
     everything: dict[str, Any] = {"model": state, "meta": {"step": torch.tensor([step])}}
     if dp_sync is not None:
         everything["dp_sync"] = _dp_sync_entries(dp_sync)
-    dcp.save(everything, checkpoint_id=path)
+    _dcp().save(everything, checkpoint_id=path)
     return path
 
 
@@ -255,10 +261,10 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
         state[f"{name}.step"] = torch.empty(1, dtype=torch.float32)
     meta: dict[str, Any] = {"step": torch.tensor([0])}
     everything: dict[str, Any] = {"model": state, "meta": meta}
-    has_sync = "dp_sync.setting" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    has_sync = "dp_sync.setting" in _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
     if dp_sync is not None and has_sync:
         everything["dp_sync"] = {"setting": None}
-    dcp.load(everything, checkpoint_id=path)
+    _dcp().load(everything, checkpoint_id=path)
     if int(meta["step"]) != step:
         raise RuntimeError(f"checkpoint {path!r} says step {int(meta['step'])}")
     opt_states: dict[nn.Parameter, dict] = {}

@@ -689,4 +689,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlab.launch.env import exit_process
+    exit_process(main())
