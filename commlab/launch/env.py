@@ -491,10 +491,11 @@ def exit_process(code: int | None) -> NoReturn:
     A process that has imported torch and trained holds about a million objects, and CPython's shutdown
     collects them once more before the OS frees the memory anyway: 0.5 s to a few seconds of CPU per
     process, which 8 ranks on 2 cores wait for in turn (an 8-rank capstone job under torchrun: about 27 s
-    with it, 15-17 s without, on this course's 2-core machine). ``gc.freeze()`` moves every object to the
-    permanent generation, so that collection has nothing to do; atexit handlers and module teardown still
-    run, and a file closes as usual when its last reference goes. Only a file held by a reference cycle and
-    never closed would lose its buffer; the scripts close theirs.
+    with it, 15-18 s without, on this course's 2-core machine). ``gc.freeze()`` (CPython 3.7+, the ``gc``
+    module's documentation) moves every object to the permanent generation, so that collection has nothing
+    to do; atexit handlers and module teardown still run, and a file closes as usual when its last
+    reference goes. Only a file held by a reference cycle and never closed would lose its buffer; the
+    scripts close theirs.
 
     Raises:
         SystemExit: always, with ``code`` (None: 0).
