@@ -53,7 +53,7 @@ def test_bench_table_gives_each_size_its_busbw_ratio_and_wrong_count():
 
     rows = [BenchRow(4096, 1024, "float32", 4, 1e-4, 2e-4, 0), BenchRow(2**20, 2**18, "float32", 4, 2e-3, 1e-3, 3)]
     md = bench_table(rows)._repr_markdown_().splitlines()
-    assert md[0].startswith("| size | ours µs | ours busbw GB/s |") and len(md) == 4
+    assert md[0] == "| size | ours: busbw (GB/s) | torch: busbw (GB/s) | ours / torch | wrong |" and len(md) == 4
     # busbw = 2(N-1)/N × size / time (nccl-tests): 1.5 × 4096 B / 100 µs = 0.061 GB/s; ratio = torch/ours time.
-    assert md[2] == "| 4 KiB | 100 | 0.061 | 200 | 0.031 | 2.00 | 0 |"
+    assert md[2] == "| 4 KiB | 0.061 | 0.031 | 2.00 | 0 |"
     assert md[3].endswith("| 0.50 | 3 |")

@@ -117,15 +117,15 @@ def plot_bench(rows: Sequence, title: str = "AllReduce on gloo"):
 
 def bench_table(rows: Sequence):
     """The rows of ``commlab.bench.bench_all_reduce`` as a rendered table (a :class:`~commlab.viz.text.Table`):
-    size, then time (µs) and busbw (GB/s, nccl-tests' definition) of ours and of ``dist.all_reduce``, their
-    busbw ratio (> 1: ours is faster) and the elements that differ from torch's result. Narrow enough for
-    the book's text column, where the benchmark's printed table (:func:`commlab.bench.format_table`) is not.
+    size, the busbw (GB/s, nccl-tests' definition) of ours and of ``dist.all_reduce``, their ratio (> 1: ours
+    is faster) and the elements that differ from torch's result. Five columns, so that each header fits its
+    column in the book's text column (the times are in :func:`plot_bench`'s figure; the benchmark's printed
+    table, :func:`commlab.bench.format_table`, has everything but is 120 characters wide).
     """
     from commlab.viz.text import markdown_table
     from commlab.widgets.calculator import format_bytes
 
-    header = ["size", "ours µs", "ours busbw GB/s", "torch µs", "torch busbw GB/s", "ours/torch", "wrong"]
-    body = [[format_bytes(r.nbytes), f"{r.ours_s * 1e6:,.0f}", f"{r.ours_busbw / 1e9:.3f}",
-             f"{r.torch_s * 1e6:,.0f}", f"{r.torch_busbw / 1e9:.3f}", f"{r.ratio:.2f}", r.wrong] for r in rows]
-    return markdown_table(header, body, align="rrrrrrr")
-
+    header = ["size", "ours: busbw (GB/s)", "torch: busbw (GB/s)", "ours / torch", "wrong"]
+    body = [[format_bytes(r.nbytes), f"{r.ours_busbw / 1e9:.3f}", f"{r.torch_busbw / 1e9:.3f}", f"{r.ratio:.2f}",
+             r.wrong] for r in rows]
+    return markdown_table(header, body, align="rrrrr")
