@@ -331,6 +331,20 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
                                       cluster.inter.beta_s_per_byte * share)
     return t_intra + t_inter
 
+def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
+    """The argument check of the overlap functions: every time >= 0 s, every overlap share in [0, 1].
+
+    Raises:
+        ValueError: naming the first argument out of range and its value.
+    """
+    for name, v in times.items():
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+    for name, v in shares.items():
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+
+
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
                        gather_window_s: float = 0.0, gather_overlap: float = 0.0) -> tuple[float, float]:
     """``(exposed, hidden)`` seconds of the DP communication.
@@ -343,13 +357,9 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
     Raises:
         ValueError: a negative time or an overlap share outside [0, 1].
     """
-    for name, v in (("reduce_s", reduce_s), ("reduce_window_s", reduce_window_s), ("gather_s", gather_s),
-                    ("gather_window_s", gather_window_s)):
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
-    for name, v in (("reduce_overlap", reduce_overlap), ("gather_overlap", gather_overlap)):
-        if not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    _check_times_and_shares(dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
+                                 gather_window_s=gather_window_s),
+                            dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap))
     hidden = min(reduce_overlap * reduce_s, reduce_window_s) + min(gather_overlap * gather_s, gather_window_s)
     return reduce_s + gather_s - hidden, hidden
 
@@ -367,13 +377,8 @@ def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, bac
     Raises:
         ValueError: a negative time or an overlap share outside [0, 1].
     """
-    for name, v in (("gather_s", gather_s), ("reduce_s", reduce_s), ("forward_s", forward_s),
-                    ("backward_s", backward_s)):
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
-    for name, v in (("gather_overlap", gather_overlap), ("reduce_overlap", reduce_overlap)):
-        if not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    _check_times_and_shares(dict(gather_s=gather_s, reduce_s=reduce_s, forward_s=forward_s, backward_s=backward_s),
+                            dict(gather_overlap=gather_overlap, reduce_overlap=reduce_overlap))
     hidden = (min(gather_overlap * gather_s, forward_s)
               + min(gather_overlap * gather_s + reduce_overlap * reduce_s, backward_s))
     return 2 * gather_s + reduce_s - hidden, hidden
