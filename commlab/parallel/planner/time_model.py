@@ -331,6 +331,7 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
                                       cluster.inter.beta_s_per_byte * share)
     return t_intra + t_inter
 
+
 def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
     """The argument check of the overlap functions: every time >= 0 s, every overlap share in [0, 1].
 
