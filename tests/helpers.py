@@ -50,3 +50,18 @@ def processes_mentioning(token: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def exit_status(main, argv, capsys) -> tuple:
+    """Run a command line's ``main(argv)`` in this process: ``(exit status, stderr)``.
+
+    A usage error is argparse's ``SystemExit(2)`` or ``main`` returning 2; any other exception (a traceback
+    for the user) propagates and fails the test. ``capsys`` is pytest's fixture; what was captured before
+    the call is dropped.
+    """
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err

@@ -5,6 +5,7 @@ import pytest
 from commlab.__main__ import main
 from commlab.bench.algorithms import measure_algorithms, measure_emulated, predict_emulated
 from commlab.topology import EmulatedTopology, Link
+from tests.helpers import exit_status
 
 
 def test_measure_algorithms_checks_and_times_every_pair():
@@ -60,6 +61,5 @@ def test_command_line_algorithms_and_emulation(capsys):
 def test_command_line_rejects_bad_choices(flags, message, capsys):
     # main() in this process (tests/test_bench_cli.py goes through python -m commlab once): a usage error is
     # SystemExit(2) with the message; any other exception fails the test.
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *flags])
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    code, err = exit_status(main, ["bench", *flags], capsys)
+    assert code == 2 and message in err

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from commlab.__main__ import main
+from tests.helpers import exit_status
 from commlab.bench import BenchRow, algbw_bytes_per_s, bench_all_reduce, busbw_bytes_per_s, format_table, parse_size
 
 
@@ -87,14 +88,8 @@ def test_two_phase_bench_prints_bytes_and_times_side_by_side(capsys):
 
 
 def _usage_error(flags, capsys):
-    """Run ``python -m commlab bench FLAGS`` in this process: the exit status and stderr. A usage error is
-    SystemExit(2) with a message; any other exception (a traceback for the user) propagates and fails."""
-    capsys.readouterr()
-    try:
-        code = main(["bench", *flags])
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+    """``python -m commlab bench FLAGS`` in this process: (exit status, stderr)."""
+    return exit_status(main, ["bench", *flags], capsys)
 
 
 @pytest.mark.parametrize("flags", [["-n", "0"], ["-r", "0"]])

@@ -15,6 +15,7 @@ from commlab import launch
 from commlab.launch.torchrun import run_standalone
 from labs.capstone.model import GPTConfig
 from labs.capstone.train import Options, parse_args, train
+from tests.helpers import exit_status
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -41,15 +42,10 @@ def test_every_layout_gives_the_single_process_losses(single_process, tp, pp, dp
 
 
 def _usage_error(argv, capsys):
-    """``labs/capstone/train.py ARGV`` in this process: (exit status, stderr). A usage error exits 2 (argparse)
-    or returns 2 (a layout refused before any process group); another exception propagates and fails."""
+    """``labs/capstone/train.py ARGV`` in this process: (exit status, stderr); a layout refused before any
+    process group returns 2, an argparse error exits 2."""
     from labs.capstone.train import main
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+    return exit_status(main, argv, capsys)
 
 
 def test_a_layout_that_does_not_divide_is_a_usage_error():
