@@ -332,18 +332,37 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
     return t_intra + t_inter
 
 
-def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
-    """The argument check of the overlap functions: every time >= 0 s, every overlap share in [0, 1].
+def _check_seconds(name: str, values) -> tuple:
+    """``values`` as floats, each finite seconds >= 0 (the one time check of the planner's overlap terms and
+    of the timeline's costs).
 
     Raises:
-        ValueError: naming the first argument out of range and its value.
+        ValueError: naming ``name`` and the first value out of range.
     """
+    out = tuple(float(x) for x in values)
+    for x in out:
+        if not (x >= 0 and math.isfinite(x)):
+            raise ValueError(f"{name} must be finite seconds >= 0, got {x!r}")
+    return out
+
+
+def _check_share(name: str, v: float) -> float:
+    """``v`` as a float share in [0, 1] (an overlap fraction; a bool is refused).
+
+    Raises:
+        ValueError: naming ``name`` and ``v``.
+    """
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+    return float(v)
+
+
+def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
+    """The argument check of the overlap functions: every time finite and >= 0 s, every share in [0, 1]."""
     for name, v in times.items():
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+        _check_seconds(name, (v,))
     for name, v in shares.items():
-        if not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
+        _check_share(name, v)
 
 
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
@@ -356,7 +375,7 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
     does not fit in its window, and the share not overlapped, is exposed.
 
     Raises:
-        ValueError: a negative time or an overlap share outside [0, 1].
+        ValueError: a time that is negative or not finite, or an overlap share outside [0, 1].
     """
     _check_times_and_shares(dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
                                  gather_window_s=gather_window_s),
@@ -376,7 +395,7 @@ def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, bac
     parameter bytes, where plain data parallelism's AllReduce makes two (Rajbhandari et al. 2020, §5.3).
 
     Raises:
-        ValueError: a negative time or an overlap share outside [0, 1].
+        ValueError: a time that is negative or not finite, or an overlap share outside [0, 1].
     """
     _check_times_and_shares(dict(gather_s=gather_s, reduce_s=reduce_s, forward_s=forward_s, backward_s=backward_s),
                             dict(gather_overlap=gather_overlap, reduce_overlap=reduce_overlap))

@@ -74,8 +74,9 @@ from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_sc
                                                  one_f_one_b_schedule)
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown,
-                                                 attention_flops_per_token, executed_flops_per_token, step_time)
+from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
+                                                 _check_share, attention_flops_per_token, executed_flops_per_token,
+                                                 step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -112,20 +113,6 @@ class Interval:
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
-
-
-def _check_seconds(name: str, values) -> tuple:
-    out = tuple(float(x) for x in values)
-    for x in out:
-        if not (x >= 0 and math.isfinite(x)):
-            raise ValueError(f"{name} must be finite seconds >= 0, got {x!r}")
-    return out
-
-
-def _check_share(name: str, v: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
-    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
