@@ -16,6 +16,7 @@
   profile says; its step time re-ranks the search's top candidates.
 * :mod:`~commlab.parallel.planner.search` -- the search over layouts, and :func:`validate_published`
   against Megatron-LM (SC'21, Table 1) and Llama 3 405B (``python -m commlab plan --validate``).
+* :mod:`~commlab.parallel.planner.tables` -- reads the data tables above, once per file.
 
 ``python -m commlab plan --model llama3-405b --preset dgx-h100-ndr --gpus 16384 --global-batch 2048``
 prints the top layouts.

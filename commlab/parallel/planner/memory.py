@@ -53,13 +53,12 @@ are left out; HSDP (ZeRO-3 within a node, replicated across) is not modelled.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from functools import lru_cache
 from pathlib import Path
 
 from commlab.parallel.planner.software import (OPTIMIZER_DTYPES, OptimizerDtypes, check_recompute_policy,
                                                check_zero_stage, optimizer_dtypes)
+from commlab.parallel.planner.tables import read_table
 
 __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STATE_BYTES_PER_PARAM",
            "DEFAULT_MEMORY_RESERVE", "DEFAULT_FRAGILE_MARGIN", "OPTIMIZER_DTYPES", "load_model", "list_models",
@@ -266,16 +265,9 @@ class MemoryBreakdown:
 
 # ----------------------------------------------------------------------------------------- the table
 
-@lru_cache(maxsize=4)
-def _read(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        table = json.load(f)
-    return {k: v for k, v in table.items() if not k.startswith("_")}
-
-
 def list_models(path: str | Path | None = None) -> list[str]:
     """Names of the models in ``path`` (default :data:`MODELS_PATH`), sorted."""
-    return sorted(_read(str(Path(path or MODELS_PATH).resolve())))
+    return sorted(read_table(path, MODELS_PATH))
 
 
 def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
@@ -285,7 +277,7 @@ def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
         KeyError: unknown name; the message lists the known ones.
         ValueError: a malformed entry (the message names the model and the field).
     """
-    table = _read(str(Path(path or MODELS_PATH).resolve()))
+    table = read_table(path, MODELS_PATH)
     if name not in table:
         raise KeyError(f"no model {name!r}; known models: {sorted(table)}")
     entry = dict(table[name])

@@ -19,10 +19,10 @@ is fitted to a measured run.
 from __future__ import annotations
 
 import dataclasses
-import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
+
+from commlab.parallel.planner.tables import read_table
 
 __all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGES", "DEFAULT_SOFTWARE",
            "OptimizerDtypes", "OPTIMIZER_DTYPES", "load_software", "list_software", "check_recompute_policy",
@@ -237,16 +237,9 @@ class SoftwareProfile:
         return dataclasses.replace(self, **changes)
 
 
-@lru_cache(maxsize=4)
-def _read(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        table = json.load(f)
-    return {k: v for k, v in table.items() if not k.startswith("_")}
-
-
 def list_software(path: str | Path | None = None) -> list[str]:
     """Names of the profiles in ``path`` (default :data:`SOFTWARE_PATH`), sorted."""
-    return sorted(_read(str(Path(path or SOFTWARE_PATH).resolve())))
+    return sorted(read_table(path, SOFTWARE_PATH))
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SoftwareProfile) if f.name not in ("name", "description",
@@ -267,7 +260,7 @@ def load_software(name: str | SoftwareProfile | None = None, path: str | Path | 
     if isinstance(name, SoftwareProfile):
         return name
     name = DEFAULT_SOFTWARE if name is None else name
-    table = _read(str(Path(path or SOFTWARE_PATH).resolve()))
+    table = read_table(path, SOFTWARE_PATH)
     if name not in table:
         raise ValueError(f"unknown software profile {name!r}; known profiles: {sorted(table)}")
     entry = dict(table[name])
