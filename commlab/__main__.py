@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
                            "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
-                           "search, median |error| (the other options but --achievable-fraction are not used)")
+                           "search, median |error| (the other options but --achievable-fraction and --kernels are "
+                           "not used)")
     plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
     plan.add_argument("--preset",
                       help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     plan.add_argument("--achievable-fraction", type=float, default=None,
                       help="share of peak FLOP/s the matmuls reach (default 0.5, see time_model)")
+    plan.add_argument("--kernels", action="store_true",
+                      help="price compute from the layers' kernels instead of one share of peak: GEMM efficiency by "
+                           "shape from data/gemm_efficiency.json, memory-bound operations and the optimizer step at "
+                           "the device's memory bandwidth (see planner/kernels.py)")
     plan.add_argument("--dp-overlap", type=float, default=None,
                       help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
                            "software profile's)")
@@ -343,7 +348,7 @@ def _bench_emulated(args, parser, nbytes) -> int:
 
 
 def _plan(args, parser) -> int:
-    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, TIMELINE_TOP_K,
+    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, KERNELS, TIMELINE_TOP_K,
                                           list_models, list_software, load_model, search, validate_published,
                                           validation_table)
     from commlab.topology import list_presets
@@ -351,6 +356,11 @@ def _plan(args, parser) -> int:
     fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
     if not 0 < fraction <= 1:
         parser.error(f"--achievable-fraction must be in (0, 1], got {fraction}")
+    if args.kernels:
+        if args.achievable_fraction is not None:
+            parser.error("--kernels and --achievable-fraction exclude each other: the kernel model replaces the "
+                         "one share of peak")
+        fraction = KERNELS
     if args.dp_overlap is not None and not 0 <= args.dp_overlap <= 1:
         parser.error(f"--dp-overlap must be in [0, 1], got {args.dp_overlap}")
     reserve = DEFAULT_MEMORY_RESERVE if args.memory_reserve is None else args.memory_reserve
@@ -362,7 +372,8 @@ def _plan(args, parser) -> int:
         import time
         started = time.perf_counter()
         rows = validate_published(achievable_fraction=fraction)
-        print(f"# the planner against published runs: achievable fraction of peak {fraction}, each row with its "
+        what = "compute from the kernel model" if fraction == KERNELS else f"achievable fraction of peak {fraction}"
+        print(f"# the planner against published runs: {what}, each row with its "
               f"software profile; rank = where the published tp x pp split first appears in the planner's own "
               f"search (1 = its top)")
         print(validation_table(rows))
@@ -392,7 +403,7 @@ def _plan(args, parser) -> int:
         parser.error(str(e))
     print(f"# {model.name}: {model.params / 1e9:.1f}B parameters, seq {model.seq}, global batch {args.global_batch} "
           f"sequences, on {args.gpus} GPUs of {args.preset}; software {args.software or 'generic-no-overlap'}; "
-          f"achievable fraction of peak {fraction}; {reserve:.0%} of device memory reserved, ! = fragile (within 5 % "
+          f"{'compute from the kernel model' if fraction == KERNELS else f'achievable fraction of peak {fraction}'}; {reserve:.0%} of device memory reserved, ! = fragile (within 5 % "
           f"of the rest)")
     print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
           f"{result.rejected_for_memory} rejected for memory, "

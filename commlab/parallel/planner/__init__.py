@@ -11,6 +11,9 @@
   AllReduces (bytes not divided by tp), PP sends (1/tp per rank with scatter/gather or sequence
   parallelism), bubble, DP ReduceScatter + AllGather on the links each group crosses, each hidden behind
   compute as far as the profile overlaps it; model FLOP in the definitions published runs use.
+* :mod:`~commlab.parallel.planner.kernels` -- compute from a layer's kernels, the alternative to one share
+  of peak: GEMM efficiency by shape (``data/gemm_efficiency.json``), memory-bound operations and the optimizer
+  step at the device's memory bandwidth.
 * :mod:`~commlab.parallel.planner.timeline` -- the step timeline of a plan: the real schedule (GPipe,
   1F1B, interleaved 1F1B) replayed per pipeline stage with the time model's durations, overlap as the
   profile says; its step time re-ranks the search's top candidates.
@@ -29,7 +32,7 @@ from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, DEFAULT
                                              interleave_memory_factor, is_fragile, layer_params, list_models,
                                              load_model, memory_breakdown, model_state_bytes_per_param,
                                              parameter_count, stage_params, usable_memory_bytes)
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, TimeBreakdown,
+from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, KERNELS, TimeBreakdown,
                                                  attention_flops_per_token, dp_all_reduce_seconds,
                                                  dp_exposed_seconds, dp_gradient_nbytes, executed_flops_per_token,
                                                  fsdp_exposed_seconds,
@@ -48,7 +51,7 @@ __all__ = [
     "DEFAULT_FRAGILE_MARGIN", "load_model", "list_models", "layer_params", "parameter_count", "stage_params",
     "activation_bytes_per_layer", "interleave_memory_factor", "model_state_bytes_per_param", "usable_memory_bytes",
     "is_fragile", "memory_breakdown",
-    "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "model_flops_per_token", "executed_flops_per_token",
+    "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "model_flops_per_token", "executed_flops_per_token",
     "megatron_eq3_flops", "model_flops_per_step", "attention_flops_per_token", "FLOP_DEFINITIONS",
     "dp_exposed_seconds", "fsdp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "step_time",

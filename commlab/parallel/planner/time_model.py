@@ -71,8 +71,11 @@ Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP i
 PaLM's Appendix B; ``6·P``).
 
 Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeline` replays them in the
-schedule's order, and the search ranks its top candidates by that replay. What is left out (see the book):
-kernel-efficiency changes with the GEMM shapes (small micro-batches or large tp are not penalised), memory-bound operations, the
+schedule's order, and the search ranks its top candidates by that replay. ``achievable_fraction=KERNELS``
+replaces the one constant by the layout's own share of peak from its kernels
+(:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
+operations and the optimizer step at the memory's bandwidth). What is left out (see the book): with the
+constant, kernel-efficiency changes with the GEMM shapes and memory-bound operations; in both, the
 all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
 data loading, stragglers.
 """
@@ -91,10 +94,15 @@ from commlab.topology import Cluster, Link
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
-           "dp_exposed_seconds", "fsdp_exposed_seconds", "step_time"]
+           "dp_exposed_seconds", "fsdp_exposed_seconds", "step_time", "KERNELS"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
+
+#: ``achievable_fraction="kernels"``: price compute from the layer's kernels instead of one share of peak
+#: (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape, memory-bound operations, the
+#: optimizer step).
+KERNELS = "kernels"
 
 #: Model-FLOP definitions published runs use, for :func:`model_flops_per_step`.
 FLOP_DEFINITIONS = {
@@ -127,6 +135,10 @@ class TimeBreakdown:
         overlap_slowdown_s: what compute loses while hidden communication shares the GPU.
         executed_flop_per_step: FLOP the GPUs execute (:func:`executed_flops_per_token` × tokens).
         software: the software profile's name.
+        optimizer_s: the optimizer step (Adam's HBM traffic over the GPU's parameters), with the kernel model
+            only; 0 otherwise.
+        compute_fraction: the share of peak the executed FLOP run at: ``achievable_fraction``, or what the
+            kernel model gives for this layout.
     """
 
     compute_s: float
@@ -146,12 +158,15 @@ class TimeBreakdown:
     overlap_slowdown_s: float = 0.0
     executed_flop_per_step: float = 0.0
     software: str = ""
+    optimizer_s: float = 0.0
+    compute_fraction: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Step time, s: compute + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP."""
+        """Step time, s: compute + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP + the
+        optimizer step."""
         return (self.compute_s + self.overlap_slowdown_s + self.tp_s + self.pp_s + self.bubble_s
-                + self.dp_exposed_s)
+                + self.dp_exposed_s + self.optimizer_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -414,7 +429,7 @@ def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
 # ----------------------------------------------------------------------------------------- the step
 
 def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
-              achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+              achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
               dtype: str = "bf16", grad_bytes: int | None = None,
               software: SoftwareProfile | str | None = None) -> TimeBreakdown:
     """Predicted time of one training step (seconds), term by term (see the module docstring).
@@ -426,7 +441,9 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used: the
             layout says how many GPUs run).
         global_batch: sequences per step; must be a multiple of ``dp·micro_batch``.
-        achievable_fraction: share of peak the matmuls sustain, in (0, 1].
+        achievable_fraction: share of peak the matmuls sustain, in (0, 1]; or :data:`KERNELS` to price
+            compute from the layout's kernels (:func:`~.kernels.effective_fraction`) and add the optimizer
+            step (:func:`~.kernels.optimizer_step_bytes` over the GPU's memory bandwidth).
         dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
         dtype: key of ``cluster.peak_flop_per_s``.
         grad_bytes: if given, replaces the profile's bytes per gradient element (2 or 4).
@@ -435,15 +452,17 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
 
     Raises:
         ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of
-            range; ``dtype`` not in the cluster's peak table; an unknown software profile.
+            range; ``dtype`` not in the cluster's peak table; an unknown software profile; with
+            :data:`KERNELS`, a cluster whose device has no GEMM table or memory bandwidth.
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
     if global_batch % (layout.dp * layout.micro_batch):
         raise ValueError(f"global_batch={global_batch} sequences is not a multiple of dp·micro_batch = "
                          f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")
-    if not 0 < achievable_fraction <= 1:
-        raise ValueError(f"achievable_fraction must be in (0, 1], got {achievable_fraction!r}")
+    kernels = achievable_fraction == KERNELS
+    if not kernels and (isinstance(achievable_fraction, (str, bool)) or not 0 < achievable_fraction <= 1):
+        raise ValueError(f"achievable_fraction must be in (0, 1] or {KERNELS!r}, got {achievable_fraction!r}")
     if dp_overlap is not None and not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
     if dtype not in cluster.peak_flop_per_s:
@@ -462,8 +481,13 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     gpus = L.gpus
     layers_per_stage = stage_layers(m.layers, L.pp, L.interleave)
     imbalance = layers_per_stage * L.pp / m.layers
-    rate = cluster.peak_flop_per_s[dtype] * achievable_fraction
     executed = executed_flops_per_token(m, L.recompute, L.flash_attention, True, L.recompute_every)
+    optimizer = 0.0
+    if kernels:
+        fraction, optimizer = _kernel_terms(m, L, cluster, dtype, executed, sw, g_bytes)
+    else:
+        fraction = achievable_fraction
+    rate = cluster.peak_flop_per_s[dtype] * fraction
     compute = executed * tokens / (gpus * rate) * imbalance
     forward_share = _forward_flops_per_token(m, L.flash_attention) / executed
 
@@ -516,4 +540,28 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,
                          model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus,
                          tp_hidden_s=tp_hidden, pp_hidden_s=pp_hidden, dp_reduce_scatter_s=rs, dp_all_gather_s=ag,
-                         overlap_slowdown_s=slowdown, executed_flop_per_step=executed * tokens, software=sw.name)
+                         overlap_slowdown_s=slowdown, executed_flop_per_step=executed * tokens, software=sw.name,
+                         optimizer_s=optimizer, compute_fraction=fraction)
+
+
+def _kernel_terms(m: ModelConfig, layout: Layout, cluster: Cluster, dtype: str, executed: float,
+                  sw: SoftwareProfile, grad_bytes: int) -> tuple[float, float]:
+    """(share of peak from the kernels, optimizer-step seconds) of a layout on the cluster's device."""
+    from commlab import hardware
+    from commlab.parallel.planner import kernels
+    device = cluster.device
+    try:
+        hbm = hardware.value(device, "hbm_bytes_per_s")
+    except (KeyError, ValueError):
+        raise ValueError(f"the kernel model needs the memory bandwidth of the cluster's device {device!r} "
+                         f"(hbm_bytes_per_s in data/hardware.json); it has none") from None
+    fraction = kernels.effective_fraction(m, layout, device, cluster.peak_flop_per_s[dtype], hbm, executed)
+    # The heaviest stage's parameters on one GPU: split by tp, and by dp under ZeRO (the optimizer then
+    # updates only its shard).
+    stage = "only" if layout.pp == 1 else "last"
+    params = stage_params(m, layout.pp, stage, layout.interleave) / layout.tp
+    if layout.zero_stage >= 1:
+        params /= layout.dp
+    opt = sw.optimizer
+    seconds = kernels.optimizer_step_bytes(params, opt.state_bytes, grad_bytes, opt.param_bytes) / hbm
+    return fraction, seconds

@@ -31,8 +31,8 @@ arrived; a receiver's wait while a message is in flight is ``pp_recv``, any othe
 AllGather half of the AllReduce) of each chunk starts, for its ``overlap_dp_grad_reduce`` share, on the comm
 lane at the start of that chunk's last backward (Megatron ``--overlap-grad-reduce`` launches the buckets
 during the last micro-batch's backward); the stream waits at the end for what is still running, then runs
-the non-overlapped share, the optimizer step (``optimizer_s``; 0 by default, as the time model does not
-price it) and the parameter AllGather's non-overlapped share (a distributed optimizer gathers the updated
+the non-overlapped share, the optimizer step (``optimizer_s``: the time model's, which the kernel model
+prices and the constant-fraction model leaves at 0) and the parameter AllGather's non-overlapped share (a distributed optimizer gathers the updated
 parameters at the end of its step). The overlapped share of that AllGather (``--overlap-param-gather``)
 runs at the start of the step, and the stage's first forward cannot finish before it has.
 
@@ -243,11 +243,11 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
                software: SoftwareProfile | str | None = None,
                achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                dtype: str = "bf16", grad_bytes: int | None = None,
-               optimizer_s: float = 0.0) -> tuple[StepCosts, TimeBreakdown]:
+               optimizer_s: float | None = None) -> tuple[StepCosts, TimeBreakdown]:
     """The per-stage, per-micro-batch durations of a plan, and the analytical breakdown they are read from.
 
     Arguments as :func:`~commlab.parallel.planner.time_model.step_time` (same defaults), plus
-    ``optimizer_s``, the optimizer step's seconds (default 0, as the time model does not price it).
+    ``optimizer_s``, the optimizer step's seconds (None: the time model's ``optimizer_s``).
 
     Raises:
         ValueError: what :func:`~commlab.parallel.planner.time_model.step_time` raises; a negative
@@ -301,7 +301,7 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
                       overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0, overlap_pp=sw.overlap_pp,
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
-                      optimizer_s=optimizer_s)
+                      optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s)
     return costs, bd
 
 
@@ -619,7 +619,7 @@ def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytica
 def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                   software: SoftwareProfile | str | None = None, schedule: str | None = None,
                   achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
-                  dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float = 0.0,
+                  dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
     """The step timeline of a plan (see the module docstring).
 
@@ -628,7 +628,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
             :func:`~commlab.parallel.planner.time_model.step_time`.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; None: interleaved when
             ``layout.interleave > 1``, else 1F1B.
-        optimizer_s: seconds of the optimizer step (default 0, unpriced in the time model).
+        optimizer_s: seconds of the optimizer step (None: the time model's, 0 unless it runs the kernel model).
         record: keep the bars (False: only ``step_s``, as the search's re-ranking needs).
 
     Returns:

@@ -1,0 +1,268 @@
+"""Compute time of one GPU from its kernels: each GEMM at a measured efficiency for its shape, and the
+memory-bound operations at the memory's bandwidth.
+
+Why: one achievable fraction of peak for every matrix shape, GPU and stack cannot follow what the
+published runs show -- the share of peak rises with model width (Narayanan et al. 2021, Table 1: 44 % at
+1.7B parameters, 52 % at 1T). Two mechanisms give that rise without a fitted number:
+
+* **GEMM efficiency by shape.** :func:`gemm_efficiency` reads a table of measured GEMM throughput per GPU
+  (``data/gemm_efficiency.json``: on H100, the 375 shapes of OpenXLA's default GPU cost-model table), and
+  interpolates it in ``log2`` of m, n and k; a GEMM larger than the table is priced at its largest entries
+  (their efficiency has stopped rising there), and a dimension above 4096 rows counts as a batch of 4096-row
+  GEMMs. A GPU without a table of its own scales another GPU's curve to its own measured ceiling (the
+  entry says so).
+* **Memory-bound operations** (:func:`memory_bound_bytes_per_token`): the norms, activation functions,
+  dropout, residual additions and, without FlashAttention, the softmax over the ``s × s`` scores. Each
+  reads its inputs and writes its output once in HBM; the bytes come from the same inventory of a
+  layer's tensors as Korthikanti et al. 2022, §4.1 (2-byte activations, 1-byte dropout masks), and the
+  time is bytes over the datasheet's memory bandwidth (``hbm_bytes_per_s`` in ``data/hardware.json``).
+  The backward pass moves twice the forward's bytes (it reads what the forward wrote and writes a gradient
+  of each), a recomputed forward repeats the forward's. The optimizer step (:func:`optimizer_step_bytes`)
+  reads and writes every optimizer state, gradient and parameter the GPU holds, once per step.
+
+:func:`layer_kernels` lists one layer's GEMMs (forward, and the two of each backward: the input gradient and
+the weight gradient) with their shapes on one tensor-parallel rank, so that a test can check each shape
+against the layer's formula. :func:`effective_fraction` turns the kernel times of a layout into the
+share of peak its executed FLOP run at, the number the time model then uses in place of one constant.
+Nothing here is fitted to the published end-to-end runs: the only inputs are the GEMM table, the
+datasheet's bandwidth and the layer's tensor inventory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from commlab.parallel.planner.memory import Layout, ModelConfig
+
+__all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "layer_kernels",
+           "memory_bound_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
+
+_DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
+_TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matrix product ``[b, m, k] @ [k, n]`` on one GPU: ``2·b·m·n·k`` FLOP. ``name`` says which."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    b: int = 1
+
+    @property
+    def flop(self) -> float:
+        return 2.0 * self.b * self.m * self.n * self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTable:
+    """Measured efficiency (share of the device's dense peak) on a grid of GEMM shapes.
+
+    Attributes:
+        device: the device's name in ``data/hardware.json``.
+        grid: the sorted m (= n = k) values the table measures.
+        batches: the sorted batch sizes b it measures.
+        efficiency: ``{(b, m, n, k): share of peak}``.
+        scale: the factor applied to another device's curve (1.0 for a device's own table).
+        source: where the numbers come from, and any assumption.
+    """
+
+    device: str
+    grid: tuple[int, ...]
+    batches: tuple[int, ...]
+    efficiency: dict
+    scale: float
+    source: str
+
+
+def _peak(device: str, dtype: str) -> float:
+    from commlab import hardware
+    return hardware.value(device, f"{dtype}_dense_flop_per_s")
+
+
+@lru_cache(maxsize=8)
+def load_gemm_table(device: str, path: str | None = None) -> GemmTable:
+    """The GEMM table of ``device`` (a key of ``data/gemm_efficiency.json``, or of the file at ``path``).
+
+    Raises:
+        ValueError: the file has no table for ``device`` (the message lists the devices it has).
+    """
+    from commlab.parallel.planner.tables import read_table
+    table = read_table(path, _DATA)
+    if device not in table:
+        raise ValueError(f"no GEMM efficiency table for device {device!r}; the table has {sorted(table)}")
+    e = table[device]
+    if "entries" in e:
+        peak = _peak(device, e["dtype"])
+        eff = {(b, m, n, k): f / peak for b, m, n, k, f in e["entries"]}
+        scale = 1.0
+    else:
+        base = load_gemm_table(e["shape_curve_from"], path)
+        scale = e["ceiling_flop_per_s"] / _peak(device, e["dtype"]) / max(base.efficiency.values())
+        eff = {key: min(1.0, v * scale) for key, v in base.efficiency.items()}
+    grid = tuple(sorted({key[1] for key in eff}))
+    batches = tuple(sorted({key[0] for key in eff}))
+    return GemmTable(device, grid, batches, eff, scale, e["source"] + (f"; {e['assumption']}" if "assumption" in e else ""))
+
+
+def _bracket(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
+    """Neighbours of x in ``grid`` and the weight of the upper one, in log2; clamped at the ends."""
+    lx = math.log2(min(max(x, grid[0]), grid[-1]))
+    i = bisect.bisect_left([math.log2(g) for g in grid], lx)
+    if i == 0:
+        return grid[0], grid[0], 0.0
+    lo, hi = grid[i - 1], grid[min(i, len(grid) - 1)]
+    if lo == hi:
+        return lo, hi, 0.0
+    return lo, hi, (lx - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+
+
+def gemm_efficiency(table: GemmTable, m: int, n: int, k: int, b: int = 1) -> float:
+    """Share of peak a ``[b, m, k] @ [k, n]`` GEMM runs at: the table interpolated in log2(m, n, k).
+
+    A GEMM taller than the grid (m > 4096) counts as ``b·m/4096`` GEMMs of 4096 rows; the batch is then
+    clamped to the largest the table measures, as are m, n and k to the grid's ends (below 256 the
+    estimate is optimistic, above 4096 it is the plateau).
+
+    Raises:
+        ValueError: a dimension that is not an int >= 1.
+    """
+    for name, v in (("m", m), ("n", n), ("k", k), ("b", b)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"GEMM dimension {name} must be an int >= 1, got {v!r}")
+    if m > _TILE:
+        b, m = b * m / _TILE, _TILE
+    bb = min(table.batches, key=lambda x: abs(math.log2(x) - math.log2(min(max(b, table.batches[0]), table.batches[-1]))))
+    (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(table.grid, v) for v in (m, n, k))
+    total = 0.0
+    for mm, fm in ((m0, 1 - wm), (m1, wm)):
+        for nn, fn in ((n0, 1 - wn), (n1, wn)):
+            for kk, fk in ((k0, 1 - wk), (k1, wk)):
+                w = fm * fn * fk
+                if w:
+                    total += w * table.efficiency[(bb, mm, nn, kk)]
+    return total
+
+
+def gemm_seconds(table: GemmTable, peak_flop_per_s: float, g: Gemm) -> float:
+    """Seconds of GEMM ``g`` on a device of ``peak_flop_per_s`` whose efficiency curve is ``table``."""
+    return g.flop / (peak_flop_per_s * gemm_efficiency(table, g.m, g.n, g.k, g.b))
+
+
+def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bool = True) -> dict[str, list[Gemm]]:
+    """One transformer layer's GEMMs on one of ``tp`` tensor-parallel ranks, for one micro-batch.
+
+    ``{"forward", "backward", "core_forward", "core_backward"}``, lists of :class:`Gemm`. Tokens
+    ``T = micro_batch·s`` are the rows of every weight GEMM (under sequence parallelism the AllGather
+    restores all of them first). Forward: QKV ``T × (h + 2·kv)/tp × h``, the attention output projection
+    ``T × h × h/tp``, the MLP's ``T × ffn/tp × h`` (two of them when gated) and ``T × h × ffn/tp``; each has
+    two backward GEMMs with its FLOP, the input gradient (``T × k × n``) and the weight gradient
+    (``k × n × T``). Without FlashAttention the attention core is two batched GEMMs, ``b·a/tp`` of them
+    (``s × s × d`` scores, ``s × d × s`` over V), forward and four backward; with FlashAttention the core is
+    one fused kernel and the lists are empty (:func:`effective_fraction` prices it).
+
+    Raises:
+        ValueError: ``tp`` does not divide the attention heads.
+    """
+    if m.heads % tp:
+        raise ValueError(f"tp={tp} does not divide the model's {m.heads} attention heads")
+    T, h, d = micro_batch * m.seq, m.hidden, m.hidden // m.heads
+    kv = m.kv_heads * d
+    weights = [("qkv", -(-(h + 2 * kv) // tp), h), ("attention-out", h, h // tp)]
+    weights += [("mlp-in", m.ffn // tp, h)] * (2 if m.gated_ffn else 1) + [("mlp-out", h, m.ffn // tp)]
+    fwd = [Gemm(name, T, n, k) for name, n, k in weights]
+    bwd = [g for name, n, k in weights for g in (Gemm(name + " dgrad", T, k, n), Gemm(name + " wgrad", k, n, T))]
+    core_f, core_b = [], []
+    if not flash_attention:
+        heads = micro_batch * m.heads // tp
+        s = m.seq
+        core_f = [Gemm("scores", s, s, d, heads), Gemm("attend", s, d, s, heads)]
+        core_b = [Gemm("scores dgrad q", s, d, s, heads), Gemm("scores dgrad k", s, d, s, heads),
+                  Gemm("attend dgrad", s, s, d, heads), Gemm("attend wgrad", s, d, s, heads)]
+    return {"forward": fwd, "backward": bwd, "core_forward": core_f, "core_backward": core_b}
+
+
+def memory_bound_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: bool = False,
+                                 flash_attention: bool = True) -> tuple[float, float]:
+    """HBM bytes per token of one layer's forward pass outside its GEMMs, on one tensor-parallel rank:
+    ``(the layer without its attention core, the attention core)``.
+
+    2-byte activations; each operation reads its inputs and writes its output once:
+
+    * two norms, each reading and writing ``h``: ``8h``;
+    * two residual additions, each reading two ``h`` and writing one: ``12h``; in a model with dropout (the
+      GPT models, ``bias=True``; Llama has none) a 1-byte mask of ``h`` each, ``2h`` more (Megatron fuses
+      bias, dropout and addition in one kernel, so the dropout adds only its mask);
+    * the MLP activation, reading ``ffn`` (two of them when gated) and writing ``ffn``: ``4·ffn`` or
+      ``6·ffn``, split by tp;
+    * the attention core, without FlashAttention only: the scaled, masked softmax over ``a·s`` scores per
+      token (read and write, ``4·a·s``) and its dropout (read, write and a 1-byte mask, ``5·a·s``), split by
+      tp. FlashAttention keeps the scores on chip.
+
+    The norms and residual additions run on every tp rank, unless sequence parallelism splits them by tp
+    (Korthikanti et al. 2022, §4.2.2; the tensors are those their §4.1 counts).
+    """
+    h = m.hidden
+    replicated = 8 * h + 12 * h + (2 * h if m.bias else 0)
+    layer = replicated / (tp if sequence_parallel else 1) + (6 if m.gated_ffn else 4) * m.ffn / tp
+    core = 0.0 if flash_attention else 9 * m.heads * m.seq / tp
+    return layer, core
+
+
+def optimizer_step_bytes(params_on_gpu: float, state_bytes: int, grad_bytes: int, param_bytes: int) -> float:
+    """HBM bytes of one Adam step over ``params_on_gpu`` parameters: read and write the optimizer state
+    (``state_bytes`` per parameter), read the gradient, write the parameter."""
+    return params_on_gpu * (2 * state_bytes + grad_bytes + param_bytes)
+
+
+def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_per_s: float,
+                       hbm_bytes_per_s: float, executed_flop_per_token: float) -> float:
+    """Share of peak the layout's executed FLOP run at, from its kernels (see the module docstring).
+
+    Seconds per token on one tensor-parallel rank: each layer's GEMMs and memory-bound operations -- the
+    forward once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy
+    reruns (``"full"`` and ``"every-k"``: the whole forward, or one layer's in k; ``"selective"``: the
+    attention core) -- plus the output layer's three GEMMs. With FlashAttention the core's FLOP
+    (:func:`~.time_model.attention_flops_per_token`) run at the table's best efficiency (an assumption:
+    FlashAttention's published kernel speeds are of the order of a large GEMM's). The fraction is
+    ``executed_flop_per_token / tp`` over those seconds, over peak.
+
+    Raises:
+        ValueError: what :func:`layer_kernels` and :func:`load_gemm_table` raise.
+    """
+    seconds_per_token = _seconds_per_token(m, layout.tp, layout.micro_batch, layout.recompute, layout.recompute_every,
+                                           layout.sequence_parallel, layout.flash_attention, device, peak_flop_per_s,
+                                           hbm_bytes_per_s)
+    return executed_flop_per_token / layout.tp / (peak_flop_per_s * seconds_per_token)
+
+
+@lru_cache(maxsize=4096)  # a search asks for the same few (tp, micro-batch, policy) many times
+def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str, recompute_every: int,
+                       sequence_parallel: bool, flash_attention: bool, device: str, peak_flop_per_s: float,
+                       hbm_bytes_per_s: float) -> float:
+    from commlab.parallel.planner.time_model import attention_flops_per_token
+    table = load_gemm_table(device)
+    layout = Layout(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, recompute_every=recompute_every,
+                    sequence_parallel=sequence_parallel, flash_attention=flash_attention)
+    ks = layer_kernels(m, layout.micro_batch, tp, layout.flash_attention)
+    tokens = layout.micro_batch * m.seq
+    sec = {key: sum(gemm_seconds(table, peak_flop_per_s, g) for g in gs) / tokens for key, gs in ks.items()}
+    if layout.flash_attention:
+        af, ab = attention_flops_per_token(m, True, True)
+        rate = peak_flop_per_s * max(table.efficiency.values())
+        sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
+    mem_layer, mem_core = (b / hbm_bytes_per_s for b in
+                           memory_bound_bytes_per_token(m, tp, layout.sequence_parallel, layout.flash_attention))
+    forward = sec["forward"] + mem_layer
+    core = sec["core_forward"] + mem_core
+    rerun = {"full": 1.0, "every-k": 1.0 / layout.recompute_every}.get(layout.recompute, 0.0)
+    layer_s = ((forward + core) * (1.0 + rerun) + (core if layout.recompute == "selective" else 0.0)
+               + sec["backward"] + sec["core_backward"] + 2 * (mem_layer + mem_core))
+    out_s = 3 * gemm_seconds(table, peak_flop_per_s, Gemm("output", tokens, -(-m.vocab // tp), m.hidden)) / tokens
+    return m.layers * layer_s + out_s

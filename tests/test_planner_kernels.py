@@ -1,0 +1,148 @@
+"""The planner's kernel model: GEMM efficiency by shape, memory-bound bytes, the optimizer step, and the
+time model run with it (``achievable_fraction="kernels"``). Each term against a hand-computed value."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from commlab import hardware
+from commlab.__main__ import main
+from commlab.parallel.planner import KERNELS, Layout, load_model, stage_params, step_time
+from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
+                                              layer_kernels, load_gemm_table, memory_bound_bytes_per_token,
+                                              optimizer_step_bytes)
+from commlab.parallel.planner.time_model import executed_flops_per_token
+from commlab.topology import load_preset
+from tests.helpers import exit_status
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "gemm_efficiency.json"
+H100_PEAK = 989e12
+
+
+def _entry(b, m, n, k):
+    rows = json.loads(DATA.read_text())["H100-SXM"]["entries"]
+    return next(f for bb, mm, nn, kk, f in rows if (bb, mm, nn, kk) == (b, m, n, k))
+
+
+def test_a_grid_point_is_the_measured_entry():
+    t = load_gemm_table("H100-SXM")
+    assert len(t.efficiency) == 375 and t.grid == (256, 512, 1024, 2048, 4096) and t.batches == (1, 2, 4)
+    assert gemm_efficiency(t, 4096, 4096, 4096) == pytest.approx(_entry(1, 4096, 4096, 4096) / H100_PEAK)
+    g = Gemm("x", 4096, 4096, 4096)
+    assert gemm_seconds(t, H100_PEAK, g) == pytest.approx(2 * 4096 ** 3 / _entry(1, 4096, 4096, 4096))
+
+
+def test_between_grid_points_it_interpolates_in_log2():
+    t = load_gemm_table("H100-SXM")
+    mid = round(math.sqrt(1024 * 2048))  # halfway in log2, up to rounding to an int
+    w = (math.log2(mid) - 10)
+    expect = ((1 - w) * _entry(1, 1024, 2048, 2048) + w * _entry(1, 2048, 2048, 2048)) / H100_PEAK
+    assert gemm_efficiency(t, mid, 2048, 2048) == pytest.approx(expect)
+
+
+def test_taller_than_the_table_is_a_batch_and_beyond_it_the_plateau():
+    t = load_gemm_table("H100-SXM")
+    assert gemm_efficiency(t, 8192, 1024, 2048) == pytest.approx(_entry(2, 4096, 1024, 2048) / H100_PEAK)
+    assert gemm_efficiency(t, 65536, 8192, 16384) == pytest.approx(_entry(4, 4096, 4096, 4096) / H100_PEAK)
+    assert gemm_efficiency(t, 100, 100, 100) == pytest.approx(_entry(1, 256, 256, 256) / H100_PEAK)
+
+
+def test_a100_scales_the_h100_curve_to_its_measured_ceiling():
+    a, h = load_gemm_table("A100-SXM"), load_gemm_table("H100-SXM")
+    scale = 267.9e12 / 312e12 / max(h.efficiency.values())
+    assert a.scale == pytest.approx(scale)
+    assert gemm_efficiency(a, 2048, 1024, 512) == pytest.approx(gemm_efficiency(h, 2048, 1024, 512) * scale)
+    assert max(a.efficiency.values()) == pytest.approx(267.9 / 312)
+    assert "assumption" in a.source or "no per-shape table" in a.source
+
+
+def test_bad_shapes_and_devices_are_refused():
+    t = load_gemm_table("H100-SXM")
+    with pytest.raises(ValueError, match="dimension k"):
+        gemm_efficiency(t, 1, 1, 0)
+    with pytest.raises(ValueError, match="no GEMM efficiency table for device 'TPU'"):
+        load_gemm_table("TPU")
+    with pytest.raises(ValueError, match="tp=5 does not divide"):
+        layer_kernels(load_model("megatron-1.7b"), 1, 5)
+
+
+def test_layer_gemms_carry_the_layers_matmul_flop():
+    # GPT layer: QKV 3h², output h², MLP 2·4h² weights; forward 2 FLOP per weight per token, backward 4.
+    m = load_model("megatron-1.7b")
+    h, T, tp = m.hidden, 2 * m.seq, 2
+    ks = layer_kernels(m, 2, tp, flash_attention=False)
+    assert sum(g.flop for g in ks["forward"]) == pytest.approx(2 * T * 12 * h * h / tp)
+    assert sum(g.flop for g in ks["backward"]) == pytest.approx(4 * T * 12 * h * h / tp)
+    # the attention core: QKᵀ and scores·V, 2·s·s·d each per head, b·a/tp heads; backward twice that
+    a, d = m.heads, h // m.heads
+    core = 2 * (2 * m.seq * m.seq * d) * 2 * a / tp
+    assert sum(g.flop for g in ks["core_forward"]) == pytest.approx(core)
+    assert sum(g.flop for g in ks["core_backward"]) == pytest.approx(2 * core)
+    qkv = ks["forward"][0]
+    assert (qkv.m, qkv.n, qkv.k) == (T, 3 * h // tp, h)
+    assert not layer_kernels(m, 2, tp, flash_attention=True)["core_forward"]
+
+
+def test_memory_bound_bytes_by_hand():
+    m = load_model("megatron-1.7b")  # GPT: bias, dropout, ffn = 4h
+    h, a, s = m.hidden, m.heads, m.seq
+    layer, core = memory_bound_bytes_per_token(m, 1, False, flash_attention=False)
+    assert layer == 8 * h + 12 * h + 2 * h + 4 * 4 * h
+    assert core == 9 * a * s
+    layer, core = memory_bound_bytes_per_token(m, 4, sequence_parallel=True, flash_attention=True)
+    assert layer == pytest.approx((22 * h + 16 * h) / 4) and core == 0
+    llama = load_model("llama3-405b")  # RMSNorm, no dropout, SwiGLU
+    layer, _ = memory_bound_bytes_per_token(llama, 8, False)
+    assert layer == pytest.approx(20 * llama.hidden + 6 * llama.ffn / 8)
+
+
+def test_optimizer_step_bytes_by_hand():
+    # 1e9 parameters, fp32 master + two fp32 moments (12 bytes), fp32 gradient, bf16 parameter
+    assert optimizer_step_bytes(1e9, 12, 4, 2) == 1e9 * (24 + 4 + 2)
+
+
+def test_step_time_with_the_kernel_model():
+    m = load_model("megatron-1.7b")
+    c = load_preset("dgx-a100-hdr", nodes=4)
+    layout = Layout(tp=1, pp=1, dp=32, micro_batch=4, recompute="full")
+    t = step_time(m, layout, c, 512, achievable_fraction=KERNELS, software="megatron-lm-2021")
+    ex = executed_flops_per_token(m, "full", layout.flash_attention)
+    hbm = hardware.value("A100-SXM", "hbm_bytes_per_s")
+    assert t.compute_fraction == pytest.approx(effective_fraction(m, layout, "A100-SXM", 312e12, hbm, ex))
+    assert 0.3 < t.compute_fraction < 267.9 / 312  # memory-bound work keeps it below the GEMM ceiling
+    assert t.compute_s == pytest.approx(ex * 512 * m.seq / (32 * 312e12 * t.compute_fraction))
+    params = stage_params(m, 1, "only")  # tp = 1, no ZeRO: the GPU updates every parameter
+    # megatron-lm-2021: fp32 main parameters and main gradients and two fp32 moments (16 bytes), fp16
+    # gradients and parameters (2 each)
+    assert t.optimizer_s == pytest.approx(optimizer_step_bytes(params, 16, 2, 2) / hbm)
+    base = step_time(m, layout, c, 512, achievable_fraction=0.5, software="megatron-lm-2021")
+    assert base.optimizer_s == 0 and base.compute_fraction == 0.5
+    assert t.total_s == pytest.approx(t.compute_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_exposed_s
+                                      + t.overlap_slowdown_s + t.optimizer_s)
+
+
+def test_wider_models_run_nearer_the_ceiling():
+    # The size drift the constant fraction cannot follow: memory-bound work shrinks relative to the GEMMs as h grows.
+    c = load_preset("dgx-a100-hdr", nodes=1)
+    fr = [step_time(load_model(name), Layout(tp=8, pp=1, dp=1, micro_batch=1, recompute="full"), c, 8,
+                    achievable_fraction=KERNELS).compute_fraction
+          for name in ("megatron-18.4b", "megatron-145.6b", "megatron-1t")]
+    assert fr[0] < fr[1] < fr[2]
+
+
+def test_kernel_model_errors():
+    m = load_model("megatron-1.7b")
+    with pytest.raises(ValueError, match="hbm_bytes_per_s"):
+        step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("pcie-gen4-node", nodes=1), 8, achievable_fraction=KERNELS)
+    with pytest.raises(ValueError, match="'kernels'"):
+        step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("dgx-a100-hdr", nodes=1), 8, achievable_fraction="fast")
+
+
+def test_cli_kernels(capsys):
+    code, err = exit_status(main, ["plan", "--validate", "--kernels", "--achievable-fraction", "0.5"], capsys)
+    assert code == 2 and "exclude each other" in err
+    assert main(["plan", "--model", "megatron-1.7b", "--preset", "dgx-a100-hdr", "--gpus", "32",
+                 "--global-batch", "512", "--kernels", "--top", "2"]) == 0
+    assert "kernel model" in capsys.readouterr().out
