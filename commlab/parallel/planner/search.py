@@ -157,7 +157,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            recompute: Sequence[bool | str] | None = None, interleave: Sequence[int] = (1, 2, 4, 8),
            tp_values: Iterable[int] | None = None, pp_values: Iterable[int] | None = None,
            even_stages: bool = False, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
-           achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+           achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
            usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
            software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
            fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
@@ -340,7 +340,7 @@ class ValidationRow:
         return abs(self.error_pct) <= WITHIN_PCT
 
 
-def validate_published(achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                        path: str | Path | None = None) -> list[ValidationRow]:
     """The planner against every published run it can model (runs with context parallelism are skipped).
 

@@ -241,7 +241,7 @@ def chunk_layers(layers: int, pp: int, interleave: int = 1) -> list[list[int]]:
 
 def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                software: SoftwareProfile | str | None = None,
-               achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+               achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                dtype: str = "bf16", grad_bytes: int | None = None,
                optimizer_s: float | None = None) -> tuple[StepCosts, TimeBreakdown]:
     """The per-stage, per-micro-batch durations of a plan, and the analytical breakdown they are read from.
@@ -618,7 +618,7 @@ def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytica
 
 def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                   software: SoftwareProfile | str | None = None, schedule: str | None = None,
-                  achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                  achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                   dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
     """The step timeline of a plan (see the module docstring).
@@ -645,7 +645,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
 
 def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster, global_batch: int,
                        software: SoftwareProfile | str | None = None,
-                       achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                       achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                        dtype: str = "bf16", grad_bytes: int | None = None) -> list:
     """The search's final ranking: the first ``k`` plans (sorted by the analytical step time) replayed with
     :func:`step_timeline`, given their ``timeline_step_s`` and sorted among themselves by it (ties by
