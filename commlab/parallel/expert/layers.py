@@ -135,6 +135,11 @@ def _check_routing(routing: Routing, tokens: int, num_experts: int, k: int) -> N
         raise ValueError(problem)
 
 
+# Every agreement message starts with this name, so it also says what the signature's entries are.
+_AGREEMENT_NAME = ("expert-parallel MoE (signature = [tokens, hidden, experts, k, capacity, non-finite router logits, "
+                   "routing fits])")
+
+
 class ExpertParallelMoE(nn.Module):
     """:class:`MoE` with its experts spread over an expert-parallel group; dispatch and combine by AllToAll.
 
@@ -181,7 +186,8 @@ class ExpertParallelMoE(nn.Module):
         Raises:
             CollectiveMismatchError: on every rank, when the ranks disagree on tokens, hidden size or dtype; when
                 some rank's router logits hold NaN or infinite values (the message names the rank and shows the
-                count, the sixth entry); or when some rank's ``routing`` does not fit its input (seventh entry 0).
+                count, the signature's sixth entry); or when some rank's ``routing`` does not fit its input (seventh
+                entry 0). A one-rank group raises it with the problem in words.
             ValueError: (as CollectiveMismatchError is) the input is not on the group's device.
         """
         x2 = x.reshape(-1, self.hidden)
@@ -195,10 +201,10 @@ class ExpertParallelMoE(nn.Module):
             problem = f"{bad_logits} NaN or infinite router logit(s) (check the layer's input and router)"
         # One agreement for the whole call: a rank that stopped here alone would leave its peers waiting inside
         # the AllToAll; this way every rank raises the same error instead.
-        check_agreement("expert-parallel MoE", x2, self.group,
+        check_agreement(_AGREEMENT_NAME, x2, self.group,
                         (tokens, self.hidden, self.num_experts, self.k, capacity, bad_logits, int(problem is None)),
-                        "(tokens, hidden, experts, k, capacity, non-finite router logits, routing fits)", problem,
-                        "the same on every rank, with no non-finite router logit and a routing that fits the input")
+                        "signature", problem, "the same on every rank, with 0 non-finite router logits (a NaN or infinity makes the "
+                        "routing undefined: check the layer's input and router) and a routing that fits the input (1)")
         if routing is None:
             routing = route(logits, self.k, self.capacity_factor, normalize=self.normalize, capacity=capacity)
         self.last_routing = routing
