@@ -129,6 +129,8 @@ def test_single_process_moe_rejects_a_routing_for_other_tokens():
     x = torch.randn(5, H, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"routing was made for 5 tokens.*got 4 tokens"):
         moe(x[:4], moe.route(x))
+    with pytest.raises(ValueError, match=r"input must be \(\.\.\., hidden=6\), got shape \[6, 5\]"):
+        moe(x.t())
 
 
 # -- the 4-rank job ---------------------------------------------------------------------------------------------
@@ -189,6 +191,7 @@ def _errors(world_group):
         "tokens": lambda: ep(xs[rank][: T - 2] if rank == 1 else xs[rank]),
         "nan": lambda: ep(torch.full((T, H), float("nan"), dtype=torch.float64) if rank == 0 else xs[rank]),
         "routing": lambda: ep(xs[rank], ep.route(xs[rank][:T - 1]) if rank == 2 else None),
+        "hidden": lambda: ep(xs[rank].reshape(H, T) if rank == 3 else xs[rank]),   # same numel, wrong last dim
     }
     for name, call in cases.items():
         try:
@@ -283,5 +286,6 @@ def test_errors_reach_every_rank_with_reasons(job):
         assert e["nan"][0] == "CollectiveMismatchError" and "rank 0 passed" in e["nan"][1], e["nan"]
         assert "non-finite router logit" in e["nan"][1]
         assert e["routing"][0] == "CollectiveMismatchError" and "rank 2 passed" in e["routing"][1], e["routing"]
+        assert e["hidden"][0] == "CollectiveMismatchError" and "rank 3 passed [6, 8, 4, 2, 3, 0, 0]" in e["hidden"][1]
         assert "num_experts (6) must be divisible by the expert-parallel size (4)" in e["divisible"]
         assert e["after"] is True

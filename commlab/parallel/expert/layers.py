@@ -107,8 +107,12 @@ class MoE(nn.Module):
         """``x`` ``(..., hidden)`` through the experts; ``routing`` (None: :meth:`route` of ``x``) says where.
 
         Raises:
-            ValueError: ``routing`` was made for another number of tokens, experts or k.
+            ValueError: the last dimension of ``x`` is not ``hidden``; ``routing`` was made for another number of
+                tokens, experts or k.
         """
+        problem = _hidden_problem(x, self.hidden)
+        if problem:
+            raise ValueError(problem)
         x2 = x.reshape(-1, self.hidden)
         routing = self.route(x2) if routing is None else routing
         _check_routing(routing, x2.shape[0], self.num_experts, self.k)
@@ -119,6 +123,12 @@ class MoE(nn.Module):
             if t.numel():
                 out = out.index_add(0, t, routing.weight[t, j, None] * expert(x2[t]))
         return out.view(x.shape)
+
+
+def _hidden_problem(x: torch.Tensor, hidden: int) -> str | None:
+    if x.dim() == 0 or x.shape[-1] != hidden:
+        return f"the input must be (..., hidden={hidden}), got shape {list(x.shape)}"
+    return None
 
 
 def _routing_problem(routing: Routing, tokens: int, num_experts: int, k: int) -> str | None:
@@ -137,7 +147,10 @@ def _check_routing(routing: Routing, tokens: int, num_experts: int, k: int) -> N
 
 # Every agreement message starts with this name, so it also says what the signature's entries are.
 _AGREEMENT_NAME = ("expert-parallel MoE (signature = [tokens, hidden, experts, k, capacity, non-finite router logits, "
-                   "routing fits])")
+                   "input and routing fit])")
+_AGREEMENT_RULE = ("the same on every rank, with 0 non-finite router logits (a NaN or infinity makes the routing "
+                   "undefined: check the layer's input and router) and an input (..., hidden) with a routing made for "
+                   "it (1)")
 
 
 class ExpertParallelMoE(nn.Module):
@@ -185,16 +198,19 @@ class ExpertParallelMoE(nn.Module):
 
         Raises:
             CollectiveMismatchError: on every rank, when the ranks disagree on tokens, hidden size or dtype; when
+                some rank's input is not ``(..., hidden)`` (seventh entry 0); when
                 some rank's router logits hold NaN or infinite values (the message names the rank and shows the
                 count, the signature's sixth entry); or when some rank's ``routing`` does not fit its input (seventh
                 entry 0). A one-rank group raises it with the problem in words.
-            ValueError: (as CollectiveMismatchError is) the input is not on the group's device.
+                Also (it is a ValueError) when some rank's input is not on the group's device.
         """
-        x2 = x.reshape(-1, self.hidden)
+        problem = _hidden_problem(x, self.hidden)
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         tokens = x2.shape[0]
-        logits = self.router(x2) if routing is None else None
+        logits = self.router(x2) if routing is None and problem is None else None
         bad_logits = int((~torch.isfinite(logits.detach())).sum()) if logits is not None else 0
-        problem = _routing_problem(routing, tokens, self.num_experts, self.k) if routing is not None else None
+        if routing is not None and problem is None:
+            problem = _routing_problem(routing, tokens, self.num_experts, self.k)
         capacity = (routing.capacity if routing is not None
                     else expert_capacity(tokens, self.num_experts, self.k, self.capacity_factor))
         if bad_logits and not problem:
@@ -202,9 +218,8 @@ class ExpertParallelMoE(nn.Module):
         # One agreement for the whole call: a rank that stopped here alone would leave its peers waiting inside
         # the AllToAll; this way every rank raises the same error instead.
         check_agreement(_AGREEMENT_NAME, x2, self.group,
-                        (tokens, self.hidden, self.num_experts, self.k, capacity, bad_logits, int(problem is None)),
-                        "signature", problem, "the same on every rank, with 0 non-finite router logits (a NaN or infinity makes the "
-                        "routing undefined: check the layer's input and router) and a routing that fits the input (1)")
+                        (tokens, x2.shape[1], self.num_experts, self.k, capacity, bad_logits, int(problem is None)),
+                        "signature", problem, _AGREEMENT_RULE)
         if routing is None:
             routing = route(logits, self.k, self.capacity_factor, normalize=self.normalize, capacity=capacity)
         self.last_routing = routing

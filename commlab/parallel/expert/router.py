@@ -74,7 +74,7 @@ def expert_capacity(tokens: int, num_experts: int, k: int, capacity_factor: floa
     return math.ceil(Fraction(repr(float(capacity_factor))) * tokens * k / num_experts)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)   # eq=False: its fields are tensors (compare them with torch.equal)
 class Routing:
     """Where each of ``tokens`` tokens goes: computed once by :func:`route`, reusable by any MoE layer.
 
