@@ -88,7 +88,8 @@ def test_ep_groups_are_carved_out_of_dp():
     assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert g["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert ep_groups(4, 4) == {"ep": [[0, 1, 2, 3]], "expert_dp": [[0], [1], [2], [3]]}
-    with pytest.raises(ValueError, match=r"data-parallel size \(6\) must be divisible by the expert-parallel size \(4\)"):
+    with pytest.raises(ValueError, match=r"data-parallel size \(6\) must be divisible by the expert-parallel "
+                                         r"size \(4\)"):
         ep_groups(6, 4)
 
 
@@ -113,7 +114,8 @@ def test_deepseek_v3_layout_and_bytes_per_token():
     (lambda: MoE(H, FFN, 4, 2, 0.0), r"capacity_factor must be a finite number > 0, got 0.0"),
     (lambda: MoE(H, FFN, 4, 2, -1.0), r"capacity_factor must be a finite number > 0"),
     (lambda: MoE(H, FFN, 4, 2, float("nan")), r"capacity_factor must be a finite number > 0"),
-    (lambda: check_ep_size(6, 4), r"num_experts \(6\) must be divisible by the expert-parallel size \(4\).*\[1, 2, 3, 6\]"),
+    (lambda: check_ep_size(6, 4), r"num_experts \(6\) must be divisible by the expert-parallel size \(4\).*"
+                                  r"\[1, 2, 3, 6\]"),
     (lambda: moe_alltoall_cost(8, 4, 6, 1, 1.0, 4, 4), r"num_experts \(6\) must be divisible"),
     (lambda: route(torch.tensor([[0.0, float("nan")]]), 1, 1.0), r"router logits hold 1 NaN or infinite value"),
     (lambda: route(torch.tensor([[0.0, float("inf")]]), 1, 1.0), r"router logits hold 1 NaN or infinite value"),

@@ -9,8 +9,10 @@ Sources:
   ``ceil(capacity_factor * tokens * k / E)``; tokens over capacity are dropped: they skip the layer and pass on
   through the residual connection).
 * Jiang et al. (2024), "Mixtral of Experts", arXiv:2401.04088, §2.1: softmax over the top-k logits, i.e. the
-  top-k probabilities renormalised to sum to 1 (k = 2). DeepSeek-V3 (arXiv:2412.19437, §2.1.2) also
-  normalises among the selected scores (its scores are sigmoids, not a softmax; that part is not modelled).
+  top-k probabilities renormalised to sum to 1 (k = 2). GShard (Lepikhin et al. 2020, arXiv:2006.16668,
+  Algorithm 1) renormalises its top-2 gates the same way, ``g1 / (g1 + g2)``, and DeepSeek-V3
+  (arXiv:2412.19437, §2.1.2) normalises among the selected scores. Not modelled: GShard's random dispatch of
+  second choices, DeepSeek-V3's sigmoid scores, bias-based balancing and node-limited routing.
 
 What this module does, step by step, for ``tokens`` rows of router logits ``[tokens, E]``:
 
@@ -21,7 +23,7 @@ What this module does, step by step, for ``tokens`` rows of router logits ``[tok
    router no gradient, so the default for k = 1 is plain.
 4. Slots: expert e takes at most ``capacity`` (token, choice) pairs, in *choice-major* order: every token's
    first choice in token order, then every token's second choice, ... (a second choice never pushes out a first
-   choice; GShard, Lepikhin et al. 2020, Algorithm 1, fills second choices after first ones). A pair whose
+   choice; GShard's Algorithm 1 fills second choices in a second pass, after all first ones). A pair whose
    position at its expert is ``>= capacity`` is dropped (slot -1) and counted in ``dropped_per_expert``.
 
 Dropped pairs contribute nothing to the layer's output (a token all of whose choices are dropped gets 0 from
