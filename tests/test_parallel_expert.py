@@ -19,8 +19,8 @@ from commlab.collectives._common import CollectiveMismatchError
 from commlab.collectives import all_to_all_seconds
 from commlab.parallel.expert import (AllToAllCounter, ExpertParallelMoE, MoE, all_to_all_autograd, check_ep_size,
                                      deepseek_v3_alltoall_nbytes_per_token, deepseek_v3_figures, deepseek_v3_layout,
-                                     ep_groups, expert_capacity, load_imbalance, moe_alltoall_cost, route,
-                                     skewed_load_imbalance)
+                                     ep_groups, ep_load_imbalance, expert_capacity, load_imbalance, moe_alltoall_cost,
+                                     route, skewed_load_imbalance)
 
 H, FFN, E, T = 6, 8, 4, 8
 TOL = 1e-12
@@ -142,11 +142,18 @@ def _data(seed, world, dtype=torch.float64):
     return torch.randn(world, T, H, generator=gen, dtype=dtype), torch.randn(world, T, H, generator=gen, dtype=dtype)
 
 
-def _equivalence(group, members, k, cf, seed):
-    """ExpertParallelMoE on ``group`` (global ranks ``members``) vs the full MoE run on each member's tokens."""
+def _equivalence(group, members, k, cf, seed, skew=0.0):
+    """ExpertParallelMoE on ``group`` (global ranks ``members``) vs the full MoE run on each member's tokens.
+
+    ``skew``: every token's last feature is 1 and the router's weight for it on expert 0 is raised by ``skew``,
+    a router biased toward expert 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     full = MoE.from_seed(H, FFN, E, k, cf, seed=seed, dtype=torch.float64)
     xs, cots = _data(seed + 1, world)
+    if skew:
+        xs[..., -1] = 1.0
+        with torch.no_grad():
+            full.router.weight[0, -1] += skew
     counter = AllToAllCounter()
     ep = ExpertParallelMoE(full, group, counter=counter)
     # The reference: every member's tokens through the full layer (capacity per member, as on its rank).
@@ -166,13 +173,16 @@ def _equivalence(group, members, k, cf, seed):
         "output": (out - ref_out[mine]).abs().max().item(),
         "input_grad": (x.grad - ref_x[mine].grad).abs().max().item(),
         "router_grad": (router_grad - full.router.weight.grad).abs().max().item(),
-        "expert_grads": max((p.grad - q.grad).abs().max().item()
+        # An expert no token reached has no gradient in the reference (it never ran); on its EP rank it ran on
+        # padding only, so its gradient there must be exactly zero.
+        "expert_grads": max((p.grad - (q.grad if q.grad is not None else torch.zeros_like(q))).abs().max().item()
                             for i, e in enumerate(ep.expert_ids)
                             for p, q in zip(ep.experts[i].parameters(), full.experts[e].parameters())),
     }
     routing = ep.last_routing
     same_routing = (torch.equal(routing.slot, ref_routing.slot) and torch.equal(routing.expert, ref_routing.expert)
                     and torch.allclose(routing.weight, ref_routing.weight, rtol=0, atol=TOL))
+    load = ep_load_imbalance(routing, group)
     # Routing computed once and reused (detached): the same output, no second routing.
     reused = ep(xs[rank], routing.detached())
     diffs["reused_output"] = (reused - ref_out[mine]).abs().max().item()
@@ -180,7 +190,8 @@ def _equivalence(group, members, k, cf, seed):
             "dropped_per_expert": routing.dropped_per_expert.tolist(), "capacity": routing.capacity,
             "sent_nbytes_step": sent_after_forward_and_backward, "calls": calls_after_forward_and_backward,
             "sent_nbytes_total": counter.sent_nbytes, "expert_ids": ep.expert_ids,
-            "ref_output_nonzero": ref_out[mine].abs().max().item()}
+            "ref_output_nonzero": ref_out[mine].abs().max().item(), "load": load,
+            "local_load": load_imbalance(routing)}
 
 
 def _errors(world_group):
@@ -232,6 +243,7 @@ def _job():
     return {
         "ep4_k2_drops": _equivalence(None, [0, 1, 2, 3], k=2, cf=0.75, seed=10),
         "ep2_k1": _equivalence(mine, members2, k=1, cf=1.5, seed=20),
+        "ep4_skewed": _equivalence(None, [0, 1, 2, 3], k=1, cf=1.0, seed=30, skew=8.0),
         "alltoall": _alltoall_vs_torch(),
         "errors": _errors(None),
     }
@@ -242,7 +254,7 @@ def job():
     return launch(_job, 4, timeout=90)
 
 
-@pytest.mark.parametrize("case", ["ep4_k2_drops", "ep2_k1"])
+@pytest.mark.parametrize("case", ["ep4_k2_drops", "ep2_k1", "ep4_skewed"])
 def test_expert_parallel_equals_single_process_moe(job, case):
     for rank, res in enumerate(job):
         r = res[case]
@@ -275,6 +287,27 @@ def test_bytes_the_layer_sends_match_the_cost_function(job):
             assert r["sent_nbytes_step"] == cost.step_sent_nbytes, (case, r)
             # Then the reused routing's forward: two more AllToAlls, no backward.
             assert r["sent_nbytes_total"] == cost.step_sent_nbytes + cost.forward_sent_nbytes, (case, r)
+
+
+def test_group_load_adds_every_ranks_routing_and_shows_the_skew(job):
+    for case, ep in (("ep4_k2_drops", 4), ("ep2_k1", 2), ("ep4_skewed", 4)):
+        groups = [[0, 1, 2, 3]] if ep == 4 else [[0, 1], [2, 3]]
+        for members in groups:
+            loads = [job[m][case]["load"] for m in members]
+            assert all(ld == loads[0] for ld in loads)    # every rank of the group gets the same numbers
+            local = [job[m][case]["local_load"] for m in members]
+            summed = [sum(li.tokens_per_expert[e] for li in local) for e in range(E)]
+            assert loads[0].experts.tokens_per_expert == summed
+            assert loads[0].experts.dropped_per_expert == [sum(li.dropped_per_expert[e] for li in local)
+                                                           for e in range(E)]
+            assert sum(loads[0].kept_per_rank) == sum(sum(li.kept_per_expert) for li in local)
+    skewed = job[0]["ep4_skewed"]["load"]
+    # k = 1, cf 1: each rank routes 8 tokens into 2 slots per expert; most pick expert 0, which keeps 2 per rank.
+    assert skewed.experts.capacity == 8 and skewed.experts.kept_per_expert[0] == 8
+    assert skewed.experts.tokens_per_expert[0] >= 24 and skewed.experts.max_over_mean >= 3.0
+    assert skewed.experts.dropped_fraction >= 0.5 and skewed.kept_per_rank[0] == 8
+    even = job[0]["ep2_k1"]["load"]
+    assert even.experts.max_over_mean < skewed.experts.max_over_mean
 
 
 def test_alltoall_autograd_equals_torch_all_to_all_single(job):

@@ -38,9 +38,13 @@ import math
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
+
+from commlab.collectives._common import group_size_and_rank
+from commlab.launch.device import group_device
 
 __all__ = ["Routing", "expert_capacity", "check_moe_sizes", "route", "LoadImbalance", "load_imbalance",
-           "skewed_load_imbalance"]
+           "skewed_load_imbalance", "EPLoad", "ep_load_imbalance"]
 
 
 def check_moe_sizes(num_experts: int, k: int, capacity_factor: float) -> None:
@@ -234,3 +238,50 @@ def skewed_load_imbalance(tokens: int, num_experts: int, k: int, capacity_factor
     logits = x @ w.t()
     logits[:, 0] += bias
     return load_imbalance(route(logits, k, capacity_factor))
+
+
+@dataclasses.dataclass(frozen=True)
+class EPLoad:
+    """Load of an expert-parallel group: every rank's routing added up.
+
+    Attributes:
+        experts: :class:`LoadImbalance` of the summed counts (``capacity`` is the slots an expert has over the
+            whole group: every rank's capacity added).
+        kept_per_rank: (token, choice) pairs each EP rank's experts process, in group-rank order (rank r holds
+            experts ``r * E/EP .. (r+1) * E/EP - 1``).
+        rank_max_over_mean: ``max / mean`` of ``kept_per_rank``: how much longer the busiest rank computes than
+            an even split would take (padding slots aside, which every rank computes alike).
+    """
+
+    experts: LoadImbalance
+    kept_per_rank: list[int]
+    rank_max_over_mean: float
+
+
+def ep_load_imbalance(routing: Routing, group: dist.ProcessGroup | None) -> EPLoad:
+    """Measure the load of an EP group: one all-reduce of ``2 * E`` int64 (this rank's requested and dropped
+    counts per expert) over ``group``. Every rank of the group must call it, with its own routing.
+
+    Raises:
+        ValueError: ``num_experts`` not divisible by the group size.
+        RuntimeError: this rank is not in ``group``.
+    """
+    size, _ = group_size_and_rank(group, "ep_load_imbalance")
+    if routing.num_experts % size:
+        raise ValueError(f"num_experts ({routing.num_experts}) must be divisible by the expert-parallel size ({size})")
+    counts = torch.stack([routing.tokens_per_expert, routing.dropped_per_expert]).to(group_device(group))
+    if size > 1:
+        dist.all_reduce(counts, group=group)
+    asked, dropped = counts.cpu().tolist()
+    pairs = sum(asked)
+    per_rank = routing.num_experts // size
+    kept = [a - d for a, d in zip(asked, dropped)]
+    by_rank = [sum(kept[r * per_rank:(r + 1) * per_rank]) for r in range(size)]
+    mean = pairs / routing.num_experts
+    experts = LoadImbalance(tokens_per_expert=asked, kept_per_expert=kept, dropped_per_expert=dropped,
+                            max_over_mean=max(asked) / mean if pairs else 1.0,
+                            dropped_fraction=sum(dropped) / pairs if pairs else 0.0,
+                            capacity=routing.capacity * size)
+    rank_mean = sum(by_rank) / size
+    return EPLoad(experts=experts, kept_per_rank=by_rank,
+                  rank_max_over_mean=max(by_rank) / rank_mean if rank_mean else 1.0)
