@@ -100,8 +100,12 @@ class MoE(nn.Module):
             return cls(*args, **kwargs)
 
     def route(self, x: torch.Tensor) -> Routing:
-        """The routing of ``x`` ``(..., hidden)`` (its tokens flattened in order), for reuse in :meth:`forward`."""
-        return route(self.router(x.reshape(-1, self.hidden)), self.k, self.capacity_factor, normalize=self.normalize)
+        """The routing of ``x`` ``(..., hidden)`` (its tokens flattened in order), for reuse in :meth:`forward`.
+
+        Raises:
+            ValueError: the last dimension of ``x`` is not ``hidden``; as :func:`route`.
+        """
+        return route(self.router(_tokens(x, self.hidden)), self.k, self.capacity_factor, normalize=self.normalize)
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """``x`` ``(..., hidden)`` through the experts; ``routing`` (None: :meth:`route` of ``x``) says where.
@@ -110,10 +114,7 @@ class MoE(nn.Module):
             ValueError: the last dimension of ``x`` is not ``hidden``; ``routing`` was made for another number of
                 tokens, experts or k.
         """
-        problem = _hidden_problem(x, self.hidden)
-        if problem:
-            raise ValueError(problem)
-        x2 = x.reshape(-1, self.hidden)
+        x2 = _tokens(x, self.hidden)
         routing = self.route(x2) if routing is None else routing
         _check_routing(routing, x2.shape[0], self.num_experts, self.k)
         self.last_routing = routing
@@ -129,6 +130,14 @@ def _hidden_problem(x: torch.Tensor, hidden: int) -> str | None:
     if x.dim() == 0 or x.shape[-1] != hidden:
         return f"the input must be (..., hidden={hidden}), got shape {list(x.shape)}"
     return None
+
+
+def _tokens(x: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``x`` ``(..., hidden)`` as ``[tokens, hidden]``; ValueError for another last dimension."""
+    problem = _hidden_problem(x, hidden)
+    if problem:
+        raise ValueError(problem)
+    return x.reshape(-1, hidden)
 
 
 def _routing_problem(routing: Routing, tokens: int, num_experts: int, k: int) -> str | None:
@@ -187,8 +196,12 @@ class ExpertParallelMoE(nn.Module):
         self.last_routing: Routing | None = None
 
     def route(self, x: torch.Tensor) -> Routing:
-        """The routing of this rank's ``x`` ``(..., hidden)``. Local: no communication."""
-        return route(self.router(x.reshape(-1, self.hidden)), self.k, self.capacity_factor, normalize=self.normalize)
+        """The routing of this rank's ``x`` ``(..., hidden)``. Local: no communication.
+
+        Raises:
+            ValueError: the last dimension of ``x`` is not ``hidden``; as :func:`route`.
+        """
+        return route(self.router(_tokens(x, self.hidden)), self.k, self.capacity_factor, normalize=self.normalize)
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """This rank's tokens ``x`` ``(..., hidden)`` through the experts of the whole group.
@@ -197,12 +210,12 @@ class ExpertParallelMoE(nn.Module):
         ``routing`` (None: routed here by this rank's router) can be one computed earlier by :meth:`route`.
 
         Raises:
-            CollectiveMismatchError: on every rank, when the ranks disagree on tokens, hidden size or dtype; when
-                some rank's input is not ``(..., hidden)`` (seventh entry 0); when
-                some rank's router logits hold NaN or infinite values (the message names the rank and shows the
-                count, the signature's sixth entry); or when some rank's ``routing`` does not fit its input (seventh
-                entry 0). A one-rank group raises it with the problem in words.
-                Also (it is a ValueError) when some rank's input is not on the group's device.
+            CollectiveMismatchError: on every rank (the message names the ranks and shows each one's signature
+                ``[tokens, hidden, experts, k, capacity, non-finite router logits, input and routing fit]``), when
+                the ranks disagree on tokens, hidden size or dtype; when some rank's router logits hold NaN or
+                infinite values (sixth entry: how many); when some rank's input is not ``(..., hidden)`` or its
+                ``routing`` was made for other tokens (seventh entry 0); when some rank's input is not on the
+                group's device. A one-rank group raises it with the problem in words. It is a ValueError.
         """
         problem = _hidden_problem(x, self.hidden)
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)

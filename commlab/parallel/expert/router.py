@@ -5,9 +5,9 @@ Sources:
 * Shazeer et al. (2017), "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer",
   arXiv:1701.06538, §2.1: a softmax gate over E experts, only the top k kept.
 * Fedus, Zoph, Shazeer (2021), "Switch Transformers", arXiv:2101.03961, §2.1 (Eq. 2: the output is the
-  gate value times the expert's output, *not* renormalised, k = 1) and §2.2 (expert capacity
-  ``ceil(capacity_factor * tokens * k / E)``; tokens over capacity are dropped: they skip the layer and pass on
-  through the residual connection).
+  gate value times the expert's output, *not* renormalised, k = 1) and §2.2 (expert capacity = tokens / E x
+  capacity factor; with k choices per token, ``ceil(capacity_factor * tokens * k / E)`` here; tokens over
+  capacity are dropped: they skip the layer and pass on through the residual connection).
 * Jiang et al. (2024), "Mixtral of Experts", arXiv:2401.04088, §2.1: softmax over the top-k logits, i.e. the
   top-k probabilities renormalised to sum to 1 (k = 2). GShard (Lepikhin et al. 2020, arXiv:2006.16668,
   Algorithm 1) renormalises its top-2 gates the same way, ``g1 / (g1 + g2)``, and DeepSeek-V3
