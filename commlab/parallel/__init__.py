@@ -11,6 +11,8 @@ every function takes the mesh or the group it communicates over.
 * :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators and the tensor-parallel layers
   built from them.
 * :mod:`commlab.parallel.pipeline` -- pipeline schedules (GPipe, 1F1B) and the engine that runs them.
+* :mod:`commlab.parallel.expert` -- expert parallelism: a top-k MoE layer with AllToAll dispatch and combine
+  over an EP group, its bytes per step, and EP carved out of DP (DeepSeek-V3 as the worked example).
 * :mod:`commlab.parallel.data_parallel` -- DP inside a DP group (it is
   :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``) and ZeRO-1's sharded
   optimizer, :class:`ZeroOneOptimizer`.
@@ -40,3 +42,7 @@ __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedul
 from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
 
 __all__ += ["PlanLayout", "plan_search", "validate_published"]
+
+from commlab.parallel.expert import ExpertParallelMoE, MoE, moe_alltoall_cost
+
+__all__ += ["ExpertParallelMoE", "MoE", "moe_alltoall_cost"]
