@@ -12,6 +12,8 @@ from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, act
                                       interleave_memory_factor, is_fragile, layer_params, load_software,
                                       make_cluster, memory_breakdown, model_state_bytes_per_param, search,
                                       stage_params, step_time, usable_memory_bytes)
+from commlab.collectives.ring import ring_all_reduce_seconds
+from commlab.parallel.planner.time_model import group_all_reduce_seconds
 from commlab.parallel.planner.software import optimizer_dtypes
 
 TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
@@ -117,6 +119,38 @@ def test_zero3_moves_three_passes_per_micro_batch_and_zero2_moves_what_zero1_doe
 def test_torchtitan_is_priced_and_searched_with_fsdp():
     res = search(DEEP, "dgx-a100-hdr", 16, 32, software="torchtitan", pp_values=[1])
     assert any(p.layout.zero_stage == 3 for p in res.plans)
+
+
+def test_hsdp_shards_inside_the_group_and_all_reduces_across_replicas():
+    # HSDP: dp = 16 as 2 groups of 8 (a DGX node each): ZeRO-3 shards by 8, not 16.
+    p = stage_params(TINY, 1, "only")
+    lp = layer_params(TINY)
+    lay = Layout(1, 1, 16, zero_stage=3, dp_shard=8)
+    assert (lay.shard_ranks, lay.replicas) == (8, 2) and lay.short().endswith("zero3 hsdp8x2")
+    mb = memory_breakdown(TINY, lay, 16, grad_bytes=4, optimizer="bf16-fp32-adam")
+    assert mb.weights_bytes == 2 * p / 8 + 2 * 2 * lp
+    assert mb.optimizer_bytes == 12 * p / 8
+    # Time, by hand: per micro-batch a ReduceScatter over the 8 GPUs of a node (half a ring AllReduce on NVLink),
+    # then an AllReduce of the 1/8 shard across the 2 nodes (one GPU per node in each replica group, all 8 GPUs
+    # of a node sending at once through its NICs).
+    m, c = DEEP, make_cluster("dgx-a100-hdr", 16)
+    t = step_time(m, Layout(1, 1, 16, zero_stage=3, dp_shard=8), c, 32, software="generic-no-overlap")
+    g = dp_gradient_nbytes(m, lay, 2)
+    intra = ring_all_reduce_seconds(g, 8, c.intra.alpha_s, c.intra.beta_s_per_byte) / 2
+    across = ring_all_reduce_seconds(g / 8, 2, c.inter.alpha_s, c.inter.beta_s_per_byte * 8 / c.nics_per_node)
+    assert t.micro_batches == 2
+    assert t.dp_reduce_scatter_s == pytest.approx(2 * (intra + across))
+    assert t.dp_all_gather_s == pytest.approx(2 * 2 * ring_all_reduce_seconds(g, 8, c.intra.alpha_s,
+                                                                              c.intra.beta_s_per_byte) / 2)
+    assert group_all_reduce_seconds(g, 16, 1, c) == dp_all_reduce_seconds(g, Layout(1, 1, 16), c)
+    # the search tries the in-node shard group under ZeRO-3
+    res = search(DEEP, "dgx-a100-hdr", 16, 32, software="torchtitan", pp_values=[1], tp_values=[1])
+    assert any(pl.layout.dp_shard == 8 for pl in res.plans)
+    with pytest.raises(ValueError, match="dp_shard=3 does not divide dp=16"):
+        Layout(1, 1, 16, zero_stage=3, dp_shard=3)
+    with pytest.raises(ValueError, match="needs a ZeRO stage"):
+        Layout(1, 1, 16, dp_shard=8)
+    assert Layout(1, 1, 16, zero_stage=3, dp_shard=16).dp_shard is None
 
 
 # ----------------------------------------------------------------------------------------- reserve, fragile

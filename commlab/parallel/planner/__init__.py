@@ -2,7 +2,7 @@
 
 * :mod:`~commlab.parallel.planner.memory` -- model configs (``data/models.json``), parameter counts with
   embeddings, bytes per GPU of a :class:`Layout` (weights, gradients, Adam states by optimizer dtype option,
-  ZeRO stages 0-3, activations after Korthikanti et al. 2022 by recompute policy), the memory reserve and the
+  ZeRO stages 0-3 and HSDP, activations after Korthikanti et al. 2022 by recompute policy), the memory reserve and the
   fragile flag.
 * :mod:`~commlab.parallel.planner.software` -- software profiles (``data/software.json``): what the
   training stack overlaps, its pipeline message layout, gradient and optimizer-state bytes, recomputation

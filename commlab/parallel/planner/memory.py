@@ -20,7 +20,10 @@ What is counted, per GPU (all in bytes):
   distributed optimizer, whose gradient buffer stays whole), stage 2 the gradients too (P_os+g), stage 3 the
   parameters too (P_os+g+p; FSDP). Stage 3 adds a working set: the bf16 parameters of two layers gathered at
   once (the one computing and the one prefetched) and the unsharded gradients of one layer before their
-  ReduceScatter (an assumption about FSDP's prefetch depth, documented, not checked in its source);
+  ReduceScatter (an assumption about FSDP's prefetch depth, documented, not checked in its source). With
+  HSDP (``Layout.dp_shard``) each of these divides by the shard group's size instead of dp (PyTorch
+  FSDP's ``ShardingStrategy.HYBRID_SHARD``, ``torch/distributed/fsdp/api.py``: full sharding within a
+  node, parameters replicated across nodes);
 * **activations** -- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", §4 and Table 2: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism;
   with tensor parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
@@ -167,10 +170,15 @@ class Layout:
         sequence_parallel: Megatron sequence parallelism in the TP group (Korthikanti et al. 2022, §4.2.2):
             the non-matmul activations are split by tp; communication volume unchanged.
         flash_attention: attention kernels that do not store the s × s score matrices (Dao et al. 2022).
+        dp_shard: HSDP (hybrid sharding, PyTorch FSDP's ``HYBRID_SHARD`` / FSDP2 on a 2-D ``(replicate,
+            shard)`` mesh): what ZeRO shards is split over groups of ``dp_shard`` consecutive DP ranks only,
+            and replicated across the ``dp/dp_shard`` groups, whose gradients an AllReduce averages. None:
+            shard over all dp ranks. Must divide dp, and needs a ZeRO stage >= 1.
 
     Raises:
         ValueError: a size that is not an int >= 1; an unknown recompute policy or ZeRO stage (the message
-            lists the allowed ones); ``zero1=True`` with ``zero_stage=0``.
+            lists the allowed ones); ``zero1=True`` with ``zero_stage=0``; ``dp_shard`` not a divisor of dp,
+            or given without ZeRO.
     """
 
     tp: int
@@ -184,6 +192,7 @@ class Layout:
     flash_attention: bool = True
     recompute_every: int = 1
     zero_stage: int | None = None
+    dp_shard: int | None = None
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "micro_batch", "interleave", "recompute_every"):
@@ -195,6 +204,25 @@ class Layout:
         if self.zero1 and self.zero_stage == 0:
             raise ValueError("zero1=True contradicts zero_stage=0: give zero_stage alone (0-3)")
         object.__setattr__(self, "zero1", self.zero_stage >= 1)
+        if self.dp_shard is not None:
+            _check_int("dp_shard", self.dp_shard)
+            if self.dp % self.dp_shard:
+                raise ValueError(f"dp_shard={self.dp_shard} does not divide dp={self.dp}: HSDP shards over groups of "
+                                 f"dp_shard DP ranks and replicates across dp/dp_shard of them")
+            if self.zero_stage == 0:
+                raise ValueError(f"dp_shard={self.dp_shard} needs a ZeRO stage >= 1: without ZeRO nothing is sharded")
+            if self.dp_shard == self.dp:
+                object.__setattr__(self, "dp_shard", None)  # sharding over all of dp is plain ZeRO
+
+    @property
+    def shard_ranks(self) -> int:
+        """The DP ranks ZeRO shards over: ``dp_shard`` with HSDP, else dp."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's replica groups, ``dp / shard_ranks`` (1 without HSDP)."""
+        return self.dp // self.shard_ranks
 
     @property
     def gpus(self) -> int:
@@ -208,6 +236,8 @@ class Layout:
             s += f" v{self.interleave}"
         if self.zero_stage:
             s += f" zero{self.zero_stage}"
+        if self.dp_shard is not None:
+            s += f" hsdp{self.dp_shard}x{self.replicas}"
         if self.recompute == "full":
             s += " recompute"
         elif self.recompute == "selective":
@@ -223,7 +253,7 @@ class MemoryBreakdown:
 
     Attributes:
         params: parameters of this GPU's model shard (its stage / tp; a count, not bytes); with ZeRO-3 it
-            keeps 1/dp of their bytes.
+            keeps 1/dp of their bytes (1/dp_shard with HSDP).
         weights_bytes, gradients_bytes, optimizer_bytes, activations_bytes: the four parts, bytes.
         in_flight: micro-batches whose activations the stage holds at once (after the interleaving factor).
         stage: which pipeline stage this is.
@@ -523,10 +553,10 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     interleave_factor = interleave_memory_factor(L.pp, L.interleave)
     logits = 4 * m.seq * L.micro_batch * m.vocab / L.tp
     z = L.zero_stage
-    shard = {k: (L.dp if z >= s else 1) for k, s in (("opt", 1), ("grad", 2), ("param", 3))}
+    shard = {k: (L.shard_ranks if z >= s else 1) for k, s in (("opt", 1), ("grad", 2), ("param", 3))}
     # ZeRO-3 gathers whole layers for compute: two layers' bf16 weights at once (the one running and the one
     # prefetched) and one layer's unsharded gradients before their ReduceScatter (assumption, module docstring).
-    gathered = layer_params(m) / L.tp if z >= 3 and L.dp > 1 else 0.0
+    gathered = layer_params(m) / L.tp if z >= 3 and L.shard_ranks > 1 else 0.0
 
     def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:
         p = stage_params(m, L.pp, stage, L.interleave) / L.tp

@@ -175,7 +175,10 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         global_batch: sequences per step.
         micro_batches, interleave: the values to try.
         zero1: ZeRO-1 off/on values to try (off = stage 0, on = stage 1); default every ZeRO stage from 0 up
-            to the profile's ``zero_stage`` (Megatron-Core: 0 and 1; torchtitan's FSDP: 0 to 3).
+            to the profile's ``zero_stage`` (Megatron-Core: 0 and 1; torchtitan's FSDP: 0 to 3). With ZeRO-3
+            the search also tries HSDP with the shard group inside a node (``dp_shard = devices_per_node /
+            (tp·pp)``, when that is between 1 and dp and divides it), as torchtitan's
+            ``data_parallel_shard_degree`` / ``data_parallel_replicate_degree`` allow.
         recompute: the recomputation policies to try (see :class:`Layout`); default ``none`` and ``full``
             plus the software profile's own policy.
         tp_values: default the divisors of ``devices_per_node`` (TP inside a node); a value that does not
@@ -253,13 +256,16 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                 for v in interleave:
                     if v > 1 and (pp == 1 or pp * v > m.layers or (even_stages and m.layers % (pp * v))):
                         continue
-                    for z in stages:
+                    in_node = d // (tp * pp) if (tp * pp < d and d % (tp * pp) == 0) else 1
+                    hsdp = (in_node,) if 1 < in_node < dp and dp % in_node == 0 else ()
+                    for z, shard in [(z, None) for z in stages] + [(3, k) for k in hsdp if 3 in stages]:
                         if z and dp == 1:
                             continue
                         for r in recompute:
                             layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, zero_stage=z, recompute=r,
                                             interleave=v, sequence_parallel=sequence_parallel,
-                                            flash_attention=flash_attention, recompute_every=sw.recompute_every)
+                                            flash_attention=flash_attention, recompute_every=sw.recompute_every,
+                                            dp_shard=shard)
                             candidates += 1
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "

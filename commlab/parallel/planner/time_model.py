@@ -51,8 +51,13 @@ The terms, per step, on the critical path of one GPU:
   (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
   as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
   compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
-  two. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held) and
-  HSDP are not modelled.
+  two. **HSDP** (``Layout.dp_shard``; PyTorch FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with
+  ``(Replicate(), Shard(0))``, ``torch/distributed/fsdp``): the ReduceScatter and
+  AllGather run over the shard group of ``dp_shard`` ranks (inside a node when it fits there), and each
+  rank's ``1/dp_shard`` gradient shard is then all-reduced across the ``dp/dp_shard`` replicas (over the
+  network), after every micro-batch's backward under ZeRO-3 as FSDP2 does by default, once per step under
+  ZeRO-1/2. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held)
+  is not modelled.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
   fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
   Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
@@ -76,7 +81,7 @@ replaces the one constant by the layout's own share of peak from its kernels
 (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
 operations and the optimizer step at the memory's bandwidth). What is left out (see the book): with the
 constant, kernel-efficiency changes with the GEMM shapes and memory-bound operations; in both, the
-all-gather inside the node after a scattered pipeline message, HSDP, context parallelism, optimizer step time,
+all-gather inside the node after a scattered pipeline message, context parallelism, with the constant the optimizer step time,
 data loading, stragglers.
 """
 
@@ -94,7 +99,7 @@ from commlab.topology import Cluster, Link
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
-           "dp_exposed_seconds", "fsdp_exposed_seconds", "step_time", "KERNELS"]
+           "dp_exposed_seconds", "fsdp_exposed_seconds", "group_all_reduce_seconds", "step_time", "KERNELS"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -329,20 +334,32 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
     Raises:
         ValueError: ``nbytes < 0``.
     """
+    return group_all_reduce_seconds(nbytes, layout.dp, layout.tp * layout.pp, cluster)
+
+
+def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    """α-β time of an AllReduce of ``nbytes`` per GPU over ``n`` ranks ``stride`` apart in the rank order
+    (the model of :func:`dp_all_reduce_seconds`, for any such group: the DP group has stride tp·pp, an HSDP
+    shard group the same, its replica group tp·pp·dp_shard).
+
+    Raises:
+        ValueError: ``nbytes < 0``; ``n`` or ``stride`` not an int >= 1.
+    """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    dp = layout.dp
-    if dp == 1:
+    for name, v in (("n", n), ("stride", stride)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if n == 1:
         return 0.0
     d = cluster.devices_per_node
-    block = layout.tp * layout.pp
-    k = d // block if (block < d and d % block == 0) else 1
-    if dp <= k:
-        return ring_all_reduce_seconds(nbytes, dp, cluster.intra.alpha_s, cluster.intra.beta_s_per_byte)
-    k = math.gcd(k, dp)
+    k = d // stride if (stride < d and d % stride == 0) else 1
+    if n <= k:
+        return ring_all_reduce_seconds(nbytes, n, cluster.intra.alpha_s, cluster.intra.beta_s_per_byte)
+    k = math.gcd(k, n)
     t_intra = ring_all_reduce_seconds(nbytes, k, cluster.intra.alpha_s, cluster.intra.beta_s_per_byte)
     share = _nic_share(cluster, d)
-    t_inter = ring_all_reduce_seconds(nbytes / k, dp // k, cluster.inter.alpha_s,
+    t_inter = ring_all_reduce_seconds(nbytes / k, n // k, cluster.inter.alpha_s,
                                       cluster.inter.beta_s_per_byte * share)
     return t_intra + t_inter
 
@@ -517,18 +534,23 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
 
     bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s)
 
-    grad_ar = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, g_bytes), L, cluster)
+    # ZeRO's ReduceScatter and AllGather run over the shard group (all of dp, or HSDP's dp_shard ranks);
+    # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups.
+    shard, stride = L.shard_ranks, L.tp * L.pp
+    grad_bytes_gpu = dp_gradient_nbytes(m, L, g_bytes)
+    grad_ar = group_all_reduce_seconds(grad_bytes_gpu, shard if L.zero_stage >= 1 else L.dp, stride, cluster)
+    replica_ar = group_all_reduce_seconds(grad_bytes_gpu / shard, L.replicas, stride * shard, cluster)
     per_micro = compute / micro
     if L.zero_stage >= 3:  # FSDP: per micro-batch, AllGather before forward and backward, ReduceScatter after
-        one_rs = grad_ar / 2
-        one_ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
+        one_rs = grad_ar / 2 + replica_ar  # FSDP2's HSDP all-reduces after every backward's ReduceScatter
+        one_ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
         exposed, hidden = fsdp_exposed_seconds(one_ag, one_rs, per_micro * forward_share,
                                                per_micro * (1 - forward_share), ov_param, ov_grad)
         rs, ag, dp_exposed, dp_hidden = micro * one_rs, micro * 2 * one_ag, micro * exposed, micro * hidden
     else:
         if L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
-            rs = grad_ar / 2
-            ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), L, cluster) / 2
+            rs = grad_ar / 2 + replica_ar
+            ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
             reduce_s, gather_s = rs, ag
         else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
             rs = ag = grad_ar / 2
