@@ -209,7 +209,7 @@ def test_after_a_hang_the_remaining_cases_are_not_run():
     assert [msg for _, _, msg in report.cases][1] == "not run: an earlier case hung"
 
 
-# ------------------------------------------------------------------ lab 12: the step's tokens and model FLOPs
+# ------------------------------------------------------------------ lab 14: the step's tokens and model FLOPs
 
 def _tokens(model, dp, micro_batch, micro_batches):
     return micro_batch * micro_batches * dp * model.seq

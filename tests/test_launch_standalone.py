@@ -1,6 +1,6 @@
 """One torchrun job on this machine from Python (commlab.launch.torchrun.run_standalone), the text it prints
 made the same from run to run (tidy_output), and the jobs that fail on purpose (commlab.launch.failures):
-each failure prints what chapter 12 says it prints, within its deadline, and leaves no process behind."""
+each failure prints what chapter 14 says it prints, within its deadline, and leaves no process behind."""
 
 import concurrent.futures
 import socket

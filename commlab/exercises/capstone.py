@@ -1,4 +1,4 @@
-"""Grader for lab 12: the tokens and model FLOPs of one capstone step, the numerator of its tokens/s and MFU.
+"""Grader for lab 14: the tokens and model FLOPs of one capstone step, the numerator of its tokens/s and MFU.
 
 The learner writes ``step_budget(model, tp, pp, dp, micro_batch, micro_batches)`` for a GPT described as the
 planner describes models (:class:`commlab.parallel.planner.ModelConfig`; the capstone's is

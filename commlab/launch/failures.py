@@ -1,6 +1,6 @@
 """Jobs that fail on purpose, one per common failure of a distributed job, to see what each one prints.
 
-Run under torchrun (chapter 12 runs them through :func:`commlab.launch.torchrun.run_standalone`)::
+Run under torchrun (chapter 14 runs them through :func:`commlab.launch.torchrun.run_standalone`)::
 
     torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures shape     # ranks disagree on a size
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures order

@@ -22,7 +22,7 @@ being counted apart.
 The planner prices TP and PP messages at 2 bytes per activation element (bfloat16, what large runs send); a
 float32 run sends twice that, so there its TP and PP terms are low by up to half.
 
-What the planner does not model, and the measurement shows, is said in chapter 12: Python and framework
+What the planner does not model, and the measurement shows, is said in chapter 14: Python and framework
 overhead per operator (at this model's size it is most of the compute), and the scheduling of more ranks than
 cores, which turns each blocking collective into a wait for a descheduled peer.
 """
