@@ -192,3 +192,51 @@ def test_sequences_that_do_not_split_are_refused():
         shard_sequence(torch.zeros(1, 1, 12, 2), 0, 4, load_balance=True)
     with pytest.raises(ValueError, match="rank must be an int in 0..3"):
         positions(4, 4, 2, False)
+
+
+# -- pure arithmetic: cost formulas against hand-computed values ---------------------------------------------
+
+def test_cost_formulas_by_hand():
+    from commlab.parallel.context.cost import (all_gather_attention_nbytes, all_gather_attention_seconds,
+                                               ring_attention_nbytes, ring_attention_seconds, ulysses_nbytes,
+                                               ulysses_seconds)
+    # b=1, s=8, h=2, d=4, N=4, bf16 (e=2): K block = 1*2*2*4*2 = 32 bytes; dK travels in float32: 64.
+    assert ring_attention_nbytes(1, 8, 2, 4, 4, 2) == {"forward": 3 * 64, "backward": 3 * 64 + 4 * 128}
+    assert all_gather_attention_nbytes(1, 8, 2, 4, 4, 2) == {"forward": 192, "backward": 192}
+    # Ulysses, h=4: Q = K = 64 bytes; 3/4 of (2Q + 2K) = 192 each way.
+    assert ulysses_nbytes(1, 8, 4, 4, 4, 2) == {"forward": 192.0, "backward": 192.0}
+    # Grouped-query attention, h=4, h_kv=2, N=2: Q = 1*4*4*4*2 = 128, K = 64; 1/2 of (256 + 128) = 192.
+    assert ulysses_nbytes(1, 8, 4, 4, 2, 2, kv_heads=2)["forward"] == 192.0
+    a, beta = 1e-5, 1e-9
+    assert ring_attention_seconds(1, 8, 2, 4, 4, 2, a, beta) == pytest.approx(
+        {"forward": 6 * a + 192 * beta, "backward": (6 + 8) * a + 704 * beta})
+    assert all_gather_attention_seconds(1, 8, 2, 4, 4, 2, a, beta) == pytest.approx(
+        {"forward": 3 * a + 192 * beta, "backward": 3 * a + 192 * beta})
+    # Two AllToAlls of 3 blocks and 1 block (64 bytes each): 2*3 α + 3/4 * 256 β.
+    assert ulysses_seconds(1, 8, 4, 4, 4, 2, a, beta)["forward"] == pytest.approx(6 * a + 192 * beta)
+    assert ring_attention_nbytes(1, 8, 2, 4, 1, 4) == {"forward": 0, "backward": 0}
+    with pytest.raises(ValueError, match=r"heads \(6\) and kv_heads \(6\) to be multiples of N = 4"):
+        ulysses_nbytes(1, 8, 6, 4, 4, 2)
+    with pytest.raises(ValueError, match=r"seq \(10\) must be a multiple of n \(4\)"):
+        ring_attention_nbytes(1, 10, 2, 4, 4, 2)
+
+
+def test_which_method_wins_where():
+    from commlab.parallel.context.cost import fastest_context_parallel, sequence_parallel_vs_tp
+    link = (5e-6, 1 / 25e9)   # 5 µs, 25 GB/s per direction
+    # MHA, 32 heads, N = 8, nothing to hide behind: Ulysses sends 2(N-1)/N of a block per tensor, the ring N-1.
+    best, rows = fastest_context_parallel(1, 32768, 32, 128, 8, 2, *link)
+    assert best == "ulysses"
+    ring, ag, uly = rows
+    assert ring.nbytes > ag.nbytes > uly.nbytes
+    # Heads not divisible by N: Ulysses is out, and the all-gather's single collective beats N-1 ring steps...
+    best, rows = fastest_context_parallel(1, 32768, 12, 128, 8, 2, *link)
+    assert best == "all-gather" and not rows[2].feasible and "multiples of N = 8" in rows[2].why
+    # ... unless the ring's steps hide behind the arithmetic (1 s of attention: every transfer hidden).
+    best, rows = fastest_context_parallel(1, 32768, 12, 128, 8, 2, *link, attention_seconds=1.0)
+    assert best == "ring" and rows[0].exposed_s == 0.0 and rows[0].kv_nbytes_held < rows[1].kv_nbytes_held
+    # Sequence parallelism: the same bytes and time as TP's all-reduce (Korthikanti et al. 2022, §4.2.2).
+    sp = sequence_parallel_vs_tp(2, 8, 4, 2, 4, 1e-6, 1e-9)
+    x = 2 * 8 * 4 * 2
+    assert sp["tp"]["nbytes"] == sp["sp"]["nbytes"] == 2 * 3 / 4 * x
+    assert sp["tp"]["seconds"] == pytest.approx(sp["sp"]["seconds"]) == pytest.approx(6e-6 + 1.5 * x * 1e-9)
