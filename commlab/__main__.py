@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ring-attention", action="store_true",
                        help="ring attention vs all-gathered attention (and DeepSpeed-Ulysses): causal forward + backward "
                             "time per call at a few sequence lengths, the ratio ring / all-gather, and bytes per rank, "
-                            "on --world-size gloo ranks (default 2), --rounds calls each")
+                            "on --world-size ranks (default 2; gloo, or --backend nccl with one GPU per rank), "
+                            "--rounds calls each")
     bench.add_argument("--seq-lengths", default=None, metavar="LIST",
                        help="with --ring-attention: comma list of whole-sequence lengths, each a multiple of 2 x "
                             "--world-size (default 512,1024,2048,4096)")
@@ -195,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench_ring_attention(args, parser) -> int:
     """``--ring-attention``: ring vs all-gathered attention (and Ulysses) by sequence length, on gloo ranks."""
-    if args.backend != "gloo" or args.check:
-        parser.error("--ring-attention starts its own gloo ranks; --backend and --check apply to the AllReduce table only")
+    if args.check:
+        parser.error("--ring-attention checks its inputs on every call; --check applies to the AllReduce table only")
     n = 2 if args.world_size is None else args.world_size
     if n < 2:
         parser.error("--ring-attention needs --world-size >= 2 (one rank passes nothing round a ring)")
@@ -213,7 +214,9 @@ def _bench_ring_attention(args, parser) -> int:
     if 4 % n:
         parser.error(f"--ring-attention measures 4 heads, which Ulysses spreads over the ranks: --world-size must "
                      f"divide 4, got {n}")
-    return print_ring_attention_bench(n, seqs, rounds=args.rounds)
+    if args.backend == "nccl":
+        _check_nccl_ranks(parser, n)
+    return print_ring_attention_bench(n, seqs, rounds=args.rounds, backend=args.backend)
 
 
 def _bench_in_job(args, parser, sizes) -> int:

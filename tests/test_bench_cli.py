@@ -175,7 +175,7 @@ def test_ring_attention_bench_prints_ring_beside_all_gather(capsys):
     (["--ring-attention", "-n", "2", "--seq-lengths", "8,10"], "multiples of 2 x --world-size = 4"),
     (["--ring-attention", "-n", "2", "--seq-lengths", "8,x"], "comma list of ints"),
     (["--ring-attention", "-n", "3", "--seq-lengths", "12"], "--world-size must divide 4"),
-    (["--ring-attention", "--backend", "nccl"], "--ring-attention starts its own gloo ranks"),
+    (["--ring-attention", "--check"], "--check applies to the AllReduce table only"),
 ])
 def test_ring_attention_bench_usage_errors(flags, message, capsys):
     code, err = _usage_error(flags, capsys)

@@ -1,7 +1,8 @@
 """Ring attention beside all-gathered attention (and Ulysses), at a few sequence lengths (the context-parallel
 chapter).
 
-``python -m commlab bench --ring-attention`` runs, on N gloo ranks (default 2), causal attention over a sequence
+``python -m commlab bench --ring-attention`` runs, on N gloo ranks (default 2; ``--backend nccl``: one GPU per
+rank), causal attention over a sequence
 split across the ranks three ways: :func:`commlab.parallel.context.ring_attention` (K/V blocks round the ring,
 load-balanced layout), :func:`commlab.parallel.context.all_gather_attention` (the whole sequence's K/V gathered
 on every rank, load-balanced layout too, so that both do the same arithmetic per rank) and
@@ -61,15 +62,17 @@ class RingAttentionRow:
 
 
 def _rank(seqs, batch, heads, head_dim, rounds):
+    from commlab.launch.device import group_device
     from commlab.parallel.context import (RingAttentionStats, all_gather_attention, ring_attention, shard_sequence,
                                           ulysses_attention)
     from commlab.parallel.context.cost import all_gather_attention_nbytes, ulysses_nbytes
 
     n, rank = dist.get_world_size(), dist.get_rank()
+    device = group_device()   # the rank's own GPU under NCCL, the CPU under gloo
     out = []
     for seq in seqs:
         g = torch.Generator().manual_seed(seq)
-        full = [torch.randn(batch, heads, seq, head_dim, generator=g) for _ in range(4)]
+        full = [torch.randn(batch, heads, seq, head_dim, generator=g).to(device) for _ in range(4)]
         lb = [shard_sequence(t, rank, n, True) for t in full]
         plain = [shard_sequence(t, rank, n, False) for t in full]
         stats = RingAttentionStats()
@@ -90,7 +93,7 @@ def _rank(seqs, batch, heads, head_dim, rounds):
         times = {m: [] for m in METHODS}
         for _ in range(rounds):
             for m in METHODS:
-                times[m].append(time_calls(calls[m], 1))
+                times[m].append(time_calls(calls[m], 1, device))
         shape = (batch, seq, heads, head_dim, n, 4)
         out.append(dict(seq=seq, seconds={m: statistics.median(t) for m, t in times.items()},
                         nbytes={"ring": ring_nbytes, "all-gather": sum(all_gather_attention_nbytes(*shape).values()),
@@ -99,8 +102,10 @@ def _rank(seqs, batch, heads, head_dim, rounds):
 
 
 def bench_ring_attention(world_size: int = 2, seqs: Sequence[int] = DEFAULT_SEQS, batch: int = 1, heads: int = 4,
-                         head_dim: int = 64, rounds: int = 3, timeout: float = 600.0) -> list[RingAttentionRow]:
-    """Measure the three methods at each sequence length on ``world_size`` gloo ranks (one launch).
+                         head_dim: int = 64, rounds: int = 3, timeout: float = 600.0,
+                         backend: str = "gloo") -> list[RingAttentionRow]:
+    """Measure the three methods at each sequence length on ``world_size`` ranks of ``backend`` (one launch;
+    under NCCL each rank on its own GPU).
 
     Raises:
         ValueError: ``world_size < 2``, ``rounds < 1``, a sequence length not a positive multiple of
@@ -117,17 +122,18 @@ def bench_ring_attention(world_size: int = 2, seqs: Sequence[int] = DEFAULT_SEQS
     if heads % world_size:
         raise ValueError(f"heads ({heads}) must be a multiple of world_size ({world_size}) for Ulysses")
     res = launch(_rank, world_size, list(seqs), batch, heads, head_dim, rounds, timeout=timeout,
-                 print_output=False)[0]
+                 print_output=False, backend=backend)[0]
     return [RingAttentionRow(d["seq"], world_size, batch, heads, head_dim, d["seconds"], d["nbytes"], d["wrong"])
             for d in res]
 
 
-def print_ring_attention_bench(world_size: int = 2, seqs: Sequence[int] = DEFAULT_SEQS, rounds: int = 3) -> int:
+def print_ring_attention_bench(world_size: int = 2, seqs: Sequence[int] = DEFAULT_SEQS, rounds: int = 3,
+                               backend: str = "gloo") -> int:
     """Print :func:`bench_ring_attention`'s table; return 0, or 1 if ring attention disagreed with the all-gather."""
-    rows = bench_ring_attention(world_size, seqs, rounds=rounds)
+    rows = bench_ring_attention(world_size, seqs, rounds=rounds, backend=backend)
     r0 = rows[0]
     print(f"# causal attention, forward + backward: batch {r0.batch}, {r0.heads} heads of {r0.head_dim}, float32, "
-          f"{world_size} gloo ranks; median of {rounds} calls (slowest rank); ring and all-gather load-balanced, "
+          f"{world_size} {backend} ranks; median of {rounds} calls (slowest rank); ring and all-gather load-balanced, "
           "Ulysses contiguous", flush=True)
     print(f"#{'':>6} | {'time per call (ms)':^40} | {'bytes sent per rank (KiB)':^32} |")
     print(f"#{'seq':>6} | {'ring':>8} {'all-gather':>10} {'ulysses':>8} {'ring/ag':>8} | {'ring':>10} "

@@ -8,8 +8,10 @@ every function takes the mesh or the group it communicates over.
   :func:`build_mesh` (every rank creates every group, in one fixed order), :func:`mesh_groups`,
   :func:`cross_node_groups` and :func:`order_report` (what a different dimension order does to
   which groups cross nodes).
-* :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators and the tensor-parallel layers
-  built from them.
+* :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators, sequence parallelism's all-gather /
+  reduce-scatter pair, and the tensor-parallel layers built from them.
+* :mod:`commlab.parallel.context` -- context parallelism: ring attention (load-balanced or not), DeepSpeed-Ulysses,
+  all-gathered K/V, and their communication costs side by side.
 * :mod:`commlab.parallel.pipeline` -- pipeline schedules (GPipe, 1F1B) and the engine that runs them.
 * :mod:`commlab.parallel.data_parallel` -- DP inside a DP group (it is
   :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``) and ZeRO-1's sharded
@@ -40,3 +42,7 @@ __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedul
 from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
 
 __all__ += ["PlanLayout", "plan_search", "validate_published"]
+
+from commlab.parallel.context import all_gather_attention, ring_attention, ulysses_attention
+
+__all__ += ["all_gather_attention", "ring_attention", "ulysses_attention"]

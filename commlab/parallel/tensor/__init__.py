@@ -9,6 +9,6 @@ from commlab.parallel.tensor.layers import (MLP, ColumnParallelLinear, ParallelM
                                             RowParallelLinear, SelfAttention, block_allreduce_nbytes,
                                             tp_sharded_parameters)
 
-__all__ = ["f", "g", "gather_last_dim", "split_last_dim", "gather_sequence", "reduce_scatter_sequence", "MLP", "SelfAttention", "ColumnParallelLinear",
-           "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes",
+__all__ = ["f", "g", "gather_last_dim", "split_last_dim", "gather_sequence", "reduce_scatter_sequence", "MLP",
+           "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes",
            "tp_sharded_parameters"]
