@@ -348,11 +348,27 @@ def _sequence_parallel_vs_tp():
         odd = None
     except ValueError as e:
         odd = str(e)
+    # Activation memory: bytes autograd saves for backward (distinct storages), LayerNorm then the MLP block.
+    def saved(fn, z):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(z)
+        return sum(seen.values())
+    full, ln = MLP(h, ffn, dtype=dtype), torch.nn.LayerNorm(h, dtype=dtype)
+    tp_mlp, sp_mlp = ParallelMLP(full, group), ParallelMLP(full, group, sequence_parallel=True)
+    x = _data((b, s, h), 9, dtype).requires_grad_()
+    xs = x.detach().chunk(2, dim=1)[r].clone().requires_grad_()
+    memory = {"tp layer": saved(lambda z: tp_mlp(ln(z)), x), "sp layer": saved(lambda z: sp_mlp(ln(z)), xs),
+              "tp block": saved(tp_mlp, x), "sp block": saved(sp_mlp, xs)}
     timer = CommTimer(Clock())
     mlp = ParallelMLP(MLP(h, ffn, dtype=dtype), group, sequence_parallel=True)
     with timed(group, timer):
         mlp(_data((b, 3, h), 5, dtype).requires_grad_()).sum().backward()
-    return report, ops, odd, timer.calls
+    return report, ops, odd, timer.calls, memory
 
 
 def test_sequence_parallel_blocks_equal_the_tp_blocks():
@@ -373,3 +389,10 @@ def test_sequence_parallel_blocks_equal_the_tp_blocks():
     assert "must be divisible by the tensor-parallel size (2), got shape [1, 5, 3]" in results[0][2]
     # Forward: all-gather + reduce-scatter; backward: all-gather, reduce-scatter, and the bias's all-reduce.
     assert [res[3] for res in results] == [5, 5]
+    # Measured activation memory: the LayerNorm region's activations (its input, b*s*h float64, and its mean and
+    # 1/std, b*s each) are split by t = 2; inside the block the saved tensors are TP's (fc1 saves the gathered
+    # input: Megatron re-gathers it in backward instead, which this block does not do).
+    b, s, h = 2, 6, 16
+    for *_, memory in results:
+        assert memory["sp block"] == memory["tp block"]
+        assert memory["tp layer"] - memory["sp layer"] == (b * s * h + 2 * b * s) * 8 // 2
