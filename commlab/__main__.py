@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench_ring_attention(args, parser) -> int:
-    """``--ring-attention``: ring vs all-gathered attention (and Ulysses) by sequence length, on gloo ranks."""
+    """``--ring-attention``: ring vs all-gathered attention (and Ulysses) by sequence length, on gloo (or NCCL)
+    ranks."""
     if args.check:
         parser.error("--ring-attention checks its inputs on every call; --check applies to the AllReduce table only")
     n = 2 if args.world_size is None else args.world_size

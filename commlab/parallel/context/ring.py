@@ -25,7 +25,7 @@ attention exists to avoid. The explicit backward saves only q, k, v, out and lse
 blocks round the ring a second time and carries each block's dK/dV accumulator round with it (each rank adds
 its queries' contribution, FlashAttention-2's Algorithm 2 per block); after N steps every accumulator is back
 at its owner. So two blocks of K/V (and of dK/dV) at a time, as in the forward. The price: the backward is not
-itself differentiable (no double backward), and its N-1 K/V exchanges plus N dK/dV exchanges send about three
+itself differentiable (no double backward), and its N-1 K/V exchanges plus N dK/dV exchanges send two to three
 times the forward's bytes (:func:`commlab.parallel.context.cost.ring_attention_nbytes`).
 
 Arithmetic runs in float32 for half-precision inputs (float64 stays float64), and dK/dV travel in that

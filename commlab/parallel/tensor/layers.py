@@ -357,12 +357,12 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_seed(cls, hidden: int, ffn_hidden: int, group, *, seed: int,
-                  dtype: torch.dtype = torch.float32) -> "ParallelMLP":
+                  dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> "ParallelMLP":
         """Build the full :class:`MLP` from ``seed`` (identically on every rank), then shard it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full = MLP(hidden, ffn_hidden, dtype=dtype)
-        return cls(full, group)
+        return cls(full, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(Fn.gelu(self.fc1(x)))
@@ -407,12 +407,12 @@ class ParallelSelfAttention(nn.Module):
 
     @classmethod
     def from_seed(cls, hidden: int, heads: int, group, *, seed: int, causal: bool = True,
-                  dtype: torch.dtype = torch.float32) -> "ParallelSelfAttention":
+                  dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> "ParallelSelfAttention":
         """Build the full :class:`SelfAttention` from ``seed`` (identically on every rank), then shard it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full = SelfAttention(hidden, heads, causal=causal, dtype=dtype)
-        return cls(full, group)
+        return cls(full, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(_attend(self.qkv(x), self.local_heads, self.causal))
