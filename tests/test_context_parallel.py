@@ -9,15 +9,12 @@ order, so the results differ from ``scaled_dot_product_attention`` by a few ulps
 here 1.8e-15).
 """
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as Fn
 
 from commlab import launch
-from commlab.collectives import CollectiveMismatchError
 from commlab.parallel.context import (RingAttentionStats, all_gather_attention, block_plan, covered_pairs,
                                       positions, ring_attention, shard_sequence, ulysses_attention,
                                       unshard_sequence)

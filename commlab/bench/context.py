@@ -12,6 +12,10 @@ methods interleaved so that they see the same machine load, the ratio ring / all
 sends (measured for the ring, from :mod:`commlab.parallel.context.cost` for the others) and ``#wrong``: elements
 where the ring's output or gradients differ from the all-gather's by more than float32 rounding (must be 0).
 
+Ring attention and the all-gather run the same plain matmul-softmax arithmetic, so their ratio compares the two
+communication schemes (and the memory they touch); Ulysses' local attention is torch's fused
+``scaled_dot_product_attention``, so its time also measures a faster kernel.
+
 On a laptop the ranks share a few cores and the "network" is memory, so the times measure mostly the
 arithmetic and the peak memory each method touches (the all-gather's scores span the whole sequence); the
 bytes are what a real network would carry.

@@ -96,7 +96,7 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         return n, rank
     # Shapes padded to 4 entries each (-1 for a missing dimension), so every rank sends as many ints.
     layout = [x for s in shapes for x in (s + [-1] * 4)[:4]] + [int(causal), int(load_balance)]
-    check_agreement(name, q, group, layout, "[q shape, k shape, v shape, causal, load_balance]", problem,
+    check_agreement(name, q, group, layout, "[q shape, k shape, v shape, causal, load_balance] list", problem,
                     "4-dim [batch, heads, seq_local, head_dim] q, k, v of one shape and floating dtype"
                     + (", seq_local even" if load_balance else "") + (f", heads a multiple of {n}" if heads_multiple
                                                                       else ""))
