@@ -278,6 +278,8 @@ def test_which_method_wins_where():
     assert best == "ulysses"
     ring, ag, uly = rows
     assert ring.nbytes > ag.nbytes > uly.nbytes
+    assert ring.exposed_s == pytest.approx(ring.seconds)   # with no arithmetic to hide behind, all of it shows
+    assert ring.kv_nbytes_held == 4 * 32768 // 8 * 32 * 128 * 2 and uly.kv_nbytes_held == ring.kv_nbytes_held / 2
     # Heads not divisible by N: Ulysses is out, and the all-gather's single collective beats N-1 ring steps...
     best, rows = fastest_context_parallel(1, 32768, 12, 128, 8, 2, *link)
     assert best == "all-gather" and not rows[2].feasible and "multiples of N = 8" in rows[2].why

@@ -229,7 +229,7 @@ def compare_context_parallel(batch: int, seq: int, heads: int, head_dim: int, n:
     else:
         u_s = ulysses_seconds(*args, alpha_s, beta_s_per_byte, kv_heads=kv_heads)
         rows.append(CPCost("ulysses", True, None, sum(ulysses_nbytes(*args, kv_heads=kv_heads).values()),
-                           sum(u_s.values()), sum(u_s.values()), 2 * k * n / n))
+                           sum(u_s.values()), sum(u_s.values()), 2 * k))  # h_kv/N heads, whole seq
     return rows
 
 
