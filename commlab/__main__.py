@@ -73,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="bucket size vs step time: our overlapped data parallelism beside DDP with the same "
                             "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
                             "capped at the cores, and 2 x --rounds timed steps)")
+    bench.add_argument("--ring-attention", action="store_true",
+                       help="ring attention vs all-gathered attention (and DeepSpeed-Ulysses): causal forward + backward "
+                            "time per call at a few sequence lengths, the ratio ring / all-gather, and bytes per rank, "
+                            "on --world-size ranks (default 2; gloo, or --backend nccl with one GPU per rank), "
+                            "--rounds calls each")
+    bench.add_argument("--seq-lengths", default=None, metavar="LIST",
+                       help="with --ring-attention: comma list of whole-sequence lengths, each a multiple of 2 x "
+                            "--world-size (default 512,1024,2048,4096)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
@@ -132,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
-        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase")
-                 if getattr(args, m)]
+        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase",
+                                                      "ring_attention") if getattr(args, m)]
+        if args.seq_lengths is not None and not args.ring_attention:
+            parser.error("--seq-lengths applies to --ring-attention only")
         if len(modes) > 1:
             parser.error(f"{' and '.join(modes)} are separate benchmarks; run them one at a time")
         from commlab.launch.inprocess import runs_in_process
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             from commlab.bench.two_phase import print_two_phase_bench
             sizes = (2, 4, 8) if args.world_size is None else (args.world_size,)
             return print_two_phase_bench(sizes, numel=max(1, hi // 4), rounds=args.rounds)
+        if args.ring_attention:
+            return _bench_ring_attention(args, parser)
         if args.world_size is None:
             args.world_size = 4
         if args.device != "cpu" and not args.compressors:
@@ -185,6 +197,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         return 0 if wrong == 0 else 1
     return 2
+
+
+def _bench_ring_attention(args, parser) -> int:
+    """``--ring-attention``: ring vs all-gathered attention (and Ulysses) by sequence length, on gloo (or NCCL)
+    ranks."""
+    if args.check:
+        parser.error("--ring-attention checks its inputs on every call; --check applies to the AllReduce table only")
+    n = 2 if args.world_size is None else args.world_size
+    if n < 2:
+        parser.error("--ring-attention needs --world-size >= 2 (one rank passes nothing round a ring)")
+    from commlab.bench.context import DEFAULT_SEQS, print_ring_attention_bench
+    seqs = DEFAULT_SEQS
+    if args.seq_lengths is not None:
+        try:
+            seqs = tuple(int(x) for x in args.seq_lengths.split(","))
+        except ValueError:
+            parser.error(f"--seq-lengths takes a comma list of ints, e.g. 512,1024, got {args.seq_lengths!r}")
+    if any(s < 1 or s % (2 * n) for s in seqs):
+        parser.error(f"--seq-lengths must be positive multiples of 2 x --world-size = {2 * n} (the load-balanced "
+                     f"layout cuts the sequence into 2N chunks), got {list(seqs)}")
+    if 4 % n:
+        parser.error(f"--ring-attention measures 4 heads, which Ulysses spreads over the ranks: --world-size must "
+                     f"divide 4, got {n}")
+    if args.backend == "nccl":
+        _check_nccl_ranks(parser, n)
+    return print_ring_attention_bench(n, seqs, rounds=args.rounds, backend=args.backend)
 
 
 def _bench_in_job(args, parser, sizes) -> int:

@@ -157,3 +157,26 @@ def test_compressor_throughput_rows_time_every_codec_beside_its_primitive_and_a_
         assert r.seconds > 0 and r.primitive_seconds > 0 and r.copy_seconds > 0
         assert r.copy_gb_per_s == r.nbytes / r.copy_seconds / 1e9 and r.copy_ratio == r.seconds / r.copy_seconds
     assert rows[4].payload_nbytes == (3 * 1024 + 5 + 1) // 2 + 4 * 7  # 7 norms: 6 buckets of 512 and one of 5
+
+
+def test_ring_attention_bench_prints_ring_beside_all_gather(capsys):
+    assert main(["bench", "--ring-attention", "-n", "2", "--seq-lengths", "8,16", "-r", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [r[0] for r in rows] == ["8", "16"] and all(r[-1] == "0" for r in rows)
+    assert "ring/ag" in out and "elements that differ: 0 OK" in out
+    # bytes per rank, fwd + bwd, at seq 8: K block 1*4*4*64*4 = 4 KiB; ring 2*4 + (2*4 + 2*2*4) = 32 KiB.
+    assert rows[0][7] == "32.0" and rows[0][8] == "16.0"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-lengths", "8"], "--seq-lengths applies to --ring-attention only"),
+    (["--ring-attention", "-n", "1"], "--ring-attention needs --world-size >= 2"),
+    (["--ring-attention", "-n", "2", "--seq-lengths", "8,10"], "multiples of 2 x --world-size = 4"),
+    (["--ring-attention", "-n", "2", "--seq-lengths", "8,x"], "comma list of ints"),
+    (["--ring-attention", "-n", "3", "--seq-lengths", "12"], "--world-size must divide 4"),
+    (["--ring-attention", "--check"], "--check applies to the AllReduce table only"),
+])
+def test_ring_attention_bench_usage_errors(flags, message, capsys):
+    code, err = _usage_error(flags, capsys)
+    assert code == 2 and message in err, err

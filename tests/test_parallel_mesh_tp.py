@@ -297,3 +297,102 @@ def test_block_allreduce_nbytes():
     assert block_allreduce_nbytes(2, 1024, 4096, 2, tp=1) == {"forward": 0, "backward": 0}
     with pytest.raises(ValueError, match="seq must be an int >= 1"):
         block_allreduce_nbytes(2, 0, 4096, 2, tp=2)
+
+
+# -- sequence parallelism (Korthikanti et al. 2022, §4.2.2) -----------------------------------------------------
+
+def _sequence_parallel_vs_tp():
+    from commlab.launch import Clock
+    from commlab.parallel.tensor.communications import (CommTimer, gather_sequence, reduce_scatter_sequence,
+                                                        timed)
+    _, group = _tp_group(1, 1, 2)
+    r = dist.get_rank()
+    b, s, h, heads, ffn = 2, 6, 16, 4, 32
+    dtype = torch.float64
+    report = {}
+
+    def run(make, name):
+        full = make()
+        tp_block, sp_block = make_parallel(full, False), make_parallel(full, True)
+        x = _data((b, s, h), 100, dtype)
+        w_out = _data((b, s, h), 7, dtype)
+        xt, xs = x.clone().requires_grad_(), x.chunk(2, dim=1)[r].clone().requires_grad_()
+        yt = tp_block(xt)
+        (yt * w_out).sum().backward()
+        ys = sp_block(xs)
+        (ys * w_out.chunk(2, dim=1)[r]).sum().backward()
+        pairs = {"out": (ys, yt.chunk(2, dim=1)[r]), "dx": (xs.grad, xt.grad.chunk(2, dim=1)[r])}
+        for (pname, ps), (_, pt) in zip(sp_block.named_parameters(), tp_block.named_parameters()):
+            pairs[f"{pname}.grad"] = (ps.grad, pt.grad)
+        report[name] = _maxdiff({k: (a.detach(), c.detach()) for k, (a, c) in pairs.items()}, dtype)
+
+    def make_parallel(full, sp):
+        cls = ParallelMLP if isinstance(full, MLP) else ParallelSelfAttention
+        return cls(full, group, sequence_parallel=sp)
+
+    torch.manual_seed(0)
+    run(lambda: MLP(h, ffn, dtype=dtype), "mlp")
+    for causal in (True, False):
+        run(lambda: SelfAttention(h, heads, causal=causal, dtype=dtype), f"attn_causal={causal}")
+    # The operators themselves, against torch's collectives.
+    x = torch.full((1, 2, 3), float(r + 1), dtype=dtype, requires_grad=True)
+    gathered = gather_sequence(x, group)
+    (gathered * torch.arange(4.0, dtype=dtype).view(1, 4, 1)).sum().backward()
+    y = torch.arange(12.0, dtype=dtype).view(1, 4, 3).mul(r + 1).requires_grad_()
+    scattered = reduce_scatter_sequence(y, group)
+    scattered.sum().backward()
+    ops = (gathered.detach()[0, :, 0].tolist(), x.grad[0, :, 0].tolist(), scattered.detach()[0, :, 0].tolist(),
+           y.grad[0, :, 0].tolist())
+    try:
+        reduce_scatter_sequence(torch.zeros(1, 5, 3), group)
+        odd = None
+    except ValueError as e:
+        odd = str(e)
+    # Activation memory: bytes autograd saves for backward (distinct storages), LayerNorm then the MLP block.
+    def saved(fn, z):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(z)
+        return sum(seen.values())
+    full, ln = MLP(h, ffn, dtype=dtype), torch.nn.LayerNorm(h, dtype=dtype)
+    tp_mlp, sp_mlp = ParallelMLP(full, group), ParallelMLP(full, group, sequence_parallel=True)
+    x = _data((b, s, h), 9, dtype).requires_grad_()
+    xs = x.detach().chunk(2, dim=1)[r].clone().requires_grad_()
+    memory = {"tp layer": saved(lambda z: tp_mlp(ln(z)), x), "sp layer": saved(lambda z: sp_mlp(ln(z)), xs),
+              "tp block": saved(tp_mlp, x), "sp block": saved(sp_mlp, xs)}
+    timer = CommTimer(Clock())
+    mlp = ParallelMLP(MLP(h, ffn, dtype=dtype), group, sequence_parallel=True)
+    with timed(group, timer):
+        mlp(_data((b, 3, h), 5, dtype).requires_grad_()).sum().backward()
+    return report, ops, odd, timer.calls, memory
+
+
+def test_sequence_parallel_blocks_equal_the_tp_blocks():
+    results = launch(_sequence_parallel_vs_tp, 2, timeout=60)
+    bad = [(rank, block, what, diff) for rank, (report, *_) in enumerate(results)
+           for block, rows in report.items() for what, (diff, ok) in rows.items() if not ok]
+    assert bad == [], bad
+    assert set(results[0][0]) == {"mlp", "attn_causal=True", "attn_causal=False"}
+    assert {"fc1.weight.grad", "fc2.bias.grad", "dx"} <= set(results[0][0]["mlp"])
+    (ops0, ops1) = (results[0][1], results[1][1])
+    # g: all-gather along the sequence forward (rank 0's rows, then rank 1's), reduce-scatter backward: rank 0
+    # gets the summed gradient of rows 0-1 (weights 0, 1 from each rank: 2 * [0, 1]), rank 1 of rows 2-3.
+    assert ops0[0] == ops1[0] == [1.0, 1.0, 2.0, 2.0]
+    assert ops0[1] == [0.0, 2.0] and ops1[1] == [4.0, 6.0]
+    # ḡ: reduce-scatter forward (rows 0-1 of the sum 3 * arange on rank 0, rows 2-3 on rank 1), all-gather back.
+    assert ops0[2] == [0.0, 9.0] and ops1[2] == [18.0, 27.0]
+    assert ops0[3] == ops1[3] == [1.0] * 4
+    assert "must be divisible by the tensor-parallel size (2), got shape [1, 5, 3]" in results[0][2]
+    # Forward: all-gather + reduce-scatter; backward: all-gather, reduce-scatter, and the bias's all-reduce.
+    assert [res[3] for res in results] == [5, 5]
+    # Measured activation memory: the LayerNorm region's activations (its input, b*s*h float64, and its mean and
+    # 1/std, b*s each) are split by t = 2; inside the block the saved tensors are TP's (fc1 saves the gathered
+    # input: Megatron re-gathers it in backward instead, which this block does not do).
+    b, s, h = 2, 6, 16
+    for *_, memory in results:
+        assert memory["sp block"] == memory["tp block"]
+        assert memory["tp layer"] - memory["sp layer"] == (b * s * h + 2 * b * s) * 8 // 2

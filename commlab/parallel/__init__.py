@@ -8,8 +8,10 @@ every function takes the mesh or the group it communicates over.
   :func:`build_mesh` (every rank creates every group, in one fixed order), :func:`mesh_groups`,
   :func:`cross_node_groups` and :func:`order_report` (what a different dimension order does to
   which groups cross nodes).
-* :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators and the tensor-parallel layers
-  built from them.
+* :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators, sequence parallelism's all-gather /
+  reduce-scatter pair, and the tensor-parallel layers built from them.
+* :mod:`commlab.parallel.context` -- context parallelism: ring attention (load-balanced or not), DeepSpeed-Ulysses,
+  all-gathered K/V, and their communication costs side by side.
 * :mod:`commlab.parallel.pipeline` -- pipeline schedules (GPipe, 1F1B) and the engine that runs them.
 * :mod:`commlab.parallel.expert` -- expert parallelism: a top-k MoE layer with AllToAll dispatch and combine
   over an EP group, its bytes per step, and EP carved out of DP (DeepSeek-V3 as the worked example).
@@ -46,3 +48,7 @@ __all__ += ["PlanLayout", "plan_search", "validate_published"]
 from commlab.parallel.expert import ExpertParallelMoE, MoE, moe_alltoall_cost
 
 __all__ += ["ExpertParallelMoE", "MoE", "moe_alltoall_cost"]
+
+from commlab.parallel.context import all_gather_attention, ring_attention, ulysses_attention
+
+__all__ += ["all_gather_attention", "ring_attention", "ulysses_attention"]

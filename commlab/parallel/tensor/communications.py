@@ -18,6 +18,20 @@ Two more, for layers used on their own (not needed inside an MLP or attention bl
 * **split_last_dim**: keep this rank's slice of the last dimension (forward), all-gather the gradient
   (backward).
 
+Sequence parallelism (Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro 2022, "Reducing
+Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.2.2 and Figure 5) keeps the
+activations outside the TP blocks split along the sequence, and replaces f and g by a conjugate pair of its own
+(its paper calls them g and ḡ; here they are named by what they do, so as not to clash with Megatron's g):
+
+* **gather_sequence** (the paper's g): all-gather along the sequence dimension forward, reduce-scatter (sum)
+  backward. It sits where a sequence-sharded activation enters a column-parallel linear layer.
+* **reduce_scatter_sequence** (the paper's ḡ): reduce-scatter (sum) along the sequence forward, all-gather
+  backward. It sits where a row-parallel layer's partial sums leave the block: each rank keeps the summed
+  output of its ``seq / t`` tokens.
+
+On a ring the pair sends the same bytes as one all-reduce (an all-reduce *is* a reduce-scatter followed by an
+all-gather), so sequence parallelism costs no extra communication; what it saves is activation memory.
+
 Cost, per call, for an activation of shape ``(batch, seq, hidden)`` with ``e`` bytes per element: the
 all-reduce of f (backward) or g (forward) carries ``batch * seq * hidden * e`` bytes of payload; a ring
 all-reduce over ``t`` ranks sends ``2 (t - 1) / t`` times that from every rank. No communication at all
@@ -39,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["F", "G", "f", "g", "GatherLastDim", "SplitLastDim", "gather_last_dim", "split_last_dim",
+           "GatherSequence", "ReduceScatterSequence", "gather_sequence", "reduce_scatter_sequence", "SEQ_DIM",
            "group_size", "group_rank", "CommTimer", "timed", "untimed"]
 
 
@@ -79,7 +94,8 @@ _TIMERS: dict = {}
 
 @contextlib.contextmanager
 def timed(group: dist.ProcessGroup | None, timer: CommTimer) -> Iterator[CommTimer]:
-    """Time every collective of f, g, gather_last_dim and split_last_dim on ``group`` into ``timer`` while
+    """Time every collective of f, g, gather_last_dim, split_last_dim, gather_sequence and reduce_scatter_sequence
+    on ``group`` into ``timer`` while
     inside (forward and backward alike). Groups of one rank run no collective and time nothing.
 
     Raises:
@@ -160,6 +176,36 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
 
 
+#: The sequence dimension of the ``(batch, seq, hidden)`` activations the TP layers take.
+SEQ_DIM = 1
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    with _timing(group):
+        dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.dim() <= SEQ_DIM or x.shape[SEQ_DIM] % n:
+        raise ValueError(f"sequence parallelism splits dimension {SEQ_DIM} of (batch, seq, hidden) across the "
+                         f"tensor-parallel group: its length must be divisible by the tensor-parallel size ({n}), got "
+                         f"shape {list(x.shape)}; pad the sequence to a multiple of {n}")
+    parts = [p.contiguous() for p in x.chunk(n, dim=SEQ_DIM)]
+    out = torch.empty_like(parts[0])
+    with _timing(group):
+        dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
 class F(torch.autograd.Function):
     """Megatron-LM's f (Shoeybi et al. 2019, §3, Fig. 3): identity forward, all-reduce (sum) backward."""
 
@@ -209,6 +255,60 @@ class SplitLastDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _gather_last(grad, ctx.group), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's g (Korthikanti et al. 2022, §4.2.2, Fig. 5): all-gather along the sequence
+    forward, reduce-scatter (sum) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's ḡ (Korthikanti et al. 2022, §4.2.2, Fig. 5): reduce-scatter (sum) along the
+    sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sequence parallelism's g: every rank's ``(batch, seq/t, ...)`` concatenated along the sequence, in
+    group-rank order, ``(batch, seq, ...)``; in backward the gradient is reduce-scattered (summed) back.
+
+    Communication: an all-gather (each rank contributes ``x.numel() * x.element_size()`` bytes) forward, a
+    reduce-scatter of the ``t``-times larger gradient backward. Every rank must pass the same shape.
+
+    Raises:
+        ValueError (backward): the gathered sequence not divisible by ``t`` (it always is when the shapes agree).
+    """
+    return GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sequence parallelism's ḡ: ``(batch, seq, ...)`` partial sums -> this rank's ``(batch, seq/t, ...)`` of
+    their sum over the group (rank r keeps tokens ``r * seq/t ..``); in backward the gradient is all-gathered.
+
+    Communication: a reduce-scatter of ``x.numel() * x.element_size()`` bytes forward (a ring sends ``(t-1)/t``
+    of it from each rank), an all-gather backward.
+
+    Raises:
+        ValueError: ``seq`` not divisible by the group size.
+    """
+    return ReduceScatterSequence.apply(x, group)
 
 
 def f(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

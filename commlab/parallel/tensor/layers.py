@@ -18,6 +18,13 @@ Communication per block and per micro-batch, with ``e`` bytes per element (4 for
 forward one all-reduce (g) of ``batch * seq * hidden * e`` bytes, backward one all-reduce (f) of the same
 size; for a transformer layer (attention + MLP) that is 2 forward + 2 backward, as in the paper's §3.
 A ring all-reduce sends ``2 (t - 1) / t`` times the payload from each rank.
+
+Sequence parallelism (``sequence_parallel=True`` on the blocks; Korthikanti et al. 2022, §4.2.2): the block's
+input and output are ``(batch, seq / t, hidden)``, rank r holding tokens ``r * seq/t ..``; f becomes an
+all-gather along the sequence (``gather_sequence``) and g a reduce-scatter (``reduce_scatter_sequence``), the
+same bytes on a ring, and the row-parallel bias's gradient, summed over this rank's tokens only, is all-reduced
+over the group (one extra all-reduce of ``hidden`` elements per block backward) so that the replicated bias
+stays replicated.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from commlab.parallel.tensor.communications import (f, g, gather_last_dim, group_rank, group_size,
-                                                    split_last_dim)
+from commlab.parallel.tensor.communications import (f, g, gather_last_dim, gather_sequence, group_rank, group_size,
+                                                    reduce_scatter_sequence, split_last_dim)
 
 __all__ = ["MLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ParallelSelfAttention", "block_allreduce_nbytes"]
@@ -154,13 +161,15 @@ class ColumnParallelLinear(nn.Module):
         gather_output: return the full output instead of this rank's shard.
         fused: the weight's rows are ``fused`` stacked matrices (3 for a fused ``[Q | K | V]`` projection); each
             is split across ranks separately, so that a rank gets matching rows (heads) of Q, K and V.
+        sequence_parallel: the input is this rank's ``(b, s / t, in)`` sequence shard, all-gathered along the
+            sequence at the entry (Korthikanti et al. 2022's g) instead of f; backward reduce-scatters its gradient.
 
     Raises:
         ValueError: ``out_features`` not divisible by ``fused * t``; ``fused`` not an int >= 1.
     """
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, *, gather_output: bool = False,
-                 fused: int = 1):
+                 fused: int = 1, sequence_parallel: bool = False):
         super().__init__()
         t, r = group_size(group), group_rank(group)
         if isinstance(fused, bool) or not isinstance(fused, int) or fused < 1:
@@ -170,6 +179,7 @@ class ColumnParallelLinear(nn.Module):
                              f"tensor-parallel size ({t}) = {fused * t}, so that each of the {fused} stacked "
                              "matrices splits evenly across the group")
         self.group, self.gather_output, self.fused = group, gather_output, fused
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _param(_rows(linear.weight, t, r, fused))
         self.bias = _param(_rows(linear.bias, t, r, fused)) if linear.bias is not None else None
@@ -184,7 +194,8 @@ class ColumnParallelLinear(nn.Module):
         return cls(full, group, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = Fn.linear(f(x, self.group), self.weight, self.bias)
+        x = gather_sequence(x, self.group) if self.sequence_parallel else f(x, self.group)
+        y = Fn.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
@@ -227,16 +238,21 @@ class RowParallelLinear(nn.Module):
         group: the TP process group.
         input_is_parallel: the input is already this rank's shard of the last dimension (as after a
             :class:`ColumnParallelLinear`); if False the full input is split here.
+        sequence_parallel: reduce-scatter the partial sums along the sequence (Korthikanti et al. 2022's ḡ) instead
+            of all-reducing them: the output is this rank's ``(b, s / t, out)``; the bias, added to it, has its
+            gradient all-reduced over the group (f on the bias), as every rank adds it to other tokens.
 
     Raises:
         ValueError: ``in_features`` not divisible by ``t``.
     """
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, *, input_is_parallel: bool = True):
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         t, r = group_size(group), group_rank(group)
         _check_divisible("in_features", linear.in_features, t)
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _param(linear.weight.chunk(t, dim=1)[r])
         self.bias = _param(linear.bias) if linear.bias is not None else None
@@ -253,6 +269,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(Fn.linear(x, self.weight), self.group)
+            # Each rank adds the bias to its own tokens: its gradient is the sum over the group's (f).
+            return y + f(self.bias, self.group) if self.bias is not None else y
         y = g(Fn.linear(x, self.weight), self.group)
         # The bias after g: added once, not t times.
         return y + self.bias if self.bias is not None else y
@@ -319,28 +339,30 @@ class ParallelMLP(nn.Module):
     Args:
         mlp: the full block, identical on every rank of ``group``.
         group: the TP process group.
+        sequence_parallel: input and output are ``(batch, seq / t, hidden)`` sequence shards (module docstring).
 
     Raises:
         ValueError: ``ffn_hidden`` not divisible by the TP size.
     """
 
-    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None):
+    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
         super().__init__()
         t = group_size(group)
         _check_divisible("ffn_hidden", mlp.fc1.out_features, t)
         self.group = group
         self.hidden = mlp.fc1.in_features
-        self.fc1 = ColumnParallelLinear(mlp.fc1, group)
-        self.fc2 = RowParallelLinear(mlp.fc2, group, input_is_parallel=True)
+        self.sequence_parallel = sequence_parallel
+        self.fc1 = ColumnParallelLinear(mlp.fc1, group, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(mlp.fc2, group, input_is_parallel=True, sequence_parallel=sequence_parallel)
 
     @classmethod
     def from_seed(cls, hidden: int, ffn_hidden: int, group, *, seed: int,
-                  dtype: torch.dtype = torch.float32) -> "ParallelMLP":
+                  dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> "ParallelMLP":
         """Build the full :class:`MLP` from ``seed`` (identically on every rank), then shard it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full = MLP(hidden, ffn_hidden, dtype=dtype)
-        return cls(full, group)
+        return cls(full, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(Fn.gelu(self.fc1(x)))
@@ -362,13 +384,15 @@ class ParallelSelfAttention(nn.Module):
     Args:
         attn: the full block, identical on every rank of ``group`` (its ``causal`` flag is kept).
         group: the TP process group.
+        sequence_parallel: input and output are ``(batch, seq / t, hidden)`` sequence shards (module docstring);
+            attention itself runs on the gathered whole sequence.
 
     Raises:
         ValueError: ``heads`` not divisible by the TP size (a head cannot be split: its softmax needs all of its
             dimensions).
     """
 
-    def __init__(self, attn: SelfAttention, group: dist.ProcessGroup | None):
+    def __init__(self, attn: SelfAttention, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
         super().__init__()
         t = group_size(group)
         if attn.heads % t:
@@ -377,17 +401,18 @@ class ParallelSelfAttention(nn.Module):
                              f"that divides {attn.heads}")
         self.group, self.causal = group, attn.causal
         self.hidden, self.heads, self.local_heads = attn.hidden, attn.heads, attn.heads // t
-        self.qkv = ColumnParallelLinear(attn.qkv, group, fused=3)
-        self.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True)
+        self.sequence_parallel = sequence_parallel
+        self.qkv = ColumnParallelLinear(attn.qkv, group, fused=3, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True, sequence_parallel=sequence_parallel)
 
     @classmethod
     def from_seed(cls, hidden: int, heads: int, group, *, seed: int, causal: bool = True,
-                  dtype: torch.dtype = torch.float32) -> "ParallelSelfAttention":
+                  dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> "ParallelSelfAttention":
         """Build the full :class:`SelfAttention` from ``seed`` (identically on every rank), then shard it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full = SelfAttention(hidden, heads, causal=causal, dtype=dtype)
-        return cls(full, group)
+        return cls(full, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(_attend(self.qkv(x), self.local_heads, self.causal))
