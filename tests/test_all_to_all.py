@@ -67,6 +67,13 @@ def _job():
         x = _data(sum(ins), (3,), torch.float32, 100 + k * n + rank)
         out["equal"].append(("random", k, torch.equal(all_to_all_v(x, outs, ins, emulate=topology),
                                                       _torch(x, outs, ins))))
+    # An output buffer of the caller's is filled and returned.
+    splits = SPLITS[0]
+    ins, outs = splits[rank], [row[rank] for row in splits]
+    x = _data(sum(ins), (2,), torch.float32, 60 + rank)
+    buf = torch.full((sum(outs), 2), math.nan)
+    got = all_to_all_v(x, outs, ins, out=buf)
+    out["equal"].append(("out", got is buf and torch.equal(buf, _torch(x, outs, ins))))
     # 3. None splits: equal blocks, as torch; and the equal-block all_to_all.
     x = _data(2 * n, (2,), torch.float64, rank)
     out["equal"].append(("none", torch.equal(all_to_all_v(x, None, None), _torch(x, [2] * n, [2] * n))))
@@ -95,6 +102,7 @@ def _job():
         "dtypes differ": lambda: all_to_all_v(x.double() if rank == 0 else x, ones, ones),
         "unsupported dtype": lambda: all_to_all_v(x > 0, ones, ones),
         "0-d": lambda: all_to_all_v(torch.tensor(1.0) if rank == 1 else x, ones, ones),
+        "out": lambda: all_to_all_v(x, ones, ones, out=torch.empty(n, 3) if rank == 0 else torch.empty(n, 2)),
         "none indivisible": lambda: all_to_all_v(_data(4, (2,), torch.float32, 0), None, None),
         # Unchecked, every rank makes its own mistake (a rank that raised alone would leave the others waiting).
         "unchecked": lambda: all_to_all_v(x, ones, [3, 0, -3], check=False),
@@ -114,7 +122,7 @@ def results():
 def test_all_to_all_v_equals_torch_on_uneven_splits_dtypes_and_row_shapes(results):
     for r in results:
         assert all(case[-1] for case in r["equal"]), [case for case in r["equal"] if not case[-1]]
-    assert len(results[0]["equal"]) == 2 * len(CASES) + 3 + 2 + 1 + 1 and len(results[1]["equal"]) == len(
+    assert len(results[0]["equal"]) == 2 * len(CASES) + 3 + 1 + 2 + 1 + 1 and len(results[1]["equal"]) == len(
         results[0]["equal"]) - 1  # rank 1 is outside the subgroup
 
 
@@ -139,6 +147,7 @@ def _same_error_everywhere(results, name):
     ("dtypes differ", "CollectiveMismatchError", ["rank 0: float64; rank 1: float32", "same dtype"]),
     ("unsupported dtype", "TypeError", ["dtype torch.bool is not supported"]),
     ("0-d", "CollectiveMismatchError", ["rank 1 passed a 0-dimensional tensor"]),
+    ("out", "CollectiveMismatchError", ["rank 0's out does not fit: it must be a contiguous tensor of 3 rows"]),
     ("none indivisible", "CollectiveMismatchError", ["input_split_sizes=None", "4 is not divisible by the group size 3"]),
 ])
 def test_each_bad_call_raises_the_same_clear_error_on_every_rank(results, name, kind, words):

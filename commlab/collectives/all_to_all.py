@@ -104,10 +104,11 @@ def _pairwise_exchange(send: list[torch.Tensor], recv: list[torch.Tensor], me: i
 _TRAILING_SLOTS = 6
 
 
-def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, size: int) -> tuple[int, ...]:
-    """This rank's AllToAllV arguments as ints of a fixed length (``4 + 2N + _TRAILING_SLOTS``), for the
+def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, size: int,
+                   out_fits: bool | None = None) -> tuple[int, ...]:
+    """This rank's AllToAllV arguments as ints of a fixed length (``5 + 2N + _TRAILING_SLOTS``), for the
     agreement check: ``[len(input splits), len(output splits), rows, ndim, *input splits, *output splits,
-    *trailing dims]``. A split list given as None has length -1 and holds the equal split ``rows // N``;
+    *trailing dims, out]`` (``out``: -1 none given, 1 it fits, 0 it does not). A split list given as None has length -1 and holds the equal split ``rows // N``;
     entries that are not ints (or do not fit in int64) show as -1; missing entries pad with 0 and surplus ones
     are cut (the length says so); unused trailing slots hold -1."""
     ndim = tensor.dim()
@@ -124,19 +125,19 @@ def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, 
         trailing = trailing[:_TRAILING_SLOTS - 1] + [math.prod(trailing[_TRAILING_SLOTS - 1:])]
     trailing += [-1] * (_TRAILING_SLOTS - len(trailing))
     ins, outs = splits(input_split_sizes), splits(output_split_sizes)
-    return (ins[0], outs[0], rows, ndim, *ins[1:], *outs[1:], *trailing)
+    return (ins[0], outs[0], rows, ndim, *ins[1:], *outs[1:], *trailing, -1 if out_fits is None else int(out_fits))
 
 
 def _unpack(layout: Sequence[int], size: int):
     len_in, len_out, rows, ndim = layout[:4]
     ins, outs = list(layout[4:4 + size]), list(layout[4 + size:4 + 2 * size])
-    trailing = list(layout[4 + 2 * size:])[:max(0, min(ndim - 1, _TRAILING_SLOTS))]
-    return len_in, len_out, rows, ndim, ins, outs, trailing
+    trailing = list(layout[4 + 2 * size:4 + 2 * size + _TRAILING_SLOTS])[:max(0, min(ndim - 1, _TRAILING_SLOTS))]
+    return len_in, len_out, rows, ndim, ins, outs, trailing, layout[4 + 2 * size + _TRAILING_SLOTS]
 
 
 def _local_problems(rank: int, layout: Sequence[int], size: int) -> list[str]:
     """What is wrong with one rank's own AllToAllV arguments (each a sentence naming the rank)."""
-    len_in, len_out, rows, ndim, ins, outs, _ = _unpack(layout, size)
+    len_in, len_out, rows, ndim, ins, outs, _, out_fits = _unpack(layout, size)
     if ndim == 0:
         return [f"rank {rank} passed a 0-dimensional tensor (AllToAllV splits the first dimension; pass at least "
                 "a 1-D tensor)"]
@@ -153,6 +154,9 @@ def _local_problems(rank: int, layout: Sequence[int], size: int) -> list[str]:
     if len_in == size and all(v >= 0 for v in ins) and sum(ins) != rows:
         found.append(f"rank {rank}'s input_split_sizes {ins} sum to {sum(ins)}, but its tensor's first dimension is "
                      f"{rows}; the splits must add up to the rows of the tensor")
+    if out_fits == 0 and not found:
+        found.append(f"rank {rank}'s out does not fit: it must be a contiguous tensor of {sum(outs)} rows "
+                     "(the sum of output_split_sizes) with the input's trailing dimensions, dtype and device")
     return found
 
 
@@ -187,12 +191,13 @@ def _splits_verdict(layouts: list[tuple[int, ...]]) -> str | None:
 
 def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
                  input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup | None = None, *,
-                 emulate: EmulatedTopology | None = None, check: bool = True) -> torch.Tensor:
+                 out: torch.Tensor | None = None, emulate: EmulatedTopology | None = None,
+                 check: bool = True) -> torch.Tensor:
     """AllToAllV: send ``input_split_sizes[j]`` consecutive rows of ``tensor`` to group rank j; return the rows
     received, ``output_split_sizes[j]`` of them from rank j, in rank order.
 
     The semantics of ``dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group)``
-    (the same argument order), with the output allocated here. The pairwise schedule and its cost: the
+    (the same argument order), the output allocated here unless ``out`` is given. The pairwise schedule and its cost: the
     module's docstring and :func:`all_to_all_v_seconds`.
 
     Args:
@@ -204,16 +209,20 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
         input_split_sizes: N ints >= 0 summing to R, rows to send to each group rank; None: R split equally.
             Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]``.
         group: process group (None: the world).
+        out: where to receive (torch's ``output``): a contiguous tensor of shape
+            ``[sum(output_split_sizes), *tensor.shape[1:]]``, ``tensor``'s dtype and device, not overlapping
+            ``tensor``; None: a new one. Reusing one avoids allocating (and, on the CPU, first touching) the
+            output on every call.
         emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays each send that
             crosses emulated nodes.
-        check: first make every rank agree (one small all-gather of ``16 + 2N`` int64 per rank; every rank
+        check: first make every rank agree (one small all-gather of ``17 + 2N`` int64 per rank; every rank
             raises the same error). Pass False only where the splits are known to match: without it a
             rank's own mistakes raise ``ValueError`` on that rank alone, and a mismatch between ranks is not
             caught (the exchange then fails on the backend's timeout or reads the wrong bytes).
 
     Returns:
-        A new tensor of shape ``[sum(output_split_sizes), *tensor.shape[1:]]`` and ``tensor``'s dtype, on
-        ``tensor``'s device (on the group's device when ``tensor`` is empty); rows
+        ``out``, or a new tensor of shape ``[sum(output_split_sizes), *tensor.shape[1:]]`` and ``tensor``'s
+        dtype, on ``tensor``'s device (on the group's device when ``tensor`` is empty); rows
         ``sum(output_split_sizes[:j]) ...`` hold rank j's block, this rank's own block copied.
 
     Raises:
@@ -222,12 +231,19 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
             the ranks and what each passed: a split list whose length is not N; a split that is negative or
             not an int; input splits that do not sum to the tensor's first dimension; a split of None where
             the rows are not divisible by N; a 0-dimensional tensor; trailing dimensions that differ between
-            ranks; ranks whose dtypes differ; a tensor not on the group's device; rank i's
-            ``input_split_sizes[j]`` not equal to rank j's ``output_split_sizes[i]``.
-        ValueError: without ``check``, the first four of those, on the rank that made them.
+            ranks; ranks whose dtypes differ; a tensor not on the group's device; an ``out`` that does not
+            fit; rank i's ``input_split_sizes[j]`` not equal to rank j's ``output_split_sizes[i]``.
+        ValueError: without ``check``, the mistakes a rank can see alone (the split lists' lengths, values and
+            sum, None with rows not divisible by N, a 0-dimensional tensor, ``out``), on the rank that made them.
     """
     size, me = group_size_and_rank(group, "all_to_all_v")
+    device = tensor.device if tensor.numel() else group_device(group)
     layout = _splits_layout(tensor, output_split_sizes, input_split_sizes, size)
+    if out is not None:
+        rows_out = sum(_unpack(layout, size)[5])
+        fits = (tuple(out.shape) == (rows_out, *tensor.shape[1:]) and out.dtype == tensor.dtype
+                and out.is_contiguous() and out.device == device)
+        layout = _splits_layout(tensor, output_split_sizes, input_split_sizes, size, fits)
     if check:
         check_agreement("all_to_all_v", tensor, group, layout, "split sizes", same_numel=False,
                         layout_verdict=_splits_verdict)
@@ -235,12 +251,12 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
         problems = _local_problems(me, layout, size)
         if problems:
             raise ValueError("all_to_all_v: " + "; ".join(problems))
-    _, _, rows, _, ins, outs, _ = _unpack(layout, size)
+    _, _, _, _, ins, outs, _, _ = _unpack(layout, size)
     inp = tensor.detach().contiguous()
-    device = inp.device if inp.numel() else group_device(group)
-    out = torch.empty((sum(outs), *inp.shape[1:]), dtype=inp.dtype, device=device)
+    if out is None:
+        out = torch.empty((sum(outs), *inp.shape[1:]), dtype=inp.dtype, device=device)
     # Blocks along the first dimension of contiguous tensors are contiguous views.
-    _pairwise_exchange(list(inp.split(ins)), list(out.split(outs)), me, size, group, emulate)
+    _pairwise_exchange(list(inp.split(ins)), list(out.detach().split(outs)), me, size, group, emulate)
     return out
 
 
