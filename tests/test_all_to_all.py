@@ -13,6 +13,7 @@ import torch.distributed as dist
 from commlab import launch
 from commlab.collectives import (CollectiveMismatchError, all_to_all, all_to_all_seconds, all_to_all_v,
                                  all_to_all_v_seconds)
+from commlab.collectives.all_to_all import all_to_all_v_bytes_sent, pairwise_step_nbytes
 from commlab.topology import EmulatedTopology, Link
 
 WORLD = 3
@@ -175,6 +176,8 @@ def test_cost_of_uneven_splits_pays_each_steps_largest_message():
     # Step 1: 0->1 (10), 1->2 (1), 2->0 (3): 10 B. Step 2: 0->2 (0), 1->0 (7), 2->1 (2): 7 B. Diagonal ignored.
     m = [[99, 10, 0], [7, 99, 1], [3, 2, 99]]
     assert all_to_all_v_seconds(m, 1.0, 0.5) == pytest.approx((1 + 0.5 * 10) + (1 + 0.5 * 7))
+    assert pairwise_step_nbytes(m) == [10, 7] and pairwise_step_nbytes([[4]]) == []
+    assert all_to_all_v_bytes_sent(m) == [10, 8, 5]
     # Skew costs more than its mean: the same 23 bytes spread evenly would take 2 steps of ~23/6 B.
     assert all_to_all_v_seconds(m, 0.0, 1.0) > 2 * 23 / 6
 

@@ -45,7 +45,8 @@ from commlab.collectives._common import (_global, as_int64, check_agreement, che
 from commlab.launch.device import group_device
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["all_to_all", "all_to_all_v", "all_to_all_seconds", "all_to_all_v_seconds"]
+__all__ = ["all_to_all", "all_to_all_v", "all_to_all_seconds", "all_to_all_v_seconds", "pairwise_step_nbytes",
+           "all_to_all_v_bytes_sent"]
 
 
 def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -301,13 +302,41 @@ def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float
         ValueError: ``split_nbytes`` is not a non-empty square matrix, or an entry is not a finite number
             >= 0; a rate as :func:`commlab.collectives._common.check_cost_args`.
     """
+    check_cost_args(0, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
+    return sum(alpha_s + beta_s_per_byte * largest for largest in pairwise_step_nbytes(split_nbytes))
+
+
+def _split_matrix(split_nbytes: Sequence[Sequence[float]]) -> list[list[float]]:
     matrix = [list(row) for row in split_nbytes]
-    n = len(matrix)
-    if n == 0 or any(len(row) != n for row in matrix):
+    if not matrix or any(len(row) != len(matrix) for row in matrix):
         raise ValueError(f"split_nbytes must be a square N x N matrix (bytes rank i sends rank j), got rows of "
                          f"lengths {[len(row) for row in matrix]}")
-    check_cost_args(0, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
     for row in matrix:
         for v in row:
             check_cost_args(v)
-    return sum(alpha_s + beta_s_per_byte * max(matrix[i][(i + s) % n] for i in range(n)) for s in range(1, n))
+    return matrix
+
+
+def pairwise_step_nbytes(split_nbytes: Sequence[Sequence[float]]) -> list[float]:
+    """The largest message of each step s = 1 .. N-1 of the pairwise schedule (rank i sends to i+s mod N):
+    ``[max_i split_nbytes[i][(i+s) mod N] for s in 1..N-1]``, bytes (or whatever unit the matrix is in; an
+    empty list for N = 1). The step times of :func:`all_to_all_v_seconds` are ``α + β·`` these.
+
+    Raises:
+        ValueError: as :func:`all_to_all_v_seconds`.
+    """
+    matrix = _split_matrix(split_nbytes)
+    n = len(matrix)
+    return [max(matrix[i][(i + s) % n] for i in range(n)) for s in range(1, n)]
+
+
+def all_to_all_v_bytes_sent(split_nbytes: Sequence[Sequence[float]]) -> list[float]:
+    """What each rank sends in an AllToAllV: row i of the matrix without its diagonal entry, the block rank i
+    keeps (``sum_j split_nbytes[i][j] - split_nbytes[i][i]``). What rank j receives is column j without
+    its diagonal entry.
+
+    Raises:
+        ValueError: as :func:`all_to_all_v_seconds`.
+    """
+    matrix = _split_matrix(split_nbytes)
+    return [sum(row) - row[i] for i, row in enumerate(matrix)]
