@@ -98,6 +98,7 @@ def _job():
         "negative": lambda: all_to_all_v(x, ones, [2, -1, 2] if rank == 0 else ones),
         "not an int": lambda: all_to_all_v(x, ones, [1.5, 1, 0.5] if rank == 1 else ones),
         "length": lambda: all_to_all_v(x, ones[:2] if rank == 1 else ones, ones),
+        "not a sequence": lambda: all_to_all_v(x, ones, 3 if rank == 0 else ones),
         "trailing": lambda: all_to_all_v(_data(n, (3,), torch.float32, 0) if rank == 2 else x, ones, ones),
         "ndim": lambda: all_to_all_v(_data(n, (2, 1), torch.float32, 0) if rank == 2 else x, ones, ones),
         "dtypes differ": lambda: all_to_all_v(x.double() if rank == 0 else x, ones, ones),
@@ -143,6 +144,7 @@ def _same_error_everywhere(results, name):
     ("not an int", "CollectiveMismatchError", ["rank 1's input_split_sizes [-1, 1, -1]", "not an int"]),
     ("length", "CollectiveMismatchError", ["rank 1's output_split_sizes has 2 entries, but needs one per rank of the "
                                            "group (3)"]),
+    ("not a sequence", "CollectiveMismatchError", ["rank 0's input_split_sizes is not a sequence of ints"]),
     ("trailing", "CollectiveMismatchError", ["rank 0: [2]; rank 1: [2]; rank 2: [3]", "same trailing dimensions"]),
     ("ndim", "CollectiveMismatchError", ["rank 2: [2, 1]", "same trailing dimensions"]),
     ("dtypes differ", "CollectiveMismatchError", ["rank 0: float64; rank 1: float32", "same dtype"]),

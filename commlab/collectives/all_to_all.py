@@ -109,7 +109,8 @@ def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, 
                    out_fits: bool | None = None) -> tuple[int, ...]:
     """This rank's AllToAllV arguments as ints of a fixed length (``5 + 2N + _TRAILING_SLOTS``), for the
     agreement check: ``[len(input splits), len(output splits), rows, ndim, *input splits, *output splits,
-    *trailing dims, out]`` (``out``: -1 none given, 1 it fits, 0 it does not). A split list given as None has length -1 and holds the equal split ``rows // N``;
+    *trailing dims, out]`` (``out``: -1 none given, 1 it fits, 0 it does not). A split list given as None
+    has length -1 and holds the equal split ``rows // N``; one that is not a sequence has length -2;
     entries that are not ints (or do not fit in int64) show as -1; missing entries pad with 0 and surplus ones
     are cut (the length says so); unused trailing slots hold -1."""
     ndim = tensor.dim()
@@ -118,7 +119,10 @@ def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, 
     def splits(given) -> list[int]:
         if given is None:
             return [-1] + [rows // size] * size
-        entries = [as_int64(v) for v in given]
+        try:
+            entries = [as_int64(v) for v in given]
+        except TypeError:  # not iterable: found here, raised on every rank by the check
+            return [-2] + [0] * size
         return [len(entries)] + (entries + [0] * size)[:size]
 
     trailing = list(tensor.shape[1:])
@@ -144,7 +148,9 @@ def _local_problems(rank: int, layout: Sequence[int], size: int) -> list[str]:
                 "a 1-D tensor)"]
     found = []
     for what, length, entries in (("input_split_sizes", len_in, ins), ("output_split_sizes", len_out, outs)):
-        if length >= 0 and length != size:
+        if length == -2:
+            found.append(f"rank {rank}'s {what} is not a sequence of ints; pass one int per rank ({size}) or None")
+        elif length >= 0 and length != size:
             found.append(f"rank {rank}'s {what} has {length} entries, but needs one per rank of the group ({size})")
         elif any(v < 0 for v in entries):
             found.append(f"rank {rank}'s {what} {entries} has an entry that is negative or not an int "
