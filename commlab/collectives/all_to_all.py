@@ -189,7 +189,8 @@ def _splits_verdict(layouts: list[tuple[int, ...]]) -> str | None:
              if unpacked[i][4][j] != unpacked[j][5][i]]
     if wrong:
         shown = "; ".join(f"rank {i} sends {sent} rows to rank {j} (its input_split_sizes[{j}]) but rank {j} expects "
-                          f"{expected} from rank {i} (its output_split_sizes[{i}])" for i, j, sent, expected in wrong[:6])
+                          f"{expected} from rank {i} (its output_split_sizes[{i}])"
+                          for i, j, sent, expected in wrong[:6])
         more = f"; and {len(wrong) - 6} more pairs" if len(wrong) > 6 else ""
         return (f"the split sizes do not match ({shown}{more}); rank i's input_split_sizes[j] must equal rank j's "
                 "output_split_sizes[i] for every pair of ranks")
@@ -204,8 +205,8 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
     received, ``output_split_sizes[j]`` of them from rank j, in rank order.
 
     The semantics of ``dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group)``
-    (the same argument order), the output allocated here unless ``out`` is given. The pairwise schedule and its cost: the
-    module's docstring and :func:`all_to_all_v_seconds`.
+    (the same argument order), the output allocated here unless ``out`` is given. The pairwise schedule and
+    its cost: the module's docstring and :func:`all_to_all_v_seconds`.
 
     Args:
         tensor: shape ``[R, ...]``, one of :data:`~commlab.collectives.SUPPORTED_DTYPES`, the same dtype and
@@ -284,10 +285,11 @@ def all_to_all_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: f
 def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float, beta_s_per_byte: float) -> float:
     """α-β time of a pairwise-exchange AllToAllV: ``Σ_{s=1}^{N-1} (α + β · max_i split_nbytes[i][(i+s) mod N])``.
 
-    The model: the pairwise schedule runs N-1 steps; at step s every rank i sends its block for rank i+s
-    (and receives from i-s), each message paying α and β per byte, and a step ends when its largest message
-    has arrived (the steps are as slow as their slowest pair, as in Thakur, Rabenseifner & Gropp 2005,
-    IJHPCA 19(1), pairwise-exchange Alltoall). A rank's own block does not move. A step whose messages are
+    The model: the pairwise schedule runs N-1 steps (the pairwise-exchange Alltoall of Thakur, Rabenseifner &
+    Gropp 2005, IJHPCA 19(1), priced there with equal blocks); at step s every rank i sends its block for
+    rank i+s (and receives from i-s), each message paying α and β per byte. For uneven blocks this course
+    assumes that a step ends when its largest message has arrived, so that each step is as slow as its
+    slowest pair. A rank's own block does not move. A step whose messages are
     all empty still pays α (the schedule does not know it may skip it). With equal blocks of
     ``nbytes/N`` this is :func:`all_to_all_seconds`; uneven splits pay for their skew, which is why a
     skewed expert-parallel routing is slower than its average message suggests.
