@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--check", action="store_true",
                        help="time the ring with its size/dtype agreement check (one small collective per call); "
                             "off by default, like dist.all_reduce, which checks nothing")
+    bench.add_argument("--all-to-all", action="store_true",
+                       help="the AlltoAll table instead: commlab's pairwise AllToAllV (equal splits) vs "
+                            "dist.all_to_all_single, sizes being one rank's whole send buffer, busbw with "
+                            "nccl-tests' factor (n-1)/n (--backend and --check apply)")
     bench.add_argument("--compressors", action="store_true",
                        help="compressor throughput beside the torch primitives, and our PowerSGD hook's DDP step "
                             "time beside PyTorch's (uses --world-size and --rounds)")
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
         modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase",
-                                                      "ring_attention") if getattr(args, m)]
+                                                      "ring_attention", "all_to_all") if getattr(args, m)]
         if args.seq_lengths is not None and not args.ring_attention:
             parser.error("--seq-lengths applies to --ring-attention only")
         if len(modes) > 1:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--device applies to --compressors only (the collectives take their device from --backend)")
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
-        if modes and (args.backend != "gloo" or args.check):
+        if modes and modes != ["--all-to-all"] and (args.backend != "gloo" or args.check):
             # These benchmarks start their own gloo ranks (--compressors times its kernels on --device); a flag
             # they would ignore is refused, so that a table never says less than the command line asked for.
             parser.error(f"{modes[0]} starts its own gloo ranks; --backend and --check apply to the AllReduce "
@@ -191,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_emulated(args, parser, hi)
         if args.algorithms:
             return _bench_algorithms(args, parser, _sizes(lo, hi, args.step_factor))
+        if args.all_to_all:
+            from commlab.bench.all_to_all import bench_all_to_all
+            rows = bench_all_to_all(args.world_size, _sizes(lo, hi, args.step_factor), rounds=args.rounds,
+                                    check=args.check, backend=args.backend)
+            wrong = sum(r.wrong for r in rows)
+            print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+            return 0 if wrong == 0 else 1
         rows = bench_all_reduce(args.world_size, _sizes(lo, hi, args.step_factor), rounds=args.rounds,
                                 check=args.check, backend=args.backend)
         wrong = sum(r.wrong for r in rows)

@@ -15,7 +15,8 @@ selftest`` and exits non-zero if a check fails:
   sane timeline; ZeRO-1 against torch's Adam; ``train_data_parallel`` on the device.
 * ``collectives`` (under torchrun, >= 2 ranks): ring ReduceScatter / AllGather / AllReduce,
   halving-doubling, recursive doubling, the binomial tree and the hierarchical AllReduce against
-  ``dist.all_reduce`` (and ``all_gather``/``reduce_scatter``) on odd sizes.
+  ``dist.all_reduce`` (and ``all_gather``/``reduce_scatter``) on odd sizes; AllToAllV with uneven splits
+  against ``dist.all_to_all_single``.
 
 ``--dry-run`` is not a flag here: the shell script runs the same parts on gloo CPU ranks with small sizes.
 """
@@ -211,7 +212,7 @@ def _train_rows(device: torch.device) -> list[Check]:
 # ------------------------------------------------------------------------------------------- collectives
 
 def _collective_rows(device: torch.device) -> list[Check]:
-    from commlab.collectives import (hierarchical_all_reduce, make_hierarchy_groups, rhd_all_reduce,
+    from commlab.collectives import (all_to_all_v, hierarchical_all_reduce, make_hierarchy_groups, rhd_all_reduce,
                                      recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
                                      ring_reduce_scatter, tree_all_reduce)
     from commlab.collectives._common import all_gather_single, chunk_bounds
@@ -240,6 +241,17 @@ def _collective_rows(device: torch.device) -> list[Check]:
         rows.append(Check(f"ring AllGather, {count} x float32",
                           max_over_world(_rel_err(ring_all_gather(x), gathered), device), 0.0,
                           "vs dist.all_gather_into_tensor"))
+    # AllToAllV: uneven split sizes with zeros among them (rank i sends (i + 2j) % 3 rows of 5 to rank j, times a
+    # scale), every message a grouped point-to-point on the device, against NCCL's own all_to_all_single.
+    for scale in (1, 4096):
+        splits = [[(i + 2 * j) % 3 * scale for j in range(n)] for i in range(n)]
+        ins, outs = splits[rank], [row[rank] for row in splits]
+        x = torch.randn(sum(ins), 5, generator=torch.Generator().manual_seed(rank + scale)).to(device)
+        ref = x.new_empty((sum(outs), 5))
+        dist.all_to_all_single(ref, x, outs, ins)
+        rows.append(Check(f"AllToAllV, uneven splits x {scale}, rows of 5 x float32",
+                          max_over_world(_rel_err(all_to_all_v(x, outs, ins), ref), device), 0.0,
+                          "vs dist.all_to_all_single"))
     return rows
 
 

@@ -13,8 +13,8 @@
 #      digits trainer on CUDA under torchrun, with their clock marks;
 #   5. bench --backend nccl (commlab ring vs dist.all_reduce) under torchrun at world size 1;
 #   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
-#   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter and AllGather on NCCL, the steps of 4 and the
-#      AllReduce table on all GPUs.
+#   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter, AllGather and AllToAllV on NCCL, the steps
+#      of 4 and the AllReduce table on all GPUs.
 # --dry-run runs steps 1-5b and 6a on 2 gloo ranks (6b and 6c would repeat 4 and 5 there), so that every
 # step's logic runs in CI. The exit status is the number of failed steps (0: all passed).
 set -uo pipefail

@@ -15,6 +15,9 @@ def test_busbw_factors_follow_nccl_tests():
     assert busbw_bytes_per_s(1e9, 1.0, 4, "all_reduce") == pytest.approx(1.5e9)
     assert busbw_bytes_per_s(1e9, 1.0, 8, "all_gather") == pytest.approx(0.875e9)
     assert busbw_bytes_per_s(1e9, 2.0, 8, "broadcast") == pytest.approx(0.5e9)
+    # AlltoAll: nccl-tests' src/alltoall.cu, S = one rank's whole send buffer, factor (n-1)/n.
+    assert busbw_bytes_per_s(1e9, 1.0, 4, "all_to_all") == pytest.approx(0.75e9)
+    assert busbw_bytes_per_s(1e9, 1.0, 1, "all_to_all") == 0.0
     assert algbw_bytes_per_s(10, 2) == 5
     with pytest.raises(ValueError, match="collective must be one of"):
         busbw_bytes_per_s(1, 1, 2, "alltoall")
@@ -57,6 +60,24 @@ def test_ratio_and_table_of_a_row():
     row = BenchRow(nbytes=8, count=2, dtype="float32", world_size=2, ours_s=1.0, torch_s=2.0, wrong=1)
     assert row.ratio == pytest.approx(2.0)
     assert format_table([row]).splitlines()[-1].split()[6] == "1"
+
+
+def test_an_all_to_all_row_uses_the_all_to_all_factor_and_heading():
+    row = BenchRow(nbytes=1000, count=250, dtype="float32", world_size=4, ours_s=1e-6, torch_s=2e-6, wrong=0,
+                   collective="all_to_all")
+    assert row.ours_busbw == pytest.approx(row.ours_algbw * 3 / 4) and row.ratio == pytest.approx(2.0)
+    table = format_table([row])
+    assert table.startswith("# AlltoAll, 4 ranks") and "dist.all_to_all_single" in table
+
+
+def test_command_line_all_to_all_bench(capsys):
+    assert main(["bench", "--all-to-all", "-n", "3", "-b", "1K", "-e", "1K", "-r", "1", "--check"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "float32" in line]
+    assert "# AlltoAll, 3 ranks" in out and "with check=True" in out and "out of bounds values: 0 OK" in out
+    # 1K rounded down to whole blocks of one float32 per rank; no element differed from torch's.
+    assert [(r[0], r[1], r[6]) for r in rows] == [("1020", "255", "0")]
+    assert all(float(r[-1]) > 0 for r in rows)
 
 
 def test_bench_rejects_bad_arguments():
@@ -114,14 +135,16 @@ def test_command_line_rejects_bad_sizes():
      "apply to the AllReduce table only"),
     (["--emulate", "2x2", "--backend", "nccl"], "--emulate starts its own gloo ranks"),
     (["--algorithms", "all", "--check"], "--algorithms starts its own gloo ranks"),
-    (["--compressors", "--backend", "nccl"], "--compressors starts its own gloo ranks")])
+    (["--compressors", "--backend", "nccl"], "--compressors starts its own gloo ranks"),
+    (["--all-to-all", "--two-phase"], "separate benchmarks"),
+    (["--all-to-all", "--torchrun", "1x2"], "--all-to-all starts its own ranks")])
 def test_command_line_rejects_flags_that_would_be_ignored(flags, message, capsys):
     code, err = _usage_error(flags, capsys)
     assert code == 2 and message in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("flags", [[], ["--torchrun", "1x2"]])
+@pytest.mark.parametrize("flags", [[], ["--torchrun", "1x2"], ["--all-to-all"]])
 def test_bench_on_nccl_without_a_gpu_is_a_usage_error_not_a_traceback(flags, capsys):
     code, err = _usage_error(["--backend", "nccl", *flags], capsys)
     assert code == 2 and "--backend nccl needs CUDA GPUs" in err and "use --backend gloo" in err

@@ -521,6 +521,40 @@ def test_each_step_time_slip_is_named(slip, message):
     assert message in text and "too" in text, text
 
 
+# ------------------------------------------------------------------ lab 3: AllToAllV bytes
+
+def _a2a_right(splits, row_nbytes):
+    return [row_nbytes * (sum(row) - row[i]) for i, row in enumerate(splits)]
+
+
+def test_the_all_to_all_bytes_solution_passes_and_the_step_is_graded():
+    from commlab.exercises import check_all_to_all_bytes
+    assert check_all_to_all_bytes(_a2a_right, 2).passed, str(check_all_to_all_bytes(_a2a_right, 2))
+    assert "not the slowest: the largest message of step 1 is 8 rows" in str(check_all_to_all_bytes(_a2a_right, 1))
+    assert "is not a step: give an int s in 1..3" in str(check_all_to_all_bytes(_a2a_right, 4))
+    assert "not set yet" in str(check_all_to_all_bytes(_a2a_right, None))
+
+    def bytes_sent(splits, row_nbytes):
+        return None
+
+    assert str(check_all_to_all_bytes(bytes_sent, None)).endswith("not attempted yet: fill in `bytes_sent` in the cell "
+                                                                   "above")
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda s, b: [b * sum(row) for row in s], "counts the block each rank keeps"),
+    (lambda s, b: [sum(row) - row[i] for i, row in enumerate(s)], "counts rows, not bytes"),
+    (lambda s, b: [b * (sum(s[i][j] for i in range(len(s))) - s[j][j]) for j in range(len(s))],
+     "that is what each rank receives"),
+    (lambda s, b: sum(_a2a_right(s, b)), "a single number"),
+])
+def test_each_all_to_all_bytes_slip_is_named_without_the_expected_bytes(slip, message):
+    from commlab.exercises import check_all_to_all_bytes
+    text = str(check_all_to_all_bytes(slip, 2))
+    assert message in text and "FAIL  2 ranks, rows of 4096 B" in text, text
+    assert "expected" not in text
+
+
 # ------------------------------------------------------------------ the labs' stored pages
 
 def _lab_cells():

@@ -34,7 +34,9 @@ DEFAULT_SIZES = tuple(2**k for k in range(10, 27, 2))  # 1 KiB ... 64 MiB, every
 
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
-    """One size of the benchmark. Times in seconds, bandwidths in bytes/s."""
+    """One size of a benchmark, ours beside torch's. Times in seconds, bandwidths in bytes/s; ``nbytes`` is
+    nccl-tests' S for ``collective`` (a key of :data:`~commlab.bench.metrics.BUSBW_FACTORS`: for AllReduce
+    the buffer, for AlltoAll one rank's whole send buffer), which sets busbw's factor."""
 
     nbytes: int
     count: int
@@ -43,6 +45,7 @@ class BenchRow:
     ours_s: float
     torch_s: float
     wrong: int
+    collective: str = "all_reduce"
 
     @property
     def ours_algbw(self) -> float:
@@ -50,7 +53,7 @@ class BenchRow:
 
     @property
     def ours_busbw(self) -> float:
-        return busbw_bytes_per_s(self.nbytes, self.ours_s, self.world_size)
+        return busbw_bytes_per_s(self.nbytes, self.ours_s, self.world_size, self.collective)
 
     @property
     def torch_algbw(self) -> float:
@@ -58,7 +61,7 @@ class BenchRow:
 
     @property
     def torch_busbw(self) -> float:
-        return busbw_bytes_per_s(self.nbytes, self.torch_s, self.world_size)
+        return busbw_bytes_per_s(self.nbytes, self.torch_s, self.world_size, self.collective)
 
     @property
     def ratio(self) -> float:
@@ -152,11 +155,17 @@ def bench_all_reduce(world_size: int = 4, sizes: Iterable[int] = DEFAULT_SIZES, 
     return rows
 
 
-def _header(world_size: int, backend: str, check: bool | None = None) -> str:
+# collective -> (its name, what "ours" is, what "torch" is), for the table's heading.
+TITLES = {"all_reduce": ("AllReduce", "ring", "dist.all_reduce"),
+          "all_to_all": ("AlltoAll", "pairwise AllToAllV", "dist.all_to_all_single")}
+
+
+def _header(world_size: int, backend: str, check: bool | None = None, collective: str = "all_reduce") -> str:
     what = {None: "", True: " with check=True", False: " with check=False"}[check]
+    name, ours, theirs = TITLES[collective]
     return "\n".join([
-        f"# AllReduce, {world_size} ranks, backend {backend}: commlab ring (ours{what}) vs dist.all_reduce (torch)",
-        "#" + " " * 37 + "ours (ring)" + " " * 26 + "torch (dist.all_reduce)",
+        f"# {name}, {world_size} ranks, backend {backend}: commlab {ours} (ours{what}) vs {theirs} (torch)",
+        "#" + " " * 37 + f"ours ({ours})".ljust(37) + f"torch ({theirs})",
         f"#{'size':>11} {'count':>10} {'type':>7}  {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
         f"  {'time':>10} {'algbw':>7} {'busbw':>7}  {'busbw ours/torch':>16}",
         f"#{'(B)':>11} {'(elements)':>10} {'':>7}  {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
@@ -174,4 +183,5 @@ def format_table(rows: list[BenchRow], backend: str = "gloo") -> str:
     """The nccl-tests-style table for ``rows`` (GB = 1e9 bytes, as nccl-tests prints)."""
     if not rows:
         return "(no rows)"
-    return "\n".join([_header(rows[0].world_size, backend)] + [_format_row(r) for r in rows])
+    return "\n".join([_header(rows[0].world_size, backend, collective=rows[0].collective)]
+                     + [_format_row(r) for r in rows])

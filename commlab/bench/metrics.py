@@ -4,6 +4,10 @@ Source: NVIDIA nccl-tests, ``doc/PERFORMANCE.md``. For a collective on S bytes t
 ``algbw = S / t``; ``busbw = algbw * factor``, where the factor makes busbw comparable to the
 per-direction link bandwidth a ring would need: AllReduce 2(n-1)/n, ReduceScatter and AllGather (n-1)/n
 (S being the full, gathered size), Broadcast and Reduce 1.
+
+AlltoAll, which ``PERFORMANCE.md`` does not list: nccl-tests' ``src/alltoall.cu`` (``AlltoAllGetBw``) takes S
+as one rank's whole send buffer (N blocks, ``count * nranks * typesize``) and the factor (n-1)/n, since
+each rank's own block does not cross a link: every rank sends (n-1)/n of S and receives as much.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ BUSBW_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # S: one rank's whole send buffer (nccl-tests, src/alltoall.cu)
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }

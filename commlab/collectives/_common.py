@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,7 +161,8 @@ def _global(group, group_rank: int) -> int:
 
 def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                     layout: Sequence[int] = (), layout_name: str = "ring order",
-                    layout_problem: str | None = None, layout_rule: str = "") -> None:
+                    layout_problem: str | None = None, layout_rule: str = "", *, same_numel: bool = True,
+                    layout_verdict: Callable[[list[tuple[int, ...]]], str | None] | None = None) -> None:
     """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
     One small all-gather of ``6 + len(layout)`` int64 per rank, on the group's device (the cost is one
@@ -184,13 +185,20 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
         layout_problem: this rank's own verdict on its layout (None if valid).
         layout_rule: what a valid layout is, e.g. "a permutation of the group's ranks 0..3" (the same
             text on every rank, so that every rank raises the same message).
+        same_numel: whether every rank must pass as many elements (False for a collective whose ranks send
+            different amounts, such as AllToAllV; the dtype must still agree).
+        layout_verdict: for a layout that is *not* the same on every rank (AllToAllV's split sizes: rank i's
+            sends to rank j must match rank j's receives from rank i), a pure function of every rank's
+            layout, in group-rank order, that returns a sentence saying what is wrong, or None. It replaces
+            the test that all layouts are equal; every rank calls it on the same gathered layouts, so every
+            rank raises the same message. With one rank it is called on this rank's layout alone.
 
     Raises:
         TypeError: some rank's dtype is not in :data:`SUPPORTED_DTYPES` (on every rank).
         ValueError: some rank's tensor is not on the group's device, or some rank's layout is invalid (on
             every rank; a CollectiveMismatchError naming the ranks and their devices).
-        CollectiveMismatchError: the ranks disagree; the message lists what each rank passed,
-            identically on every rank.
+        CollectiveMismatchError: the ranks disagree, or ``layout_verdict`` found a problem; the message
+            lists what each rank passed, identically on every rank.
     """
     size, _ = group_size_and_rank(group)
     supported = tensor.dtype in SUPPORTED_DTYPES
@@ -203,6 +211,9 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
             raise CollectiveMismatchError(_device_message(name, device, [(0, *_device_code(tensor.device))]))
         if layout_problem:
             raise CollectiveMismatchError(f"{name}: {layout_problem}")
+        verdict = layout_verdict([tuple(layout)]) if layout_verdict else None
+        if verdict:
+            raise CollectiveMismatchError(f"{name}: {verdict}")
         return
     rule = f" must be {layout_rule}" if layout_rule else " must be valid"
     # On the group's device (the rank's own GPU under NCCL, which moves only CUDA tensors; a bare .cuda()
@@ -231,15 +242,22 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
         note = "; entries that are not integers show as -1" if any(-1 in lay for _, lay in bad_layout) else ""
         raise CollectiveMismatchError(f"{name}: the {layout_name}{rule} ({who}{note}); every rank must pass "
                                       f"the same valid {layout_name}")
-    tensors_differ = len({(row[0], row[1]) for row in rows}) > 1
-    layouts_differ = len({tuple(row[4:]) for row in rows}) > 1
-    if tensors_differ or layouts_differ:
+    tensors_differ = len({(row[0] if same_numel else 0, row[1]) for row in rows}) > 1
+    verdict = layout_verdict([tuple(row[4:]) for row in rows]) if layout_verdict else None
+    layouts_differ = layout_verdict is None and len({tuple(row[4:]) for row in rows}) > 1
+    if tensors_differ or layouts_differ or verdict:
         parts = []
-        if tensors_differ:
+        if tensors_differ and same_numel:
             described = "; ".join(f"rank {r}: {row[0]} elements of {_dtype_name(row[1])}"
                                   for r, row in enumerate(rows))
             parts.append(f"ranks passed incompatible tensors ({described}). Every rank of the group must "
                          "call it with the same number of elements and the same dtype.")
+        elif tensors_differ:
+            described = "; ".join(f"rank {r}: {_dtype_name(row[1])}" for r, row in enumerate(rows))
+            parts.append(f"ranks passed tensors of different dtypes ({described}). Every rank of the group must "
+                         "call it with the same dtype.")
+        if verdict:
+            parts.append(verdict)
         if layouts_differ:
             described = "; ".join(f"rank {r}: {row[4:]}" for r, row in enumerate(rows))
             parts.append(f"ranks passed different {layout_name}s ({described}); every rank must pass the "

@@ -1,15 +1,29 @@
-"""AllToAll by pairwise exchange: block j of every rank's tensor goes to rank j, in one grouped exchange.
+"""AllToAll and AllToAllV by pairwise exchange: block j of every rank's tensor goes to rank j, in one grouped
+exchange.
 
-Each rank passes a tensor whose first dimension has N rows (N = group size); row j is the block meant for
-group rank j. Each rank gets back a tensor of the same shape whose row j is the block rank j meant for it
-(row i of rank j's input, for this rank i). That is ``dist.all_to_all_single(out, inp)`` with equal splits,
-and the tests check it against that.
+* :func:`all_to_all` (equal blocks): each rank passes a tensor whose first dimension has N rows (N = group
+  size); row j is the block meant for group rank j. Each rank gets back a tensor of the same shape whose row
+  j is the block rank j meant for it (row i of rank j's input, for this rank i). That is
+  ``dist.all_to_all_single(out, inp)`` with equal splits.
+* :func:`all_to_all_v` (uneven blocks, MPI's ``MPI_Alltoallv``): the tensor's first dimension is cut into N
+  consecutive blocks of ``input_split_sizes[j]`` rows, block j going to rank j; the result stacks the
+  blocks received, ``output_split_sizes[j]`` rows from rank j, in rank order. That is
+  ``dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes)``, which expert parallelism's
+  token dispatch and combine use (each rank sends each expert's rank however many tokens were routed there).
+
+The tests check both against ``dist.all_to_all_single``.
 
 All N-1 sends and N-1 receives of a rank are posted as one group (:func:`commlab.collectives.p2p.exchange`),
 the way NCCL's user guide writes an all-to-all from ``ncclSend``/``ncclRecv`` (one ``ncclGroupStart`` /
 ``ncclGroupEnd`` around a send and a receive per peer, "Point-to-point communication"): grouped, the
-messages progress together and cannot deadlock. Rank i sends to i+1, i+2, ... in that order (the pairwise
-schedule), so that the ranks do not all start on the same peer.
+messages progress together and cannot deadlock. Rank i sends to i+1, i+2, ... and receives from i-1,
+i-2, ... in that order (the pairwise schedule: at step s, s = 1..N-1, rank i sends to i+s and receives from
+i-s, so that every rank has one partner each way per step and the ranks do not all start on the same peer).
+
+Cost (:func:`all_to_all_seconds`, :func:`all_to_all_v_seconds`): the pairwise schedule's N-1 steps, each
+paying α and the β-time of its largest message (Thakur, Rabenseifner & Gropp 2005, "Optimization of
+Collective Communication Operations in MPICH", IJHPCA 19(1), the pairwise-exchange Alltoall for long
+messages). busbw: nccl-tests' factor (n-1)/n (:data:`commlab.bench.metrics.BUSBW_FACTORS`).
 
 Why here: the two-phase compressed AllReduce (:mod:`commlab.compress.two_phase`) moves its first phase with
 an all-to-all. Built from point-to-point messages, an :class:`~commlab.topology.EmulatedTopology` can delay
@@ -22,11 +36,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import math
+from typing import Sequence
+
 from commlab.collectives import p2p
-from commlab.collectives._common import _global, check_agreement, check_cost_args, group_size_and_rank
+from commlab.collectives._common import (_global, as_int64, check_agreement, check_cost_args,
+                                         group_size_and_rank)
+from commlab.launch.device import group_device
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["all_to_all", "all_to_all_seconds"]
+__all__ = ["all_to_all", "all_to_all_v", "all_to_all_seconds", "all_to_all_v_seconds", "pairwise_step_nbytes",
+           "all_to_all_v_bytes_sent"]
 
 
 def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -62,12 +82,189 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
         raise ValueError(problem)
     inp = tensor.detach().contiguous()
     out = torch.empty_like(inp)
-    out[me].copy_(inp[me])
-    if size > 1 and inp.numel() > 0:
-        peers = [(me + s) % size for s in range(1, size)]
-        ex = p2p.exchange([(inp[j], _global(group, j)) for j in peers],
-                          [(out[j], _global(group, j)) for j in peers], group, emulate=emulate)
-        ex.wait()
+    _pairwise_exchange(list(inp), list(out), me, size, group, emulate)
+    return out
+
+
+def _pairwise_exchange(send: list[torch.Tensor], recv: list[torch.Tensor], me: int, size: int,
+                       group: dist.ProcessGroup | None, emulate: EmulatedTopology | None) -> None:
+    """Copy ``send[me]`` into ``recv[me]`` and swap the other blocks in one grouped exchange: ``send[j]`` goes to
+    group rank j, ``recv[j]`` is filled from group rank j (contiguous blocks; empty ones are left out on both
+    sides, by :func:`~commlab.collectives.p2p.exchange`)."""
+    recv[me].copy_(send[me])
+    if size > 1:
+        steps = range(1, size)  # step s: send to me+s, receive from me-s (the pairwise schedule)
+        sends = [(send[(me + s) % size], _global(group, (me + s) % size)) for s in steps]
+        recvs = [(recv[(me - s) % size], _global(group, (me - s) % size)) for s in steps]
+        p2p.exchange(sends, recvs, group, emulate=emulate).wait()
+
+
+# The agreement check carries a fixed number of trailing dimensions (it is one all-gather of equal-length
+# rows); dimensions beyond the last slot are folded into it as their product, which still catches every
+# mismatch in bytes per row.
+_TRAILING_SLOTS = 6
+
+
+def _splits_layout(tensor: torch.Tensor, output_split_sizes, input_split_sizes, size: int,
+                   out_fits: bool | None = None) -> tuple[int, ...]:
+    """This rank's AllToAllV arguments as ints of a fixed length (``5 + 2N + _TRAILING_SLOTS``), for the
+    agreement check: ``[len(input splits), len(output splits), rows, ndim, *input splits, *output splits,
+    *trailing dims, out]`` (``out``: -1 none given, 1 it fits, 0 it does not). A split list given as None
+    has length -1 and holds the equal split ``rows // N``; one that is not a sequence has length -2;
+    entries that are not ints (or do not fit in int64) show as -1; missing entries pad with 0 and surplus ones
+    are cut (the length says so); unused trailing slots hold -1."""
+    ndim = tensor.dim()
+    rows = tensor.shape[0] if ndim >= 1 else 0
+
+    def splits(given) -> list[int]:
+        if given is None:
+            return [-1] + [rows // size] * size
+        try:
+            entries = [as_int64(v) for v in given]
+        except TypeError:  # not iterable: found here, raised on every rank by the check
+            return [-2] + [0] * size
+        return [len(entries)] + (entries + [0] * size)[:size]
+
+    trailing = list(tensor.shape[1:])
+    if len(trailing) > _TRAILING_SLOTS:
+        trailing = trailing[:_TRAILING_SLOTS - 1] + [math.prod(trailing[_TRAILING_SLOTS - 1:])]
+    trailing += [-1] * (_TRAILING_SLOTS - len(trailing))
+    ins, outs = splits(input_split_sizes), splits(output_split_sizes)
+    return (ins[0], outs[0], rows, ndim, *ins[1:], *outs[1:], *trailing, -1 if out_fits is None else int(out_fits))
+
+
+def _unpack(layout: Sequence[int], size: int):
+    len_in, len_out, rows, ndim = layout[:4]
+    ins, outs = list(layout[4:4 + size]), list(layout[4 + size:4 + 2 * size])
+    trailing = list(layout[4 + 2 * size:4 + 2 * size + _TRAILING_SLOTS])[:max(0, min(ndim - 1, _TRAILING_SLOTS))]
+    return len_in, len_out, rows, ndim, ins, outs, trailing, layout[4 + 2 * size + _TRAILING_SLOTS]
+
+
+def _local_problems(rank: int, layout: Sequence[int], size: int) -> list[str]:
+    """What is wrong with one rank's own AllToAllV arguments (each a sentence naming the rank)."""
+    len_in, len_out, rows, ndim, ins, outs, _, out_fits = _unpack(layout, size)
+    if ndim == 0:
+        return [f"rank {rank} passed a 0-dimensional tensor (AllToAllV splits the first dimension; pass at least "
+                "a 1-D tensor)"]
+    found = []
+    for what, length, entries in (("input_split_sizes", len_in, ins), ("output_split_sizes", len_out, outs)):
+        if length == -2:
+            found.append(f"rank {rank}'s {what} is not a sequence of ints; pass one int per rank ({size}) or None")
+        elif length >= 0 and length != size:
+            found.append(f"rank {rank}'s {what} has {length} entries, but needs one per rank of the group ({size})")
+        elif any(v < 0 for v in entries):
+            found.append(f"rank {rank}'s {what} {entries} has an entry that is negative or not an int "
+                         "(entries that are not ints show as -1); every split must be an int >= 0")
+        elif length < 0 and rows % size:
+            found.append(f"rank {rank} passed {what}=None, which splits the first dimension ({rows} rows) "
+                         f"equally, but {rows} is not divisible by the group size {size}; pass the split sizes")
+    if len_in == size and all(v >= 0 for v in ins) and sum(ins) != rows:
+        found.append(f"rank {rank}'s input_split_sizes {ins} sum to {sum(ins)}, but its tensor's first dimension is "
+                     f"{rows}; the splits must add up to the rows of the tensor")
+    if out_fits == 0 and not found:
+        found.append(f"rank {rank}'s out does not fit: it must be a contiguous tensor of {sum(outs)} rows "
+                     "(the sum of output_split_sizes) with the input's trailing dimensions, dtype and device")
+    return found
+
+
+def _splits_verdict(layouts: list[tuple[int, ...]]) -> str | None:
+    """Every rank's AllToAllV arguments (group-rank order) -> the one sentence every rank raises, or None.
+
+    Each rank's own arguments first (:func:`_local_problems`); then the ranks together: the same trailing
+    dimensions everywhere, and rank i's ``input_split_sizes[j]`` equal to rank j's ``output_split_sizes[i]``
+    (what i sends j is what j expects from i; both sides leave out an empty message, so a disagreement
+    would otherwise hang or read the wrong bytes).
+    """
+    size = len(layouts)
+    own = [p for r, lay in enumerate(layouts) for p in _local_problems(r, lay, size)]
+    if own:
+        return "; ".join(own)
+    unpacked = [_unpack(lay, size) for lay in layouts]
+    shapes = [(u[3], tuple(u[6])) for u in unpacked]
+    if len(set(shapes)) > 1:
+        who = "; ".join(f"rank {r}: {list(trailing)}" for r, (_, trailing) in enumerate(shapes))
+        return (f"ranks passed rows of different shapes (the dimensions after the first: {who}); every rank's "
+                "tensor must have the same trailing dimensions")
+    wrong = [(i, j, unpacked[i][4][j], unpacked[j][5][i]) for i in range(size) for j in range(size)
+             if unpacked[i][4][j] != unpacked[j][5][i]]
+    if wrong:
+        shown = "; ".join(f"rank {i} sends {sent} rows to rank {j} (its input_split_sizes[{j}]) but rank {j} expects "
+                          f"{expected} from rank {i} (its output_split_sizes[{i}])"
+                          for i, j, sent, expected in wrong[:6])
+        more = f"; and {len(wrong) - 6} more pairs" if len(wrong) > 6 else ""
+        return (f"the split sizes do not match ({shown}{more}); rank i's input_split_sizes[j] must equal rank j's "
+                "output_split_sizes[i] for every pair of ranks")
+    return None
+
+
+def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
+                 input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup | None = None, *,
+                 out: torch.Tensor | None = None, emulate: EmulatedTopology | None = None,
+                 check: bool = True) -> torch.Tensor:
+    """AllToAllV: send ``input_split_sizes[j]`` consecutive rows of ``tensor`` to group rank j; return the rows
+    received, ``output_split_sizes[j]`` of them from rank j, in rank order.
+
+    The semantics of ``dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group)``
+    (the same argument order), the output allocated here unless ``out`` is given. The pairwise schedule and
+    its cost: the module's docstring and :func:`all_to_all_v_seconds`.
+
+    Args:
+        tensor: shape ``[R, ...]``, one of :data:`~commlab.collectives.SUPPORTED_DTYPES`, the same dtype and
+            the same trailing dimensions (``shape[1:]``) on every rank; R may differ between ranks and may be
+            0. On the group's device (the rank's own GPU under NCCL). It is not modified.
+        output_split_sizes: N ints >= 0, rows to receive from each group rank; None: the output has R rows,
+            split equally (R must be divisible by N), as torch does for an output of the input's shape.
+        input_split_sizes: N ints >= 0 summing to R, rows to send to each group rank; None: R split equally.
+            Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]``.
+        group: process group (None: the world).
+        out: where to receive (torch's ``output``): a contiguous tensor of shape
+            ``[sum(output_split_sizes), *tensor.shape[1:]]``, ``tensor``'s dtype and device, not overlapping
+            ``tensor``; None: a new one. Reusing one avoids allocating (and, on the CPU, first touching) the
+            output on every call.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays each send that
+            crosses emulated nodes.
+        check: first make every rank agree (one small all-gather of ``17 + 2N`` int64 per rank; every rank
+            raises the same error). Pass False only where the splits are known to match: without it a
+            rank's own mistakes raise ``ValueError`` on that rank alone, and a mismatch between ranks is not
+            caught (the exchange then fails on the backend's timeout or reads the wrong bytes).
+
+    Returns:
+        ``out``, or a new tensor of shape ``[sum(output_split_sizes), *tensor.shape[1:]]`` and ``tensor``'s
+        dtype, on ``tensor``'s device (on the group's device when ``tensor`` is empty); rows
+        ``sum(output_split_sizes[:j]) ...`` hold rank j's block, this rank's own block copied.
+
+    Raises:
+        TypeError: some rank's dtype is not supported (with ``check``, on every rank).
+        CollectiveMismatchError (a ``ValueError``), with ``check`` on every rank with the same message naming
+            the ranks and what each passed: a split list whose length is not N; a split that is negative or
+            not an int; input splits that do not sum to the tensor's first dimension; a split of None where
+            the rows are not divisible by N; a 0-dimensional tensor; trailing dimensions that differ between
+            ranks; ranks whose dtypes differ; a tensor not on the group's device; an ``out`` that does not
+            fit; rank i's ``input_split_sizes[j]`` not equal to rank j's ``output_split_sizes[i]``.
+        ValueError: without ``check``, the mistakes a rank can see alone (the split lists' lengths, values and
+            sum, None with rows not divisible by N, a 0-dimensional tensor, ``out``), on the rank that made them.
+    """
+    size, me = group_size_and_rank(group, "all_to_all_v")
+    device = tensor.device if tensor.numel() else group_device(group)
+    layout = _splits_layout(tensor, output_split_sizes, input_split_sizes, size)
+    if out is not None:
+        rows_out = sum(_unpack(layout, size)[5])
+        fits = (tuple(out.shape) == (rows_out, *tensor.shape[1:]) and out.dtype == tensor.dtype
+                and out.is_contiguous() and out.device == device)
+        layout = _splits_layout(tensor, output_split_sizes, input_split_sizes, size, fits)
+    if check:
+        check_agreement("all_to_all_v", tensor, group, layout, "split sizes", same_numel=False,
+                        layout_verdict=_splits_verdict)
+    else:
+        problems = _local_problems(me, layout, size)
+        if problems:
+            raise ValueError("all_to_all_v: " + "; ".join(problems))
+    _, _, _, _, ins, outs, _, _ = _unpack(layout, size)
+    inp = tensor.detach().contiguous()
+    if out is None:
+        out = torch.empty((sum(outs), *inp.shape[1:]), dtype=inp.dtype, device=device)
+    # Blocks along the first dimension of contiguous tensors are contiguous views.
+    _pairwise_exchange(list(inp.split(ins)), list(out.detach().split(outs)), me, size, group, emulate)
     return out
 
 
@@ -83,3 +280,71 @@ def all_to_all_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: f
     """
     check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
     return (n - 1) * alpha_s + (n - 1) / n * nbytes * beta_s_per_byte
+
+
+def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float, beta_s_per_byte: float) -> float:
+    """α-β time of a pairwise-exchange AllToAllV: ``Σ_{s=1}^{N-1} (α + β · max_i split_nbytes[i][(i+s) mod N])``.
+
+    The model: the pairwise schedule runs N-1 steps (the pairwise-exchange Alltoall of Thakur, Rabenseifner &
+    Gropp 2005, IJHPCA 19(1), priced there with equal blocks); at step s every rank i sends its block for
+    rank i+s (and receives from i-s), each message paying α and β per byte. For uneven blocks this course
+    assumes that a step ends when its largest message has arrived, so that each step is as slow as its
+    slowest pair. A rank's own block does not move. A step whose messages are
+    all empty still pays α (the schedule does not know it may skip it). With equal blocks of
+    ``nbytes/N`` this is :func:`all_to_all_seconds`; uneven splits pay for their skew, which is why a
+    skewed expert-parallel routing is slower than its average message suggests.
+
+    commlab's :func:`all_to_all_v` posts all N-1 steps as one group, so its messages overlap where the
+    transport allows; the model is then an upper bound for a rank whose link is not the bottleneck. A lower
+    bound is ``(N-1)·α + β · max_i max(bytes sent by i, bytes received by i)`` (one port per rank).
+
+    Args:
+        split_nbytes: an N x N matrix (N >= 1): ``split_nbytes[i][j]`` bytes rank i sends to rank j
+            (``input_split_sizes[j]`` rows times the bytes per row); the diagonal is ignored.
+        alpha_s: latency per message, seconds. beta_s_per_byte: seconds per byte of one link direction.
+
+    Returns:
+        Seconds.
+
+    Raises:
+        ValueError: ``split_nbytes`` is not a non-empty square matrix, or an entry is not a finite number
+            >= 0; a rate as :func:`commlab.collectives._common.check_cost_args`.
+    """
+    check_cost_args(0, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
+    return sum(alpha_s + beta_s_per_byte * largest for largest in pairwise_step_nbytes(split_nbytes))
+
+
+def _split_matrix(split_nbytes: Sequence[Sequence[float]]) -> list[list[float]]:
+    matrix = [list(row) for row in split_nbytes]
+    if not matrix or any(len(row) != len(matrix) for row in matrix):
+        raise ValueError(f"split_nbytes must be a square N x N matrix (bytes rank i sends rank j), got rows of "
+                         f"lengths {[len(row) for row in matrix]}")
+    for row in matrix:
+        for v in row:
+            check_cost_args(v)
+    return matrix
+
+
+def pairwise_step_nbytes(split_nbytes: Sequence[Sequence[float]]) -> list[float]:
+    """The largest message of each step s = 1 .. N-1 of the pairwise schedule (rank i sends to i+s mod N):
+    ``[max_i split_nbytes[i][(i+s) mod N] for s in 1..N-1]``, bytes (or whatever unit the matrix is in; an
+    empty list for N = 1). The step times of :func:`all_to_all_v_seconds` are ``α + β·`` these.
+
+    Raises:
+        ValueError: as :func:`all_to_all_v_seconds`.
+    """
+    matrix = _split_matrix(split_nbytes)
+    n = len(matrix)
+    return [max(matrix[i][(i + s) % n] for i in range(n)) for s in range(1, n)]
+
+
+def all_to_all_v_bytes_sent(split_nbytes: Sequence[Sequence[float]]) -> list[float]:
+    """What each rank sends in an AllToAllV: row i of the matrix without its diagonal entry, the block rank i
+    keeps (``sum_j split_nbytes[i][j] - split_nbytes[i][i]``). What rank j receives is column j without
+    its diagonal entry.
+
+    Raises:
+        ValueError: as :func:`all_to_all_v_seconds`.
+    """
+    matrix = _split_matrix(split_nbytes)
+    return [sum(row) - row[i] for i, row in enumerate(matrix)]

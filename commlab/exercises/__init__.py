@@ -33,3 +33,6 @@ __all__ += ["check_memory_per_gpu", "check_step_seconds"]
 from commlab.exercises.capstone import check_step_budget
 
 __all__ += ["check_step_budget"]
+from commlab.exercises.all_to_all import check_all_to_all_bytes
+
+__all__ += ["check_all_to_all_bytes"]
