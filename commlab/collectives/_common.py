@@ -333,3 +333,46 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def check_same_layout(name: str, layout: Sequence[tuple], group: dist.ProcessGroup | None,
+                      what: str = "parameters", advice: str = "build the same model on every rank") -> None:
+    """Make every rank of ``group`` agree on a list of records (a model's parameter names, shapes and dtypes, a
+    sharding's sizes), or all raise the same :class:`CollectiveMismatchError`.
+
+    The layout check of what holds *many* tensors (a sharded model), where :func:`check_agreement` checks one
+    tensor: one ``all_gather_object`` of every rank's records (a few hundred bytes per parameter, once at
+    construction). The message names the first rank that differs from group rank 0 and the first record where
+    it does, identically on every rank, since every rank compares the same gathered lists.
+
+    Args:
+        name: who checks, for messages (e.g. ``"ShardedDataParallel"``).
+        layout: this rank's records, each a tuple of plain values (str, int, tuple), e.g.
+            ``("0.weight", (17, 64), "float64")``.
+        group: the process group (None: the world).
+        what: what the records are, for messages.
+        advice: what to do, for messages.
+
+    Raises:
+        CollectiveMismatchError: some rank's records differ from group rank 0's (on every rank).
+        RuntimeError: this rank is not a member of ``group``.
+    """
+    size, _ = group_size_and_rank(group, name)
+    mine = [tuple(r) for r in layout]
+    if size == 1:
+        return
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == ref:
+            continue
+        if len(theirs) != len(ref):
+            detail = f"group rank {r} has {len(theirs)} {what}, group rank 0 has {len(ref)}"
+            first = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), None)
+            if first is not None:
+                detail += f" (the first that differs: {theirs[first]} where rank 0 has {ref[first]})"
+        else:
+            first = next(i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b)
+            detail = f"group rank {r} has {theirs[first]} where group rank 0 has {ref[first]}"
+        raise CollectiveMismatchError(f"{name}: ranks hold different {what}: {detail}; {advice}")

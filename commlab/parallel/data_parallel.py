@@ -277,6 +277,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             sh.param.grad = shard_grad.to(sh.param.dtype)
         self.inner.step()
         for sh in self.shards:
+            sh.param.grad = None  # rebuilt every step: holding it would add Ψ/N gradient bytes that ZeRO-1 does not need
+        for sh in self.shards:
             if sh.numel == 0:
                 continue
             full = sh.param.detach() if self.n == 1 else ring_all_gather(sh.param.detach(), self.group)
