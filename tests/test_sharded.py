@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab import launch
 from commlab.collectives._common import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
+from commlab.parallel.sharded_profile import intersection_of_unions, profile_sharded
 
 STEPS = 3
 
@@ -146,7 +147,11 @@ def _errors(rank):
 
 def _job():
     rank, n = dist.get_rank(), dist.get_world_size()
-    return dict(zero2=_against(2, rank), zero3=_against(3, rank), memory=_memory(rank, n), errors=_errors(rank))
+    sdp = ShardedDataParallel(mlp(), stage=3)
+    profiled = profile_sharded(sdp, sdp.make_optimizer(torch.optim.SGD, lr=0.0), lambda out: _loss(out),
+                               (_batches(rank, 1)[0],), steps=2, warmup=1)
+    return dict(zero2=_against(2, rank), zero3=_against(3, rank), memory=_memory(rank, n), errors=_errors(rank),
+                profile=profiled)
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +251,20 @@ def test_nan_gradient_is_reduced_like_ddp(results):
         assert torch.isnan(ours[0]).nonzero().tolist() == [[1, 2]]           # the one element, on every rank
         assert all(torch.isfinite(g).all() for g in ours[1:])
         assert nan_params == [[[1, 2]], [], [], [], [], []]                   # the step writes it into that element
+
+
+def test_profile_splits_the_step_into_compute_and_communication(results):
+    """The profiler's figures are consistent (no assertion on how fast anything is)."""
+    for rank, r in enumerate(results):
+        p = r["profile"]
+        assert (p.rank, p.stage, p.steps) == (rank, 3, 2)
+        assert p.step_s > 0 and p.comm_s > 0 and p.compute_s > 0
+        assert p.compute_s + p.exposed_comm_s == pytest.approx(p.step_s)
+        assert 0 <= p.overlapped_s <= p.comm_s and 0 <= p.overlap_fraction <= 1
+
+
+def test_intersection_of_unions():
+    assert intersection_of_unions([(0, 2), (1, 3), (5, 6)], [(2.5, 5.5)]) == pytest.approx(1.0)
+    assert intersection_of_unions([], [(0, 1)]) == 0 and intersection_of_unions([(0, 4)], [(1, 2), (1.5, 3)]) == 2
+    with pytest.raises(ValueError, match="ends before it starts"):
+        intersection_of_unions([(2, 1)], [(0, 3)])

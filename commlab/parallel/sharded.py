@@ -71,7 +71,8 @@ STAGES = (2, 3)
 RANGE_ALL_GATHER = "sharded::all_gather::unit"      # + index: launching (or, unprefetched, doing) a unit's gather
 RANGE_WAIT_GATHER = "sharded::wait_all_gather::unit"  # + index: waiting for it
 RANGE_REDUCE_SCATTER = "sharded::reduce_scatter::unit"  # + index
-RANGE_WAIT_REDUCE = "sharded::wait_reduce_scatter"
+RANGE_WAIT_REDUCE = "sharded::wait_reduce_scatter"   # the end of backward: waiting for every ReduceScatter
+RANGE_ALL_REDUCE = "sharded::all_reduce::unit"        # + index: HSDP's AllReduce of a shard (synchronous)
 
 
 @dataclasses.dataclass
@@ -405,7 +406,8 @@ class ShardedDataParallel(nn.Module):
                     if work is not None:
                         work.wait()
                     if self.replicate_group is not None and self.replicas > 1:
-                        dist.all_reduce(out, group=self.replicate_group)
+                        with record_function(f"{RANGE_ALL_REDUCE}{u.index}"):
+                            dist.all_reduce(out, group=self.replicate_group)
                         self.last_step.all_reduces += 1
                         self.last_step.all_reduce_nbytes += 2 * (self.replicas - 1) / self.replicas * \
                             out.numel() * out.element_size()
