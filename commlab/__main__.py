@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="bucket size vs step time: our overlapped data parallelism beside DDP with the same "
                             "bucket cap, with overlap fraction and exposed communication (uses --world-size, "
                             "capped at the cores, and 2 x --rounds timed steps)")
+    bench.add_argument("--sharded", action="store_true",
+                       help="ZeRO-3 step time: our ShardedDataParallel beside FSDP2 (fully_shard) on the same MLP, "
+                            "with and without our prefetch, with our communication time and overlap fraction "
+                            "(uses --world-size, capped at the cores, and 2 x --rounds timed steps)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
-        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase")
+        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "sharded", "emulate", "algorithms",
+                                                          "two_phase")
                  if getattr(args, m)]
         if len(modes) > 1:
             parser.error(f"{' and '.join(modes)} are separate benchmarks; run them one at a time")
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             args.world_size = 4
         if args.device != "cpu" and not args.compressors:
             parser.error("--device applies to --compressors only (the collectives take their device from --backend)")
+        if args.sharded and (args.backend != "gloo" or args.check):
+            parser.error("--sharded runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if modes and (args.backend != "gloo" or args.check):
@@ -167,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), numel=max(1, hi // 4),
                                           repeats=args.rounds, device=args.device)
+        if args.sharded:
+            from commlab.bench.sharded import print_sharded_bench
+            return print_sharded_bench(world_size=args.world_size, steps=2 * args.rounds)
         if args.overlap:
             from commlab.bench.overlap import print_overlap_bench
             return print_overlap_bench(world_size=args.world_size, steps=2 * args.rounds)

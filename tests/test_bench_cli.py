@@ -109,6 +109,8 @@ def test_command_line_rejects_bad_sizes():
     (["--emulate", "2x2", "--algorithms", "all"], "separate benchmarks"),
     (["--overlap", "--backend", "nccl"], "--backend and --check do not apply"),
     (["--overlap", "--check"], "--backend and --check do not apply"),
+    (["--sharded", "--overlap"], "separate benchmarks"),
+    (["--sharded", "--backend", "nccl"], "--sharded runs on gloo CPU ranks"),
     # Before, these ran on gloo and printed a gloo table as if nothing had been asked.
     (["--algorithms", "ring", "--backend", "nccl"], "--algorithms starts its own gloo ranks; --backend and --check "
      "apply to the AllReduce table only"),
