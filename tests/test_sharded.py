@@ -103,6 +103,21 @@ def _memory(rank, n):
     return numel, out
 
 
+def _micro_batches(rank):
+    """Stage 3, two micro-batches forwarded before either backward, one step; against the local model's summed
+    gradients averaged with dist.all_reduce."""
+    ref, sdp = mlp(), ShardedDataParallel(mlp(), stage=3)
+    x1, x2 = _batches(rank, 2)
+    out1, out2 = sdp(x1), sdp(x2)
+    _loss(out1).backward()
+    _loss(out2).backward()
+    (_loss(ref(x1)) + _loss(ref(x2))).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    return _gap(sdp.full_gradients(), [p.grad for p in ref.parameters()])
+
+
 def _errors(rank):
     errors = {}
 
@@ -151,7 +166,7 @@ def _job():
     profiled = profile_sharded(sdp, sdp.make_optimizer(torch.optim.SGD, lr=0.0), lambda out: _loss(out),
                                (_batches(rank, 1)[0],), steps=2, warmup=1)
     return dict(zero2=_against(2, rank), zero3=_against(3, rank), memory=_memory(rank, n), errors=_errors(rank),
-                profile=profiled)
+                profile=profiled, micro_batches=_micro_batches(rank))
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +182,11 @@ def test_gradients_and_parameters_equal_the_reference_after_every_step(results, 
         assert len(run["grad_gaps"]) == STEPS
         assert max(run["grad_gaps"]) < 1e-12 and max(run["param_gaps"]) < 1e-12
         assert run["eval_gap"] < 1e-12
+
+
+def test_zero3_accumulates_micro_batches_forwarded_before_their_backward(results):
+    """Each backward regathers the units the previous one freed, and the shards' gradients add up."""
+    assert all(r["micro_batches"] < 1e-12 for r in results)
 
 
 def test_zero2_frees_the_full_gradient_and_keeps_parameters_whole(results):

@@ -415,7 +415,9 @@ class ShardedDataParallel(nn.Module):
                     u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
         finally:
             for u in self._units:
-                u.reduce, u.reduced, u.ready = None, False, 0
+                # backward_gathered too: a second backward of an earlier forward (two micro-batches forwarded
+                # before either backward) must gather the units again, which this backward freed.
+                u.reduce, u.reduced, u.ready, u.backward_gathered = None, False, 0, False
                 if u.gather is not None:   # a prefetch nobody used: wait for it so that nothing is left in flight
                     self._gather_finish(u)
                 self._free(u)
