@@ -43,7 +43,8 @@ that owns it, gets the NaN, and the step writes it into that element of the para
 is checked or skipped (check ``torch.isfinite`` on :meth:`full_gradients` or on the shards' gradients, with an
 AllReduce of the verdict, if the training loop must skip such a step). Every rank must run the same units in
 forward and backward (the same model, no data-dependent branch around a unit), since each unit's collectives
-pair across ranks in the order they are issued.
+pair across ranks in the order they are issued. A backward that raises (on every rank alike) loses its gradients:
+the next forward waits for what it had launched and starts clean.
 """
 
 from __future__ import annotations
@@ -325,7 +326,9 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._in_backward:
-            raise RuntimeError("ShardedDataParallel: forward ran while the previous backward had not finished")
+            # The previous backward raised before its end-of-backward callback: its gradients are lost (each
+            # rank's error has reached its caller); wait for what it launched and start clean.
+            self._end_backward()
         self.last_step = ShardedStepStats()
         return self.module(*args, **kwargs)
 
@@ -413,15 +416,26 @@ class ShardedDataParallel(nn.Module):
                             out.numel() * out.element_size()
                     out.div_(total)
                     u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
+                    # Consumed: never wait on it again. gloo runs reduce_scatter_tensor as an AllReduce whose
+                    # wait() copies this rank's chunk into ``out`` each time it is called (torch 2.13), which
+                    # would overwrite the average with the sum.
+                    u.reduce = None
         finally:
-            for u in self._units:
-                # backward_gathered too: a second backward of an earlier forward (two micro-batches forwarded
-                # before either backward) must gather the units again, which this backward freed.
-                u.reduce, u.reduced, u.ready, u.backward_gathered = None, False, 0, False
-                if u.gather is not None:   # a prefetch nobody used: wait for it so that nothing is left in flight
-                    self._gather_finish(u)
-                self._free(u)
-            self._in_backward = False
+            self._end_backward()
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """Leave every unit sharded with nothing in flight (after a backward, or one that raised)."""
+        for u in self._units:
+            if u.reduce is not None and u.reduce[0] is not None:
+                u.reduce[0].wait()       # launched but never consumed (the backward raised): let it finish
+            # backward_gathered too: a second backward of an earlier forward (two micro-batches forwarded
+            # before either backward) must gather the units again, which this backward freed.
+            u.reduce, u.reduced, u.ready, u.backward_gathered = None, False, 0, False
+            if u.gather is not None:   # a prefetch nobody used: wait for it so that nothing is left in flight
+                self._gather_finish(u)
+            self._free(u)
+        self._in_backward = False
 
     # ---- the optimizer and the step ---------------------------------------------------------------------------
 
