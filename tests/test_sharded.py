@@ -154,6 +154,7 @@ def _errors(rank):
     catch("wrong_group", lambda: ShardedDataParallel(mlp(), shard_group=only_zero))
     catch("same_groups", lambda: ShardedDataParallel(mlp(), replicate_group=dist.group.WORLD))
     catch("stage", lambda: ShardedDataParallel(mlp(), stage=1))
+    catch("one_rank_bad", lambda: ShardedDataParallel(mlp(), stage=1 if rank == 1 else 3))
     model = mlp()
     catch("uncovered", lambda: ShardedDataParallel(model, units=[model[0]]))
     catch("foreign_unit", lambda: ShardedDataParallel(mlp(), units=[nn.Linear(2, 2)]))
@@ -268,8 +269,13 @@ def test_every_rank_raises_the_same_error_for_different_models(results):
     assert "group rank 1 has ('unit 0 (0): 0.weight', (7, 8), 'float64') where group rank 0 has " \
            "('unit 0 (0): 0.weight', (6, 8), 'float64')" in mine[0][1]
     counts = [r["errors"][0]["count"] for r in results]
-    assert counts[0] == counts[1] and "group rank 1 has 8 parameters, group rank 0 has 6" in counts[0][1]
+    assert counts[0] == counts[1] and "ranks hold different layouts: group rank 1 has ('units', 3) where group rank " \
+        "0 has ('units', 2) (8 entries on group rank 1, 6 on group rank 0)" in counts[0][1]
     assert issubclass(CollectiveMismatchError, ValueError)
+    # A bad argument on one rank only: that rank does not leave the other waiting, both raise the mismatch.
+    bad = [r["errors"][0]["one_rank_bad"] for r in results]
+    assert bad[0] == bad[1] and bad[0][0] == "CollectiveMismatchError"
+    assert "group rank 1 has ('invalid arguments', 'stage must be one of (2, 3)" in bad[0][1]
 
 
 def test_bad_arguments_are_named(results):

@@ -336,14 +336,16 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 def check_same_layout(name: str, layout: Sequence[tuple], group: dist.ProcessGroup | None,
-                      what: str = "parameters", advice: str = "build the same model on every rank") -> None:
+                      what: str = "layouts", advice: str = "build the same model on every rank") -> None:
     """Make every rank of ``group`` agree on a list of records (a model's parameter names, shapes and dtypes, a
     sharding's sizes), or all raise the same :class:`CollectiveMismatchError`.
 
     The layout check of what holds *many* tensors (a sharded model), where :func:`check_agreement` checks one
     tensor: one ``all_gather_object`` of every rank's records (a few hundred bytes per parameter, once at
-    construction). The message names the first rank that differs from group rank 0 and the first record where
-    it does, identically on every rank, since every rank compares the same gathered lists.
+    construction). The message names the first rank that differs from group rank 0, the first record where
+    it does and, if their numbers differ, both counts, identically on every rank, since every rank compares the
+    same gathered lists. A rank whose arguments are invalid can send a record saying so instead of its layout,
+    so that the others raise rather than wait for it.
 
     Args:
         name: who checks, for messages (e.g. ``"ShardedDataParallel"``).
@@ -367,12 +369,13 @@ def check_same_layout(name: str, layout: Sequence[tuple], group: dist.ProcessGro
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs == ref:
             continue
-        if len(theirs) != len(ref):
-            detail = f"group rank {r} has {len(theirs)} {what}, group rank 0 has {len(ref)}"
-            first = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), None)
-            if first is not None:
-                detail += f" (the first that differs: {theirs[first]} where rank 0 has {ref[first]})"
-        else:
-            first = next(i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b)
+        first = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), None)
+        if first is not None:
             detail = f"group rank {r} has {theirs[first]} where group rank 0 has {ref[first]}"
+        else:
+            longer = theirs if len(theirs) > len(ref) else ref
+            detail = (f"group rank {r if longer is theirs else 0} has {longer[min(len(ref), len(theirs))]} "
+                      "where the other has nothing")
+        if len(theirs) != len(ref):
+            detail += f" ({len(theirs)} entries on group rank {r}, {len(ref)} on group rank 0)"
         raise CollectiveMismatchError(f"{name}: ranks hold different {what}: {detail}; {advice}")

@@ -175,31 +175,26 @@ class ShardedDataParallel(nn.Module):
                  replicate_group: dist.ProcessGroup | None = None, units: Sequence[nn.Module] | None = None,
                  prefetch: bool = True, broadcast_from_rank0: bool = True):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        self.stage = _check_stage(stage)
         self.n, self.group_rank = group_size_and_rank(shard_group, "ShardedDataParallel (shard_group)")
         self.replicas = 1
         if replicate_group is not None:
             self.replicas, _ = group_size_and_rank(replicate_group, "ShardedDataParallel (replicate_group)")
-            shared = sorted(set(_ranks(shard_group)) & set(_ranks(replicate_group)))
-            if shared != [dist.get_rank()]:
-                raise ValueError(f"ShardedDataParallel: shard_group {_ranks(shard_group)} and replicate_group "
-                                 f"{_ranks(replicate_group)} share ranks {shared}; HSDP needs groups that meet in this "
-                                 "rank only (the two dimensions of a mesh, e.g. init_device_mesh(..., (R, N)))")
-        self.module = module
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.prefetch = bool(prefetch)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("ShardedDataParallel: the module has no parameter with requires_grad=True: nothing to "
-                             "shard")
-        self._units = self._build_units(module, units, named)
-        check_same_layout("ShardedDataParallel", self._layout(), shard_group,
-                          advice="build the same model, with the same units and stage, on every rank")
+        problem: ValueError | None = None
+        try:
+            self._check_arguments(module, stage, units)
+        except ValueError as exc:
+            problem = exc
+        # The arguments' verdict travels with the layout, so that a rank whose arguments are bad does not leave the
+        # others waiting in the agreement: every rank raises (its own error if all agree, else the mismatch).
+        layout = [("invalid arguments", str(problem))] if problem is not None else self._layout()
+        advice = "build the same model, with the same units and stage, on every rank"
+        check_same_layout("ShardedDataParallel", layout, shard_group, advice=advice)
         if replicate_group is not None:
-            check_same_layout("ShardedDataParallel", self._layout(), replicate_group,
-                              advice="build the same model, with the same units and stage, on every rank")
+            check_same_layout("ShardedDataParallel", layout, replicate_group, advice=advice)
+        if problem is not None:
+            raise problem
         if broadcast_from_rank0:
             self._broadcast()
         self.last_step = ShardedStepStats()
@@ -216,6 +211,24 @@ class ShardedDataParallel(nn.Module):
                 self._free(u)
 
     # ---- construction -------------------------------------------------------------------------------------
+
+    def _check_arguments(self, module, stage, units) -> None:
+        """Everything that can be wrong on this rank alone (ValueError); builds the units when nothing is."""
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.stage = _check_stage(stage)
+        if self.replicate_group is not None:
+            shared = sorted(set(_ranks(self.shard_group)) & set(_ranks(self.replicate_group)))
+            if shared != [dist.get_rank()]:
+                raise ValueError(f"ShardedDataParallel: shard_group {_ranks(self.shard_group)} and replicate_group "
+                                 f"{_ranks(self.replicate_group)} share ranks {shared}; HSDP needs groups that meet in "
+                                 "this rank only (the two dimensions of a mesh, e.g. init_device_mesh(..., (R, N)))")
+        self.module = module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ShardedDataParallel: the module has no parameter with requires_grad=True: nothing to "
+                             "shard")
+        self._units = self._build_units(module, units, named)
 
     def _build_units(self, module, units, named) -> list[_Unit]:
         if units is None:
