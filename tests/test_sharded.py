@@ -150,6 +150,7 @@ def _errors(rank):
     catch("mismatch", lambda: ShardedDataParallel(mlp((8, 6, 4) if rank == 0 else (8, 7, 4)), stage=3))
     catch("count", lambda: ShardedDataParallel(mlp((8, 6, 4) if rank == 0 else (8, 6, 6, 4)), stage=2))
     catch("empty", lambda: ShardedDataParallel(nn.Sequential(nn.ReLU())))
+    catch("device", lambda: ShardedDataParallel(mlp().to("meta")))
     only_zero = dist.new_group([0])
     catch("wrong_group", lambda: ShardedDataParallel(mlp(), shard_group=only_zero))
     catch("same_groups", lambda: ShardedDataParallel(mlp(), replicate_group=dist.group.WORLD))
@@ -283,6 +284,7 @@ def test_bad_arguments_are_named(results):
         e = r["errors"][0]
         assert e["empty"] == ("ValueError", "ShardedDataParallel: the module has no parameter with "
                                             "requires_grad=True: nothing to shard")
+        assert "the shard group's device is cpu, but 0.weight on meta, 0.bias on meta" in e["device"][1]
         if rank == 1:
             assert e["wrong_group"][0] == "RuntimeError" and "rank 1 is not a member of the process group passed " \
                 "to ShardedDataParallel (shard_group)" in e["wrong_group"][1]

@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 
 from commlab.collectives._common import (all_gather_single, check_same_layout, group_size_and_rank,
                                          reduce_scatter_single)
+from commlab.launch.device import group_device
 
 __all__ = ["ShardedDataParallel", "ShardedStepStats", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
 
@@ -162,7 +163,8 @@ class ShardedDataParallel(nn.Module):
             step under way or just done (reset by each root forward).
 
     Raises:
-        ValueError: a bad stage; no parameter requires grad; a unit that is not a submodule, units that overlap,
+        ValueError: a bad stage; no parameter requires grad; parameters not on the group's device (the rank's GPU
+            under NCCL, the CPU under gloo); a unit that is not a submodule, units that overlap,
             parameters outside every unit, a unit whose parameters mix dtypes or devices; a replicate group
             that shares another rank with the shard group.
         CollectiveMismatchError: the ranks hold different models or units (names, shapes, dtypes; every rank
@@ -228,6 +230,14 @@ class ShardedDataParallel(nn.Module):
         if not named:
             raise ValueError("ShardedDataParallel: the module has no parameter with requires_grad=True: nothing to "
                              "shard")
+        device = group_device(self.shard_group)
+        wrong = [f"{n} on {p.device}" for n, p in named if p.device != device]
+        if wrong:
+            # NCCL moves only tensors on the rank's own GPU, gloo only CPU ones: anything else would fail inside
+            # the first AllGather, with only the peers waiting.
+            raise ValueError(f"ShardedDataParallel: the shard group's device is {device}, but "
+                             f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}; move the model there first: "
+                             "module.to(commlab.launch.group_device(group))")
         self._units = self._build_units(module, units, named)
 
     def _build_units(self, module, units, named) -> list[_Unit]:
