@@ -2,13 +2,14 @@
 (``torch.distributed.fsdp.fully_shard``) on the same model, data and ranks.
 
 ``python -m commlab bench --sharded`` builds the MLP of :data:`commlab.overlap.profile.MEASURE_WIDTHS` (8.0 M
-float32 parameters) twice: once wrapped by ``ShardedDataParallel(stage=3)`` (one unit per ``Linear``,
+float32 parameters) three times: once wrapped by ``ShardedDataParallel(stage=3)`` (one unit per ``Linear``,
 prefetching the next unit's AllGather), once with ``fully_shard`` on every ``Linear`` and then on the root
-(FSDP2's per-module units; its own prefetch of one unit ahead). Both train with Adam on the same batch,
-alternating step by step so that both see the same machine load, and the table gives the median step time
-(forward, backward, optimizer step; the slowest rank per step) of each and their ratio, and, from one profiled
-run of ours (:func:`commlab.parallel.sharded_profile.profile_sharded`, not during the timed steps), the
-communication time and the share of it overlapped with compute. Ranks are capped at the number of cores.
+(FSDP2's per-module units; its own prefetch of one unit ahead), and once more by ``ShardedDataParallel`` without
+prefetch. The three train with Adam on the same batch, taking turns step by step (in a rotating order) so that
+they see the same machine load, and the table gives the median step time (forward, backward, optimizer step;
+the slowest rank per step) of ours with and without prefetch, FSDP2's, and the ratio, and, from profiled
+steps of ours after the timed ones (:func:`commlab.parallel.sharded_profile.profile_sharded`), the communication
+time and the share of it overlapped with compute. Ranks are capped at the number of cores.
 """
 
 from __future__ import annotations
@@ -53,34 +54,38 @@ def _bench_rank(widths, batch_size, steps, warmup, seed):
     from commlab.parallel.sharded_profile import profile_sharded
 
     x, y = random_batch(widths, batch_size, seed, dist.get_rank())
+    ref = make_mlp(widths, seed=seed)
+    for layer in ref:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(ref)
+    runs = {"fsdp2": (ref, torch.optim.Adam(ref.parameters(), lr=1e-4))}
+    for prefetch in (True, False):
+        sdp = ShardedDataParallel(make_mlp(widths, seed=seed), stage=3, prefetch=prefetch)
+        runs[prefetch] = (sdp, sdp.make_optimizer(torch.optim.Adam, lr=1e-4))
+    names = list(runs)
+    times = {name: [] for name in names}
+    # The three take turns, in an order that rotates every step, so that each sees the same machine load.
+    for step in range(warmup + steps):
+        for name in names[step % 3:] + names[:step % 3]:
+            model, opt = runs[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    slowest = {}
+    for name in names:  # each step is as slow as its slowest rank
+        t = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[name] = statistics.median(t.tolist())
     rows = []
     for prefetch in (True, False):
-        ref = make_mlp(widths, seed=seed)
-        for layer in ref:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(ref)
-        sdp = ShardedDataParallel(make_mlp(widths, seed=seed), stage=3, prefetch=prefetch)
-        runs = {"ours": (sdp, sdp.make_optimizer(torch.optim.Adam, lr=1e-4)),
-                "fsdp2": (ref, torch.optim.Adam(ref.parameters(), lr=1e-4))}
-        times = {"ours": [], "fsdp2": []}
-        for step in range(warmup + steps):
-            for name in (("ours", "fsdp2") if step % 2 == 0 else ("fsdp2", "ours")):
-                model, opt = runs[name]
-                dist.barrier()
-                t0 = time.perf_counter()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                if step >= warmup:
-                    times[name].append(time.perf_counter() - t0)
-        slowest = {}
-        for name, ts in times.items():  # each step is as slow as its slowest rank
-            t = torch.tensor(ts, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            slowest[name] = statistics.median(t.tolist())
-        prof = profile_sharded(sdp, runs["ours"][1], F.cross_entropy, (x, y), steps=3, warmup=0)
-        rows.append(ShardedBenchRow(prefetch, slowest["ours"], slowest["fsdp2"], prof.comm_s, prof.overlap_fraction))
+        sdp, opt = runs[prefetch]
+        prof = profile_sharded(sdp, opt, F.cross_entropy, (x, y), steps=3, warmup=0)
+        rows.append(ShardedBenchRow(prefetch, slowest[prefetch], slowest["fsdp2"], prof.comm_s, prof.overlap_fraction))
     return rows
 
 
@@ -114,8 +119,8 @@ def print_sharded_bench(world_size: int = 2, steps: int = 10) -> int:
     n = sum(p.numel() for p in make_mlp(MEASURE_WIDTHS).parameters())
     print(f"# ZeRO-3 step (forward, backward, Adam) of the MLP {'-'.join(map(str, MEASURE_WIDTHS))} "
           f"({n / 1e6:.1f} M float32 parameters, one unit per Linear), batch 64 per rank, {ranks} gloo ranks")
-    print(f"# median of {steps} steps (slowest rank per step), ours (ShardedDataParallel) and FSDP2 (fully_shard) "
-          "alternating; comm and overlap: ours, 3 profiled steps, rank 0")
+    print(f"# median of {steps} steps (slowest rank per step), ours (ShardedDataParallel) with and without prefetch and "
+          "FSDP2 (fully_shard) taking turns; comm and overlap: ours, 3 profiled steps, rank 0")
     rows = bench_sharded(ranks, steps=steps)
     print(f"#{'prefetch':>9} {'ours ms':>8} {'FSDP2 ms':>9} {'ours/FSDP2':>11} {'comm ms':>8} {'overlap':>8}")
     for r in rows:

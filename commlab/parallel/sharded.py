@@ -490,9 +490,9 @@ class ShardedDataParallel(nn.Module):
         """Stage 2: AllGather every unit's shard into the model's parameters (collective over ``shard_group``)."""
         if self.stage != 2:
             return
-        for u in self._units:
-            self._gather_start(u)
+        for u in self._units:   # the parameters are whole but stale: mark them so, and launch every gather at once
             u.unsharded = False
+            self._gather_start(u)
         for u in self._units:
             self._gather_finish(u)
 
@@ -539,7 +539,6 @@ class ShardedDataParallel(nn.Module):
         whole and the shards are the optimizer's master copy."""
         params = list(self.module.parameters())
         return held_memory_bytes(params + self.shard_parameters() if self.stage == 3 else params, optimizer)
-
 
 
 def zero_memory_bytes(stage: int, numel: int, n: int, param_bytes: float = 2, grad_bytes: float = 2,
