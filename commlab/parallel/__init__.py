@@ -16,7 +16,8 @@ every function takes the mesh or the group it communicates over.
   optimizer, :class:`ZeroOneOptimizer`.
 * :mod:`commlab.parallel.sharded` -- ZeRO-2 and ZeRO-3 / FSDP (with HSDP), :class:`ShardedDataParallel`, and
   the model-state memory per rank of ZeRO-0..3, computed (:func:`zero_memory_bytes`) and measured
-  (:func:`held_memory_bytes`).
+  (:func:`held_memory_bytes`); :mod:`commlab.parallel.sharded_profile` measures a ZeRO-3 step's compute,
+  communication and overlap with ``torch.profiler``.
 """
 
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,

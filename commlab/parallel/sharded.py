@@ -142,7 +142,10 @@ class ShardedDataParallel(nn.Module):
     """ZeRO-2 or ZeRO-3 / FSDP (with HSDP) around ``module``; see the module docstring for what each does.
 
     Build the optimizer over the shards with :meth:`make_optimizer` (any element-wise ``torch.optim`` class), then
-    train as usual: ``loss = loss_fn(sdp(x), y); loss.backward(); opt.step(); opt.zero_grad()``.
+    train as usual: ``loss = loss_fn(sdp(x), y); loss.backward(); opt.step(); opt.zero_grad()``. An optimizer over
+    ``sdp.parameters()`` (the module's own) would find no gradients there, since they are freed, and change
+    nothing. Read the model with :meth:`full_parameters` and :meth:`full_gradients` (collective); under stage 3
+    ``state_dict()`` would read freed storage, so checkpoint the full parameters (or the shards, per rank).
 
     Args:
         module: the model, on the group's device, the same (names, shapes, dtypes) on every rank, with equal
