@@ -159,6 +159,10 @@ def _errors(rank):
     model = mlp()
     catch("uncovered", lambda: ShardedDataParallel(model, units=[model[0]]))
     catch("foreign_unit", lambda: ShardedDataParallel(mlp(), units=[nn.Linear(2, 2)]))
+    mixed = nn.Sequential(nn.Linear(2, 2).double())
+    mixed[0].bias.data = mixed[0].bias.data.float()
+    catch("mixed", lambda: ShardedDataParallel(mixed))
+    catch("optimizer", lambda: ShardedDataParallel(mlp()).make_optimizer(lambda params: None))
     # NaN: rank 0's gradient of one weight element is NaN; reduced like any number, as by DDP.
     ref, ours = mlp(), mlp()
     ddp = DDP(ref)
@@ -294,6 +298,8 @@ def test_bad_arguments_are_named(results):
         assert "stage must be one of (2, 3)" in e["stage"][1]
         assert "parameters ['2.weight', '2.bias', '4.weight', '4.bias'] belong to no unit" in e["uncovered"][1]
         assert "units[0] (Linear) is not a submodule" in e["foreign_unit"][1]
+        assert "unit '0' mixes dtypes or devices (['torch.float32@cpu', 'torch.float64@cpu'])" in e["mixed"][1]
+        assert "optimizer_cls must be a torch.optim.Optimizer subclass" in e["optimizer"][1]
 
 
 def test_nan_gradient_is_reduced_like_ddp(results):

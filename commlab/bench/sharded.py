@@ -119,8 +119,8 @@ def print_sharded_bench(world_size: int = 2, steps: int = 10) -> int:
     n = sum(p.numel() for p in make_mlp(MEASURE_WIDTHS).parameters())
     print(f"# ZeRO-3 step (forward, backward, Adam) of the MLP {'-'.join(map(str, MEASURE_WIDTHS))} "
           f"({n / 1e6:.1f} M float32 parameters, one unit per Linear), batch 64 per rank, {ranks} gloo ranks")
-    print(f"# median of {steps} steps (slowest rank per step), ours (ShardedDataParallel) with and without prefetch and "
-          "FSDP2 (fully_shard) taking turns; comm and overlap: ours, 3 profiled steps, rank 0")
+    print(f"# median of {steps} steps (slowest rank per step), ours (ShardedDataParallel) with and without prefetch "
+          "and FSDP2 (fully_shard) taking turns; comm and overlap: ours, 3 profiled steps, rank 0")
     rows = bench_sharded(ranks, steps=steps)
     print(f"#{'prefetch':>9} {'ours ms':>8} {'FSDP2 ms':>9} {'ours/FSDP2':>11} {'comm ms':>8} {'overlap':>8}")
     for r in rows:

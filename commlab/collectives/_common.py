@@ -370,12 +370,12 @@ def check_same_layout(name: str, layout: Sequence[tuple], group: dist.ProcessGro
         if theirs == ref:
             continue
         first = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), None)
+        counts = f"{len(theirs)} entries on group rank {r}, {len(ref)} on group rank 0"
         if first is not None:
             detail = f"group rank {r} has {theirs[first]} where group rank 0 has {ref[first]}"
-        else:
-            longer = theirs if len(theirs) > len(ref) else ref
-            detail = (f"group rank {r if longer is theirs else 0} has {longer[min(len(ref), len(theirs))]} "
-                      "where the other has nothing")
-        if len(theirs) != len(ref):
-            detail += f" ({len(theirs)} entries on group rank {r}, {len(ref)} on group rank 0)"
+            if len(theirs) != len(ref):
+                detail += f" ({counts})"
+        else:   # one list is the other's beginning
+            extra = (theirs if len(theirs) > len(ref) else ref)[min(len(ref), len(theirs))]
+            detail = f"{counts}; the first entry only one of them has is {extra}"
         raise CollectiveMismatchError(f"{name}: ranks hold different {what}: {detail}; {advice}")

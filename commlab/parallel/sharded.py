@@ -276,8 +276,8 @@ class ShardedDataParallel(nn.Module):
             with torch.no_grad():
                 for _, p in mine:
                     # Each parameter its own storage, starting at 0, so that freeing it frees exactly its bytes.
-                    if p.data.storage_offset() != 0 or p.data.untyped_storage().nbytes() != p.numel() * p.element_size() \
-                            or not p.data.is_contiguous():
+                    own = p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
+                    if p.data.storage_offset() != 0 or not own or not p.data.is_contiguous():
                         p.data = p.data.clone(memory_format=torch.contiguous_format)
             built.append(_Unit(i, names_of[id(m)], m, [p for _, p in mine], [n for n, _ in mine], self.n,
                                self.group_rank))

@@ -189,7 +189,8 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
 
 
 def measure_sharded(world_size: int = 2, widths: Sequence[int] = (256, 512, 512, 256, 10), batch_size: int = 32,
-                    prefetch: bool = True, steps: int = 3, warmup: int = 1, timeout: float = 120.0) -> list[ShardedProfile]:
+                    prefetch: bool = True, steps: int = 3, warmup: int = 1,
+                    timeout: float = 120.0) -> list[ShardedProfile]:
     """:func:`profile_sharded` of a ZeRO-3 MLP (one unit per Linear, float32, Adam) on ``world_size`` gloo ranks
     launched here; one :class:`ShardedProfile` per rank, in rank order."""
     from commlab.launch import launch
