@@ -73,7 +73,8 @@ def _against(stage, rank):
     with torch.no_grad():  # forward without autograd (evaluation): gathered and freed again, the same outputs
         x = _batches(rank)[0]
         eval_gap = float((sdp(x) - ref_model(x)).abs().max())
-    return dict(grad_gaps=grad_gaps, param_gaps=param_gaps, stats=stats, freed=freed, eval_gap=eval_gap,
+    moved = _gap(sdp.full_parameters(), [p.detach() for p in mlp().parameters()])
+    return dict(grad_gaps=grad_gaps, param_gaps=param_gaps, stats=stats, freed=freed, eval_gap=eval_gap, moved=moved,
                 module_grads=module_grads, shard_sizes=[p.numel() for p in sdp.shard_parameters()],
                 after_eval=[p.untyped_storage().nbytes() for p in sdp.module.parameters()])
 
@@ -207,6 +208,7 @@ def test_gradients_and_parameters_equal_the_reference_after_every_step(results, 
         assert len(run["grad_gaps"]) == STEPS
         assert max(run["grad_gaps"]) < 1e-12 and max(run["param_gaps"]) < 1e-12
         assert run["eval_gap"] < 1e-12
+        assert run["moved"] > 1e-3   # the steps changed the model: the equality is not that of two idle runs
 
 
 def test_zero3_accumulates_micro_batches_forwarded_before_their_backward(results):

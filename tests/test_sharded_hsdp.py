@@ -4,7 +4,6 @@ equal to DDP over all 4 gloo ranks: one job for the module."""
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 

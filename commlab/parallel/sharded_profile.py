@@ -46,7 +46,7 @@ from commlab.overlap.profile import _all_threads_config, _events, union_length
 from commlab.parallel.sharded import (RANGE_ALL_GATHER, RANGE_ALL_REDUCE, RANGE_REDUCE_SCATTER, RANGE_WAIT_GATHER,
                                       RANGE_WAIT_REDUCE, ShardedDataParallel)
 
-__all__ = ["ShardedProfile", "profile_sharded", "measure_sharded", "intersection_of_unions", "RANGE_STEP"]
+__all__ = ["ShardedProfile", "profile_sharded", "intersection_of_unions", "RANGE_STEP"]
 
 RANGE_STEP = "sharded::step"
 
@@ -187,20 +187,3 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
                           exposed_comm_s=med(s["exposed"] for s in per_step),
                           overlap_fraction=sum(s["overlapped"] for s in per_step) / total if total > 0 else 0.0)
 
-
-def measure_sharded(world_size: int = 2, widths: Sequence[int] = (256, 512, 512, 256, 10), batch_size: int = 32,
-                    prefetch: bool = True, steps: int = 3, warmup: int = 1,
-                    timeout: float = 120.0) -> list[ShardedProfile]:
-    """:func:`profile_sharded` of a ZeRO-3 MLP (one unit per Linear, float32, Adam) on ``world_size`` gloo ranks
-    launched here; one :class:`ShardedProfile` per rank, in rank order."""
-    from commlab.launch import launch
-    return launch(_profile_rank, world_size, tuple(widths), batch_size, prefetch, steps, warmup, timeout=timeout,
-                  print_output=False)
-
-
-def _profile_rank(widths, batch_size, prefetch, steps, warmup):
-    from commlab.overlap.profile import make_mlp, random_batch
-    sdp = ShardedDataParallel(make_mlp(widths), stage=3, prefetch=prefetch)
-    opt = sdp.make_optimizer(torch.optim.Adam, lr=1e-3)
-    x, y = random_batch(widths, batch_size, 0, dist.get_rank())
-    return profile_sharded(sdp, opt, torch.nn.functional.cross_entropy, (x, y), steps, warmup)
