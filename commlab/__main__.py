@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seq-lengths", default=None, metavar="LIST",
                        help="with --ring-attention: comma list of whole-sequence lengths, each a multiple of 2 x "
                             "--world-size (default 512,1024,2048,4096)")
+    bench.add_argument("--sharded", action="store_true",
+                       help="ZeRO-3 step time: our ShardedDataParallel beside FSDP2 (fully_shard) on the same MLP, "
+                            "with and without our prefetch, with our communication time and overlap fraction "
+                            "(uses --world-size, capped at the cores, and 2 x --rounds timed steps)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
@@ -144,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 4 <= --min-bytes <= --max-bytes and --step-factor >= 2")
         if (args.world_size is not None and args.world_size < 1) or args.rounds < 1:
             parser.error("need --world-size >= 1 and --rounds >= 1")
-        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "emulate", "algorithms", "two_phase",
-                                                      "ring_attention", "all_to_all") if getattr(args, m)]
+        modes = [f"--{m.replace('_', '-')}" for m in ("compressors", "overlap", "sharded", "emulate", "algorithms",
+                                                      "two_phase", "ring_attention", "all_to_all") if getattr(args, m)]
         if args.seq_lengths is not None and not args.ring_attention:
             parser.error("--seq-lengths applies to --ring-attention only")
         if len(modes) > 1:
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             args.world_size = 4
         if args.device != "cpu" and not args.compressors:
             parser.error("--device applies to --compressors only (the collectives take their device from --backend)")
+        if args.sharded and (args.backend != "gloo" or args.check):
+            parser.error("--sharded runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if args.overlap and (args.backend != "gloo" or args.check):
             parser.error("--overlap runs on gloo CPU ranks and times its own model; --backend and --check do not apply")
         if modes and modes != ["--all-to-all"] and (args.backend != "gloo" or args.check):
@@ -188,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             from commlab.bench.compressors import print_compressor_bench
             return print_compressor_bench(world_size=max(2, args.world_size), numel=max(1, hi // 4),
                                           repeats=args.rounds, device=args.device)
+        if args.sharded:
+            from commlab.bench.sharded import print_sharded_bench
+            return print_sharded_bench(world_size=args.world_size, steps=2 * args.rounds)
         if args.overlap:
             from commlab.bench.overlap import print_overlap_bench
             return print_overlap_bench(world_size=args.world_size, steps=2 * args.rounds)

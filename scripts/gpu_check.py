@@ -12,7 +12,8 @@ selftest`` and exits non-zero if a check fails:
   :class:`~commlab.overlap.BucketedDataParallel` step (plain, with a commlab hook, with torch's
   ``fp16_compress_wrapper``, with PowerSGD) against the whole batch in one process; its clock marks in
   order; a pipeline step (GPipe and 1F1B, as many stages as ranks) against the unpipelined model, with a
-  sane timeline; ZeRO-1 against torch's Adam; ``train_data_parallel`` on the device.
+  sane timeline; ZeRO-1, and ZeRO-2 and ZeRO-3 (:class:`~commlab.parallel.ShardedDataParallel`), against
+  torch's Adam; ``train_data_parallel`` on the device.
 * ``collectives`` (under torchrun, >= 2 ranks): ring ReduceScatter / AllGather / AllReduce,
   halving-doubling, recursive doubling, the binomial tree and the hierarchical AllReduce against
   ``dist.all_reduce`` (and ``all_gather``/``reduce_scatter``) on odd sizes; AllToAllV with uneven splits
@@ -199,6 +200,43 @@ def _zero_rows(device: torch.device) -> list[Check]:
                   "vs torch.optim.Adam on the whole batch")]
 
 
+def _sharded_rows(device: torch.device) -> list[Check]:
+    """ZeRO-2 and ZeRO-3 (ShardedDataParallel) against torch's Adam on the whole batch; under NCCL this is where
+    the asynchronous AllGather / ReduceScatter handles and the resized CUDA parameter storage run."""
+    from commlab.parallel import ShardedDataParallel
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = _batch(device, 8 * n)
+    part = slice(rank * 8, (rank + 1) * 8)
+    rows = []
+    for stage in (2, 3):
+        ref = _mlp(2, device)
+        sdp = ShardedDataParallel(_mlp(2, device), stage=stage)
+        opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = sdp.make_optimizer(torch.optim.Adam, lr=1e-2)
+        grad_err = 0.0
+        for _ in range(3):
+            opt_ref.zero_grad()
+            nn.functional.cross_entropy(ref(x), y).backward()
+            nn.functional.cross_entropy(sdp(x[part]), y[part]).backward()
+            grads = zip(sdp.full_gradients(), ref.parameters())
+            grad_err = max(grad_err, max(_rel_err(a, p.grad) for a, p in grads))
+            opt_ref.step()
+            opt.step()
+            opt.zero_grad()
+        err = max(_rel_err(a, b) for a, b in zip(sdp.full_parameters(), ref.parameters()))
+        rows.append(Check(f"ZeRO-{stage} (ShardedDataParallel, Adam, {n} shard(s)), 3 steps: gradients",
+                          max_over_world(grad_err, device), 1e-5, "vs torch.optim.Adam on the whole batch"))
+        rows.append(Check(f"ZeRO-{stage} (ShardedDataParallel, Adam, {n} shard(s)), 3 steps: parameters",
+                          max_over_world(err, device), 1e-4, "vs torch.optim.Adam on the whole batch"))
+        if stage == 3:
+            held = float(sum(p.untyped_storage().nbytes() for p in sdp.module.parameters()))
+            rows.append(Check("ZeRO-3: the module's parameter bytes held outside forward and backward",
+                              max_over_world(held, device), 0.0,
+                              f"shards: {sum(s.numel() for s in sdp.shard_parameters())} elements on this rank"))
+    return rows
+
+
 def _train_rows(device: torch.device) -> list[Check]:
     from commlab.collectives import ring_all_reduce
     from commlab.train import train_data_parallel
@@ -280,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_from_env()
     device = ctx.device
     if args.part == "steps":
-        rows = _dp_rows(device) + _pipeline_rows(device) + _zero_rows(device) + _train_rows(device)
+        rows = _dp_rows(device) + _pipeline_rows(device) + _zero_rows(device) + _sharded_rows(device) + \
+            _train_rows(device)
     else:
         if ctx.world_size < 2:
             raise SystemExit("gpu_check collectives needs >= 2 ranks")

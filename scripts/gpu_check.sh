@@ -9,8 +9,9 @@
 #   1. torchrun with NCCL at world size 1: python -m commlab selftest (ring, mesh + TP layer, DP step);
 #   2. every compressor's round trip (and error feedback) on CUDA tensors against the CPU result;
 #   3. compressor encode + decode throughput on the GPU beside the torch primitive (bench --compressors);
-#   4. bucketed DP (plain, commlab hook, torch's fp16 wrapper, PowerSGD), pipeline GPipe/1F1B, ZeRO-1 and the
-#      digits trainer on CUDA under torchrun, with their clock marks;
+#   4. bucketed DP (plain, commlab hook, torch's fp16 wrapper, PowerSGD), pipeline GPipe/1F1B, ZeRO-1,
+#      ZeRO-2/3 (ShardedDataParallel: async collectives, resized CUDA storage) and the digits trainer on CUDA
+#      under torchrun, with their clock marks;
 #   5. bench --backend nccl (commlab ring vs dist.all_reduce) under torchrun at world size 1;
 #   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
 #   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter, AllGather and AllToAllV on NCCL, the steps
@@ -78,7 +79,7 @@ step "1. torchrun, $BACKEND, world $ONE: selftest" 120 \
 step "2. compressor round trips on $DEVICE vs CPU" 120 "$PY" scripts/gpu_check.py codecs --device $DEVICE --numel $NUMEL
 step "3. compressor throughput on $DEVICE vs the torch primitive" 150 \
   "$PY" -m commlab bench --compressors --device $DEVICE -e $SIZE -r 3 -n 2
-step "4. DP, pipeline, ZeRO-1, trainer on $DEVICE (torchrun, world $ONE)" 120 \
+step "4. DP, pipeline, ZeRO-1/2/3, trainer on $DEVICE (torchrun, world $ONE)" 120 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE scripts/gpu_check.py steps
 step "5. bench --backend $BACKEND, world $ONE" 120 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
@@ -88,10 +89,10 @@ if [ "$NGPU" -ge 2 ]; then
   step "6a. collectives on $NGPU ranks ($BACKEND)" 120 "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py collectives
   if [ "$DRY" = 1 ]; then
     # A dry run's steps 4 and 5 already ran these commands at world 2 ($ONE): not run twice.
-    SUMMARY+=("same        6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks: dry run, step 4's command")
+    SUMMARY+=("same        6b. DP, pipeline, ZeRO-1/2/3, trainer on $NGPU ranks: dry run, step 4's command")
     SUMMARY+=("same        6c. bench, world $NGPU: dry run, step 5's command")
   else
-    step "6b. DP, pipeline, ZeRO-1, trainer on $NGPU ranks ($BACKEND)" 120 \
+    step "6b. DP, pipeline, ZeRO-1/2/3, trainer on $NGPU ranks ($BACKEND)" 120 \
       "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py steps
     step "6c. bench --backend $BACKEND, world $NGPU" 150 \
       "${TORCHRUN[@]}" --nproc-per-node $NGPU -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3

@@ -130,6 +130,8 @@ def test_command_line_rejects_bad_sizes():
     (["--emulate", "2x2", "--algorithms", "all"], "separate benchmarks"),
     (["--overlap", "--backend", "nccl"], "--backend and --check do not apply"),
     (["--overlap", "--check"], "--backend and --check do not apply"),
+    (["--sharded", "--overlap"], "separate benchmarks"),
+    (["--sharded", "--backend", "nccl"], "--sharded runs on gloo CPU ranks"),
     # Before, these ran on gloo and printed a gloo table as if nothing had been asked.
     (["--algorithms", "ring", "--backend", "nccl"], "--algorithms starts its own gloo ranks; --backend and --check "
      "apply to the AllReduce table only"),
@@ -203,3 +205,13 @@ def test_ring_attention_bench_prints_ring_beside_all_gather(capsys):
 def test_ring_attention_bench_usage_errors(flags, message, capsys):
     code, err = _usage_error(flags, capsys)
     assert code == 2 and message in err, err
+
+
+def test_sharded_bench_runs_on_a_tiny_model():
+    """bench --sharded's measurement (ours with and without prefetch beside FSDP2), on a model small enough to be
+    cheap: the rows are complete; nothing is asserted on the times."""
+    from commlab.bench.sharded import bench_sharded
+    rows = bench_sharded(2, widths=(16, 8, 4), batch_size=4, steps=1, warmup=1, timeout=60)
+    assert [r.prefetch for r in rows] == [True, False]
+    for r in rows:
+        assert r.ours_s > 0 and r.fsdp2_s > 0 and r.ratio > 0 and r.comm_s > 0 and 0 <= r.overlap_fraction <= 1

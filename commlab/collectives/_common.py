@@ -351,3 +351,49 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def check_same_layout(name: str, layout: Sequence[tuple], group: dist.ProcessGroup | None,
+                      what: str = "layouts", advice: str = "build the same model on every rank") -> None:
+    """Make every rank of ``group`` agree on a list of records (a model's parameter names, shapes and dtypes, a
+    sharding's sizes), or all raise the same :class:`CollectiveMismatchError`.
+
+    The layout check of what holds *many* tensors (a sharded model), where :func:`check_agreement` checks one
+    tensor: one ``all_gather_object`` of every rank's records (a few hundred bytes per parameter, once at
+    construction). The message names the first rank that differs from group rank 0, the first record where
+    it does and, if their numbers differ, both counts, identically on every rank, since every rank compares the
+    same gathered lists. A rank whose arguments are invalid can send a record saying so instead of its layout,
+    so that the others raise rather than wait for it.
+
+    Args:
+        name: who checks, for messages (e.g. ``"ShardedDataParallel"``).
+        layout: this rank's records, each a tuple of plain values (str, int, tuple), e.g.
+            ``("0.weight", (17, 64), "float64")``.
+        group: the process group (None: the world).
+        what: what the records are, for messages.
+        advice: what to do, for messages.
+
+    Raises:
+        CollectiveMismatchError: some rank's records differ from group rank 0's (on every rank).
+        RuntimeError: this rank is not a member of ``group``.
+    """
+    size, _ = group_size_and_rank(group, name)
+    mine = [tuple(r) for r in layout]
+    if size == 1:
+        return
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == ref:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), None)
+        counts = f"{len(theirs)} entries on group rank {r}, {len(ref)} on group rank 0"
+        if first is not None:
+            detail = f"group rank {r} has {theirs[first]} where group rank 0 has {ref[first]}"
+            if len(theirs) != len(ref):
+                detail += f" ({counts})"
+        else:   # one list is the other's beginning
+            extra = (theirs if len(theirs) > len(ref) else ref)[min(len(ref), len(theirs))]
+            detail = f"{counts}; the first entry only one of them has is {extra}"
+        raise CollectiveMismatchError(f"{name}: ranks hold different {what}: {detail}; {advice}")

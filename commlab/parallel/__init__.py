@@ -18,6 +18,10 @@ every function takes the mesh or the group it communicates over.
 * :mod:`commlab.parallel.data_parallel` -- DP inside a DP group (it is
   :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``) and ZeRO-1's sharded
   optimizer, :class:`ZeroOneOptimizer`.
+* :mod:`commlab.parallel.sharded` -- ZeRO-2 and ZeRO-3 / FSDP (with HSDP), :class:`ShardedDataParallel`, and
+  the model-state memory per rank of ZeRO-0..3, computed (:func:`zero_memory_bytes`) and measured
+  (:func:`held_memory_bytes`); :mod:`commlab.parallel.sharded_profile` measures a ZeRO-3 step's compute,
+  communication and overlap with ``torch.profiler``.
 """
 
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,
@@ -40,6 +44,11 @@ from commlab.parallel.data_parallel import ZeroOneOptimizer, ZeroStepStats
 
 __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedule", "pipeline_step",
             "split_sequential", "ZeroOneOptimizer", "ZeroStepStats"]
+
+from commlab.parallel.sharded import (ShardedDataParallel, ShardedStepStats, held_memory_bytes,
+                                      zero_memory_bytes)
+
+__all__ += ["ShardedDataParallel", "ShardedStepStats", "held_memory_bytes", "zero_memory_bytes"]
 
 from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
 

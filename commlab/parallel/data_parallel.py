@@ -31,6 +31,11 @@ training trillion parameter models", SC'20, §5.1, P_os): each of the N ranks ke
 the sum of its shard), updates its shard, and all-gathers the parameters: the bytes of one AllReduce,
 ``2 (N-1)/N`` of the parameters' bytes, with 1/N of the optimizer memory (ZeRO §7.1 counts the same volume).
 PyTorch's own version is ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+Stages 2 and 3 (gradients, then parameters sharded too, and HSDP) are
+:class:`commlab.parallel.sharded.ShardedDataParallel`: they cannot be an optimizer after a full-size gradient
+AllReduce, since what they save is that full-size gradient (and parameters), so they reduce-scatter each unit's
+gradient as backward produces it instead.
 """
 
 from __future__ import annotations
@@ -276,6 +281,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 rs_bytes += ring_bytes_sent_per_rank(nbytes, self.n, "reduce_scatter")
             sh.param.grad = shard_grad.to(sh.param.dtype)
         self.inner.step()
+        for sh in self.shards:
+            sh.param.grad = None  # rebuilt every step; holding it would add Ψ/N gradient bytes ZeRO-1 does not need
         for sh in self.shards:
             if sh.numel == 0:
                 continue

@@ -1,0 +1,189 @@
+"""Step time, compute, communication and how much of it hides behind compute, for a
+:class:`~commlab.parallel.ShardedDataParallel` model: measured with ``torch.profiler``.
+
+:func:`profile_sharded` runs a few training steps under ``torch.profiler.profile`` (all threads recorded, see
+:mod:`commlab.overlap.profile` for why) and reads back the ranges :mod:`commlab.parallel.sharded` opens:
+
+* ``sharded::step`` (opened here) around each step (forward, backward, optimizer step, ``zero_grad``);
+* ``sharded::all_gather::unit<i>`` / ``sharded::reduce_scatter::unit<i>`` around launching a unit's
+  asynchronous AllGather / ReduceScatter on the training thread;
+* ``sharded::wait_all_gather::unit<i>`` and ``sharded::wait_reduce_scatter`` around the waits for them;
+  ``sharded::all_reduce::unit<i>`` around HSDP's (synchronous) AllReduce of a shard.
+
+When each collective *ends* comes from gloo's own events on its worker threads: ``gloo:all_gather`` for an
+AllGather and ``gloo:all_reduce`` for a ReduceScatter (gloo runs ``reduce_scatter_tensor`` as an AllReduce of
+the whole flat gradient and keeps its chunk, torch 2.13; so on gloo a ReduceScatter costs an AllReduce's
+time, for FSDP2 as for us). A process group's worker threads take its work in the order it was launched, so the
+k-th launch of a kind is matched with the k-th gloo event of that kind (gloo's AllReduces of HSDP's replicate
+group, nested in their synchronous range, are left out of the matching). gloo gives no completion callback
+for a ReduceScatter (``Work::getFuture`` is not implemented for it), which is why the markers
+:mod:`commlab.overlap.profile` uses for buckets do not apply.
+
+Definitions, per step (seconds):
+
+* communication interval of a collective = [start of its launch range, end of its gloo event]; for HSDP's
+  AllReduce, its range; C = the union of them; ``comm_s`` = |C|;
+* training-thread communication M = the union of the launch, wait and AllReduce ranges; compute time is the
+  rest of the step: ``compute_s`` = step − |M| (forward, backward, optimizer step: whatever the training thread
+  does besides starting and waiting for collectives), and ``exposed_comm_s`` = |M|;
+* ``overlapped_s`` = |C ∩ (step \\ M)|: communication under way while the training thread computes;
+  **overlap fraction** = sum over steps of ``overlapped_s`` / sum of ``comm_s``, in [0, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from commlab.overlap.profile import _all_threads_config, _events, union_length
+from commlab.parallel.sharded import (RANGE_ALL_GATHER, RANGE_ALL_REDUCE, RANGE_REDUCE_SCATTER, RANGE_WAIT_GATHER,
+                                      RANGE_WAIT_REDUCE, ShardedDataParallel)
+
+__all__ = ["ShardedProfile", "profile_sharded", "intersection_of_unions", "RANGE_STEP"]
+
+RANGE_STEP = "sharded::step"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedProfile:
+    """One rank's measurement of ``steps`` profiled steps (medians over the steps, but the fraction).
+
+    Attributes:
+        rank, stage, steps: as run.
+        step_s, compute_s, comm_s, overlapped_s, exposed_comm_s: seconds (module docstring).
+        overlap_fraction: sum of ``overlapped_s`` over the steps / sum of ``comm_s`` (0 with no communication).
+    """
+
+    rank: int
+    stage: int
+    steps: int
+    step_s: float
+    compute_s: float
+    comm_s: float
+    overlapped_s: float
+    exposed_comm_s: float
+    overlap_fraction: float
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if e < s:
+            raise ValueError(f"interval ({s}, {e}) ends before it starts")
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def intersection_of_unions(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """|(∪ a) ∩ (∪ b)| for two lists of ``(start, end)`` intervals; 0 when either is empty.
+
+    Raises:
+        ValueError: an interval with end < start.
+    """
+    a, b = _merged(a), _merged(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _measure(events: Sequence[tuple[str, int, float, float]]) -> list[dict[str, float]]:
+    """Per step: step, compute, comm, overlapped, exposed seconds (module docstring), from profiler events."""
+    def named(pattern):
+        pat = re.compile(pattern)
+        return sorted((s, e) for n, _, s, e in events if pat.match(n))
+
+    steps = named(re.escape(RANGE_STEP) + "$")
+    if not steps:
+        raise ValueError(f"no '{RANGE_STEP}' ranges in the profile: run steps inside record_function('{RANGE_STEP}')")
+    all_reduces = named(re.escape(RANGE_ALL_REDUCE) + r"\d+$")
+
+    def outside_all_reduce(s, e):
+        return not any(a <= s and e <= z + 1e-6 for a, z in all_reduces)
+
+    comm: list[tuple[float, float]] = list(all_reduces)
+    for launch_name, gloo_name in ((RANGE_ALL_GATHER, "gloo:all_gather"), (RANGE_REDUCE_SCATTER, "gloo:all_reduce")):
+        launches = named(re.escape(launch_name) + r"\d+$")
+        done = [(s, e) for s, e in named(re.escape(gloo_name) + "$") if outside_all_reduce(s, e)]
+        if done and len(done) != len(launches):
+            raise ValueError(f"{len(launches)} '{launch_name}*' launches but {len(done)} '{gloo_name}' events; "
+                             "profile ShardedDataParallel steps only, with no other collective on its groups")
+        for (s, e), (_, gloo_end) in zip(launches, done):   # no gloo events at all: N = 1, nothing travels
+            comm.append((s, max(e, gloo_end)))
+    training_thread = (named(re.escape(RANGE_ALL_GATHER) + r"\d+$") + named(re.escape(RANGE_REDUCE_SCATTER) + r"\d+$")
+                       + named(re.escape(RANGE_WAIT_GATHER) + r"\d+$") + named(re.escape(RANGE_WAIT_REDUCE) + "$")
+                       + all_reduces)
+    out = []
+    for s0, s1 in steps:
+        def clip(iv):
+            return [(max(s, s0), min(e, s1)) for s, e in iv if min(e, s1) > max(s, s0)]
+        c, m = clip(comm), clip(training_thread)
+        exposed = union_length(m)
+        comm_s = union_length(c)
+        overlapped = comm_s - intersection_of_unions(c, m)
+        out.append({"step": s1 - s0, "compute": (s1 - s0) - exposed, "comm": comm_s, "overlapped": overlapped,
+                    "exposed": exposed})
+    return out
+
+
+def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[..., torch.Tensor], batch: Sequence[Any], steps: int = 3,
+                    warmup: int = 1) -> ShardedProfile:
+    """Run ``warmup`` + ``steps`` training steps of ``sdp`` and measure the profiled ones (call on every rank).
+
+    A step is ``loss_fn(sdp(batch[0]), *batch[1:]).backward(); optimizer.step(); optimizer.zero_grad()``.
+
+    Args:
+        sdp: the wrapped model. optimizer: from :meth:`ShardedDataParallel.make_optimizer`.
+        loss_fn, batch: this rank's inputs and targets. steps, warmup: ints >= 1 and >= 0.
+
+    Returns:
+        :class:`ShardedProfile` of this rank.
+
+    Raises:
+        ValueError: bad ``steps``/``warmup``; a profile whose launches and gloo events do not match.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+    def one_step():
+        loss_fn(sdp(batch[0]), *batch[1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(warmup):
+        one_step()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=_all_threads_config()) as prof:
+        for _ in range(steps):
+            with record_function(RANGE_STEP):
+                one_step()
+    per_step = _measure(_events(prof))
+    med = statistics.median
+    total = sum(s["comm"] for s in per_step)
+    return ShardedProfile(rank=dist.get_rank(), stage=sdp.stage, steps=steps,
+                          step_s=med(s["step"] for s in per_step), compute_s=med(s["compute"] for s in per_step),
+                          comm_s=med(s["comm"] for s in per_step), overlapped_s=med(s["overlapped"] for s in per_step),
+                          exposed_comm_s=med(s["exposed"] for s in per_step),
+                          overlap_fraction=sum(s["overlapped"] for s in per_step) / total if total > 0 else 0.0)
+
