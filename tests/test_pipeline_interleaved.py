@@ -21,7 +21,7 @@ RTOL, ATOL = 1e-12, 1e-14
 
 
 def _model():
-    """9 modules (4 x Linear+Tanh, then Linear): enough to cut into p·v = 4 virtual stages."""
+    """9 modules (4 x Linear+Tanh, then Linear): enough to cut into p·v = 8 virtual stages."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         layers = [m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())] + [nn.Linear(WIDTH, 3)]
@@ -47,10 +47,18 @@ def _attempt(*args, **kwargs):
 
 
 def _worker():
-    rank = dist.get_rank()
-    group = dist.new_group([0, 1])  # an explicit pipeline group
+    # Four ranks: two 2-stage pipelines side by side in disjoint groups (ranks 0-1 and 2-3), then one 4-stage
+    # interleaved pipeline over all four.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    world = dist.new_group([0, 1, 2, 3])
+    group = pairs[dist.get_rank() // 2]
+    rank = dist.get_rank(group)
     x, y = _batch()
     out = {}
+    model = _model()
+    four = split_interleaved(model, 4, 2)[dist.get_rank()]
+    res = pipeline_step(four, x, y, nn.functional.cross_entropy, M, world, schedule="interleaved")
+    out["interleaved p=4"] = (res.loss, _grads(model, four))
     model = _model()
     chunks = split_interleaved(model, P, V)[rank]
     res = pipeline_step(chunks, x, y, nn.functional.cross_entropy, M, group, schedule="interleaved")
@@ -73,9 +81,16 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """One 2-rank job: the interleaved step, the 1F1B step of the same model, and the bad calls."""
-    return launch(_worker, 2, timeout=60)
+def runs4():
+    """One 4-rank job: p = 4, v = 2 over all ranks; then on two disjoint pairs each: the p = 2 interleaved
+    step, the 1F1B step of the same model, and the bad calls."""
+    return launch(_worker, 4, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def runs(runs4):
+    """The first pair's results (the second pair's are checked equal to them)."""
+    return runs4[:2]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +118,22 @@ def test_interleaved_step_equals_the_unpipelined_model_and_the_1f1b_engine(runs,
     # Rank 0 holds virtual stages 0 and 2 (modules 0-2 and 5-6), rank 1 stages 1 and 3 (modules 3-4, 7-8).
     assert sorted(runs[0]["interleaved"][1]) == ["0.bias", "0.weight", "2.bias", "2.weight", "6.bias", "6.weight"]
     assert sorted(runs[1]["interleaved"][1]) == ["4.bias", "4.weight", "8.bias", "8.weight"]
+
+
+def test_four_stage_interleaved_step_and_the_second_pair_agree(runs4, reference):
+    ref_loss, ref_grads = reference
+    seen = {}
+    for rank, out in enumerate(runs4):
+        loss, grads = out["interleaved p=4"]
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=RTOL, atol=ATOL, msg=f"p=4 rank {rank} {name}")
+        seen.update(grads)
+    assert sorted(seen) == sorted(ref_grads)
+    for a, b in ((runs4[0], runs4[2]), (runs4[1], runs4[3])):  # the pipelines side by side computed the same
+        assert a["interleaved"][0] == b["interleaved"][0] and a["errors"] == b["errors"]
+        for name, g in a["interleaved"][1].items():
+            assert torch.equal(g, b["interleaved"][1][name])
 
 
 def test_interleaved_step_runs_the_schedule_in_order_and_sends_what_the_plan_says(runs):
