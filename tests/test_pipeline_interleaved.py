@@ -282,3 +282,24 @@ def test_compare_bubbles_gives_each_schedules_bubble_beside_its_formula():
     assert [rows[n]["formula"] for n in rows] == [3 / 8, 3 / 16, 1 / 8]
     assert rows["1F1B"]["step"] == 33 and rows["ZB-H1"]["step"] == 27  # (m+p-1)·3 vs 3m + p - 1
     assert max(rows["ZB-H1"]["max_in_flight"]) == max(rows["1F1B"]["max_in_flight"]) == 4
+    # Interleaving's memory price on stage 0: p·(1 + (p-1)/(p·v)) = 4·(1 + 3/8) = 5.5 stage micro-batches.
+    assert rows["interleaved 1F1B, v = 2"]["peak_activations"] == 5.5
+
+
+def test_plot_schedule_comparison_draws_three_panels_on_one_time_axis():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from commlab.viz import plot_schedule_comparison
+
+    fig = plot_schedule_comparison(2, 4, 2)
+    axes = fig.axes
+    assert len(axes) == 3 and len({ax.get_xlim() for ax in axes}) == 1
+    # A grey row per stage and one bar per op: 1F1B 2·2m, interleaved 2·2·m·v, ZB-H1 2·3m.
+    assert [len(ax.collections) for ax in axes] == [2 + 16, 2 + 32, 2 + 24]
+    assert "interleaved 1F1B, v = 2" in axes[1].get_title() and "formula 0.125" in axes[1].get_title()
+    assert [t.get_text() for t in axes[2].get_legend().get_texts()] == [
+        "forward", "input gradient (B)", "weight gradient (W)", "idle (bubble)"]
+    assert "chunk 1" in [t.get_text() for t in axes[1].get_legend().get_texts()]
+    plt.close(fig)

@@ -486,22 +486,26 @@ def compare_bubbles(p: int, m: int, v: int = 2) -> list[dict]:
     Returns:
         One dict per schedule, keys ``name``, ``schedule`` (the op lists), ``timeline``, ``step`` (the step
         time, in forward times), ``idle_fraction`` (idle / (p × step)), ``bubble_time_ratio`` (idle /
-        busy, measured) and ``formula`` (the source's bubble time ratio), ``max_in_flight`` (per stage).
+        busy, measured) and ``formula`` (the source's bubble time ratio), ``max_in_flight`` (per stage, in
+        ops' activations: a chunk's in the interleaved schedule) and ``peak_activations`` (the largest, in
+        one stage's activations of one micro-batch: interleaved divides by v, giving Megatron-LM's
+        ``p·(1 + (p-1)/(p·v))`` on stage 0 for m > p).
 
     Raises:
         ValueError: what the schedules raise (interleaved: p < 2 or m not a multiple of p).
     """
     rows = []
-    for name, schedule, formula in (
-            ("1F1B", one_f_one_b_schedule(p, m), bubble_time_ratio(p, m)),
-            (f"interleaved 1F1B, v = {v}", interleaved_schedule(p, m, v), interleaved_bubble_time_ratio(p, m, v)),
-            ("ZB-H1", zb_h1_schedule(p, m), zb_h1_bubble_time_ratio(p, m))):
+    for name, schedule, formula, chunks in (
+            ("1F1B", one_f_one_b_schedule(p, m), bubble_time_ratio(p, m), 1),
+            (f"interleaved 1F1B, v = {v}", interleaved_schedule(p, m, v), interleaved_bubble_time_ratio(p, m, v), v),
+            ("ZB-H1", zb_h1_schedule(p, m), zb_h1_bubble_time_ratio(p, m), 1)):
         timeline = ideal_timeline(schedule)
         idle = idle_fraction(timeline)
+        held = max_in_flight(schedule)
         rows.append({"name": name, "schedule": schedule, "timeline": timeline,
                      "step": max(t.end_s for t in timeline) - min(t.start_s for t in timeline),
                      "idle_fraction": idle, "bubble_time_ratio": idle / (1 - idle), "formula": formula,
-                     "max_in_flight": max_in_flight(schedule)})
+                     "max_in_flight": held, "peak_activations": max(held) / chunks})
     return rows
 
 
