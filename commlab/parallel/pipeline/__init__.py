@@ -11,8 +11,9 @@
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, SCHEDULES, WEIGHT, Op, TimedOp, bubble_fraction,
                                                  bubble_time_ratio, check_schedule, compare_bubbles, gpipe_schedule,
-                                                 ideal_timeline, idle_fraction, in_flight, interleaved_bubble_time_ratio,
-                                                 interleaved_schedule, interleaved_warmup, make_schedule, max_in_flight,
+                                                 ideal_timeline, idle_fraction, in_flight,
+                                                 interleaved_bubble_time_ratio, interleaved_schedule,
+                                                 interleaved_warmup, make_schedule, max_in_flight,
                                                  one_f_one_b_schedule, stage_busy_idle, virtual_dependencies,
                                                  zb_h1_bubble_time_ratio, zb_h1_schedule)
 from commlab.parallel.pipeline.plan import (ACTIVATION, GRADIENT, CommGroup, Message, RendezvousDeadlock,

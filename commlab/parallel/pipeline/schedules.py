@@ -337,8 +337,9 @@ def check_schedule(schedule: Sequence[Sequence[Op]]) -> None:
         if set(seen) != expected or len(ops) != len(kinds) * m * v:
             def names(keys):
                 return sorted(str(Op(s, k, j, c)) for k, j, c in keys)
+            on_chunks = f" on each of its {v} chunks" if v > 1 else ""
             raise ValueError(f"stage {s} must run {'/'.join(kinds)} of micro-batches 0..{m - 1} once each"
-                             f"{f' on each of its {v} chunks' if v > 1 else ''}; missing {names(expected - set(seen))}, "
+                             f"{on_chunks}; missing {names(expected - set(seen))}, "
                              f"extra {names(set(seen) - expected)}")
     ideal_timeline(schedule)  # raises on a deadlock
 
