@@ -185,10 +185,10 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.T
         ValueError: on every stage: unknown schedule, m not an integer >= 1 or not dividing the batch size,
             the batch on another device than the group's, or stages called with different schedules, m,
             batch sizes or numbers of chunks (the message lists each stage's); interleaved: m not a multiple
-            of p, p < 2, fewer than 2 chunks or chunks not passed as a list. On the stage concerned (the others wait for
-            it until the timeout): a tensor to send whose shape or dtype differs from the one agreed
-            before the first micro-batch (an output shape that depends on the input's values), naming the
-            stage and micro-batch.
+            of p, p < 2, fewer than 2 chunks or chunks not passed as a list. On the stage concerned (the
+            others wait for it until the timeout): a tensor to send whose shape or dtype differs from the one
+            agreed before the first micro-batch (an output shape that depends on the input's values), naming
+            the stage and micro-batch.
         RuntimeError: this rank is not in ``group``; on the stage concerned, a stage whose output does not
             depend on its input (no gradient to send back), naming the stage and micro-batch; on every
             stage, when a stage failed while the boundary shapes were agreed (its dry run raised, or its
