@@ -223,6 +223,9 @@ def zb_h1_schedule(p: int, m: int) -> list[list[Op]]:
 
     With ``T_F = T_B = T_W`` (the paper's simplest case) the bubble is ``(p - 1) / (3m)`` of the ideal time,
     a third of 1F1B's ``(p - 1) / m`` (:func:`zb_h1_bubble_time_ratio`, checked on :func:`ideal_timeline`).
+    The order is built from the paper's description (1F1B's warm-up; W's started later the fewer warm-up
+    forwards a stage has, so that every stage holds as many micro-batches as stage 0); its bubble and peak
+    memory are the ones the paper states, but it was not compared op by op with the paper's figure.
 
     Returns:
         ``schedule[s]``: stage s's ops in order, ``3m`` each (``F``, ``B``, ``W`` of every micro-batch).
@@ -468,9 +471,9 @@ def interleaved_bubble_time_ratio(p: int, m: int, v: int) -> float:
 
 def zb_h1_bubble_time_ratio(p: int, m: int) -> float:
     """Bubble time over ideal compute time of ZB-H1 with ``T_F = T_B = T_W``: ``(p - 1) / (3m)``, a third of
-    1F1B's ``(p - 1) / m`` (Qi et al. 2024, §2.1: "one-third of 1F1B's" bubble; the authors' table
-    "Comparison assuming T_F=T_B=T_W", bubble rate ``(p-1)/3m`` for ZB1P, i.e. ZB-H1). Each stage idles
-    ``(p - 1)·T_F`` of the ``3m·T_F`` it computes.
+    1F1B's ``(p - 1) / m`` (Qi et al. 2024, §2.1: a bubble one third of 1F1B's; the authors' own project
+    description tabulates the bubble rate "assuming T_F=T_B=T_W" as ``(p-1)/m`` for 1F1B and ``(p-1)/3m``
+    for ZB1P, their name for ZB-H1). Each stage idles ``(p - 1)·T_F`` of the ``3m·T_F`` it computes.
 
     Raises:
         ValueError: p < 1 or m < 1.
