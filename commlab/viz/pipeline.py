@@ -100,7 +100,7 @@ def plot_schedule_comparison(p: int = 4, m: int = 8, v: int = 2):
     import matplotlib.pyplot as plt
 
     rows = compare_bubbles(p, m, v)
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, len(rows) * (0.55 * p + 1.5)))
+    fig, axes = plt.subplots(len(rows), 1, figsize=(6.88, len(rows) * (0.45 * p + 1.3)))
     longest = max(r["step"] for r in rows)
     for ax, r in zip(axes, rows):
         plot_timeline(r["timeline"], ax=ax, unit="forward times",
