@@ -33,3 +33,7 @@ __all__ += ["check_memory_per_gpu", "check_step_seconds"]
 from commlab.exercises.capstone import check_step_budget
 
 __all__ += ["check_step_budget"]
+from commlab.exercises.moe_bytes import check_dispatch_bytes
+from commlab.exercises.ring_schedule import check_ring_schedule
+
+__all__ += ["check_ring_schedule", "check_dispatch_bytes"]
