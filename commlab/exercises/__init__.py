@@ -36,3 +36,7 @@ __all__ += ["check_step_budget"]
 from commlab.exercises.all_to_all import check_all_to_all_bytes
 
 __all__ += ["check_all_to_all_bytes"]
+from commlab.exercises.moe_bytes import check_dispatch_bytes
+from commlab.exercises.ring_schedule import check_ring_schedule
+
+__all__ += ["check_ring_schedule", "check_dispatch_bytes"]
