@@ -52,6 +52,10 @@ def main():
     except RankError as e:
         assert "launch() was called inside a function that launch() runs under torchrun/srun" in str(e), e
     print(f"in-process checks passed on rank {rank}", flush=True)
+    # Tear the group down while both ranks are alive: left to interpreter shutdown, gloo's threads can be
+    # destroyed still joinable ("terminate called without an active exception", seen once under load).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
