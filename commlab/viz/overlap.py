@@ -86,7 +86,7 @@ def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] |
             ax.broken_barh([(b.start_s * 1e3, w)], (yy - 0.35, 0.7), facecolors=_COMM, edgecolors="white",
                            linewidth=0.5, alpha=0.85)
             if w > 0.02 * span:
-                ax.text(b.start_s * 1e3 + w / 2, yy, str(b.bucket), ha="center", va="center", fontsize=7,
+                ax.text(b.start_s * 1e3 + w / 2, yy, b.label or str(b.bucket), ha="center", va="center", fontsize=7,
                         color="white")
         for lane in range(n - 1):
             yticks.append(y + 1 + lane)
