@@ -36,3 +36,6 @@ __all__ += ["check_step_budget"]
 from commlab.exercises.all_to_all import check_all_to_all_bytes
 
 __all__ += ["check_all_to_all_bytes"]
+from commlab.exercises.sharded import check_prefetch, check_zero3_bytes
+
+__all__ += ["check_zero3_bytes", "check_prefetch"]
