@@ -4,8 +4,8 @@
 :func:`profile_sharded` runs a few training steps under ``torch.profiler.profile`` (all threads recorded, see
 :mod:`commlab.overlap.profile` for why) and reads back the ranges :mod:`commlab.parallel.sharded` opens:
 
-* ``sharded::step`` (opened here) around each step (forward, backward, optimizer step, ``zero_grad``), and
-  ``sharded::forward``, ``sharded::backward``, ``sharded::optimizer`` (opened here) around its phases, and
+* ``sharded::step`` (opened here) around each step (forward, backward, optimizer step, ``zero_grad``);
+  ``sharded::forward``, ``sharded::backward``, ``sharded::optimizer`` (opened here) around its phases; and
   ``sharded::forward::unit<i>`` around unit i's forward compute (opened by hooks registered here, after the
   model's own, so it starts once the unit is gathered and its prefetch launched);
 * ``sharded::all_gather::unit<i>`` / ``sharded::reduce_scatter::unit<i>`` around launching a unit's
@@ -168,8 +168,9 @@ def _measure(events: Sequence[tuple[str, int, float, float]]) -> list[dict[str, 
         exposed = union_length(m)
         comm_s = union_length(c)
         overlapped = comm_s - intersection_of_unions(c, m)
-        def within(s, e):
-            return s0 <= s and s < s1 + 1e-9
+
+        def within(s, e):  # a bar belongs to the step it starts in (a collective may end after the step)
+            return s0 <= s < s1 + 1e-9
 
         bars = [Interval(kind, s - s0, e - s0) for kind, s, e in phases if within(s, e)]
         bars += [Interval("unit", s - s0, e - s0, unit) for s, e, unit in unit_computes if within(s, e)]
