@@ -11,9 +11,10 @@ selftest`` and exits non-zero if a check fails:
 * ``steps`` (under torchrun, any world size, tensors on the group's device): one
   :class:`~commlab.overlap.BucketedDataParallel` step (plain, with a commlab hook, with torch's
   ``fp16_compress_wrapper``, with PowerSGD) against the whole batch in one process; its clock marks in
-  order; a pipeline step (GPipe and 1F1B, as many stages as ranks) against the unpipelined model, with a
-  sane timeline; ZeRO-1, and ZeRO-2 and ZeRO-3 (:class:`~commlab.parallel.ShardedDataParallel`), against
-  torch's Adam; ``train_data_parallel`` on the device.
+  order; a pipeline step (GPipe and 1F1B, as many stages as ranks; interleaved 1F1B with v = 2 chunks per
+  rank and m = 2p when there are >= 2 ranks) against the unpipelined model, with a sane timeline; ZeRO-1,
+  and ZeRO-2 and ZeRO-3 (:class:`~commlab.parallel.ShardedDataParallel`), against torch's Adam;
+  ``train_data_parallel`` on the device.
 * ``collectives`` (under torchrun, >= 2 ranks): ring ReduceScatter / AllGather / AllReduce,
   halving-doubling, recursive doubling, the binomial tree and the hierarchical AllReduce against
   ``dist.all_reduce`` (and ``all_gather``/``reduce_scatter``) on odd sizes; AllToAllV with uneven splits
@@ -174,7 +175,35 @@ def _pipeline_rows(device: torch.device) -> list[Check]:
         rows.append(Check(f"  {schedule} timeline: {len(result.timeline)} ops, start >= 0, end >= start",
                           float(bad), 0.0, f"step {result.step_s * 1e3:.3f} ms, idle {result.idle_fraction:.2f}, "
                           f"bubble formula {result.bubble_fraction:.2f}"))
+    if p >= 2:
+        rows += _interleaved_rows(device, full, p, stage)
     return rows
+
+
+def _interleaved_rows(device: torch.device, full: nn.Sequential, p: int, stage: int) -> list[Check]:
+    """Interleaved 1F1B, v = 2 chunks per rank, m = 2p micro-batches of 4 rows (a multiple of p, as
+    Megatron-LM requires, and more than p, so that the steady state's grouped forward-backward pairs run),
+    against the unpipelined model on the same 8p rows."""
+    from commlab.parallel.pipeline import pipeline_step, split_interleaved
+
+    v, m = 2, 2 * p
+    x, y = _batch(device, 4 * m)
+    ref = copy.deepcopy(full)
+    ref.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    model = copy.deepcopy(full)
+    model.zero_grad(set_to_none=True)
+    chunks = split_interleaved(model, p, v)[stage]
+    result = pipeline_step(chunks, x, y, nn.functional.cross_entropy, m, None, "interleaved")
+    grads = dict(ref.named_parameters())
+    names = {id(q): k for k, q in model.named_parameters()}
+    err = max([_rel_err(q.grad, grads[names[id(q)]].grad) for c in chunks for q in c.parameters()], default=0.0)
+    bad = sum(op.start_s < 0 or op.end_s < op.start_s for op in result.timeline)
+    return [Check(f"pipeline interleaved, {p} stages x {v} chunks, {m} micro-batches: gradients",
+                  max_over_world(err, device), 1e-5, f"loss {result.loss:.6f} vs the unpipelined model"),
+            Check(f"  interleaved timeline: {len(result.timeline)} ops, start >= 0, end >= start", float(bad), 0.0,
+                  f"step {result.step_s * 1e3:.3f} ms, idle {result.idle_fraction:.2f}, "
+                  f"bubble formula {result.bubble_fraction:.2f}")]
 
 
 def _zero_rows(device: torch.device) -> list[Check]:

@@ -9,9 +9,9 @@
 #   1. torchrun with NCCL at world size 1: python -m commlab selftest (ring, mesh + TP layer, DP step);
 #   2. every compressor's round trip (and error feedback) on CUDA tensors against the CPU result;
 #   3. compressor encode + decode throughput on the GPU beside the torch primitive (bench --compressors);
-#   4. bucketed DP (plain, commlab hook, torch's fp16 wrapper, PowerSGD), pipeline GPipe/1F1B, ZeRO-1,
-#      ZeRO-2/3 (ShardedDataParallel: async collectives, resized CUDA storage) and the digits trainer on CUDA
-#      under torchrun, with their clock marks;
+#   4. bucketed DP (plain, commlab hook, torch's fp16 wrapper, PowerSGD), pipeline GPipe/1F1B (and interleaved
+#      1F1B from 2 ranks on), ZeRO-1, ZeRO-2/3 (ShardedDataParallel: async collectives, resized CUDA storage)
+#      and the digits trainer on CUDA under torchrun, with their clock marks;
 #   5. bench --backend nccl (commlab ring vs dist.all_reduce) under torchrun at world size 1;
 #   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
 #   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter, AllGather and AllToAllV on NCCL, the steps

@@ -303,6 +303,8 @@ def _graders():
         "QSGD": lambda: ex.check_qsgd(_StubQSGD),
         "memory per GPU": lambda: ex.check_memory_per_gpu(_stub_fn),
         "step seconds": lambda: ex.check_step_seconds(_stub_fn),
+        "ring schedule": lambda: ex.check_ring_schedule(_stub_fn),
+        "dispatch bytes": lambda: ex.check_dispatch_bytes(_stub_fn),
     }
 
 
@@ -553,6 +555,57 @@ def test_each_all_to_all_bytes_slip_is_named_without_the_expected_bytes(slip, me
     text = str(check_all_to_all_bytes(slip, 2))
     assert message in text and "FAIL  2 ranks, rows of 4096 B" in text, text
     assert "expected" not in text
+
+
+# ------------------------------------------------------------------ lab 13: ring schedule and MoE dispatch bytes
+
+def _ring_right(rank, step, n):
+    src = (rank - step) % n
+    return [(q, k) for q in (rank, 2 * n - 1 - rank) for k in (src, 2 * n - 1 - src) if k <= q]
+
+
+def test_the_ring_schedule_solution_passes():
+    from commlab.exercises import check_ring_schedule
+    assert check_ring_schedule(_ring_right).passed
+
+
+@pytest.mark.parametrize("slip, message", [
+    # every pair of the held chunks, the causal mask forgotten
+    (lambda r, t, n: [(q, k) for q in (r, 2 * n - 1 - r) for k in ((r - t) % n, 2 * n - 1 - (r - t) % n)],
+     "is removed by the causal mask"),
+    # the ring turned the wrong way: K/V of rank r + t
+    (lambda r, t, n: _ring_right(r, -t % n, n), "is not in the K/V it holds at this step"),
+    # the diagonal pairs forgotten (k < q instead of k <= q)
+    (lambda r, t, n: [p for p in _ring_right(r, t, n) if p[0] != p[1]], "left out that the causal mask keeps"),
+    (lambda r, t, n: [(0.5, 0)], "is not a pair of int chunk indices"),
+])
+def test_each_ring_schedule_slip_is_named_without_the_expected_pairs(slip, message):
+    from commlab.exercises import check_ring_schedule
+    text = str(check_ring_schedule(slip))
+    assert message in text and "checks passed" in text and "expected" not in text, text
+
+
+def _dispatch_right(tokens, hidden, e, k, cf, ep, nbytes):
+    return e * math.ceil(round(cf * tokens * k / e, 9)) * hidden * nbytes * (ep - 1) // ep
+
+
+def test_the_dispatch_bytes_solution_passes_and_equals_the_layer_s_count():
+    from commlab.exercises import check_dispatch_bytes
+    from commlab.exercises.moe_bytes import DISPATCH_CASES
+    assert check_dispatch_bytes(_dispatch_right).passed
+    assert len({args for _, args in DISPATCH_CASES}) == len(DISPATCH_CASES)
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda t, h, e, k, cf, ep, b: e * math.ceil(cf * t * k / e) * h * b, "the row that stays on the rank"),
+    (lambda t, h, e, k, cf, ep, b: e * (cf * t * k / e) * h * b * (ep - 1) / ep, "not rounded up"),
+    (lambda t, h, e, k, cf, ep, b: e * math.ceil(cf * t / e) * h * b * (ep - 1) / ep, "k was left out"),
+    (lambda t, h, e, k, cf, ep, b: _dispatch_right(t, h, e, k, cf, ep, b) / b, "elements, not bytes"),
+])
+def test_each_dispatch_slip_is_named_without_the_expected_bytes(slip, message):
+    from commlab.exercises import check_dispatch_bytes
+    text = str(check_dispatch_bytes(slip))
+    assert message in text and "too" in text and "expected" not in text, text
 
 
 # ------------------------------------------------------------------ the labs' stored pages

@@ -39,3 +39,7 @@ __all__ += ["check_all_to_all_bytes"]
 from commlab.exercises.sharded import check_prefetch, check_zero3_bytes
 
 __all__ += ["check_zero3_bytes", "check_prefetch"]
+from commlab.exercises.moe_bytes import check_dispatch_bytes
+from commlab.exercises.ring_schedule import check_ring_schedule
+
+__all__ += ["check_ring_schedule", "check_dispatch_bytes"]

@@ -4,9 +4,9 @@ from commlab.viz.ring import ring_states, plot_ring_schedule, plot_bench, bench_
 
 __all__ = ["ring_states", "plot_ring_schedule", "plot_bench", "bench_table"]
 
-from commlab.viz.pipeline import plot_timeline
+from commlab.viz.pipeline import plot_schedule_comparison, plot_timeline
 
-__all__ += ["plot_timeline"]
+__all__ += ["plot_timeline", "plot_schedule_comparison"]
 
 from commlab.viz.overlap import plot_overlap_timeline
 

@@ -23,7 +23,10 @@ Design choices, and why:
   tensor, and the sender checks each one against the agreed :class:`Boundary` before posting it (a
   mismatched message would make gloo abort or NCCL read garbage).
 * **Messages between a pair of stages are matched by order.** Activations only go s -> s+1 and gradients
-  only s+1 -> s, each in the order the schedule produces them, so no tags are needed.
+  only s+1 -> s, each in the order the schedule produces them, so no tags are needed. In an interleaved
+  pipeline (v model chunks per stage) they go between virtual stages k -> k+1 (on stages ``k mod p`` and
+  ``(k+1) mod p``), so the last stage also sends to stage 0; both sides still list a pair's messages in
+  one order, the plan's (:mod:`~commlab.parallel.pipeline.plan`), and the shapes are agreed per chunk.
 * **Every buffer on the group's device** (:func:`commlab.launch.device.group_device`: the CPU under gloo,
   the rank's GPU under NCCL, which moves only CUDA tensors).
 
@@ -43,10 +46,13 @@ from commlab.collectives import p2p
 from commlab.collectives._common import _ALL_DTYPES, _DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
 from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
 from commlab.parallel.pipeline.schedules import SCHEDULES
+
+#: Schedules :func:`agree_step` (and the engine) know: those of :data:`SCHEDULES`, and interleaved 1F1B.
+ENGINE_SCHEDULES = tuple(sorted(SCHEDULES)) + ("interleaved",)
 from commlab.parallel.tensor.communications import untimed
 
-__all__ = ["PendingSends", "Boundary", "stage_of", "neighbour", "stage_rank", "communicate", "agree_step",
-           "agree_boundary_shapes", "activation_nbytes"]
+__all__ = ["ENGINE_SCHEDULES", "PendingSends", "Boundary", "stage_of", "neighbour", "stage_rank", "communicate",
+           "agree_step", "agree_boundary_shapes", "agree_chunk_boundaries", "activation_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,23 +143,26 @@ def stage_rank(group: dist.ProcessGroup | None, stage: int) -> int:
     return dist.get_global_rank(group, stage)
 
 
-def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor], boundary: Boundary,
-                group: dist.ProcessGroup | None, pending: PendingSends,
-                device: torch.device | str = "cpu") -> dict[tuple[str, int], torch.Tensor]:
+def communicate(step: CommGroup, outbox: dict[tuple[str, int, int], torch.Tensor],
+                boundary: Boundary | Sequence[Boundary], group: dist.ProcessGroup | None, pending: PendingSends,
+                device: torch.device | str = "cpu") -> dict[tuple[str, int, int], torch.Tensor]:
     """Post one group of the plan as one grouped exchange; return its received tensors once they arrived.
 
     Args:
         step: the group (its sends and receives; see :mod:`~commlab.parallel.pipeline.plan`).
-        outbox: tensors produced by earlier computations, keyed ``(kind, microbatch)``; each one this group
-            sends is taken out of it (detached, made contiguous).
+        outbox: tensors produced by earlier computations, keyed ``(kind, microbatch, chunk)`` (the chunk that
+            produced it; 0 with one chunk per stage); each one this group sends is taken out of it
+            (detached, made contiguous).
         boundary: the shapes and dtypes of what this stage sends and receives, as agreed by
-            :func:`agree_boundary_shapes`.
+            :func:`agree_boundary_shapes`; with v chunks per stage, one per chunk
+            (:func:`agree_chunk_boundaries`).
         group: the pipeline group (group rank = stage).
         pending: where the exchange waits for its sends to complete (the step's :class:`PendingSends`).
         device: where received tensors are allocated (the group's device).
 
     Returns:
-        ``{(kind, microbatch): tensor}`` for each receive of the group (fresh tensors, not requiring grad).
+        ``{(kind, microbatch, chunk): tensor}`` for each receive of the group, keyed by the chunk that
+        consumes it (fresh tensors, not requiring grad).
 
     Raises:
         KeyError: the plan sends a tensor no computation has produced (a plan that does not fit the
@@ -162,10 +171,11 @@ def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor], bo
             depends on its input's values, not only on its shape), naming the stage and the micro-batch;
             raised before anything of the group is posted.
     """
+    boundaries = [boundary] if isinstance(boundary, Boundary) else list(boundary)
     sends = []
     for msg in step.sends:
-        tensor = outbox.pop((msg.kind, msg.microbatch)).detach().contiguous()
-        shape, dtype = boundary.sent(msg.kind)
+        tensor = outbox.pop((msg.kind, msg.microbatch, msg.src_chunk)).detach().contiguous()
+        shape, dtype = boundaries[msg.src_chunk].sent(msg.kind)
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(
                 f"stage {msg.src}: the {msg.kind} of micro-batch {msg.microbatch} for stage {msg.dst} has shape "
@@ -173,10 +183,11 @@ def communicate(step: CommGroup, outbox: dict[tuple[str, int], torch.Tensor], bo
                 f"{_name(dtype)} from a dry run on zeros before the first micro-batch; a pipeline stage's "
                 "output shape and dtype must depend only on its input's shape and dtype, not on its values")
         sends.append((tensor, stage_rank(group, msg.dst)))
-    received = {(msg.kind, msg.microbatch): torch.empty(boundary.received(msg.kind)[0],
-                                                        dtype=boundary.received(msg.kind)[1], device=device)
-                for msg in step.recvs}
-    recvs = [(received[(msg.kind, msg.microbatch)], stage_rank(group, msg.src)) for msg in step.recvs]
+    received = {}
+    for msg in step.recvs:
+        shape, dtype = boundaries[msg.dst_chunk].received(msg.kind)
+        received[(msg.kind, msg.microbatch, msg.dst_chunk)] = torch.empty(shape, dtype=dtype, device=device)
+    recvs = [(received[(msg.kind, msg.microbatch, msg.dst_chunk)], stage_rank(group, msg.src)) for msg in step.recvs]
     ex = p2p.exchange(sends, recvs, group)
     ex.wait_recvs()
     pending.add(ex, len(sends))
@@ -188,10 +199,11 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def agree_step(schedule, m, batch: int, problem: str | None, group: dist.ProcessGroup | None,
-               device: torch.device | str = "cpu") -> None:
-    """Make every stage agree on (schedule, m, batch size), or raise the same error on every stage.
+               device: torch.device | str = "cpu", v: int = 1) -> None:
+    """Make every stage agree on (schedule, m, batch size, model chunks v), or raise the same error on every
+    stage.
 
-    One all-gather of 4 int64 per stage over the pipeline group (one latency). It is also the collective
+    One all-gather of 5 int64 per stage over the pipeline group (one latency). It is also the collective
     over the whole group that NCCL needs before the group's first point-to-point message (torch's
     ``batch_isend_irecv`` docstring). Without it, stages running different schedules wait for messages
     that never come until the timeout, and a different m or batch size fails inside a computation.
@@ -203,22 +215,24 @@ def agree_step(schedule, m, batch: int, problem: str | None, group: dist.Process
         problem: this stage's own verdict on its arguments (None if valid), e.g. "m=3 does not divide the
             batch size 8"; a stage with a problem makes every stage raise.
         group: the pipeline group; group rank = stage.
+        device: the group's device.
+        v: this stage's number of model chunks (1 unless interleaved).
 
     Raises:
         ValueError: some stage's arguments are invalid (the message gives each such stage's ``problem``), or
-            the stages disagree (it lists every stage's schedule, m and batch size); the same message on
-            every stage.
+            the stages disagree (it lists every stage's schedule, m and batch size, and v where some
+            stage's is not 1); the same message on every stage.
     """
-    names = sorted(SCHEDULES)
+    names = list(ENGINE_SCHEDULES)
     code = names.index(schedule) if isinstance(schedule, str) and schedule in names else -1
-    mine = torch.tensor([code, as_int64(m), as_int64(batch), int(problem is None)], dtype=torch.int64,
-                        device=device)
+    mine = torch.tensor([code, as_int64(m), as_int64(batch), int(problem is None), as_int64(v)],
+                        dtype=torch.int64, device=device)
     p = dist.get_world_size(group)
-    everyone = torch.empty(p * 4, dtype=torch.int64, device=mine.device)
+    everyone = torch.empty(p * 5, dtype=torch.int64, device=mine.device)
     all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(p, 4).cpu().tolist()
+    rows = everyone.view(p, 5).cpu().tolist()
     invalid = [s for s, row in enumerate(rows) if not row[3]]
-    if not invalid and len({tuple(row[:3]) for row in rows}) == 1:
+    if not invalid and len({(row[0], row[1], row[2], row[4]) for row in rows}) == 1:
         return
     if invalid:
         # Only the failure path pays for this second collective: every stage learns every stage's own
@@ -228,10 +242,12 @@ def agree_step(schedule, m, batch: int, problem: str | None, group: dist.Process
         if len(set(problems)) == 1:
             raise ValueError(f"pipeline_step: {problem} (on every stage)")
         raise ValueError("pipeline_step: " + "; ".join(f"stage {s}: {problems[s]}" for s in invalid))
+    chunked = any(row[4] != 1 for row in rows)
     described = "; ".join(
-        f"stage {s}: schedule {names[c]!r}, m={mm}, batch {b}" for s, (c, mm, b, _) in enumerate(rows))
-    raise ValueError(f"pipeline_step: every stage must be called with the same schedule, m and batch size "
-                     f"({described})")
+        f"stage {s}: schedule {names[c]!r}, m={mm}, batch {b}" + (f", v={vv}" if chunked else "")
+        for s, (c, mm, b, _, vv) in enumerate(rows))
+    what = "schedule, m, batch size and number of model chunks v" if chunked else "schedule, m and batch size"
+    raise ValueError(f"pipeline_step: every stage must be called with the same {what} ({described})")
 
 
 # Shape messages carry at most this many dimensions (a fixed-size int64 buffer, so the receiver can
@@ -271,41 +287,74 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
         RuntimeError: on every other stage when some stage failed here (naming it); the failing stage
             raises its own error (also the module's own exception from the dry run).
     """
+    return agree_chunk_boundaries([module], microbatch_shape, dtype, group, device)[0]
+
+
+def agree_chunk_boundaries(chunks: Sequence[nn.Module], microbatch_shape: Sequence[int], dtype: torch.dtype,
+                           group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> list[Boundary]:
+    """:func:`agree_boundary_shapes` for a stage holding v model chunks (interleaved 1F1B): the shapes pass
+    along the ``p·v`` virtual stages, chunk c of stage s being virtual stage ``k = c·p + s``, so they go
+    round the stages v times (the last stage's chunk c hands on to stage 0's chunk c + 1).
+
+    Costs ``p·v - 1`` tiny messages, one dry-run forward per chunk and the closing all-gather. With one
+    chunk it is :func:`agree_boundary_shapes`, messages included.
+
+    Args:
+        chunks: this stage's v chunks in order (chunk c = virtual stage ``c·p + stage``).
+        microbatch_shape, dtype, group, device: as for :func:`agree_boundary_shapes`.
+
+    Returns:
+        One :class:`Boundary` per chunk.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`agree_boundary_shapes`, the failing chunk named by its virtual
+            stage when v > 1.
+    """
     stage, p = stage_of(group)
+    v = len(chunks)
+    last = p * v - 1
     failure: BaseException | None = None
-    upstream_ok = True
-    if stage == 0:
-        in_shape, in_dtype = tuple(int(d) for d in microbatch_shape), dtype
-    else:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        p2p.exchange(recvs=[(header, neighbour(group, -1))], group=group).wait()
-        values = header.cpu().tolist()
-        upstream_ok, ndim = bool(values[0]), values[1]
-        in_shape = tuple(values[2:2 + ndim])
-        in_dtype = _ALL_DTYPES[values[-1]] if upstream_ok else dtype
-    out_shape, out_dtype = (), in_dtype
-    if upstream_ok:
-        try:
-            out_shape, out_dtype = _dry_run(module, in_shape, in_dtype, device)
-            if stage < p - 1:
-                if len(out_shape) > _MAX_DIMS:
-                    raise ValueError(f"stage {stage}'s output has {len(out_shape)} dimensions; at most "
-                                     f"{_MAX_DIMS} can be announced to the next stage")
-                if not (out_dtype.is_floating_point or out_dtype.is_complex):
-                    raise ValueError(f"stage {stage}'s output has dtype {_name(out_dtype)}; every boundary after "
-                                     "the model's input must carry a floating-point activation, since the "
-                                     "gradient flows back through it (only stage 0's input may be an integer)")
-        except Exception as e:  # noqa: BLE001 -- re-raised below, after the other stages were told
-            failure = e
-    ok = upstream_ok and failure is None
-    if stage < p - 1:
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-        if ok:
-            header[:2 + len(out_shape)] = torch.tensor([1, len(out_shape), *out_shape], dtype=torch.int64)
-            header[-1] = _DTYPE_CODE[out_dtype]
-        p2p.exchange(sends=[(header, neighbour(group, +1))], group=group).wait()
+    skipped = False  # a chunk here was not dry-run because a virtual stage before it failed
+    boundaries = []
+    for c, module in enumerate(chunks):
+        vs = c * p + stage
+        name = f"stage {stage}" if v == 1 else f"stage {stage}'s chunk {c} (virtual stage {vs})"
+        upstream_ok = True
+        if vs == 0:
+            in_shape, in_dtype = tuple(int(d) for d in microbatch_shape), dtype
+        else:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            p2p.exchange(recvs=[(header, stage_rank(group, (vs - 1) % p))], group=group).wait()
+            values = header.cpu().tolist()
+            upstream_ok, ndim = bool(values[0]), values[1]
+            in_shape = tuple(values[2:2 + ndim])
+            in_dtype = _ALL_DTYPES[values[-1]] if upstream_ok else dtype
+        skipped = skipped or not upstream_ok
+        out_shape, out_dtype = (), in_dtype
+        if upstream_ok and failure is None:
+            try:
+                out_shape, out_dtype = _dry_run(module, in_shape, in_dtype, device)
+                if vs < last:
+                    if len(out_shape) > _MAX_DIMS:
+                        raise ValueError(f"{name}'s output has {len(out_shape)} dimensions; at most "
+                                         f"{_MAX_DIMS} can be announced to the next stage")
+                    if not (out_dtype.is_floating_point or out_dtype.is_complex):
+                        raise ValueError(f"{name}'s output has dtype {_name(out_dtype)}; every boundary after "
+                                         "the model's input must carry a floating-point activation, since the "
+                                         "gradient flows back through it (only stage 0's input may be an "
+                                         "integer)")
+            except Exception as e:  # noqa: BLE001 -- re-raised below, after the other stages were told
+                failure = e
+        ok = upstream_ok and failure is None
+        if vs < last:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+            if ok:
+                header[:2 + len(out_shape)] = torch.tensor([1, len(out_shape), *out_shape], dtype=torch.int64)
+                header[-1] = _DTYPE_CODE[out_dtype]
+            p2p.exchange(sends=[(header, stage_rank(group, (vs + 1) % p))], group=group).wait()
+        boundaries.append(Boundary(in_shape, in_dtype, out_shape, out_dtype))
     # 0: failed here, 1: fine, 2: skipped because a stage before failed.
-    status = torch.tensor([0 if failure is not None else (1 if upstream_ok else 2)], dtype=torch.int64,
+    status = torch.tensor([0 if failure is not None else (2 if skipped else 1)], dtype=torch.int64,
                           device=device)
     everyone = torch.empty(p, dtype=torch.int64, device=status.device)
     all_gather_single(everyone, status, group=group)
@@ -321,7 +370,7 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
         raise RuntimeError("pipeline_step: " + "; ".join(f"stage {s} failed while the stages agreed on their "
                                                           f"boundary shapes ({errors[s]})" for s in failed)
                            + f"; stage {stage} stops too")
-    return Boundary(in_shape, in_dtype, out_shape, out_dtype)
+    return boundaries
 
 
 def _dry_run(module: nn.Module, in_shape: tuple[int, ...], in_dtype: torch.dtype,

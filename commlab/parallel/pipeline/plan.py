@@ -29,6 +29,20 @@ completes when all of its messages have met. Computations always finish. If no s
 have groups left, the plan deadlocks, and the simulator names the stuck groups. The tests run it for GPipe
 and 1F1B at every ``p <= 8, m <= 16``, and show that the old plan -- every send and every receive a group
 of its own -- deadlocks in the 1F1B steady state.
+
+**Interleaved 1F1B** (v model chunks per stage; chunk c of stage s is virtual stage ``k = c·p + s``): the
+messages run between virtual stages, k sending its activation to k + 1, which lives on stage
+``(k + 1) mod p`` -- the last stage's chunk c sends to stage 0's chunk c + 1 -- and its gradient to k - 1.
+The rule above, one group between any two computations, deadlocks there (the simulator shows it for every
+m > p): stage 0's chunk-0 forwards need nothing, so it posts a send alone while its neighbour waits on a
+message stage 0 produces only later. The plan follows Megatron-LM's
+``forward_backward_pipelining_with_interleaving`` instead: a *step* is one warm-up forward, one
+forward-backward pair of the steady state (run back to back) or one drain backward, and between two steps
+the stage posts one group of everything the step produced and everything the next needs
+(``send_forward_backward_recv_forward_backward`` in the steady state). It passes the simulator for every
+p <= 8, v <= 5 and m a multiple of p up to 6p. With p = 2 both neighbours are one rank, so a group can hold
+an activation and a gradient each way; both sides list them in the same order (the forward's first), as
+rule 3 of the rendezvous model needs.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ import dataclasses
 from typing import Sequence, Union
 
 from commlab.collectives.rendezvous import RendezvousDeadlock, simulate_rendezvous
-from commlab.parallel.pipeline.schedules import FORWARD, Op
+from commlab.parallel.pipeline.schedules import BACKWARD, FORWARD, Op, interleaved_schedule, interleaved_warmup
 
 __all__ = ["ACTIVATION", "GRADIENT", "Message", "CommGroup", "PlanItem", "communication_plan",
            "ungrouped_plan", "simulate_plan", "RendezvousDeadlock"]
@@ -49,14 +63,19 @@ GRADIENT = "gradient"  # the gradient w.r.t. the input of B j on stage s, sent t
 @dataclasses.dataclass(frozen=True)
 class Message:
     """One tensor between neighbouring stages: ``kind`` (activation or gradient) of ``microbatch``,
-    from stage ``src`` to stage ``dst``."""
+    from stage ``src`` to stage ``dst``; in an interleaved pipeline from model chunk ``src_chunk`` of ``src``
+    to chunk ``dst_chunk`` of ``dst`` (both 0 otherwise)."""
 
     kind: str
     microbatch: int
     src: int
     dst: int
+    src_chunk: int = 0
+    dst_chunk: int = 0
 
     def __str__(self) -> str:
+        if self.src_chunk or self.dst_chunk:
+            return f"{self.kind[0]}{self.microbatch}:{self.src}.{self.src_chunk}->{self.dst}.{self.dst_chunk}"
         return f"{self.kind[0]}{self.microbatch}:{self.src}->{self.dst}"
 
 
@@ -88,50 +107,100 @@ class CommGroup:
 PlanItem = Union[Op, CommGroup]
 
 
-def _produces(op: Op, p: int) -> Message | None:
+def _message(kind: str, op: Op, src_vs: int, dst_vs: int, p: int) -> Message:
+    return Message(kind, op.microbatch, src_vs % p, dst_vs % p, src_vs // p, dst_vs // p)
+
+
+def _produces(op: Op, p: int, v: int = 1) -> Message | None:
+    """What ``op`` sends: a forward its activation to virtual stage k + 1, a backward its input's gradient
+    to k - 1 (none past either end; v = 1: stage s ± 1)."""
+    vs = op.chunk * p + op.stage
     if op.kind == FORWARD:
-        return Message(ACTIVATION, op.microbatch, op.stage, op.stage + 1) if op.stage < p - 1 else None
-    return Message(GRADIENT, op.microbatch, op.stage, op.stage - 1) if op.stage > 0 else None
+        return _message(ACTIVATION, op, vs, vs + 1, p) if vs < p * v - 1 else None
+    if op.kind == BACKWARD:
+        return _message(GRADIENT, op, vs, vs - 1, p) if vs > 0 else None
+    return None  # a weight gradient (W) stays on its stage
 
 
-def _needs(op: Op, p: int) -> Message | None:
+def _needs(op: Op, p: int, v: int = 1) -> Message | None:
+    """What ``op`` receives: a forward the activation of virtual stage k - 1, a backward the gradient from
+    k + 1 (the first forward and the last backward nothing)."""
+    vs = op.chunk * p + op.stage
     if op.kind == FORWARD:
-        return Message(ACTIVATION, op.microbatch, op.stage - 1, op.stage) if op.stage > 0 else None
-    return Message(GRADIENT, op.microbatch, op.stage + 1, op.stage) if op.stage < p - 1 else None
+        return _message(ACTIVATION, op, vs - 1, vs, p) if vs > 0 else None
+    if op.kind == BACKWARD:
+        return _message(GRADIENT, op, vs + 1, vs, p) if vs < p * v - 1 else None
+    return None
 
 
-def communication_plan(schedule: Sequence[Sequence[Op]]) -> list[list[PlanItem]]:
+def communication_plan(schedule: Sequence[Sequence[Op]], v: int = 1) -> list[list[PlanItem]]:
     """The grouped plan of a schedule: per stage, its computations with the groups between them.
 
     Rule (see the module docstring): between ``o_i`` and ``o_{i+1}``, one group of what ``o_i`` produces
     and what ``o_{i+1}`` needs; before the first computation, the group of what it needs; after the
     last, the group of what it produces. A stage with nothing to exchange at a boundary posts nothing.
+    With ``v > 1`` (interleaved 1F1B) the same rule between Megatron-LM's *steps* instead of single
+    computations: a steady-state forward-backward pair is one step, its two computations run back to back,
+    and the group after it holds both their messages and both the next step's.
 
     Args:
-        schedule: per-stage op lists, e.g. from :func:`~commlab.parallel.pipeline.schedules.make_schedule`.
+        schedule: per-stage op lists, e.g. from :func:`~commlab.parallel.pipeline.schedules.make_schedule`,
+            or for ``v > 1`` exactly :func:`~commlab.parallel.pipeline.schedules.interleaved_schedule`
+            ``(p, m, v)``.
+        v: model chunks per stage (1: GPipe, 1F1B, one chunk each).
 
     Returns:
         ``plan[s]``: stage s's items in the order it runs them; every :class:`CommGroup` has at least one
-        message.
+        message (v = 1: at most one send and one receive; v > 1: at most two of each).
+
+    Raises:
+        ValueError: v not an int >= 1; with v > 1, a schedule that is not ``interleaved_schedule(p, m, v)``
+            (the steps are those of its warm-up, steady state and drain).
     """
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"communication_plan needs v >= 1 model chunks per stage (an int), got v={v!r}")
     p = len(schedule)
+    if v == 1:
+        steps = [[[op] for op in ops] for ops in schedule]
+    else:
+        steps = _interleaved_steps(schedule, p, v)
     plan = []
-    for s, ops in enumerate(schedule):
+    for s, stage_steps in enumerate(steps):
         items: list[PlanItem] = []
-        for i, op in enumerate(ops):
-            out = _produces(ops[i - 1], p) if i > 0 else None
-            need = _needs(op, p)
-            _boundary(items, s, out, need)
-            items.append(op)
-        _boundary(items, s, _produces(ops[-1], p) if ops else None, None)
+        previous: list[Op] = []
+        for step in stage_steps + [[]]:  # the empty last step: the group of what the last one produced
+            sends = tuple(msg for msg in (_produces(op, p, v) for op in previous) if msg is not None)
+            recvs = tuple(msg for msg in (_needs(op, p, v) for op in step) if msg is not None)
+            if sends or recvs:
+                items.append(CommGroup(s, sends, recvs))
+            items.extend(step)
+            previous = step
         plan.append(items)
     return plan
 
 
-def _boundary(items: list, s: int, out: Message | None, need: Message | None) -> None:
-    sends, recvs = (() if out is None else (out,)), (() if need is None else (need,))
-    if sends or recvs:
-        items.append(CommGroup(s, sends, recvs))
+def _interleaved_steps(schedule: Sequence[Sequence[Op]], p: int, v: int) -> list[list[list[Op]]]:
+    """Per stage, Megatron-LM's steps of the interleaved schedule: each warm-up forward alone, each steady
+    forward-backward pair together, each drain backward alone."""
+    n_forward = sum(op.kind == FORWARD for op in schedule[0]) if schedule else 0
+    m = n_forward // v
+    try:
+        expected = interleaved_schedule(p, m, v)
+    except ValueError as e:
+        raise ValueError(f"communication_plan with v={v} takes interleaved_schedule(p, m, v); this schedule's "
+                         f"p={p}, {n_forward} forwards per stage do not make one ({e})") from None
+    if [list(ops) for ops in schedule] != expected:
+        raise ValueError(f"communication_plan with v={v} groups the steps of interleaved_schedule(p={p}, m={m}, "
+                         f"v={v}); this schedule has another order")
+    steps = []
+    for s, ops in enumerate(schedule):
+        warmup = interleaved_warmup(p, m, v, s)
+        steady = m * v - warmup
+        stage_steps = [[op] for op in ops[:warmup]]
+        stage_steps += [list(ops[warmup + 2 * k:warmup + 2 * k + 2]) for k in range(steady)]
+        stage_steps += [[op] for op in ops[warmup + 2 * steady:]]
+        steps.append(stage_steps)
+    return steps
 
 
 def ungrouped_plan(schedule: Sequence[Sequence[Op]]) -> list[list[PlanItem]]:
@@ -139,7 +208,7 @@ def ungrouped_plan(schedule: Sequence[Sequence[Op]]) -> list[list[PlanItem]]:
     receive just before the computation that needs it, each send just after the one that produced it.
 
     Kept to show what :func:`simulate_plan` catches: under NCCL's rules it deadlocks in the 1F1B steady
-    state.
+    state. (GPipe and 1F1B only, one chunk per stage.)
     """
     p = len(schedule)
     plan = []
