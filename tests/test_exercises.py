@@ -629,3 +629,52 @@ def test_solutions_are_folded_and_no_stored_check_prints_a_wall_of_failures():
                        for o in cell.get("outputs", []))
         assert text.count("FAIL ") <= 3, f"{name}: a stored output lists {text.count('FAIL ')} failures"
         assert "<matplotlib." not in text, f"{name}: a stored output shows an object's repr"
+
+
+def _zero3_right(numel, n, param_bytes, grad_bytes, optimizer_bytes):
+    return {"params": param_bytes * numel / n, "grads": grad_bytes * numel / n,
+            "optimizer": optimizer_bytes * numel / n}
+
+
+def _zero3_params_whole(numel, n, param_bytes, grad_bytes, optimizer_bytes):
+    return {**_zero3_right(numel, n, param_bytes, grad_bytes, optimizer_bytes), "params": param_bytes * numel}
+
+
+def _zero3_master_copy(numel, n, param_bytes, grad_bytes, optimizer_bytes):
+    return {**_zero3_right(numel, n, param_bytes, grad_bytes, optimizer_bytes),
+            "optimizer": (optimizer_bytes + param_bytes) * numel / n}
+
+
+def test_the_zero3_bytes_solution_passes_and_each_slip_is_named():
+    from commlab.exercises import check_zero3_bytes
+    assert check_zero3_bytes(_zero3_right).passed, str(check_zero3_bytes(_zero3_right))
+    text = str(check_zero3_bytes(_zero3_params_whole))
+    assert "'params' is what a rank holds when that part is not sharded (as under ZeRO-0/1/2)" in text
+    text = str(check_zero3_bytes(_zero3_master_copy))
+    assert "'optimizer' is too high by" in text and "7.5e9" in text
+    assert str(check_zero3_bytes(lambda *a: None)).endswith("not attempted yet: fill in `<lambda>` in the cell above")
+    assert "return a dict with the keys" in str(check_zero3_bytes(lambda *a: 3.0))
+
+
+def _sharded_linear_units(model, prefetch=True):
+    from torch import nn
+
+    from commlab.parallel import ShardedDataParallel
+    return ShardedDataParallel(model, stage=3, units=[m for m in model.body if isinstance(m, nn.Linear)],
+                               prefetch=prefetch)
+
+
+def test_the_prefetch_solution_passes_and_an_unprefetched_or_one_unit_model_fails():
+    """Four graded runs on 2 gloo ranks (about a second each): the checker reads the profile's order of bars."""
+    import functools
+
+    from commlab.exercises import check_prefetch
+    from commlab.parallel import ShardedDataParallel
+    right = check_prefetch(_sharded_linear_units, 6)
+    assert right.passed, str(right)
+    late = str(check_prefetch(functools.partial(_sharded_linear_units, prefetch=False), 0))
+    assert "the AllGathers of units [1, 2, 3] were launched only when their unit was reached" in late
+    assert "the AllGathers of units [0, 1, 2]" in late  # the backward pass
+    one = check_prefetch(lambda model: ShardedDataParallel(model, stage=3), 0)
+    assert not one.passed and "it is one unit" in str(one)
+    assert "8 is too high by 33.3 % for the 4 units you made" in str(check_prefetch(_sharded_linear_units, 8))

@@ -434,6 +434,15 @@ def test_timeline_figure():
           Interval("optimizer", 4e-3, 4.5e-3), Interval("comm", 1.5e-3, 3.5e-3, 0), Interval("comm", 2e-3, 3.8e-3, 1)]
     fig = plot_overlap_timeline([tl, tl], labels=["a", "b"], title="t")
     assert len(fig.axes) == 1
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "wait for buckets" in legend and "bucket launch → done" in legend
+    plt.close(fig)
+    # A sharded step's bars: labelled comm bars, its own legend names.
+    tl = [Interval("forward", 0, 1e-3), Interval("comm", 0, 2e-3, 1, "AG1"), Interval("wait", 1e-3, 2e-3, 1, "AG1")]
+    fig = plot_overlap_timeline([tl], wait_label="wait for a collective", comm_label="collective")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "AG1" in texts and "wait for a collective" in legend and "collective" in legend
     plt.close(fig)
     with pytest.raises(ValueError):
         plot_overlap_timeline([])

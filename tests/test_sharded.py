@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab import launch
 from commlab.collectives._common import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
-from commlab.parallel.sharded_profile import intersection_of_unions, profile_sharded
+from commlab.parallel.sharded_profile import gathers_issued_ahead, intersection_of_unions, profile_sharded
 
 STEPS = 3
 
@@ -191,8 +191,14 @@ def _job():
     sdp = ShardedDataParallel(mlp(), stage=3)
     profiled = profile_sharded(sdp, sdp.make_optimizer(torch.optim.SGD, lr=0.0), lambda out: _loss(out),
                                (_batches(rank, 1)[0],), steps=2, warmup=1)
+    sdp = ShardedDataParallel(mlp(), stage=3, prefetch=False)
+    unprefetched = profile_sharded(sdp, sdp.make_optimizer(torch.optim.SGD, lr=0.0), lambda out: _loss(out),
+                                   (_batches(rank, 1)[0],), steps=1, warmup=0)
+    sdp = ShardedDataParallel(mlp(), stage=2)
+    zero2 = profile_sharded(sdp, sdp.make_optimizer(torch.optim.SGD, lr=0.0), lambda out: _loss(out),
+                            (_batches(rank, 1)[0],), steps=1, warmup=0)
     return dict(zero2=_against(2, rank), zero3=_against(3, rank), memory=_memory(rank, n), errors=_errors(rank),
-                profile=profiled, micro_batches=_micro_batches(rank))
+                profile=profiled, micro_batches=_micro_batches(rank), unprefetched=unprefetched, zero2_profile=zero2)
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +328,21 @@ def test_profile_splits_the_step_into_compute_and_communication(results):
         assert p.step_s > 0 and p.comm_s > 0 and p.compute_s > 0
         assert p.compute_s + p.exposed_comm_s == pytest.approx(p.step_s)
         assert 0 <= p.overlapped_s <= p.comm_s and 0 <= p.overlap_fraction <= 1
+
+
+def test_the_timeline_says_which_gathers_were_issued_ahead(results):
+    """Prefetch is read from the order of the bars, not their lengths: with it, units 1 and 2 are gathered while
+    the unit before them computes (forward) and units 0 and 1 while the unit after them does (backward)."""
+    for r in results:
+        p, q = r["profile"], r["unprefetched"]
+        labels = sorted(b.label for b in p.timeline if b.kind == "comm")
+        assert labels == ["AG0", "AG0", "AG1", "AG1", "AG2", "AG2", "RS0", "RS1", "RS2"]
+        assert {b.kind for b in p.timeline} == {"forward", "backward", "optimizer", "wait", "comm", "unit"}
+        assert all(0 <= b.start_s <= b.end_s for b in p.timeline)
+        assert gathers_issued_ahead(p.timeline) == {"forward": [1, 2], "backward": [0, 1]}
+        assert gathers_issued_ahead(q.timeline) == {"forward": [], "backward": []}
+        with pytest.raises(ValueError, match="two AllGathers per unit"):
+            gathers_issued_ahead(r["zero2_profile"].timeline)
 
 
 def test_intersection_of_unions():

@@ -36,6 +36,9 @@ __all__ += ["check_step_budget"]
 from commlab.exercises.all_to_all import check_all_to_all_bytes
 
 __all__ += ["check_all_to_all_bytes"]
+from commlab.exercises.sharded import check_prefetch, check_zero3_bytes
+
+__all__ += ["check_zero3_bytes", "check_prefetch"]
 from commlab.exercises.moe_bytes import check_dispatch_bytes
 from commlab.exercises.ring_schedule import check_ring_schedule
 

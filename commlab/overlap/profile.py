@@ -68,13 +68,15 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """One bar of a timeline: ``kind`` in forward, backward, wait, optimizer, comm, gloo; seconds from the
-    step's start; ``bucket`` for comm bars."""
+    """One bar of a timeline: ``kind`` in forward, backward, wait, optimizer, comm, gloo (and unit, for a
+    sharded step's per-unit compute); seconds from the step's start; ``bucket`` for comm bars (the bucket, or
+    the unit of a sharded step); ``label``, what the drawing writes on a comm bar (default: the bucket)."""
 
     kind: str
     start_s: float
     end_s: float
     bucket: int | None = None
+    label: str | None = None
 
     @property
     def duration_s(self) -> float:

@@ -5,6 +5,9 @@
 :mod:`commlab.overlap.profile` for why) and reads back the ranges :mod:`commlab.parallel.sharded` opens:
 
 * ``sharded::step`` (opened here) around each step (forward, backward, optimizer step, ``zero_grad``);
+  ``sharded::forward``, ``sharded::backward``, ``sharded::optimizer`` (opened here) around its phases; and
+  ``sharded::forward::unit<i>`` around unit i's forward compute (opened by hooks registered here, after the
+  model's own, so it starts once the unit is gathered and its prefetch launched);
 * ``sharded::all_gather::unit<i>`` / ``sharded::reduce_scatter::unit<i>`` around launching a unit's
   asynchronous AllGather / ReduceScatter on the training thread;
 * ``sharded::wait_all_gather::unit<i>`` and ``sharded::wait_reduce_scatter`` around the waits for them;
@@ -28,6 +31,15 @@ Definitions, per step (seconds):
   does besides starting and waiting for collectives), and ``exposed_comm_s`` = |M|;
 * ``overlapped_s`` = |C ∩ (step \\ M)|: communication under way while the training thread computes;
   **overlap fraction** = sum over steps of ``overlapped_s`` / sum of ``comm_s``, in [0, 1].
+
+The last profiled step is also kept as a timeline (:attr:`ShardedProfile.timeline`, bars of
+:class:`commlab.overlap.profile.Interval` in seconds from the step's start, drawn by
+:func:`commlab.viz.plot_overlap_timeline`): the phases (kinds ``forward``, ``backward``, ``optimizer``), each
+wait (kind ``wait``, labelled ``AG<i>`` for unit i's AllGather, ``RS`` for the ReduceScatters), each unit's
+forward compute (kind ``unit``, ``bucket`` = the unit; not drawn) and each collective's communication interval
+(kind ``comm``, ``bucket`` = the unit, labelled ``AG<i>``, ``RS<i>`` or ``AR<i>``).
+Which AllGathers were prefetched is a matter of *order* on the training thread, not of timing:
+:func:`gathers_issued_ahead` reads it from the timeline.
 """
 
 from __future__ import annotations
@@ -42,13 +54,15 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from commlab.overlap.profile import _all_threads_config, _events, union_length
+from commlab.overlap.profile import Interval, _all_threads_config, _events, union_length
 from commlab.parallel.sharded import (RANGE_ALL_GATHER, RANGE_ALL_REDUCE, RANGE_REDUCE_SCATTER, RANGE_WAIT_GATHER,
                                       RANGE_WAIT_REDUCE, ShardedDataParallel)
 
-__all__ = ["ShardedProfile", "profile_sharded", "intersection_of_unions", "RANGE_STEP"]
+__all__ = ["ShardedProfile", "profile_sharded", "intersection_of_unions", "gathers_issued_ahead", "RANGE_STEP"]
 
 RANGE_STEP = "sharded::step"
+RANGE_FORWARD, RANGE_BACKWARD, RANGE_OPTIMIZER = "sharded::forward", "sharded::backward", "sharded::optimizer"
+RANGE_UNIT_FORWARD = "sharded::forward::unit"   # + index: a unit's forward compute (hooks added by the profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +73,7 @@ class ShardedProfile:
         rank, stage, steps: as run.
         step_s, compute_s, comm_s, overlapped_s, exposed_comm_s: seconds (module docstring).
         overlap_fraction: sum of ``overlapped_s`` over the steps / sum of ``comm_s`` (0 with no communication).
+        timeline: the last profiled step's bars (module docstring), seconds from its start.
     """
 
     rank: int
@@ -70,6 +85,7 @@ class ShardedProfile:
     overlapped_s: float
     exposed_comm_s: float
     overlap_fraction: float
+    timeline: tuple[Interval, ...] = ()
 
 
 def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -118,15 +134,29 @@ def _measure(events: Sequence[tuple[str, int, float, float]]) -> list[dict[str, 
     def outside_all_reduce(s, e):
         return not any(a <= s and e <= z + 1e-6 for a, z in all_reduces)
 
+    def by_unit(prefix):
+        pat = re.compile(re.escape(prefix) + r"(\d+)$")
+        return sorted((s, e, int(m.group(1))) for n, _, s, e in events for m in [pat.match(n)] if m)
+
     comm: list[tuple[float, float]] = list(all_reduces)
-    for launch_name, gloo_name in ((RANGE_ALL_GATHER, "gloo:all_gather"), (RANGE_REDUCE_SCATTER, "gloo:all_reduce")):
-        launches = named(re.escape(launch_name) + r"\d+$")
+    labelled: list[tuple[str, float, float, int]] = [("AR", s, e, i) for s, e, i in by_unit(RANGE_ALL_REDUCE)]
+    for tag, launch_name, gloo_name in (("AG", RANGE_ALL_GATHER, "gloo:all_gather"),
+                                        ("RS", RANGE_REDUCE_SCATTER, "gloo:all_reduce")):
+        launches = by_unit(launch_name)
         done = [(s, e) for s, e in named(re.escape(gloo_name) + "$") if outside_all_reduce(s, e)]
         if done and len(done) != len(launches):
             raise ValueError(f"{len(launches)} '{launch_name}*' launches but {len(done)} '{gloo_name}' events; "
                              "profile ShardedDataParallel steps only, with no other collective on its groups")
-        for (s, e), (_, gloo_end) in zip(launches, done):   # no gloo events at all: N = 1, nothing travels
-            comm.append((s, max(e, gloo_end)))
+        # No gloo events at all: N = 1, nothing travels, and the interval is the launch range alone.
+        for k, (s, e, unit) in enumerate(launches):
+            end = max(e, done[k][1]) if done else e
+            comm.append((s, end))
+            labelled.append((tag, s, end, unit))
+    waits = [("AG", s, e, i) for s, e, i in by_unit(RANGE_WAIT_GATHER)] + \
+        [("RS", s, e, None) for s, e in named(re.escape(RANGE_WAIT_REDUCE) + "$")]
+    phases = [(kind, s, e) for kind, name in (("forward", RANGE_FORWARD), ("backward", RANGE_BACKWARD),
+                                               ("optimizer", RANGE_OPTIMIZER)) for s, e in named(re.escape(name) + "$")]
+    unit_computes = by_unit(RANGE_UNIT_FORWARD)
     training_thread = (named(re.escape(RANGE_ALL_GATHER) + r"\d+$") + named(re.escape(RANGE_REDUCE_SCATTER) + r"\d+$")
                        + named(re.escape(RANGE_WAIT_GATHER) + r"\d+$") + named(re.escape(RANGE_WAIT_REDUCE) + "$")
                        + all_reduces)
@@ -138,8 +168,17 @@ def _measure(events: Sequence[tuple[str, int, float, float]]) -> list[dict[str, 
         exposed = union_length(m)
         comm_s = union_length(c)
         overlapped = comm_s - intersection_of_unions(c, m)
+
+        def within(s, e):  # a bar belongs to the step it starts in (a collective may end after the step)
+            return s0 <= s < s1 + 1e-9
+
+        bars = [Interval(kind, s - s0, e - s0) for kind, s, e in phases if within(s, e)]
+        bars += [Interval("unit", s - s0, e - s0, unit) for s, e, unit in unit_computes if within(s, e)]
+        bars += [Interval("wait", s - s0, e - s0, unit, f"{tag}{'' if unit is None else unit}")
+                 for tag, s, e, unit in waits if within(s, e)]
+        bars += [Interval("comm", s - s0, e - s0, unit, f"{tag}{unit}") for tag, s, e, unit in labelled if within(s, e)]
         out.append({"step": s1 - s0, "compute": (s1 - s0) - exposed, "comm": comm_s, "overlapped": overlapped,
-                    "exposed": exposed})
+                    "exposed": exposed, "timeline": tuple(sorted(bars, key=lambda b: (b.start_s, b.kind)))})
     return out
 
 
@@ -167,17 +206,41 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     def one_step():
-        loss_fn(sdp(batch[0]), *batch[1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        with record_function(RANGE_FORWARD):
+            loss = loss_fn(sdp(batch[0]), *batch[1:])
+        with record_function(RANGE_BACKWARD):
+            loss.backward()
+        with record_function(RANGE_OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad()
 
     for _ in range(warmup):
         one_step()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], experimental_config=_all_threads_config()) as prof:
-        for _ in range(steps):
-            with record_function(RANGE_STEP):
-                one_step()
+    open_ranges: dict[int, Any] = {}
+
+    def enter(index):
+        def hook(module, args):
+            open_ranges[index] = record_function(f"{RANGE_UNIT_FORWARD}{index}").__enter__()
+        return hook
+
+    def leave(index):
+        def hook(module, args, output):
+            r = open_ranges.pop(index, None)
+            if r is not None:
+                r.__exit__(None, None, None)
+        return hook
+
+    handles = [h for i, m in enumerate(sdp.units)
+               for h in (m.register_forward_pre_hook(enter(i)), m.register_forward_hook(leave(i)))]
+    try:
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=_all_threads_config()) as prof:
+            for _ in range(steps):
+                with record_function(RANGE_STEP):
+                    one_step()
+    finally:
+        for h in handles:
+            h.remove()
     per_step = _measure(_events(prof))
     med = statistics.median
     total = sum(s["comm"] for s in per_step)
@@ -185,5 +248,46 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
                           step_s=med(s["step"] for s in per_step), compute_s=med(s["compute"] for s in per_step),
                           comm_s=med(s["comm"] for s in per_step), overlapped_s=med(s["overlapped"] for s in per_step),
                           exposed_comm_s=med(s["exposed"] for s in per_step),
-                          overlap_fraction=sum(s["overlapped"] for s in per_step) / total if total > 0 else 0.0)
+                          overlap_fraction=sum(s["overlapped"] for s in per_step) / total if total > 0 else 0.0,
+                          timeline=per_step[-1]["timeline"])
 
+
+def gathers_issued_ahead(timeline: Sequence[Interval]) -> dict[str, list[int]]:
+    """Which units' AllGathers were launched ahead, read from the *order* of one step's bars on the training
+    thread (:attr:`ShardedProfile.timeline`), not from their lengths: the answer does not depend on the
+    machine's speed or load.
+
+    * forward (units 0, 1, ..., U-1): unit i's AllGather was issued ahead when its launch began before unit
+      i-1's forward compute (its ``unit`` bar) ended, so that it travelled while unit i-1 computed;
+    * backward (units U-1, ..., 0): unit i's AllGather was issued ahead when its launch began before unit i+1's
+      ReduceScatter was launched, which happens once unit i+1's backward has produced its gradients.
+
+    A unit's first AllGather of the step is its forward one, the second its backward one.
+
+    Returns:
+        ``{"forward": [units], "backward": [units]}``: the units whose AllGather was issued ahead, sorted.
+
+    Raises:
+        ValueError: a timeline without two AllGathers per unit (a stage 2 or an N = 1 profile).
+    """
+    gathers: dict[int, list[float]] = {}
+    computes: dict[int, list[float]] = {}
+    reduces: dict[int, float] = {}
+    for b in sorted(timeline, key=lambda b: b.start_s):
+        label = b.label or ""
+        if b.kind == "comm" and label.startswith("AG"):
+            gathers.setdefault(b.bucket, []).append(b.start_s)
+        elif b.kind == "comm" and label.startswith("RS"):
+            reduces.setdefault(b.bucket, b.start_s)
+        elif b.kind == "unit":
+            computes.setdefault(b.bucket, []).append(b.end_s)
+    if not gathers or any(len(v) < 2 for v in gathers.values()):
+        raise ValueError("the timeline does not hold two AllGathers per unit (forward and backward): profile a "
+                         "ZeRO-3 step (stage=3) on N > 1 ranks with profile_sharded")
+    ahead: dict[str, list[int]] = {"forward": [], "backward": []}
+    for i in sorted(gathers):
+        if i - 1 in computes and gathers[i][0] < computes[i - 1][0]:
+            ahead["forward"].append(i)
+        if i + 1 in reduces and gathers[i][1] < reduces[i + 1]:
+            ahead["backward"].append(i)
+    return ahead

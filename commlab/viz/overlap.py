@@ -34,7 +34,8 @@ def _lanes(bars) -> list[int]:
 
 
 def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] | None = None, ax=None,
-                          title: str | None = None, show_gloo: bool = False):
+                          title: str | None = None, show_gloo: bool = False, wait_label: str = "wait for buckets",
+                          comm_label: str = "bucket launch → done"):
     """Draw one or more step timelines, one block of lanes per timeline; returns the matplotlib Figure.
 
     Args:
@@ -44,6 +45,8 @@ def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] |
         ax: an Axes to draw into (None: a new figure sized to the lanes).
         title: the figure's title.
         show_gloo: also draw gloo's worker-thread execution (``gloo:all_reduce`` events) as thin grey bars.
+        wait_label, comm_label: the legend's names for the wait bars and the communication bars (a sharded
+            step's timeline waits for and draws AllGathers and ReduceScatters, not buckets).
 
     Times are drawn in milliseconds from each step's start.
 
@@ -86,7 +89,7 @@ def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] |
             ax.broken_barh([(b.start_s * 1e3, w)], (yy - 0.35, 0.7), facecolors=_COMM, edgecolors="white",
                            linewidth=0.5, alpha=0.85)
             if w > 0.02 * span:
-                ax.text(b.start_s * 1e3 + w / 2, yy, str(b.bucket), ha="center", va="center", fontsize=7,
+                ax.text(b.start_s * 1e3 + w / 2, yy, b.label or str(b.bucket), ha="center", va="center", fontsize=7,
                         color="white")
         for lane in range(n - 1):
             yticks.append(y + 1 + lane)
@@ -97,8 +100,8 @@ def plot_overlap_timeline(timelines: Sequence[Sequence], labels: Sequence[str] |
     ax.set_ylim(y - 0.5 + 0.1, -0.7)
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time from the start of the step (ms)")
-    handles = [Patch(color=c, label=k if k != "wait" else "wait for buckets") for k, c in _COLORS.items()]
-    handles.append(Patch(color=_COMM, label="bucket launch → done"))
+    handles = [Patch(color=c, label=k if k != "wait" else wait_label) for k, c in _COLORS.items()]
+    handles.append(Patch(color=_COMM, label=comm_label))
     if show_gloo:
         handles.append(Patch(color="0.5", label="gloo worker thread"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / (rows + 4)), ncol=5,
