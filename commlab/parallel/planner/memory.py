@@ -50,7 +50,7 @@ and their product; with FlashAttention (Dao et al. 2022) the ``5·a·s/h`` score
 grouped-query attention's smaller K and V are not credited (slight over-estimate); the last stage adds
 fp32 logits for the loss, ``4·s·b·V/t``; layer norms are counted as if split by tp like the matrices; the
 embedding's token ids and dropout mask (``8·s·b·p + s·b·h·p`` in ``theoretical_memory_usage.py``, under 1 %)
-are left out; HSDP (ZeRO-3 within a node, replicated across) is not modelled.
+are left out.
 """
 
 from __future__ import annotations
