@@ -82,32 +82,9 @@ def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
                           torchrun_args=["--max-restarts", str(restarts)])
 
 
-def test_the_script_runs_under_torchrun_as_2x2x2(tmp_path):
-    log = tmp_path / "log.jsonl"
-    proc = _torchrun(tmp_path, "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "3", "--micro-batches", "2",
-                     "--log-file", str(log), nproc=8)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tp=2 pp=2 dp=2: loss" in proc.stdout and "tokens/s, MFU" in proc.stdout
-    assert "validation loss" in proc.stdout
-    # The planner beside the measurement: its prediction for this layout, the ratio, its recommendation.
-    predicted = re.search(r"predicted ([0-9.]+) ms for tp2 pp2 dp2 b2 .*; measured ([0-9.]+) ms; "
-                          r"measured / predicted ([0-9.]+)", proc.stdout)
-    assert predicted, proc.stdout
-    pred, meas, ratio = map(float, predicted.groups())
-    assert pred > 0 and ratio == pytest.approx(meas / pred, rel=0.02)
-    assert re.search(r"recommended for 8 rank\(s\) and 8 sequences per step: tp\d pp\d dp\d b\d", proc.stdout)
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1, 2]
-    for line in lines:
-        assert line["step_s"] >= line["pipeline_s"] >= line["compute_s"] > 0
-        # Every part measured: TP collectives (tp=2), PP waits and the bubble (pp=2), DP after the flush.
-        assert min(line[k] for k in ("tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s")) > 0
-        assert line["exposed_comm_s"] == pytest.approx(line["tp_s"] + line["pp_s"] + line["dp_s"])
-        parts = sum(line[k] for k in ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_s"))
-        assert parts == pytest.approx(line["step_s"], rel=1e-6) or parts >= line["step_s"]
-        assert line["tokens_per_s"] == pytest.approx(8 * 32 / line["step_s"])
-        assert 0 < line["mfu"] < 1
-    assert lines[-1]["val_loss"] > 0 and all(line["val_loss"] is None for line in lines[:-1])
+# The 2 x 2 x 2 run under torchrun (8 ranks) and its JSON lines are checked where the book runs it:
+# book/ch14_capstone.ipynb §14.2 and §14.5 assert every step's parts, the validation loss and the planner's line
+# (nbval runs it in the same test session), so CI does not start the same 8-rank job twice.
 
 
 def test_powersgd_on_the_dp_dimension_trains_below_a_stated_loss():
