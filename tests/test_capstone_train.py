@@ -4,7 +4,6 @@ layout that does not divide, and runs under torchrun."""
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
