@@ -305,6 +305,7 @@ def _graders():
         "step seconds": lambda: ex.check_step_seconds(_stub_fn),
         "ring schedule": lambda: ex.check_ring_schedule(_stub_fn),
         "dispatch bytes": lambda: ex.check_dispatch_bytes(_stub_fn),
+        "schedule bubbles": lambda: ex.check_schedule_bubbles(_stub_fn),
     }
 
 
@@ -678,3 +679,28 @@ def test_the_prefetch_solution_passes_and_an_unprefetched_or_one_unit_model_fail
     one = check_prefetch(lambda model: ShardedDataParallel(model, stage=3), 0)
     assert not one.passed and "it is one unit" in str(one)
     assert "8 is too high by 33.3 % for the 4 units you made" in str(check_prefetch(_sharded_linear_units, 8))
+
+
+# ------------------------------------------------------------------ lab 10: the three schedules' bubbles
+
+def _bubble_right(schedule, p, m, v):
+    return {"1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m), "zb-h1": (p - 1) / (3 * m)}[schedule]
+
+
+def test_the_schedule_bubble_solution_passes():
+    from commlab.exercises import check_schedule_bubbles
+    report = check_schedule_bubbles(_bubble_right)
+    assert report.passed and len(report.cases) == 12, str(report)
+
+
+@pytest.mark.parametrize("slip, message", [
+    (lambda s, p, m, v: (p - 1) / m, "the interleaving was left out"),
+    (lambda s, p, m, v: (p - 1) / (m + p - 1) if s == "1f1b" else _bubble_right(s, p, m, v),
+     "the bubble's share of the whole step"),
+    (lambda s, p, m, v: 0.0 if s == "zb-h1" else _bubble_right(s, p, m, v), "ZB-H2 would remove it"),
+])
+def test_each_schedule_bubble_slip_is_named_without_the_answer(slip, message):
+    from commlab.exercises import check_schedule_bubbles
+    text = str(check_schedule_bubbles(slip))
+    assert message in text and "FAIL" in text, text
+    assert "expected" not in text

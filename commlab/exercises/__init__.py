@@ -43,3 +43,6 @@ from commlab.exercises.moe_bytes import check_dispatch_bytes
 from commlab.exercises.ring_schedule import check_ring_schedule
 
 __all__ += ["check_ring_schedule", "check_dispatch_bytes"]
+from commlab.exercises.schedules import check_schedule_bubbles
+
+__all__ += ["check_schedule_bubbles"]
