@@ -138,7 +138,7 @@ def gemm_efficiency(table: GemmTable, m: int, n: int, k: int, b: int = 1) -> flo
             raise ValueError(f"GEMM dimension {name} must be an int >= 1, got {v!r}")
     if m > _TILE:
         b, m = b * m / _TILE, _TILE
-    bb = min(table.batches, key=lambda x: abs(math.log2(x) - math.log2(min(max(b, table.batches[0]), table.batches[-1]))))
+    bb = min(table.batches, key=lambda x: abs(math.log2(x / b)))  # nearest measured batch (the ends beyond them)
     (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(table.grid, v) for v in (m, n, k))
     total = 0.0
     for mm, fm in ((m0, 1 - wm), (m1, wm)):
@@ -248,21 +248,19 @@ def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str
                        hbm_bytes_per_s: float) -> float:
     from commlab.parallel.planner.time_model import attention_flops_per_token
     table = load_gemm_table(device)
-    layout = Layout(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, recompute_every=recompute_every,
-                    sequence_parallel=sequence_parallel, flash_attention=flash_attention)
-    ks = layer_kernels(m, layout.micro_batch, tp, layout.flash_attention)
-    tokens = layout.micro_batch * m.seq
+    ks = layer_kernels(m, micro_batch, tp, flash_attention)
+    tokens = micro_batch * m.seq
     sec = {key: sum(gemm_seconds(table, peak_flop_per_s, g) for g in gs) / tokens for key, gs in ks.items()}
-    if layout.flash_attention:
+    if flash_attention:
         af, ab = attention_flops_per_token(m, True, True)
         rate = peak_flop_per_s * max(table.efficiency.values())
         sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
     mem_layer, mem_core = (b / hbm_bytes_per_s for b in
-                           memory_bound_bytes_per_token(m, tp, layout.sequence_parallel, layout.flash_attention))
+                           memory_bound_bytes_per_token(m, tp, sequence_parallel, flash_attention))
     forward = sec["forward"] + mem_layer
     core = sec["core_forward"] + mem_core
-    rerun = {"full": 1.0, "every-k": 1.0 / layout.recompute_every}.get(layout.recompute, 0.0)
-    layer_s = ((forward + core) * (1.0 + rerun) + (core if layout.recompute == "selective" else 0.0)
+    rerun = {"full": 1.0, "every-k": 1.0 / recompute_every}.get(recompute, 0.0)
+    layer_s = ((forward + core) * (1.0 + rerun) + (core if recompute == "selective" else 0.0)
                + sec["backward"] + sec["core_backward"] + 2 * (mem_layer + mem_core))
     out_s = 3 * gemm_seconds(table, peak_flop_per_s, Gemm("output", tokens, -(-m.vocab // tp), m.hidden)) / tokens
     return m.layers * layer_s + out_s
