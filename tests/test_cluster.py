@@ -267,14 +267,18 @@ def test_bench_torchrun_flag_refuses_what_it_cannot_do(argv, message):
 def test_the_leftover_check_sees_a_process_of_the_job():
     # The check above is only worth something if it finds what is there.
     token = _run_id()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--rdzv-id", token],
-                            env=dict(os.environ, TORCHELASTIC_RUN_ID=token + "-w"))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)",
+                             "--rdzv-id", token], env=dict(os.environ, TORCHELASTIC_RUN_ID=token + "-w"),
+                            stdout=subprocess.PIPE, text=True)
     try:
+        # Until the child has exec'd, /proc shows the parent's command line and environment: wait for its word.
+        assert proc.stdout.readline() == "up\n"
         assert processes_mentioning(token) == [proc.pid]
         assert processes_mentioning(f"TORCHELASTIC_RUN_ID={token}-w\0") == [proc.pid]
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     _assert_nothing_left(token)
 
 
