@@ -432,8 +432,9 @@ def _plan(args, parser) -> int:
         rows = validate_published(achievable_fraction=fraction)
         what = "compute from the kernel model" if fraction == KERNELS else f"achievable fraction of peak {fraction}"
         print(f"# the planner against published runs: {what}, each row with its "
-              f"software profile; rank = where the published tp x pp split first appears in the planner's own "
-              f"search (1 = its top)")
+              f"software profile; rank = where the published tp x pp split stands among the splits of the "
+              f"planner's own search, each counted once (1 = its top); exact = where the published configuration "
+              f"(split and the knobs the source fixes) stands among all its plans")
         print(validation_table(rows))
         print(f"# {len(rows)} rows in {time.perf_counter() - started:.2f} s")
         return 0

@@ -10,7 +10,8 @@ from commlab.__main__ import main
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner import (Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
                                       dp_gradient_nbytes, layer_params, list_models, load_model, make_cluster,
-                                      megatron_eq3_flops, memory_breakdown, parameter_count, search, stage_params,
+                                      load_published, megatron_eq3_flops, memory_breakdown, parameter_count, search,
+                                      stage_params,
                                       step_time, tp_all_reduce_nbytes, validate_published, validation_table,
                                       TIMELINE_TOP_K)
 
@@ -219,6 +220,35 @@ def test_every_top_layout_keeps_tp_inside_a_node(validation):
 def test_prediction_within_25_percent(validation, config):
     r = validation[config]
     assert r.within, f"{config}: predicted {r.predicted_tflops:.0f} vs reported {r.reported_tflops:.0f} TFLOP/s"
+
+
+def test_table_1_runs_use_the_knobs_of_megatrons_own_script(validation):
+    # examples/sc21/run_table_1.sh gives each run's micro-batch, interleaving and DDP implementation; the
+    # prediction must use them rather than the planner's best guess.
+    rows = load_published()
+    for key in HOLDS:
+        e, r = rows[key], validation[key]
+        assert "run_table_1.sh" in e["knobs_source"]
+        assert f" b{e['micro_batch']} " in r.published + " "
+        assert (f" v{e['interleave']} " in r.published + " ") == (e["interleave"] > 1)
+    assert validation["megatron-76.1b"].published.startswith("tp8 pp4 dp32 b2 v3")  # 60 layers / 4 / 5 per chunk
+    assert {validation[k].software for k in HOLDS[:4]} == {"megatron-lm-2021-torch-ddp"}  # --DDP-impl torch
+    assert {validation[k].software for k in HOLDS[4:]} == {"megatron-lm-2021"}  # --DDP-impl local
+
+
+def test_published_ranks_count_each_split_once_and_match_the_fixed_knobs():
+    from types import SimpleNamespace
+
+    from commlab.parallel.planner.search import _published_ranks
+    plans = [SimpleNamespace(layout=Layout(tp=t, pp=p, dp=1, micro_batch=b, interleave=v, recompute=r))
+             for t, p, b, v, r in [(4, 2, 1, 4, "none"), (4, 2, 2, 4, "none"), (4, 2, 1, 2, "full"),
+                                   (8, 1, 1, 1, "none"), (8, 1, 8, 1, "full"), (2, 4, 1, 1, "none")]]
+    # tp8 pp1 is the second split, though its first plan is the fourth; b8 with full recomputation the fifth
+    assert _published_ranks(plans, 8, 1, {"micro_batches": (8,), "recompute": (True,)}) == (2, 5)
+    assert _published_ranks(plans, 4, 2, {}) == (1, 1)
+    assert _published_ranks(plans, 4, 2, {"interleave": (2,)}) == (1, 3)
+    assert _published_ranks(plans, 2, 4, {"micro_batches": (4,)}) == (3, None)
+    assert _published_ranks(plans, 1, 8, {}) == (None, None)
 
 
 def test_llama3_gap_is_reported(validation):

@@ -37,6 +37,12 @@ def test_the_published_stacks_are_there():
     assert old.pp_scatter_gather and not old.sequence_parallel and old.overlap_dp_grad_reduce == 0
     assert core.sequence_parallel and core.overlap_dp_grad_reduce == 1 and core.recompute == "selective"
     assert load_software(None).name == "generic-no-overlap"
+    # Table 1's four smaller runs used PyTorch's DDP (run_table_1.sh): the same stack, the gradient AllReduce
+    # overlapped with the last backward pass; nothing else differs
+    torch_ddp = load_software("megatron-lm-2021-torch-ddp")
+    assert torch_ddp.overlap_dp_grad_reduce == 1
+    assert dataclasses.replace(torch_ddp, name=old.name, description=old.description, sources=old.sources,
+                               overlap_dp_grad_reduce=0.0) == old
 
 
 def test_bad_profiles_name_the_value_and_the_allowed_ones():

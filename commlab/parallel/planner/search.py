@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE, Layout,
                                              MemoryBreakdown, ModelConfig, is_fragile, load_model,
                                              memory_breakdown, usable_memory_bytes)
-from commlab.parallel.planner.software import SoftwareProfile, load_software
+from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
                                                  step_time)
 from commlab.parallel.planner.timeline import rerank_by_timeline
@@ -321,9 +321,13 @@ class ValidationRow:
         published_step_s, top_step_s: predicted step times, s.
         accounting: the FLOP definition (a key of
             :data:`~commlab.parallel.planner.time_model.FLOP_DEFINITIONS`).
-        published_rank: where the published tp × pp × dp split first appears in the planner's own ranking
-            (1 = the planner's top; None = it does not fit).
+        published_rank: where the published tp × pp × dp split stands among the splits of the planner's own
+            ranking, each split counted once, at its fastest plan (1 = the split of the planner's top plan;
+            None = no plan of it fits).
         software: the software profile the row names.
+        exact_rank: where the published configuration -- the split and every knob the source fixes
+            (micro-batch, interleaving, recomputation, ZeRO) -- first stands among all the plans of the
+            planner's own ranking (None: it does not fit).
     """
 
     config: str
@@ -339,6 +343,7 @@ class ValidationRow:
     accounting: str
     published_rank: int | None = None
     software: str = ""
+    exact_rank: int | None = None
 
     @property
     def within(self) -> bool:
@@ -352,10 +357,12 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
 
     For each run: the software profile it names (``software``, a key of ``data/software.json``) sets what
     the stack overlaps and how; the published tp, pp and dp are fixed, and whatever the source fixes besides
-    (activation recomputation, ZeRO); the search picks the rest (micro-batch, interleaving) and the fastest
-    such plan is the "published layout" prediction. The unconstrained search with the same software (every
-    knob free, recomputation and ZeRO included) gives the planner's top layout, and ``published_rank`` says
-    where the published tp × pp split first stands in it. Throughput is put in the source's own FLOP definition (``flop_accounting``).
+    (activation recomputation, ZeRO, ``micro_batch``, ``interleave``); the search picks the rest and the
+    fastest such plan is the "published layout" prediction. The unconstrained search with the same software
+    (every knob free, recomputation and ZeRO included, the published micro-batch and interleaving among those
+    it tries) gives the planner's top layout; ``published_rank`` says where the published split stands among
+    its splits (each counted once) and ``exact_rank`` where the published configuration stands among all its
+    plans. Throughput is put in the source's own FLOP definition (``flop_accounting``).
 
     One global ``achievable_fraction`` for all runs; nothing is fitted per run.
 
@@ -376,13 +383,18 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
             fixed["recompute"] = (e["recompute"],)
         if "zero1" in e:
             fixed["zero1"] = (e["zero1"],)
+        if e.get("micro_batch"):
+            fixed["micro_batches"] = (e["micro_batch"],)
+        if e.get("interleave"):
+            fixed["interleave"] = (e["interleave"],)
         definition = e.get("flop_accounting", "model")
         pub = search(m, e["preset"], e["gpus"], e["global_batch"], tp_values=[e["tp"]], pp_values=[e["pp"]],
                      **fixed, **common).best
-        res = search(m, e["preset"], e["gpus"], e["global_batch"], **common)  # the planner's own choice
+        # the planner's own choice, every knob free; the published micro-batch and interleaving among those tried
+        tried = {k: tuple(sorted({1, 2, 4, 8} | set(fixed.get(k, ())))) for k in ("micro_batches", "interleave")}
+        res = search(m, e["preset"], e["gpus"], e["global_batch"], **tried, **common)
         top = res.best
-        rank = next((i + 1 for i, p in enumerate(res.plans) if (p.layout.tp, p.layout.pp) == (e["tp"], e["pp"])),
-                    None)
+        rank, exact = _published_ranks(res.plans, e["tp"], e["pp"], fixed)
         flops = model_flops_per_step(m, e["global_batch"], definition)
         predicted = pub.flop_per_s_per_gpu(flops) / 1e12
         top_tf = top.flop_per_s_per_gpu(flops) / 1e12
@@ -393,12 +405,43 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
                                   error_pct=(predicted - reported) / reported * 100,
                                   top_tp_within_node=d % top.layout.tp == 0, published_step_s=pub.step_s,
                                   top_step_s=top.step_s, accounting=definition, published_rank=rank,
-                                  software=sw.name))
+                                  software=sw.name, exact_rank=exact))
     return rows
 
 
+def _published_ranks(plans: Sequence[Plan], tp: int, pp: int, fixed: dict) -> tuple[int | None, int | None]:
+    """``(split rank, exact rank)`` of a published run in a ranked list of plans (see :class:`ValidationRow`).
+
+    The split rank counts each tp × pp split once, at its first (fastest) plan: five variants of the top
+    split (micro-batch, interleaving, recomputation) do not push the second-best split to rank 6.
+    """
+    want = {k: v[0] for k, v in fixed.items()}
+    if "recompute" in want:
+        want["recompute"] = check_recompute_policy(want["recompute"])
+
+    def matches(layout: Layout) -> bool:
+        have = {"micro_batches": layout.micro_batch, "interleave": layout.interleave,
+                "zero1": bool(layout.zero_stage), "recompute": layout.recompute}
+        return all(have[k] == v for k, v in want.items())
+
+    splits, split_rank, exact_rank = [], None, None
+    for i, p in enumerate(plans, 1):
+        key = (p.layout.tp, p.layout.pp)
+        if key not in splits:
+            splits.append(key)
+            if key == (tp, pp) and split_rank is None:
+                split_rank = len(splits)
+        if exact_rank is None and key == (tp, pp) and matches(p.layout):
+            exact_rank = i
+        if split_rank is not None and exact_rank is not None:
+            break
+    return split_rank, exact_rank
+
+
 def validation_summary(rows: Sequence[ValidationRow]) -> dict:
-    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5"}`` of ``rows``.
+    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5", "exact_in_top5"}`` of
+    ``rows`` (the last two: rows whose published split, and whose exact published configuration, rank
+    in the planner's top 5; see :class:`ValidationRow`).
 
     Raises:
         ValueError: no rows.
@@ -410,24 +453,27 @@ def validation_summary(rows: Sequence[ValidationRow]) -> dict:
     median = errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2
     return {"rows": n, "median_abs_error_pct": median, "within_10": sum(e <= 10 for e in errs),
             "within_25": sum(e <= 25 for e in errs),
-            "published_in_top5": sum(r.published_rank is not None and r.published_rank <= 5 for r in rows)}
+            "published_in_top5": sum(r.published_rank is not None and r.published_rank <= 5 for r in rows),
+            "exact_in_top5": sum(r.exact_rank is not None and r.exact_rank <= 5 for r in rows)}
 
 
 def validation_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, rank of the published split in the
-    planner's own search), and a closing summary line (:func:`validation_summary`)."""
+    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, ranks of the published split and of
+    the exact published configuration in the planner's own search), and a closing summary line
+    (:func:`validation_summary`)."""
     head = (f"{'config':<26} {'software':<29} {'published (+planner-chosen knobs)':<36} {'reported':>8} "
-            f"{'predicted':>9} {'error %':>8} {'rank':>5}  {'planner top layout':<34} {'top TF/s':>8}")
+            f"{'predicted':>9} {'error %':>8} {'rank':>5} {'exact':>5}  {'planner top layout':<34} {'top TF/s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         flag = "" if r.within else "  (outside ±%d %%)" % WITHIN_PCT
         rank = "-" if r.published_rank is None else str(r.published_rank)
+        exact = "-" if r.exact_rank is None else str(r.exact_rank)
         lines.append(f"{r.config:<26} {r.software:<29} {r.published:<36} {r.reported_tflops:>8.0f} "
-                     f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {rank:>5}  {r.planner_top:<34} "
+                     f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {rank:>5} {exact:>5}  {r.planner_top:<34} "
                      f"{r.top_tflops:>8.0f}{flag}")
     if rows:
         s = validation_summary(rows)
         lines.append(f"median |error| {s['median_abs_error_pct']:.1f} % over {s['rows']} rows; within 10 %: "
                      f"{s['within_10']}, within 25 %: {s['within_25']}; published split in the planner's top 5: "
-                     f"{s['published_in_top5']}")
+                     f"{s['published_in_top5']}, exact published configuration: {s['exact_in_top5']}")
     return "\n".join(lines)
