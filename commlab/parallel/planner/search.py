@@ -461,7 +461,7 @@ def validation_table(rows: Sequence[ValidationRow]) -> str:
     """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, ranks of the published split and of
     the exact published configuration in the planner's own search), and a closing summary line
     (:func:`validation_summary`)."""
-    head = (f"{'config':<26} {'software':<29} {'published (+planner-chosen knobs)':<36} {'reported':>8} "
+    head = (f"{'config':<26} {'software':<29} {'published layout and knobs':<36} {'reported':>8} "
             f"{'predicted':>9} {'error %':>8} {'rank':>5} {'exact':>5}  {'planner top layout':<34} {'top TF/s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
