@@ -32,7 +32,8 @@ def test_every_profile_loads_and_every_field_has_a_source(name):
 
 
 def test_the_published_stacks_are_there():
-    assert {"megatron-lm-2021", "megatron-lm-2022-sp-selective", "megatron-core", "torchtitan"} <= set(list_software())
+    assert {"megatron-lm-2021", "megatron-lm-2022-sp-selective", "megatron-core", "torchtitan",
+            "megatron-deepspeed"} <= set(list_software())
     old, core = load_software("megatron-lm-2021"), load_software("megatron-core")
     assert old.pp_scatter_gather and not old.sequence_parallel and old.overlap_dp_grad_reduce == 0
     assert core.sequence_parallel and core.overlap_dp_grad_reduce == 1 and core.recompute == "selective"
@@ -43,6 +44,19 @@ def test_the_published_stacks_are_there():
     assert torch_ddp.overlap_dp_grad_reduce == 1
     assert dataclasses.replace(torch_ddp, name=old.name, description=old.description, sources=old.sources,
                                overlap_dp_grad_reduce=0.0) == old
+
+
+def test_the_megatron_deepspeed_profile_states_bloom_176b_s_stack():
+    # DeepSpeed's PipelineEngine (2022) splits the boundary activation over the tp ranks (PartitionedTensor),
+    # reduces the gradients only after the last micro-batch and sends with blocking send/recv; the
+    # BF16_Optimizer accumulates fp32 gradients and shards the fp32 master weights and Adam states (ZeRO-1)
+    mds = load_software("megatron-deepspeed")
+    assert mds.pp_scatter_gather and not mds.sequence_parallel and not mds.flash_attention
+    assert (mds.overlap_dp_grad_reduce, mds.overlap_dp_param_gather, mds.overlap_tp, mds.overlap_pp) == (0, 0, 0, 0)
+    assert mds.grad_bytes == 4 and mds.optimizer_dtypes == "bf16-fp32-adam" and mds.optimizer_state_bytes == 12
+    assert (mds.recompute, mds.recompute_every, mds.zero_stage) == ("full", 1, 1)
+    assert "56c5223868" in mds.sources["pp_scatter_gather"] and "CUDA_LAUNCH_BLOCKING" in mds.sources[
+        "overlap_dp_grad_reduce"]
 
 
 def test_bad_profiles_name_the_value_and_the_allowed_ones():
