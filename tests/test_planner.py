@@ -210,7 +210,7 @@ def validation():
 
 
 def test_every_top_layout_keeps_tp_inside_a_node(validation):
-    assert len(validation) == 12
+    assert len(validation) == 13
     for r in validation.values():
         assert r.top_tp_within_node, r
         assert r.top_step_s <= r.published_step_s * (1 + 1e-9)
@@ -234,6 +234,15 @@ def test_table_1_runs_use_the_knobs_of_megatrons_own_script(validation):
     assert validation["megatron-76.1b"].published.startswith("tp8 pp4 dp32 b2 v3")  # 60 layers / 4 / 5 per chunk
     assert {validation[k].software for k in HOLDS[:4]} == {"megatron-lm-2021-torch-ddp"}  # --DDP-impl torch
     assert {validation[k].software for k in HOLDS[4:]} == {"megatron-lm-2021"}  # --DDP-impl local
+
+
+def test_bloom_176b_runs_on_its_own_stack_with_the_knobs_of_its_script(validation):
+    # bigscience's tr11-176B-ml.slurm: TP 4, PP 12, MBS 2, full recomputation, the BF16_Optimizer's ZeRO-1,
+    # priced with the megatron-deepspeed profile; the TFLOPs of its log are Megatron's Eq. 3
+    e, r = load_published()["bloom-176b"], validation["bloom-176b"]
+    assert "tr11-176B-ml.slurm" in e["knobs_source"] and e["flop_accounting"] == "megatron-eq3"
+    assert r.software == "megatron-deepspeed" and r.published.startswith("tp4 pp12 dp8 b2 zero1 recompute")
+    assert r.within and r.published_rank <= 5, r
 
 
 def test_published_ranks_count_each_split_once_and_match_the_fixed_knobs():
