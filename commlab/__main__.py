@@ -431,10 +431,11 @@ def _plan(args, parser) -> int:
         started = time.perf_counter()
         rows = validate_published(achievable_fraction=fraction)
         what = "compute from the kernel model" if fraction == KERNELS else f"achievable fraction of peak {fraction}"
-        print(f"# the planner against published runs: {what}, each row with its "
-              f"software profile; rank = where the published tp x pp split stands among the splits of the "
-              f"planner's own search, each counted once (1 = its top); exact = where the published configuration "
-              f"(split and the knobs the source fixes) stands among all its plans")
+        print(f"# the planner against published runs: {what}, each row with its software profile")
+        print("# ranks in the planner's own search (1 = its top): split = of the published tp x pp split, each "
+              "split counted once;")
+        print("#   plan = of that split's first plan among all plans; exact = of the published configuration "
+              "(split and the knobs the source fixes; n/a: it fixes none)")
         print(validation_table(rows))
         print(f"# {len(rows)} rows in {time.perf_counter() - started:.2f} s")
         return 0

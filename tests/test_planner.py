@@ -249,15 +249,44 @@ def test_published_ranks_count_each_split_once_and_match_the_fixed_knobs():
     from types import SimpleNamespace
 
     from commlab.parallel.planner.search import _published_ranks
-    plans = [SimpleNamespace(layout=Layout(tp=t, pp=p, dp=1, micro_batch=b, interleave=v, recompute=r))
-             for t, p, b, v, r in [(4, 2, 1, 4, "none"), (4, 2, 2, 4, "none"), (4, 2, 1, 2, "full"),
-                                   (8, 1, 1, 1, "none"), (8, 1, 8, 1, "full"), (2, 4, 1, 1, "none")]]
-    # tp8 pp1 is the second split, though its first plan is the fourth; b8 with full recomputation the fifth
-    assert _published_ranks(plans, 8, 1, {"micro_batches": (8,), "recompute": (True,)}) == (2, 5)
-    assert _published_ranks(plans, 4, 2, {}) == (1, 1)
-    assert _published_ranks(plans, 4, 2, {"interleave": (2,)}) == (1, 3)
-    assert _published_ranks(plans, 2, 4, {"micro_batches": (4,)}) == (3, None)
-    assert _published_ranks(plans, 1, 8, {}) == (None, None)
+    rows = [(4, 2, 1, 4, "none", 1.0), (4, 2, 2, 4, "none", 1.1), (4, 2, 1, 2, "full", 1.2),
+            (8, 1, 1, 1, "none", 1.3), (8, 1, 2, 1, "full", 1.4), (8, 1, 8, 1, "full", 1.4), (2, 4, 1, 1, "none", 1.5)]
+    plans = [SimpleNamespace(layout=Layout(tp=t, pp=p, dp=1, micro_batch=b, interleave=v, recompute=r), step_s=sec)
+             for t, p, b, v, r, sec in rows]
+    # tp8 pp1 is the second split though its first plan is the fourth; b8 with full recomputation is the
+    # sixth plan but ties with the fifth, so it shares its position
+    assert _published_ranks(plans, 8, 1, {"micro_batches": (8,), "recompute": ("full",)}) == (2, 4, 5)
+    assert _published_ranks(plans, 4, 2, {}) == (1, 1, 1)
+    assert _published_ranks(plans, 4, 2, {"interleave": (2,)}) == (1, 1, 3)
+    assert _published_ranks(plans, 4, 2, {"zero1": (True,)}) == (1, 1, None)
+    assert _published_ranks(plans, 2, 4, {"micro_batches": (4,)}) == (3, 7, None)
+    assert _published_ranks(plans, 1, 8, {}) == (None, None, None)
+
+
+def test_published_labels_star_the_knobs_the_planner_chose(validation):
+    assert validation["llama3-405b-8k-16384gpus"].published == "tp8 pp16 dp128 b1* v4* recompute*"
+    assert validation["megatron-76.1b"].published == "tp8 pp4 dp32 b2 v3 recompute"
+    table = validation_table(list(validation.values()))
+    assert " n/a " in table and "each split counted once" in table
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"micro_batch": 3}, r"'megatron-1\.7b': micro_batch = 3 is not one of the values the validation searches"),
+    ({"micro_batch": 0}, r"micro_batch = 0 is not one of"),
+    ({"interleave": 2}, r"'megatron-1\.7b': interleave = 2 needs pp > 1"),
+    ({"zero1": True}, r"zero1 is true but software 'megatron-lm-2021-torch-ddp' has zero_stage 0"),
+    ({"recompute": "every-k"}, r"recompute 'every-k' is not tried with software"),
+    ({"recompute": False}, r"published row 'megatron-1\.7b'.*needs .* GB per GPU"),
+])
+def test_a_bad_published_row_is_named_with_its_knob(tmp_path, change, message):
+    import json
+    row = dict(load_published()["megatron-1.7b"], **change)
+    if change.get("recompute") is False:  # without recomputation b16 does not fit on 80 GB
+        row["global_batch"], row["micro_batch"] = 512, 16
+    path = tmp_path / "published.json"
+    path.write_text(json.dumps({"megatron-1.7b": row}))
+    with pytest.raises(ValueError, match=message):
+        validate_published(path=path)
 
 
 def test_llama3_gap_is_reported(validation):

@@ -328,6 +328,13 @@ class ValidationRow:
         exact_rank: where the published configuration -- the split and every knob the source fixes
             (micro-batch, interleaving, recomputation, ZeRO) -- first stands among all the plans of the
             planner's own ranking (None: it does not fit).
+        plan_rank: where the first plan of the published split stands among all the plans (the rank
+            counted before each split was counted once: the variants of faster splits all come before it).
+        knobs_fixed: the source fixes the micro-batch or the interleaving; without, ``exact_rank`` says no
+            more than ``plan_rank`` and the table prints it as ``n/a``.
+
+    Ranks are positions in the planner's ranking (its five best by their replayed timelines, the rest by
+    the sum of terms); plans with equal step times share the position of the first of them.
     """
 
     config: str
@@ -344,11 +351,20 @@ class ValidationRow:
     published_rank: int | None = None
     software: str = ""
     exact_rank: int | None = None
+    plan_rank: int | None = None
+    knobs_fixed: bool = False
 
     @property
     def within(self) -> bool:
         """``|error_pct| <= WITHIN_PCT``."""
         return abs(self.error_pct) <= WITHIN_PCT
+
+
+#: The micro-batches and interleaving depths the validation's searches try, the same for every row: the
+#: planner's defaults plus what Megatron-LM's Table 1 script uses (micro-batch 16; v = 3 for 76.1B and 529.6B),
+#: so that every published configuration is among the candidates of its own row and of every other.
+VALIDATION_MICRO_BATCHES = (1, 2, 4, 8, 16)
+VALIDATION_INTERLEAVE = (1, 2, 3, 4, 8)
 
 
 def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
@@ -359,15 +375,18 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
     the stack overlaps and how; the published tp, pp and dp are fixed, and whatever the source fixes besides
     (activation recomputation, ZeRO, ``micro_batch``, ``interleave``); the search picks the rest and the
     fastest such plan is the "published layout" prediction. The unconstrained search with the same software
-    (every knob free, recomputation and ZeRO included, the published micro-batch and interleaving among those
-    it tries) gives the planner's top layout; ``published_rank`` says where the published split stands among
-    its splits (each counted once) and ``exact_rank`` where the published configuration stands among all its
-    plans. Throughput is put in the source's own FLOP definition (``flop_accounting``).
+    (every knob free, recomputation and ZeRO included) gives the planner's top layout and the ranks of
+    :class:`ValidationRow`. Both searches try :data:`VALIDATION_MICRO_BATCHES` and
+    :data:`VALIDATION_INTERLEAVE` for every row. Throughput is put in the source's own FLOP definition
+    (``flop_accounting``).
 
     One global ``achievable_fraction`` for all runs; nothing is fitted per run.
 
     Raises:
-        ValueError: a row names an unknown software profile or FLOP definition.
+        ValueError: a row names an unknown software profile or FLOP definition; a row's ``micro_batch`` or
+            ``interleave`` is not one of the values above, or it fixes a ZeRO stage or recomputation policy
+            that its profile's search does not try; the published configuration does not fit or does not
+            split the batch (the message names the row, its fixed knobs and the search's reason).
     """
     rows = []
     for key, e in load_published(path).items():
@@ -378,70 +397,116 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
             m = m.with_seq(e["seq"])
         sw = load_software(e.get("software"))
         common = dict(achievable_fraction=achievable_fraction, dp_overlap=dp_overlap, software=sw)
-        fixed = {}
-        if "recompute" in e:
-            fixed["recompute"] = (e["recompute"],)
-        if "zero1" in e:
-            fixed["zero1"] = (e["zero1"],)
-        if e.get("micro_batch"):
-            fixed["micro_batches"] = (e["micro_batch"],)
-        if e.get("interleave"):
-            fixed["interleave"] = (e["interleave"],)
+        fixed = _fixed_knobs(key, e, sw)
         definition = e.get("flop_accounting", "model")
-        pub = search(m, e["preset"], e["gpus"], e["global_batch"], tp_values=[e["tp"]], pp_values=[e["pp"]],
-                     **fixed, **common).best
-        # the planner's own choice, every knob free; the published micro-batch and interleaving among those tried
-        tried = {k: tuple(sorted({1, 2, 4, 8} | set(fixed.get(k, ())))) for k in ("micro_batches", "interleave")}
-        res = search(m, e["preset"], e["gpus"], e["global_batch"], **tried, **common)
+        space = {"micro_batches": VALIDATION_MICRO_BATCHES, "interleave": VALIDATION_INTERLEAVE}
+        try:
+            pub = search(m, e["preset"], e["gpus"], e["global_batch"], tp_values=[e["tp"]], pp_values=[e["pp"]],
+                         **{**space, **fixed}, **common).best
+        except ValueError as exc:
+            raise ValueError(f"published row {key!r} (tp{e['tp']} pp{e['pp']}, fixed {fixed or 'nothing'}): "
+                             f"{exc}") from exc
+        res = search(m, e["preset"], e["gpus"], e["global_batch"], **space, **common)  # the planner's own
         top = res.best
-        rank, exact = _published_ranks(res.plans, e["tp"], e["pp"], fixed)
+        rank, plan_rank, exact = _published_ranks(res.plans, e["tp"], e["pp"], fixed)
         flops = model_flops_per_step(m, e["global_batch"], definition)
         predicted = pub.flop_per_s_per_gpu(flops) / 1e12
         top_tf = top.flop_per_s_per_gpu(flops) / 1e12
         reported = float(e["tflops_per_gpu"])
         d = load_preset(e["preset"]).devices_per_node
-        rows.append(ValidationRow(config=key, published=pub.layout.short(), planner_top=top.layout.short(),
+        rows.append(ValidationRow(config=key, published=_published_label(pub.layout, fixed),
+                                  planner_top=top.layout.short(),
                                   reported_tflops=reported, predicted_tflops=predicted, top_tflops=top_tf,
                                   error_pct=(predicted - reported) / reported * 100,
                                   top_tp_within_node=d % top.layout.tp == 0, published_step_s=pub.step_s,
                                   top_step_s=top.step_s, accounting=definition, published_rank=rank,
-                                  software=sw.name, exact_rank=exact))
+                                  software=sw.name, exact_rank=exact, plan_rank=plan_rank,
+                                  knobs_fixed=any(k in fixed for k in ("micro_batches", "interleave"))))
     return rows
 
 
-def _published_ranks(plans: Sequence[Plan], tp: int, pp: int, fixed: dict) -> tuple[int | None, int | None]:
-    """``(split rank, exact rank)`` of a published run in a ranked list of plans (see :class:`ValidationRow`).
+def _fixed_knobs(key: str, e: dict, sw: SoftwareProfile) -> dict:
+    """The search arguments that pin what published row ``key`` fixes, checked against what the searches try.
+
+    Raises:
+        ValueError: see :func:`validate_published`; the message names the row and the knob.
+    """
+    fixed = {}
+    if "recompute" in e:
+        policy = check_recompute_policy(e["recompute"])
+        if policy not in ("none", "full", sw.recompute):
+            raise ValueError(f"published row {key!r}: recompute {policy!r} is not tried with software {sw.name!r} "
+                             f"(it tries 'none', 'full' and its own {sw.recompute!r})")
+        fixed["recompute"] = (policy,)
+    if "zero1" in e:
+        if e["zero1"] and sw.zero_stage < 1:
+            raise ValueError(f"published row {key!r}: zero1 is true but software {sw.name!r} has zero_stage 0")
+        fixed["zero1"] = (bool(e["zero1"]),)
+    for field, arg, allowed in (("micro_batch", "micro_batches", VALIDATION_MICRO_BATCHES),
+                                ("interleave", "interleave", VALIDATION_INTERLEAVE)):
+        if e.get(field) is not None:
+            if isinstance(e[field], bool) or e[field] not in allowed:
+                raise ValueError(f"published row {key!r}: {field} = {e[field]!r} is not one of the values the "
+                                 f"validation searches, {allowed}")
+            fixed[arg] = (e[field],)
+    if fixed.get("interleave", (1,))[0] > 1 and e["pp"] == 1:
+        raise ValueError(f"published row {key!r}: interleave = {e['interleave']} needs pp > 1 (virtual stages "
+                         f"split a pipeline stage), but pp = 1")
+    return fixed
+
+
+def _published_label(layout: Layout, fixed: dict) -> str:
+    """``layout.short()`` with a ``*`` on each knob the planner chose rather than the source (``b1*``)."""
+    knob = {"b": "micro_batches", "v": "interleave", "zero": "zero1"}
+    out = []
+    for token in layout.short().split():
+        arg = "recompute" if token in ("recompute", "selective") else next(
+            (a for k, a in knob.items() if token.startswith(k) and token[len(k):].isdigit()), None)
+        out.append(token + ("*" if arg and arg not in fixed else ""))
+    return " ".join(out)
+
+
+def _published_ranks(plans: Sequence[Plan], tp: int, pp: int,
+                     fixed: dict) -> tuple[int | None, int | None, int | None]:
+    """``(split rank, plan rank, exact rank)`` of a published run in a ranked list of plans (see
+    :class:`ValidationRow`; None: not among them).
 
     The split rank counts each tp × pp split once, at its first (fastest) plan: five variants of the top
-    split (micro-batch, interleaving, recomputation) do not push the second-best split to rank 6.
+    split (micro-batch, interleaving, recomputation) do not push the second-best split to rank 6. The plan
+    rank is that first plan's position among all plans, the exact rank the position of the first plan with
+    every fixed knob; plans with the same step time share the position of the first of them.
     """
     want = {k: v[0] for k, v in fixed.items()}
-    if "recompute" in want:
-        want["recompute"] = check_recompute_policy(want["recompute"])
 
     def matches(layout: Layout) -> bool:
         have = {"micro_batches": layout.micro_batch, "interleave": layout.interleave,
-                "zero1": bool(layout.zero_stage), "recompute": layout.recompute}
+                "zero1": layout.zero_stage == 1, "recompute": layout.recompute}
         return all(have[k] == v for k, v in want.items())
 
-    splits, split_rank, exact_rank = [], None, None
-    for i, p in enumerate(plans, 1):
+    def position(i: int) -> int:  # 0-based index -> 1-based position; equal step times share the first's
+        while i > 0 and math.isclose(plans[i - 1].step_s, plans[i].step_s, rel_tol=1e-9):
+            i -= 1
+        return i + 1
+
+    splits, split_rank, plan_rank, exact_rank = [], None, None, None
+    for i, p in enumerate(plans):
         key = (p.layout.tp, p.layout.pp)
         if key not in splits:
             splits.append(key)
-            if key == (tp, pp) and split_rank is None:
-                split_rank = len(splits)
+            if key == (tp, pp):
+                split_rank, plan_rank = len(splits), position(i)
         if exact_rank is None and key == (tp, pp) and matches(p.layout):
-            exact_rank = i
+            exact_rank = position(i)
         if split_rank is not None and exact_rank is not None:
             break
-    return split_rank, exact_rank
+    return split_rank, plan_rank, exact_rank
 
 
 def validation_summary(rows: Sequence[ValidationRow]) -> dict:
-    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5", "exact_in_top5"}`` of
-    ``rows`` (the last two: rows whose published split, and whose exact published configuration, rank
-    in the planner's top 5; see :class:`ValidationRow`).
+    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5", "plan_in_top5",
+    "exact_in_top5", "knobs_fixed"}`` of ``rows``: the rows whose published split ranks in the planner's top
+    5 counting each split once, and counting every plan; of the ``knobs_fixed`` rows whose knobs the source
+    fixes, those whose exact published configuration does (see :class:`ValidationRow`).
 
     Raises:
         ValueError: no rows.
@@ -453,27 +518,36 @@ def validation_summary(rows: Sequence[ValidationRow]) -> dict:
     median = errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2
     return {"rows": n, "median_abs_error_pct": median, "within_10": sum(e <= 10 for e in errs),
             "within_25": sum(e <= 25 for e in errs),
-            "published_in_top5": sum(r.published_rank is not None and r.published_rank <= 5 for r in rows),
-            "exact_in_top5": sum(r.exact_rank is not None and r.exact_rank <= 5 for r in rows)}
+            "published_in_top5": sum(_top5(r.published_rank) for r in rows),
+            "plan_in_top5": sum(_top5(r.plan_rank) for r in rows),
+            "exact_in_top5": sum(_top5(r.exact_rank) for r in rows if r.knobs_fixed),
+            "knobs_fixed": sum(r.knobs_fixed for r in rows)}
+
+
+def _top5(rank: int | None) -> bool:
+    return rank is not None and rank <= 5
 
 
 def validation_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, ranks of the published split and of
-    the exact published configuration in the planner's own search), and a closing summary line
-    (:func:`validation_summary`)."""
-    head = (f"{'config':<26} {'software':<29} {'published layout and knobs':<36} {'reported':>8} "
-            f"{'predicted':>9} {'error %':>8} {'rank':>5} {'exact':>5}  {'planner top layout':<34} {'top TF/s':>8}")
+    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, the three ranks of
+    :class:`ValidationRow`), and a closing summary line (:func:`validation_summary`). In the published
+    layout a ``*`` marks each knob the planner chose because the source does not give it."""
+    head = (f"{'config':<26} {'software':<27} {'published layout (*: chosen)':<38} {'reported':>8} "
+            f"{'predicted':>9} {'error %':>8} {'split':>5} {'plan':>5} {'exact':>5}  {'planner top layout':<34} "
+            f"{'top TF/s':>8}")
     lines = [head, "-" * len(head)]
+    show = lambda rank: "-" if rank is None else str(rank)  # noqa: E731
     for r in rows:
         flag = "" if r.within else "  (outside ±%d %%)" % WITHIN_PCT
-        rank = "-" if r.published_rank is None else str(r.published_rank)
-        exact = "-" if r.exact_rank is None else str(r.exact_rank)
-        lines.append(f"{r.config:<26} {r.software:<29} {r.published:<36} {r.reported_tflops:>8.0f} "
-                     f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {rank:>5} {exact:>5}  {r.planner_top:<34} "
-                     f"{r.top_tflops:>8.0f}{flag}")
+        exact = show(r.exact_rank) if r.knobs_fixed else "n/a"
+        lines.append(f"{r.config:<26} {r.software:<27} {r.published:<38} {r.reported_tflops:>8.0f} "
+                     f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {show(r.published_rank):>5} "
+                     f"{show(r.plan_rank):>5} {exact:>5}  {r.planner_top:<34} {r.top_tflops:>8.0f}{flag}")
     if rows:
         s = validation_summary(rows)
         lines.append(f"median |error| {s['median_abs_error_pct']:.1f} % over {s['rows']} rows; within 10 %: "
-                     f"{s['within_10']}, within 25 %: {s['within_25']}; published split in the planner's top 5: "
-                     f"{s['published_in_top5']}, exact published configuration: {s['exact_in_top5']}")
+                     f"{s['within_10']}, within 25 %: {s['within_25']}")
+        lines.append(f"in the planner's top 5: the published split in {s['published_in_top5']} rows (each split "
+                     f"counted once; {s['plan_in_top5']} counting every plan), the exact published configuration "
+                     f"in {s['exact_in_top5']} of the {s['knobs_fixed']} rows that fix their knobs")
     return "\n".join(lines)
