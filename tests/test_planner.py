@@ -199,7 +199,13 @@ def test_search_16k_gpus_is_fast():
 #: Runs for which the time model (one global achievable fraction, 0.5) lands within ±25 % of the reported
 #: per-GPU throughput. The Llama 3 runs are under-predicted; see test_llama3_gap_is_reported.
 HOLDS = ["megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "megatron-39.1b", "megatron-76.1b",
-         "megatron-145.6b", "megatron-310.1b", "megatron-529.6b", "megatron-1t"]
+         "megatron-145.6b", "megatron-310.1b", "megatron-529.6b", "megatron-1t", "bloom-176b",
+         "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b", "mcore-h100-119b",
+         "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b"]
+#: Megatron-Core's weak-scaling runs on H100 (Megatron-LM's README, 2024); the smallest is over-predicted by
+#: about a third with one fraction for every layer (see test_the_smallest_h100_run_is_over_predicted).
+MCORE = ["mcore-h100-1.7b", "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b",
+         "mcore-h100-119b", "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b"]
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +216,11 @@ def validation():
 
 
 def test_every_top_layout_keeps_tp_inside_a_node(validation):
-    assert len(validation) == 13
+    assert len(validation) == 22
     for r in validation.values():
         assert r.top_tp_within_node, r
+        # The search ranks by the sum of terms and replays only its TIMELINE_TOP_K best as timelines: the
+        # published plan, replayed as the best of its own search, must not beat the planner's top.
         assert r.top_step_s <= r.published_step_s * (1 + 1e-9)
 
 
@@ -226,14 +234,14 @@ def test_table_1_runs_use_the_knobs_of_megatrons_own_script(validation):
     # examples/sc21/run_table_1.sh gives each run's micro-batch, interleaving and DDP implementation; the
     # prediction must use them rather than the planner's best guess.
     rows = load_published()
-    for key in HOLDS:
+    for key in HOLDS[:10]:
         e, r = rows[key], validation[key]
         assert "run_table_1.sh" in e["knobs_source"]
         assert f" b{e['micro_batch']} " in r.published + " "
         assert (f" v{e['interleave']} " in r.published + " ") == (e["interleave"] > 1)
     assert validation["megatron-76.1b"].published.startswith("tp8 pp4 dp32 b2 v3")  # 60 layers / 4 / 5 per chunk
     assert {validation[k].software for k in HOLDS[:4]} == {"megatron-lm-2021-torch-ddp"}  # --DDP-impl torch
-    assert {validation[k].software for k in HOLDS[4:]} == {"megatron-lm-2021"}  # --DDP-impl local
+    assert {validation[k].software for k in HOLDS[4:10]} == {"megatron-lm-2021"}  # --DDP-impl local
 
 
 def test_bloom_176b_runs_on_its_own_stack_with_the_knobs_of_its_script(validation):
@@ -287,6 +295,38 @@ def test_a_bad_published_row_is_named_with_its_knob(tmp_path, change, message):
     path.write_text(json.dumps({"megatron-1.7b": row}))
     with pytest.raises(ValueError, match=message):
         validate_published(path=path)
+
+
+def test_the_h100_weak_scaling_runs_are_priced_in_megatrons_2024_flop(validation):
+    rows = load_published()
+    for key in MCORE:
+        e, r = rows[key], validation[key]
+        assert e["flop_accounting"] == "megatron-2024" and r.software == "megatron-core"
+        assert e["tp"] * e["pp"] * e["dp"] == e["gpus"] and e["dp"] == 48
+        m = load_model(e["model"])
+        assert parameter_count(m) == pytest.approx(m.reported_params, rel=0.03)  # the table's model size
+        assert abs(e["percent_of_peak"] - e["tflops_per_gpu"] / 989.4 * 100) < 0.6  # its MFU, against bf16 peak
+        assert r.published_rank is not None and r.published_rank <= 5
+
+
+def test_the_smallest_h100_run_is_over_predicted(validation):
+    # h = 2048 with 4096-token sequences: the attention core and the memory-bound work are a large share of
+    # the step, which one fraction of peak for everything cannot see; reported, not tuned away
+    r = validation["mcore-h100-1.7b"]
+    assert r.error_pct > 25
+
+
+def test_megatron_2024_flop_by_hand():
+    from commlab.parallel.planner import megatron_2024_flops, model_flops_per_step
+    m = load_model("mcore-gpt-1.7b")  # h 2048, 24 layers, 16 heads, 4h GeLU MLP, vocabulary 131072, s 4096
+    L, h, s, V = 24, 2048, 4096, 131072
+    per_token = 6 * (4 * h * h + 2 * 4 * h * h) * L + 12 * s * h * L + 6 * V * h  # weights, attention, logits
+    assert megatron_2024_flops(m, 1) == pytest.approx(per_token * s)
+    assert model_flops_per_step(m, 192, "megatron-2024") == pytest.approx(192 * per_token * s)
+    llama = load_model("llama3-405b")  # grouped-query attention (8 of 128 heads) and SwiGLU
+    h, L, F, s, V = 16384, 126, 53248, 8192, 128256
+    per_token = (6 * (2 * h * h + 2 * h * h * 8 / 128) + 6 * 3 * h * F) * L + 12 * s * h * L + 6 * V * h
+    assert megatron_2024_flops(llama, 1) == pytest.approx(per_token * s)
 
 
 def test_llama3_gap_is_reported(validation):

@@ -98,6 +98,41 @@ def test_memory_bound_bytes_by_hand():
     assert layer == pytest.approx(20 * llama.hidden + 6 * llama.ffn / 8)
 
 
+def test_flash_attention_speed_is_the_measured_one():
+    from commlab.parallel.planner.kernels import attention_flop_per_s
+    # grid points of the FlashAttention-2 release figures (causal, forward + backward)
+    assert attention_flop_per_s("H100-SXM", 128, 4096) == 294e12
+    assert attention_flop_per_s("A100-SXM", 64, 512) == 88e12
+    # halfway in log2 between 4k and 8k, and halfway between head dimensions 64 and 128
+    assert attention_flop_per_s("H100-SXM", 128, 5793) == pytest.approx(294e12 + 14e12 * math.log2(5793 / 4096),
+                                                                      rel=1e-9)
+    assert attention_flop_per_s("H100-SXM", 96, 2048) == pytest.approx((232e12 + 265e12) / 2)
+    # clamped outside the measured range
+    assert attention_flop_per_s("H100-SXM", 256, 65536) == 328e12
+    assert attention_flop_per_s("A100-SXM", 32, 128) == 88e12
+    with pytest.raises(ValueError, match=r"no FlashAttention measurement for device 'TPU'.*H100-SXM"):
+        attention_flop_per_s("TPU", 128, 4096)
+    with pytest.raises(ValueError, match="seq must be an int >= 1"):
+        attention_flop_per_s("H100-SXM", 128, 0)
+
+
+def test_the_kernel_model_prices_flash_attention_at_that_speed():
+    # Llama 3 405B on H100, t = 8, b = 1, no recomputation: seconds per token added up by hand from the
+    # GEMM table, the memory-bound bytes and the attention core's FLOP at the measured 308 TFLOP/s
+    # (head dimension 128, 8192 tokens), not at a GEMM's share of peak
+    from commlab.parallel.planner.kernels import _seconds_per_token
+    from commlab.parallel.planner.time_model import attention_flops_per_token
+    m, tp, peak, hbm = load_model("llama3-405b"), 8, 989.4e12, 3.35e12
+    table = load_gemm_table("H100-SXM")
+    ks = layer_kernels(m, 1, tp, flash_attention=True)
+    gemm = sum(gemm_seconds(table, peak, g) for key in ("forward", "backward") for g in ks[key]) / m.seq
+    af, ab = attention_flops_per_token(m, True, True)
+    layer_b, core_b = memory_bound_bytes_per_token(m, tp, True, True)
+    out = 3 * gemm_seconds(table, peak, Gemm("output", m.seq, -(-m.vocab // tp), m.hidden)) / m.seq
+    by_hand = m.layers * (gemm + (af + ab) / tp / 308e12 + 3 * (layer_b + core_b) / hbm) + out
+    assert _seconds_per_token(m, tp, 1, "none", 1, True, True, "H100-SXM", peak, hbm) == pytest.approx(by_hand)
+
+
 def test_optimizer_step_bytes_by_hand():
     # 1e9 parameters, fp32 master + two fp32 moments (12 bytes), fp32 gradient, bf16 parameter
     assert optimizer_step_bytes(1e9, 12, 4, 2) == 1e9 * (24 + 4 + 2)

@@ -159,7 +159,7 @@ def test_flop_converters():
     assert model_flops_per_step(m, B, "megatron-eq3") == megatron_eq3_flops(m, B)
     assert model_flops_per_step(m, B, "model") == model_flops_per_token(m) * B * m.seq
     assert model_flops_per_step(m, B, "6n") == 6 * parameter_count(m) * B * m.seq
-    assert set(FLOP_DEFINITIONS) == {"megatron-eq3", "model", "6n"}
+    assert set(FLOP_DEFINITIONS) == {"megatron-eq3", "megatron-2024", "model", "6n"}
     with pytest.raises(ValueError, match=r"'palm'.*megatron-eq3"):
         model_flops_per_step(m, B, "palm")
 

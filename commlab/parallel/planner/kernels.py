@@ -11,6 +11,9 @@ published runs show -- the share of peak rises with model width (Narayanan et al
   (their efficiency has stopped rising there), and a dimension above 4096 rows counts as a batch of 4096-row
   GEMMs. A GPU without a table of its own scales another GPU's curve to its own measured ceiling (the
   entry says so).
+* **FlashAttention** (:func:`attention_flop_per_s`): the attention core at the speed its authors measured
+  for FlashAttention-2 on the GPU, by head dimension and sequence length (``data/attention_speed.json``);
+  a fused kernel of softmax and two matmuls runs far below a large GEMM's share of peak.
 * **Memory-bound operations** (:func:`memory_bound_bytes_per_token`): the norms, activation functions,
   dropout, residual additions and, without FlashAttention, the softmax over the ``s × s`` scores. Each
   reads its inputs and writes its output once in HBM; the bytes come from the same inventory of a
@@ -25,7 +28,7 @@ the weight gradient) with their shapes on one tensor-parallel rank, so that a te
 against the layer's formula. :func:`effective_fraction` turns the kernel times of a layout into the
 share of peak its executed FLOP run at, the number the time model then uses in place of one constant.
 Nothing here is fitted to the published end-to-end runs: the only inputs are the GEMM table, the
-datasheet's bandwidth and the layer's tensor inventory.
+datasheet's bandwidth, the attention measurement and the layer's tensor inventory.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ from pathlib import Path
 
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
-__all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "layer_kernels",
+__all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
+           "layer_kernels",
            "memory_bound_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
+_ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
 _TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
 
 
@@ -155,6 +160,43 @@ def gemm_seconds(table: GemmTable, peak_flop_per_s: float, g: Gemm) -> float:
     return g.flop / (peak_flop_per_s * gemm_efficiency(table, g.m, g.n, g.k, g.b))
 
 
+def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path | None = None) -> float:
+    """FLOP/s of FlashAttention-2 with the causal mask, forward and backward together, on ``device``
+    (``data/attention_speed.json``: the FlashAttention authors' own measurement at the FlashAttention-2
+    release), interpolated in log2 of the sequence length and linearly in the head dimension, clamped to
+    the measured range (sequences of 512 to 16384 tokens, head dimensions 64 and 128).
+
+    The FLOP are FlashAttention's accounting, the one :func:`~.time_model.attention_flops_per_token` uses,
+    so seconds = those FLOP / this.
+
+    Raises:
+        ValueError: no measurement for ``device`` (the message lists the devices there are); head_dim or
+            seq not a positive int.
+    """
+    from commlab.parallel.planner.tables import read_table
+    for name, v in (("head_dim", head_dim), ("seq", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    table = read_table(path, _ATTENTION)
+    if device not in table:
+        raise ValueError(f"no FlashAttention measurement for device {device!r}; the table has {sorted(table)}")
+    e = table[device]
+    grid = tuple(e["seq"])
+    lo, hi, w = _bracket(grid, seq)
+    dims = sorted(int(d) for d in e["causal"])
+
+    def at(d: int) -> float:
+        row = dict(zip(grid, e["causal"][str(d)]))
+        return row[lo] + (row[hi] - row[lo]) * w  # w is the weight in log2(seq), as for the GEMM table
+
+    d = min(max(head_dim, dims[0]), dims[-1])
+    j = max(i for i, x in enumerate(dims) if x <= d)
+    if dims[j] == d:
+        return at(d)
+    a, b = dims[j], dims[j + 1]
+    return at(a) + (at(b) - at(a)) * (d - a) / (b - a)
+
+
 def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bool = True) -> dict[str, list[Gemm]]:
     """One transformer layer's GEMMs on one of ``tp`` tensor-parallel ranks, for one micro-batch.
 
@@ -229,12 +271,13 @@ def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_pe
     forward once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy
     reruns (``"full"`` and ``"every-k"``: the whole forward, or one layer's in k; ``"selective"``: the
     attention core) -- plus the output layer's three GEMMs. With FlashAttention the core's FLOP
-    (:func:`~.time_model.attention_flops_per_token`) run at the table's best efficiency (an assumption:
-    FlashAttention's published kernel speeds are of the order of a large GEMM's). The fraction is
+    (:func:`~.time_model.attention_flops_per_token`) run at FlashAttention-2's measured speed for the
+    model's head dimension and sequence length (:func:`attention_flop_per_s`; forward and backward at the
+    one rate the measurement gives for both together). The fraction is
     ``executed_flop_per_token / tp`` over those seconds, over peak.
 
     Raises:
-        ValueError: what :func:`layer_kernels` and :func:`load_gemm_table` raise.
+        ValueError: what :func:`layer_kernels`, :func:`load_gemm_table` and :func:`attention_flop_per_s` raise.
     """
     seconds_per_token = _seconds_per_token(m, layout.tp, layout.micro_batch, layout.recompute, layout.recompute_every,
                                            layout.sequence_parallel, layout.flash_attention, device, peak_flop_per_s,
@@ -253,7 +296,7 @@ def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str
     sec = {key: sum(gemm_seconds(table, peak_flop_per_s, g) for g in gs) / tokens for key, gs in ks.items()}
     if flash_attention:
         af, ab = attention_flops_per_token(m, True, True)
-        rate = peak_flop_per_s * max(table.efficiency.values())
+        rate = attention_flop_per_s(device, m.hidden // m.heads, m.seq)
         sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
     mem_layer, mem_core = (b / hbm_bytes_per_s for b in
                            memory_bound_bytes_per_token(m, tp, sequence_parallel, flash_attention))

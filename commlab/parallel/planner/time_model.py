@@ -97,7 +97,8 @@ from commlab.parallel.planner.software import SoftwareProfile, check_recompute_p
 from commlab.topology import Cluster, Link
 
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
-           "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "model_flops_per_step",
+           "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
+           "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
            "dp_exposed_seconds", "fsdp_exposed_seconds", "group_all_reduce_seconds", "step_time", "KERNELS"]
 
@@ -116,6 +117,10 @@ FLOP_DEFINITIONS = {
     "model": "6·P + 12·L·h·s per token, P with embeddings, no recomputation (PaLM's MFU accounting, Chowdhery et "
              "al. 2022, Appendix B)",
     "6n": "6·P per token, P with embeddings: weights only, no attention, no recomputation",
+    "megatron-2024": "Megatron-LM megatron/training/training.py num_floating_point_operations (at commit "
+                     "937571cfd4, 2024-07-15): 12·B·s·L·h²·((1 + g/a + s/h)·(a·d/h) + (F/h)·(3/2 if SwiGLU) + "
+                     "V/(2·L·h)), g the key/value heads, d the head width, F the MLP width: the weight matmuls, "
+                     "full (not causal-halved) attention and the output layer, no recomputation, no embedding lookup",
 }
 
 
@@ -263,10 +268,22 @@ def megatron_eq3_flops(m: ModelConfig, global_batch: int) -> float:
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def megatron_2024_flops(m: ModelConfig, global_batch: int) -> float:
+    """FLOP per iteration as Megatron-LM of 2024 logs them (:data:`FLOP_DEFINITIONS` ``"megatron-2024"``:
+    ``num_floating_point_operations`` in ``megatron/training/training.py`` at commit 937571cfd4). Per token
+    ``6·(2 + 2g/a)·h²`` for QKV and the attention projection, ``12·s·h`` for the scores and context, ``6·h·F``
+    per MLP matrix (two, or three with SwiGLU) and ``6·V·h`` for the output layer, all per layer but the last."""
+    B, s, L, h, V = global_batch, m.seq, m.layers, m.hidden, m.vocab
+    attention = (1 + m.kv_heads / m.heads + s / h) * (m.heads * (h // m.heads) / h)
+    mlp = m.ffn / h * (1.5 if m.gated_ffn else 1.0)
+    return 12.0 * B * s * L * h * h * (attention + mlp + V / (2 * L * h))
+
+
 def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "model") -> float:
     """Model FLOP of one step of ``global_batch`` sequences in a published definition (:data:`FLOP_DEFINITIONS`):
-    ``"megatron-eq3"`` (:func:`megatron_eq3_flops`), ``"model"`` (:func:`model_flops_per_token` × tokens) or
-    ``"6n"`` (``6·P`` × tokens). Divide by the step time and the GPUs for the FLOP/s per GPU a source reports.
+    ``"megatron-eq3"`` (:func:`megatron_eq3_flops`), ``"megatron-2024"`` (:func:`megatron_2024_flops`),
+    ``"model"`` (:func:`model_flops_per_token` × tokens) or ``"6n"`` (``6·P`` × tokens). Divide by the step
+    time and the GPUs for the FLOP/s per GPU a source reports.
 
     Raises:
         ValueError: unknown definition (the message lists the known ones); ``global_batch`` not an int >= 1.
@@ -276,6 +293,8 @@ def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "m
     tokens = global_batch * m.seq
     if definition == "megatron-eq3":
         return megatron_eq3_flops(m, global_batch)
+    if definition == "megatron-2024":
+        return megatron_2024_flops(m, global_batch)
     if definition == "model":
         return model_flops_per_token(m) * tokens
     if definition == "6n":
