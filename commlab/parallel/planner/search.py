@@ -309,8 +309,8 @@ class ValidationRow:
 
     Attributes:
         config: the key in ``data/published_layouts.json``.
-        published: its layout (``tp8 pp64 dp6``) and the micro-batch/interleaving/ZeRO/recomputation the
-            planner chose for what the source does not report.
+        published: its layout with its knobs (``tp8 pp64 dp6 b1 recompute``), a ``*`` on each knob the
+            planner chose because the source does not report it (``b1*``).
         planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
             free.
         reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``).
@@ -331,8 +331,8 @@ class ValidationRow:
         exact_rank: where the published configuration -- the split and every knob the source fixes
             (micro-batch, interleaving, recomputation, ZeRO) -- first stands among all the plans of the
             planner's own ranking (None: it does not fit).
-        plan_rank: where the first plan of the published split stands among all the plans (the rank
-            counted before each split was counted once: the variants of faster splits all come before it).
+        plan_rank: where the first plan of the published split stands among all the plans, every variant
+            of a faster split (micro-batch, interleaving, recomputation, ZeRO) counted before it.
         knobs_fixed: the source fixes the micro-batch or the interleaving; without, ``exact_rank`` says no
             more than ``plan_rank`` and the table prints it as ``n/a``.
 
