@@ -361,7 +361,7 @@ class ReplayState:
                    gathered=[False] * p, record=record)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)  # one validation run asks for about 130 different (p, m, v)
 def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
     """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op, in
     order: the schedule as integers, so that the replay of a long pipeline is a tight loop (cached)."""
