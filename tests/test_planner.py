@@ -301,7 +301,7 @@ def test_the_h100_weak_scaling_runs_are_priced_in_megatrons_2024_flop(validation
     rows = load_published()
     for key in MCORE:
         e, r = rows[key], validation[key]
-        assert e["flop_accounting"] == "megatron-2024" and r.software == "megatron-core"
+        assert e["flop_accounting"] == "megatron-2024" and r.software == "megatron-core-2024"
         assert e["tp"] * e["pp"] * e["dp"] == e["gpus"] and e["dp"] == 48
         m = load_model(e["model"])
         assert parameter_count(m) == pytest.approx(m.reported_params, rel=0.03)  # the table's model size

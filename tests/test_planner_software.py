@@ -59,6 +59,32 @@ def test_the_megatron_deepspeed_profile_states_bloom_176b_s_stack():
         "overlap_dp_grad_reduce"]
 
 
+def test_megatron_core_2024_overlaps_pipeline_sends_only_when_interleaving():
+    sw = load_software("megatron-core-2024")
+    assert sw.even_stages and sw.overlap_pp_needs_interleave and sw.overlap_pp == 1.0
+    assert sw.pp_overlap(1) == 0.0 and sw.pp_overlap(2) == 1.0
+    assert load_software("megatron-core").pp_overlap(1) == 1.0  # Meta's stack, which it stands in for
+    m, c = load_model("mcore-gpt-462b"), make_cluster("dgx-h100-ndr", 6144)
+    flat = Layout(tp=8, pp=16, dp=48, micro_batch=1, zero1=True)
+    t = step_time(m, flat, c, 3072, software=sw)
+    assert t.pp_hidden_s == 0 and t.pp_s > 0  # v = 1: every send exposed
+    t2 = step_time(m, dataclasses.replace(flat, interleave=7), c, 3072, software=sw)
+    assert t2.pp_s == 0 and t2.pp_hidden_s > 0  # 112 layers / 16 stages / 7 chunks: hidden
+
+
+def test_even_stages_come_from_the_profile():
+    # 112 layers: with even stages only divisors of 112 and v with pp * v dividing 112 are tried
+    res = search("mcore-gpt-462b", "dgx-h100-ndr", 6144, 3072, software="megatron-core-2024", tp_values=[8],
+                 micro_batches=(1,), timeline_top=0)
+    layouts = [p.layout for p in res.plans] + [r.layout for r in res.rejected]
+    assert layouts and all(112 % lay.pp == 0 and 112 % (lay.pp * lay.interleave) == 0 for lay in layouts)
+    free = search("mcore-gpt-462b", "dgx-h100-ndr", 6144, 3072, software="megatron-core", tp_values=[8],
+                  micro_batches=(1,), timeline_top=0)
+    assert any(112 % p.layout.pp for p in free.plans + [r for r in free.rejected if hasattr(r, "layout")])
+    with pytest.raises(ValueError, match="even_stages = 'yes' must be true or false"):
+        SoftwareProfile(name="x", even_stages="yes")
+
+
 def test_bad_profiles_name_the_value_and_the_allowed_ones():
     with pytest.raises(ValueError, match=r"'nope'.*megatron-core"):
         load_software("nope")

@@ -158,7 +158,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            micro_batches: Sequence[int] = (1, 2, 4, 8), zero1: Sequence[bool] | None = None,
            recompute: Sequence[bool | str] | None = None, interleave: Sequence[int] = (1, 2, 4, 8),
            tp_values: Iterable[int] | None = None, pp_values: Iterable[int] | None = None,
-           even_stages: bool = False, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
+           even_stages: bool | None = None, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
            achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
            usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
            software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
@@ -191,7 +191,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             GPU counts are powers of two and layer counts often are not: Llama 3 405B's 126 layers have no
             divisor between 9 and 14 or above 21 other than 42, 63, 126, and its training used pp = 16 with
             uneven stages (Llama 3 paper, §3.3.2).
-        even_stages: restrict the default pp values to the divisors of L.
+        even_stages: restrict the default pp values to the divisors of L (and interleaving to v with
+            ``pp·v`` dividing L); default the software profile's ``even_stages``.
         sequence_parallel, flash_attention: what the training software does (see :class:`Layout`); default
             the software profile's.
         achievable_fraction, dp_overlap, grad_bytes, dtype: passed to
@@ -219,6 +220,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         raise ValueError(f"timeline_top must be an int >= 0 (plans to replay as timelines), got {timeline_top!r}")
     sw = load_software(software)
     sequence_parallel = sw.sequence_parallel if sequence_parallel is None else sequence_parallel
+    even_stages = sw.even_stages if even_stages is None else even_stages
     flash_attention = sw.flash_attention if flash_attention is None else flash_attention
     g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
     stages = tuple(range(sw.zero_stage + 1)) if zero1 is None else tuple(sorted({int(bool(z)) for z in zero1}))

@@ -156,6 +156,11 @@ class SoftwareProfile:
             (``--tp-comm-overlap``).
         overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
             (``overlap_p2p_comm``).
+        overlap_pp_needs_interleave: the stack overlaps pipeline sends only under the interleaved schedule
+            (Megatron-LM turns ``overlap_p2p_comm`` off without it); :meth:`pp_overlap` applies it.
+        even_stages: every pipeline stage holds the same number of layers, and each virtual stage the same
+            share of them (Megatron-LM asserts ``L % pp == 0`` and ``(L/pp) % (L/(pp·v)) == 0``); the search
+            then tries only such pp and v.
         overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
             kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
             was checked, so every preset has 1.0 and says so.
@@ -183,6 +188,8 @@ class SoftwareProfile:
     overlap_dp_param_gather: float = 0.0
     overlap_tp: float = 0.0
     overlap_pp: float = 0.0
+    overlap_pp_needs_interleave: bool = False
+    even_stages: bool = False
     overlap_compute_slowdown: float = 1.0
     grad_bytes: int = 2
     optimizer_dtypes: str = "bf16-fp32-adam"
@@ -198,6 +205,9 @@ class SoftwareProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
                 raise ValueError(f"software {self.name!r}: {f} = {v!r} must be a share in [0, 1] "
                                  "(0 = not overlapped, 1 = fully hidden behind compute)")
+        for f in ("overlap_pp_needs_interleave", "even_stages"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"software {self.name!r}: {f} = {getattr(self, f)!r} must be true or false")
         s = self.overlap_compute_slowdown
         if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 1.0:
             raise ValueError(f"software {self.name!r}: overlap_compute_slowdown = {s!r} must be >= 1 "
@@ -235,6 +245,11 @@ class SoftwareProfile:
     def replace(self, **changes) -> "SoftwareProfile":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def pp_overlap(self, interleave: int) -> float:
+        """The share of pipeline sends/receives that hides behind compute for a layout with ``interleave``
+        virtual stages: ``overlap_pp``, or 0 without interleaving when ``overlap_pp_needs_interleave``."""
+        return 0.0 if self.overlap_pp_needs_interleave and interleave == 1 else self.overlap_pp
 
 
 def list_software(path: str | Path | None = None) -> list[str]:

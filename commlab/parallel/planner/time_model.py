@@ -34,7 +34,8 @@ The terms, per step, on the critical path of one GPU:
   stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
   the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
   over the tp ranks (Narayanan et al. 2021, §4.1) or runs sequence parallelism (each rank then holds
-  ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute.
+  ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute
+  (none without interleaving when the profile's ``overlap_pp_needs_interleave`` says so).
 * **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP;
   Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
   :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
@@ -551,7 +552,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         split = sw.pp_scatter_gather or L.sequence_parallel
         one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
         pp_total = 2 * one * micro * L.interleave
-    pp_hidden = min(sw.overlap_pp * pp_total, compute - tp_hidden)
+    pp_hidden = min(sw.pp_overlap(L.interleave) * pp_total, compute - tp_hidden)
     tp_s, pp_s = tp_total - tp_hidden, pp_total - pp_hidden
 
     bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s)
