@@ -42,8 +42,7 @@ from pathlib import Path
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
-           "layer_kernels",
-           "memory_bound_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
+           "layer_kernels", "memory_bound_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
 _ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"

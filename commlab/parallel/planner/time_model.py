@@ -275,8 +275,8 @@ def megatron_2024_flops(m: ModelConfig, global_batch: int) -> float:
     layer, ``6·(2 + 2g/a)·h²`` for QKV and the attention projection, ``12·s·h`` for the scores and context and
     ``6·h·F`` per MLP matrix (two, or three with SwiGLU); once per token, ``6·V·h`` for the output layer.
     Megatron uses its padded vocabulary (a multiple of 128·tp); ``m.vocab`` is taken as already padded (the
-    validation's rows in this definition have 131,072, a multiple of 1024). The ``a·d/h`` factor is 1 here, as ``ModelConfig``
-    has ``d = h/a``."""
+    validation's rows in this definition have 131,072, a multiple of 1024). The ``a·d/h`` factor is 1 here,
+    as ``ModelConfig`` has ``d = h/a``."""
     B, s, L, h, V = global_batch, m.seq, m.layers, m.hidden, m.vocab
     attention = (1 + m.kv_heads / m.heads + s / h) * (m.heads * (h // m.heads) / h)
     mlp = m.ffn / h * (1.5 if m.gated_ffn else 1.0)

@@ -298,7 +298,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
         reduce = (("dp_reduce_scatter", bd.dp_reduce_scatter_s), ("dp_all_gather", bd.dp_all_gather_s))
         gather = 0.0
     costs = StepCosts(stages=tuple(stages), micro_batches=micro, pp_message_s=pp_one,
-                      overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0, overlap_pp=sw.pp_overlap(layout.interleave),
+                      overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0,
+                      overlap_pp=sw.pp_overlap(layout.interleave),
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
                       optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s)
