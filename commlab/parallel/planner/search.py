@@ -26,7 +26,6 @@ profile instead of a fixed share.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEM
                                              MemoryBreakdown, ModelConfig, is_fragile, load_model,
                                              memory_breakdown, usable_memory_bytes)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
+from commlab.parallel.planner.tables import read_table
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
                                                  step_time)
 from commlab.parallel.planner.timeline import rerank_by_timeline
@@ -299,10 +299,9 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
 # ----------------------------------------------------------------------------------------- validation
 
 def load_published(path: str | Path | None = None) -> dict[str, dict]:
-    """The entries of ``data/published_layouts.json`` (keys starting with ``_`` dropped)."""
-    with open(Path(path or PUBLISHED_PATH), encoding="utf-8") as f:
-        table = json.load(f)
-    return {k: v for k, v in table.items() if not k.startswith("_")}
+    """The entries of ``data/published_layouts.json`` (keys starting with ``_`` dropped), read once per path
+    like the planner's other tables (:func:`~commlab.parallel.planner.tables.read_table`): do not change them."""
+    return read_table(path, PUBLISHED_PATH)
 
 
 @dataclasses.dataclass(frozen=True)

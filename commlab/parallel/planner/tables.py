@@ -1,5 +1,6 @@
-"""The planner's data tables (``data/models.json``, ``data/software.json``): each file read once per path,
-its keys that start with ``_`` (notes about the table, such as ``_about``) dropped."""
+"""The planner's data tables (``data/models.json``, ``data/software.json``, ``data/published_layouts.json``,
+``data/gemm_efficiency.json``, ``data/attention_speed.json``): each file read once per path, its keys that
+start with ``_`` (notes about the table, such as ``_about``) dropped."""
 
 from __future__ import annotations
 
