@@ -155,7 +155,8 @@ def test_step_time_with_the_kernel_model():
     base = step_time(m, layout, c, 512, achievable_fraction=0.5, software="megatron-lm-2021")
     assert base.optimizer_s == 0 and base.compute_fraction == 0.5
     assert t.total_s == pytest.approx(t.compute_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_exposed_s
-                                      + t.overlap_slowdown_s + t.optimizer_s)
+                                      + t.overlap_slowdown_s + t.optimizer_s + t.loss_s)
+    assert t.loss_s == base.loss_s > 0  # the loss is priced alike by both compute models
 
 
 def test_wider_models_run_nearer_the_ceiling():

@@ -5,6 +5,7 @@ al. 2022, §5), causal FlashAttention FLOPs (FlashAttention-2's benchmark accoun
 (no embedding matmul, no recomputed output layer, Megatron's Eq. 3)."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -12,6 +13,7 @@ from commlab.__main__ import main
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layout, ModelConfig, SoftwareProfile,
                                       attention_flops_per_token, dp_exposed_seconds, dp_gradient_nbytes,
+                                      dp_last_bucket_share,
                                       dp_all_reduce_seconds, executed_flops_per_token, layer_params, list_software,
                                       load_model, load_software, make_cluster, megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
@@ -42,8 +44,10 @@ def test_the_published_stacks_are_there():
     # overlapped with the last backward pass; nothing else differs
     torch_ddp = load_software("megatron-lm-2021-torch-ddp")
     assert torch_ddp.overlap_dp_grad_reduce == 1
+    # ... and its 25 MiB buckets of fp16 gradients (PyTorch DDP's default), which the local DDP has no use for
+    assert torch_ddp.bucket_params(32) == 25 * 2**20 / 2 and old.bucket_params(32) == 0
     assert dataclasses.replace(torch_ddp, name=old.name, description=old.description, sources=old.sources,
-                               overlap_dp_grad_reduce=0.0) == old
+                               overlap_dp_grad_reduce=0.0, dp_bucket_params=0.0) == old
 
 
 def test_the_megatron_deepspeed_profile_states_bloom_176b_s_stack():
@@ -226,7 +230,7 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m():
     c = make_cluster("dgx-a100-hdr", 1536)
     t = step_time(m, Layout(8, 8, 24, interleave=4, recompute=True), c, 2304, software="megatron-lm-2021")
     assert t.micro_batches == 96
-    assert t.bubble_s == pytest.approx((8 - 1) / (4 * 96) * (t.compute_s + t.tp_s + t.pp_s))
+    assert t.bubble_s == pytest.approx((8 - 1) / (4 * 96) * (t.compute_s + t.tp_s + t.pp_s + t.loss_s))
 
 
 def test_dp_remainder_after_overlap_by_hand():
@@ -235,6 +239,36 @@ def test_dp_remainder_after_overlap_by_hand():
     assert dp_exposed_seconds(1.0, 2.0, 1.0, gather_s=0.3, gather_window_s=0.1, gather_overlap=1.0) == \
         pytest.approx((0.2, 1.1))
     assert dp_exposed_seconds(1.0, 2.0, 0.0, 0.3, 2.0, 0.0) == pytest.approx((1.3, 0.0))
+    # The last bucket's share of the reduction and the first bucket's share of the gather cannot hide.
+    assert dp_exposed_seconds(1.0, 2.0, 1.0, 0.3, 2.0, 1.0, reduce_tail=0.25, gather_head=0.5) == \
+        pytest.approx((0.25 + 0.15, 0.75 + 0.15))
+    assert dp_exposed_seconds(1.0, 0.5, 1.0, reduce_tail=0.25) == pytest.approx((0.5, 0.5))  # the window binds
+    with pytest.raises(ValueError, match="reduce_tail"):
+        dp_exposed_seconds(1.0, 2.0, 1.0, reduce_tail=1.5)
+
+
+def test_buckets_and_the_last_bucket_by_hand():
+    core = load_software("megatron-core-2024")
+    assert core.bucket_params(8) == 40e6 and core.bucket_params(64) == 64e6  # max(40M, 1M per DP rank)
+    with pytest.raises(ValueError, match="dp_bucket_params"):
+        core.replace(dp_bucket_params=-1)
+    m = load_model("mcore-gpt-1.7b")  # untied embeddings: V·h (and any position table) in, V·h out
+    lay = Layout(1, 1, 48, zero1=True)
+    emb = m.vocab * m.hidden + (m.seq * m.hidden if m.learned_positions else 0)
+    layer, out = layer_params(m), m.vocab * m.hidden
+    assert not m.tied_embeddings
+    total = dp_gradient_nbytes(m, lay, 1)
+    assert total == parameter_count(m)
+    # Every layer (50M) fills a 48M bucket on its own: the last bucket is the input embedding alone.
+    assert dp_last_bucket_share(m, lay, 48e6) == pytest.approx(emb / total)
+    # 330M: the output layer and two layers close the first bucket, then seven layers each: 2 + 3·7 = 23,
+    # and the 24th layer is left open, to be reduced with the embedding.
+    assert 2 * layer + out >= 330e6 > layer + out and 7 * layer >= 330e6 > 6 * layer
+    assert dp_last_bucket_share(m, lay, 330e6) == pytest.approx((layer + emb) / total)
+    assert dp_last_bucket_share(m, lay, 0) == 1.0  # no buckets: one holds everything
+    # pp > 1: the first stage's first chunk, ceil(L/(pp·v)) layers, tp splits every matrix
+    lay = Layout(2, 4, 6, interleave=3, zero1=True)
+    assert dp_last_bucket_share(m, lay, 1e12) == pytest.approx((2 * layer + emb) / 2 / dp_gradient_nbytes(m, lay, 1))
 
 
 def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_and_first_forward():
@@ -255,7 +289,14 @@ def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_an
     executed = executed_flops_per_token(m, "full", flash_attention=True)
     per_micro = t.compute_s / t.micro_batches
     bwd_window, fwd_window = per_micro * (1 - forward / executed), per_micro * forward / executed
-    assert t.dp_exposed_s == pytest.approx(max(0.0, rs - bwd_window) + max(0.0, ag - fwd_window))
+    # The bucket the backward completes last (and the first gathered): the first chunk's ceil(126/64) = 2
+    # layers fill a 128M-element bucket each (400M elements per tp rank), so it holds the input embedding
+    # alone; that share of each is exposed whatever the window.
+    assert math.ceil(L / (16 * 4)) == 2 and layer_params(m) / 8 >= core.bucket_params(128)
+    tail = V * h / 8 / dp_gradient_nbytes(m, layout, 1)
+    assert dp_last_bucket_share(m, layout, core.bucket_params(128)) == pytest.approx(tail)
+    hidden = min(rs * (1 - tail), bwd_window) + min(ag * (1 - tail), fwd_window)
+    assert t.dp_exposed_s == pytest.approx(rs + ag - hidden)
     # Nothing overlapped: all of it is exposed.
     none = step_time(m, layout, c, 2048, software=core.replace(overlap_dp_grad_reduce=0.0,
                                                                overlap_dp_param_gather=0.0))

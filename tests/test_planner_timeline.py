@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from commlab.parallel.pipeline import BACKWARD, FORWARD, interleaved_schedule, virtual_dependencies
-from commlab.parallel.planner import Layout, load_model, search, step_time
+from commlab.parallel.planner import Layout, attention_flops_per_token, layer_params, load_model, search, step_time
 from commlab.parallel.planner.search import TIMELINE_TOP_K, make_cluster
 from commlab.parallel.planner.timeline import (COMM_LANE, KINDS, StageCosts, StepCosts, chunk_layers,
                                                make_timeline_schedule, step_costs, step_timeline,
@@ -74,6 +74,29 @@ def test_dp_reduction_overlaps_the_last_backward_as_far_as_the_profile_says():
     tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 3.0),),
                                        overlap_dp_grad_reduce=1.0), "1f1b")
     assert tl.step_s == pytest.approx(4.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(1.0)
+
+
+def test_the_last_bucket_and_the_first_gathered_bucket_cannot_hide():
+    st_ = StageCosts((1.0,), (2.0,))
+    # A fifth of the 1.5 s reduction is the last bucket: launched when the backward ends at 3, after the
+    # other 1.2 s (launched at 1, done at 2.2), so the step ends at 3 + 0.3.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),), overlap_dp_grad_reduce=1.0,
+                                       dp_reduce_tail=0.2), "1f1b")
+    assert tl.step_s == pytest.approx(3.3) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(0.3)
+    # The first gathered bucket, half of a 0.8 s overlapped AllGather, delays the first forward to 0.4; the
+    # rest (done at 0.8) hides behind it; then the backward, and the non-overlapped nothing.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_gather_s=0.8, overlap_dp_param_gather=1.0,
+                                       dp_gather_head=0.5), "1f1b")
+    assert _bars(tl, 0) == [("dp_all_gather", 0, 0.4, 0), ("forward", 0.4, 1.4, 0), ("backward", 1.4, 3.4, 0)]
+    assert tl.step_s == pytest.approx(3.4)
+    # Stage 1 waits for its input anyway (from 1.4 + message 0.5): its gathered bucket costs it nothing.
+    tl = timeline_from_costs(StepCosts((st_, st_), 1, pp_message_s=0.5, dp_gather_s=0.8,
+                                       overlap_dp_param_gather=1.0, dp_gather_head=0.5), "1f1b")
+    assert tl.ops[(1, FORWARD, 0, 0)][0] == pytest.approx(1.9)
+    for st in range(2):
+        assert sum(tl.time_by_kind(st).values()) == pytest.approx(tl.step_s)
+    with pytest.raises(ValueError, match="dp_reduce_tail"):
+        StepCosts((st_,), 1, dp_reduce_tail=2.0)
 
 
 # ----------------------------------------------------------------------------------------- interleaved order
@@ -181,8 +204,15 @@ def test_stage_costs_add_up_to_the_time_models_compute():
     lay = Layout(tp=8, pp=16, dp=128, micro_batch=1, zero1=True, recompute="selective", interleave=4)
     costs, bd = step_costs(m, lay, make_cluster("dgx-h100-ndr", 16384), 2048, "megatron-core")
     per_micro = sum(sum(s.forward_s) + sum(s.backward_s) + sum(s.recompute_s) for s in costs.stages)
-    # The time model prices one GPU of the heaviest stage (8 of the 126 layers); the stages together hold 126.
-    assert per_micro * costs.micro_batches == pytest.approx(bd.compute_s * 126 / 8)
+    # The time model prices one GPU of the heaviest stage (8 of the 126 layers); the stages together hold 126,
+    # and the last chunk of the last stage the loss too, split 38 : 14 between its forward and backward.
+    assert per_micro * costs.micro_batches == pytest.approx(bd.compute_s * 126 / 8 + bd.loss_s)
+    assert bd.loss_s > 0
+    fwd = sum(sum(s.forward_s) for s in costs.stages) * costs.micro_batches - bd.loss_s * 38 / 52
+    bwd = sum(sum(s.backward_s) for s in costs.stages) * costs.micro_batches - bd.loss_s * 14 / 52
+    att_f, att_b = attention_flops_per_token(m, True, True)
+    weights = m.layers * layer_params(m) + m.vocab * m.hidden
+    assert fwd / bwd == pytest.approx((2 * weights + m.layers * att_f) / (4 * weights + m.layers * att_b))
     tp_total = sum(sum(s.tp_forward_s) + sum(s.tp_backward_s) + sum(s.tp_recompute_s) for s in costs.stages)
     assert tp_total * costs.micro_batches == pytest.approx((bd.tp_s + bd.tp_hidden_s) * 126 / 8)
     assert chunk_layers(126, 16) == [[7]] + [[8]] * 14 + [[7]]  # Llama 3: one layer fewer on first and last

@@ -34,7 +34,8 @@ from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, DEFAULT
                                              parameter_count, stage_params, usable_memory_bytes)
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, KERNELS, TimeBreakdown,
                                                  attention_flops_per_token, dp_all_reduce_seconds,
-                                                 dp_exposed_seconds, dp_gradient_nbytes, executed_flops_per_token,
+                                                 dp_exposed_seconds, dp_gradient_nbytes, dp_last_bucket_share,
+                                                 executed_flops_per_token, loss_seconds,
                                                  fsdp_exposed_seconds, megatron_eq3_flops, megatron_2024_flops,
                                                  model_flops_per_step, model_flops_per_token,
                                                  pp_message_nbytes, step_time, tp_all_reduce_nbytes)
@@ -54,7 +55,8 @@ __all__ = [
     "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "model_flops_per_token", "executed_flops_per_token",
     "megatron_eq3_flops", "megatron_2024_flops", "model_flops_per_step", "attention_flops_per_token",
     "FLOP_DEFINITIONS",
-    "dp_exposed_seconds", "fsdp_exposed_seconds", "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes",
+    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "fsdp_exposed_seconds", "tp_all_reduce_nbytes",
+    "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "step_time",
     "StepCosts", "StageCosts", "StepTimeline", "step_costs", "step_timeline", "timeline_from_costs",
     "Plan", "Rejected", "SearchResult", "ValidationRow", "TIMELINE_TOP_K", "WITHIN_PCT", "divisors", "make_cluster", "search",

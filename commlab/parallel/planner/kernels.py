@@ -21,7 +21,10 @@ published runs show -- the share of peak rises with model width (Narayanan et al
   time is bytes over the datasheet's memory bandwidth (``hbm_bytes_per_s`` in ``data/hardware.json``).
   The backward pass moves twice the forward's bytes (it reads what the forward wrote and writes a gradient
   of each), a recomputed forward repeats the forward's. The optimizer step (:func:`optimizer_step_bytes`)
-  reads and writes every optimizer state, gradient and parameter the GPU holds, once per step.
+  reads and writes every optimizer state, gradient and parameter the GPU holds, once per step. The loss
+  over the vocabulary (:func:`loss_bytes_per_token`, the passes of Megatron's vocabulary-parallel
+  cross-entropy) is priced the same way by the time model for either compute model, since one share of peak
+  for the matmuls says nothing about it.
 
 :func:`layer_kernels` lists one layer's GEMMs (forward, and the two of each backward: the input gradient and
 the weight gradient) with their shapes on one tensor-parallel rank, so that a test can check each shape
@@ -42,11 +45,17 @@ from pathlib import Path
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
-           "layer_kernels", "memory_bound_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
+           "layer_kernels", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
+           "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
 _ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
 _TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
+
+#: HBM bytes per logit (one token, one vocabulary entry of this tp rank) that the loss moves in the forward
+#: pass, and in the backward pass; :func:`loss_bytes_per_token` says which passes they count.
+LOSS_FORWARD_BYTES_PER_LOGIT = 38
+LOSS_BACKWARD_BYTES_PER_LOGIT = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +263,40 @@ def memory_bound_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: boo
     layer = replicated / (tp if sequence_parallel else 1) + (6 if m.gated_ffn else 4) * m.ffn / tp
     core = 0.0 if flash_attention else 9 * m.heads * m.seq / tp
     return layer, core
+
+
+def loss_bytes_per_token(m: ModelConfig, tp: int) -> tuple[float, float]:
+    """HBM bytes per token of the loss over the vocabulary on one of ``tp`` ranks, ``(forward, backward)``:
+    :data:`LOSS_FORWARD_BYTES_PER_LOGIT` and :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` times the ``ceil(V/tp)``
+    logits of the rank's vocabulary shard (under sequence parallelism the output layer's input is gathered
+    first, so every rank holds all the tokens).
+
+    Why a term of its own: the loss is memory-bound work on a ``tokens × V/tp`` tensor, so it grows with the
+    vocabulary, not with the layers' matmuls; for a small model with a large vocabulary it is a tenth of the
+    step (Megatron-Core's 1.7B GPT, V = 131,072, h = 2048).
+
+    The passes, each over the fp32 logits (4 bytes an element unless said), in Megatron's vocabulary-parallel
+    cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py`` at commit 937571cfd4, 2024; the same
+    operations in ``megatron/mpu/cross_entropy.py`` at de7dc40f88, 2021, and in bigscience-workshop/
+    Megatron-DeepSpeed's copy at e23393fbef, each called on ``logits.float()``):
+
+    * forward, 38 bytes: the cast of the bf16/fp16 logits to fp32 (read 2, write 4), the maximum over the
+      vocabulary (read 4), its in-place subtraction (read and write, 8), the in-place ``exp`` (8), the sum
+      (read 4) and the in-place division into the softmax kept for the backward pass (8);
+    * backward, 14 bytes: the in-place multiplication by the loss gradient (8) and the cast of that fp32
+      gradient back to the logits' 2-byte dtype for the output layer's backward GEMMs (read 4, write 2).
+
+    The gather of each token's target logit and the TP AllReduces of three per-token scalars are left out
+    (a few bytes per token, not per logit). Megatron-Core's fused cross-entropy
+    (``--cross-entropy-loss-fusion``, off by default at 937571cfd4) would move fewer bytes.
+
+    Raises:
+        ValueError: ``tp`` not an int >= 1.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    logits = -(-m.vocab // tp)
+    return LOSS_FORWARD_BYTES_PER_LOGIT * logits, LOSS_BACKWARD_BYTES_PER_LOGIT * logits
 
 
 def optimizer_step_bytes(params_on_gpu: float, state_bytes: int, grad_bytes: int, param_bytes: int) -> float:

@@ -161,6 +161,13 @@ class SoftwareProfile:
         even_stages: every pipeline stage holds the same number of layers, and each virtual stage the same
             share of them (Megatron-LM asserts ``L % pp == 0`` and ``(L/pp) % (L/(pp·v)) == 0``); the search
             then tries only such pp and v.
+        dp_bucket_params, dp_bucket_params_per_dp_rank: the gradient bucket, in elements: at least
+            ``dp_bucket_params``, and ``dp_bucket_params_per_dp_rank`` per DP rank where that is more
+            (Megatron-Core's ``max(40M, 1M·dp)``); :meth:`bucket_params` gives it. Gradients are reduced
+            bucket by bucket as the backward pass completes them, so the bucket reduced last -- the first
+            layers and the input embedding -- cannot hide behind that backward, and a distributed optimizer
+            gathers the same bucket first, before the next forward can start
+            (:func:`~.time_model.dp_last_bucket_share`). 0 = no buckets: the whole gradient is one.
         overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
             kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
             was checked, so every preset has 1.0 and says so.
@@ -176,8 +183,8 @@ class SoftwareProfile:
 
     Raises:
         ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO
-            stage or optimizer dtype option, grad_bytes not 2 or 4; each message names the value and the
-            allowed ones.
+            stage or optimizer dtype option, grad_bytes not 2 or 4, a negative bucket size; each message names
+            the value and the allowed ones.
     """
 
     name: str
@@ -190,6 +197,8 @@ class SoftwareProfile:
     overlap_pp: float = 0.0
     overlap_pp_needs_interleave: bool = False
     even_stages: bool = False
+    dp_bucket_params: float = 0.0
+    dp_bucket_params_per_dp_rank: float = 0.0
     overlap_compute_slowdown: float = 1.0
     grad_bytes: int = 2
     optimizer_dtypes: str = "bf16-fp32-adam"
@@ -208,6 +217,11 @@ class SoftwareProfile:
         for f in ("overlap_pp_needs_interleave", "even_stages"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"software {self.name!r}: {f} = {getattr(self, f)!r} must be true or false")
+        for f in ("dp_bucket_params", "dp_bucket_params_per_dp_rank"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"software {self.name!r}: {f} = {v!r} must be a number of gradient elements "
+                                 ">= 0 (0 = no buckets)")
         s = self.overlap_compute_slowdown
         if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 1.0:
             raise ValueError(f"software {self.name!r}: overlap_compute_slowdown = {s!r} must be >= 1 "
@@ -245,6 +259,11 @@ class SoftwareProfile:
     def replace(self, **changes) -> "SoftwareProfile":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def bucket_params(self, dp: int) -> float:
+        """Elements of one gradient bucket for ``dp`` data-parallel ranks: ``max(dp_bucket_params,
+        dp_bucket_params_per_dp_rank·dp)``; 0 = no buckets (one bucket holds the whole gradient)."""
+        return max(self.dp_bucket_params, self.dp_bucket_params_per_dp_rank * dp)
 
     def pp_overlap(self, interleave: int) -> float:
         """The share of pipeline sends/receives that hides behind compute for a layout with ``interleave``

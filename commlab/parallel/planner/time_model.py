@@ -46,7 +46,11 @@ The terms, per step, on the critical path of one GPU:
   on the links the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and
   the AllGather half without a distributed optimizer) hides behind the backward pass of the last micro-batch;
   ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first (Megatron's
-  ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed. **ZeRO-3 / FSDP**
+  ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed. The gradients are reduced in
+  buckets (the profile's :meth:`~.software.SoftwareProfile.bucket_params`) as the backward completes them,
+  so the bucket completed last -- the first layers and the input embedding (:func:`dp_last_bucket_share`)
+  -- cannot hide behind it, and a distributed optimizer gathers that bucket first, before the next forward
+  starts: that share of each is exposed whatever the windows. **ZeRO-3 / FSDP**
   (Rajbhandari et al. 2020, §5.3, P_os+g+p): for every micro-batch, an AllGather of the bf16 parameters before
   the forward pass and again before the backward pass, and a ReduceScatter of the gradients after it
   (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
@@ -59,6 +63,13 @@ The terms, per step, on the critical path of one GPU:
   network), after every micro-batch's backward under ZeRO-3 as FSDP2 does by default, once per step under
   ZeRO-1/2. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held)
   is not modelled.
+* **loss**: the cross-entropy over the vocabulary on the last stage, every micro-batch: its HBM bytes
+  (:func:`~.kernels.loss_bytes_per_token`: ``52·V/tp`` per token, the passes of Megatron's
+  vocabulary-parallel cross-entropy over the fp32 logits) over the device's memory bandwidth
+  (``hbm_bytes_per_s`` in ``data/hardware.json``), with either compute model: it is memory-bound work that
+  grows with the vocabulary, which no share of peak for the matmuls accounts for. A device without a
+  bandwidth figure gets no loss term (``loss_s = 0``). In the bubble's per-micro-batch work, as the last
+  stage's.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
   fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
   Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
@@ -90,9 +101,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import lru_cache
 
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.memory import (Layout, ModelConfig, layer_params, parameter_count, stage_layers,
+from commlab.parallel.planner.memory import (Layout, ModelConfig, _embedding_params, layer_params, parameter_count,
+                                             stage_layers,
                                              stage_params)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
 from commlab.topology import Cluster, Link
@@ -101,7 +114,9 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
            "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
-           "dp_exposed_seconds", "fsdp_exposed_seconds", "group_all_reduce_seconds", "step_time", "KERNELS"]
+           "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "group_all_reduce_seconds",
+           "loss_seconds", "step_time",
+           "KERNELS"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -150,6 +165,8 @@ class TimeBreakdown:
             only; 0 otherwise.
         compute_fraction: the share of peak the executed FLOP run at: ``achievable_fraction``, or what the
             kernel model gives for this layout.
+        loss_s: the cross-entropy over the vocabulary on a last-stage GPU, all micro-batches (0 where the
+            device's memory bandwidth is not in ``data/hardware.json``).
     """
 
     compute_s: float
@@ -171,12 +188,13 @@ class TimeBreakdown:
     software: str = ""
     optimizer_s: float = 0.0
     compute_fraction: float = 0.0
+    loss_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Step time, s: compute + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP + the
-        optimizer step."""
-        return (self.compute_s + self.overlap_slowdown_s + self.tp_s + self.pp_s + self.bubble_s
+        """Step time, s: compute + loss + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP +
+        the optimizer step."""
+        return (self.compute_s + self.loss_s + self.overlap_slowdown_s + self.tp_s + self.pp_s + self.bubble_s
                 + self.dp_exposed_s + self.optimizer_s)
 
     @property
@@ -421,22 +439,57 @@ def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -
 
 
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
-                       gather_window_s: float = 0.0, gather_overlap: float = 0.0) -> tuple[float, float]:
+                       gather_window_s: float = 0.0, gather_overlap: float = 0.0, reduce_tail: float = 0.0,
+                       gather_head: float = 0.0) -> tuple[float, float]:
     """``(exposed, hidden)`` seconds of the DP communication.
 
-    The gradient reduction (``reduce_s``) may hide up to ``reduce_overlap × reduce_s`` behind
-    ``reduce_window_s`` (the last micro-batch's backward pass); the parameter all-gather (``gather_s``) up to
-    ``gather_overlap × gather_s`` behind ``gather_window_s`` (the first micro-batch's forward pass). What
-    does not fit in its window, and the share not overlapped, is exposed.
+    The gradient reduction (``reduce_s``) may hide up to ``reduce_overlap × (1 - reduce_tail) × reduce_s``
+    behind ``reduce_window_s`` (the last micro-batch's backward pass): ``reduce_tail`` is the share in the
+    bucket reduced last, which the backward completes only as it ends. The parameter all-gather
+    (``gather_s``) may hide up to ``gather_overlap × (1 - gather_head) × gather_s`` behind ``gather_window_s``
+    (the first micro-batch's forward pass): ``gather_head`` is the share gathered first, which that forward
+    waits for. What does not fit in its window, and the share not overlapped, is exposed.
 
     Raises:
-        ValueError: a time that is negative or not finite, or an overlap share outside [0, 1].
+        ValueError: a time that is negative or not finite, or an overlap, tail or head share outside [0, 1].
     """
     _check_times_and_shares(dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
                                  gather_window_s=gather_window_s),
-                            dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap))
-    hidden = min(reduce_overlap * reduce_s, reduce_window_s) + min(gather_overlap * gather_s, gather_window_s)
+                            dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap,
+                                 reduce_tail=reduce_tail, gather_head=gather_head))
+    hidden = (min(reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s)
+              + min(gather_overlap * (1 - gather_head) * gather_s, gather_window_s))
     return reduce_s + gather_s - hidden, hidden
+
+
+def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -> float:
+    """Share (0..1) of a GPU's DP gradient (:func:`dp_gradient_nbytes`) in the bucket the backward pass
+    completes last -- and that a distributed optimizer all-gathers first.
+
+    Stacks reduce gradients in buckets of about ``bucket_params`` elements, filled over the parameters in
+    reverse order, so that each bucket can be reduced while the backward pass goes on (Megatron-Core
+    ``megatron/core/distributed/param_and_grad_buffer.py``; PyTorch DDP likewise). The last bucket holds the
+    first stage's first layers and the input embedding: the walk here goes, on one tp rank, over the output
+    layer (pp = 1), then the first chunk's ``ceil(L/(pp·v))`` layers from the last, one layer at a time, closing
+    a bucket whenever it holds ``bucket_params`` elements, and ends with the embedding, so the last bucket is
+    the embedding plus what the layers left open. ``bucket_params <= 0``: one bucket, share 1.
+
+    The walk is at the granularity of layers, not of single weight matrices; a bucket boundary inside a
+    layer moves the share by less than one layer's parameters.
+    """
+    if bucket_params <= 0:
+        return 1.0
+    tp = layout.tp
+    layer = layer_params(m) / tp
+    embedding = _embedding_params(m) / tp
+    sizes = ([(m.vocab * m.hidden if not m.tied_embeddings else 0) / tp] if layout.pp == 1 else [])
+    sizes += [layer] * (m.layers if layout.pp == 1 else math.ceil(m.layers / (layout.pp * layout.interleave)))
+    open_bucket = 0.0
+    for n in sizes:
+        open_bucket += n
+        if open_bucket >= bucket_params:
+            open_bucket = 0.0
+    return min(1.0, (open_bucket + embedding) / dp_gradient_nbytes(m, layout, 1))
 
 
 def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, backward_s: float,
@@ -555,7 +608,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     pp_hidden = min(sw.pp_overlap(L.interleave) * pp_total, compute - tp_hidden)
     tp_s, pp_s = tp_total - tp_hidden, pp_total - pp_hidden
 
-    bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s)
+    loss = micro * sum(loss_seconds(m, L.micro_batch, L.tp, cluster.device))
+    bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s + loss)
 
     # ZeRO's ReduceScatter and AllGather run over the shard group (all of dp, or HSDP's dp_shard ranks);
     # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups.
@@ -578,15 +632,43 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
             rs = ag = grad_ar / 2
             reduce_s, gather_s = grad_ar, 0.0
+        tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp)) if ov_grad or ov_param else 1.0
         dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
-                                                   gather_s, per_micro * forward_share, ov_param)
+                                                   gather_s, per_micro * forward_share, ov_param, tail, tail)
     slowdown = (tp_hidden + pp_hidden + dp_hidden) * (1 - 1 / sw.overlap_compute_slowdown)
     return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,
                          model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus,
                          tp_hidden_s=tp_hidden, pp_hidden_s=pp_hidden, dp_reduce_scatter_s=rs, dp_all_gather_s=ag,
                          overlap_slowdown_s=slowdown, executed_flop_per_step=executed * tokens, software=sw.name,
-                         optimizer_s=optimizer, compute_fraction=fraction)
+                         optimizer_s=optimizer, compute_fraction=fraction, loss_s=loss)
+
+
+@lru_cache(maxsize=32)
+def _memory_bandwidth(device: str) -> float | None:
+    """The device's ``hbm_bytes_per_s`` from ``data/hardware.json``, bytes/s; None where it has none."""
+    from commlab import hardware
+    try:
+        return hardware.value(device, "hbm_bytes_per_s")
+    except KeyError:
+        return None
+
+
+def loss_seconds(m: ModelConfig, micro_batch: int, tp: int, device: str) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one micro-batch's loss over the vocabulary on a last-stage GPU:
+    :func:`~.kernels.loss_bytes_per_token` × ``micro_batch·s`` tokens over the device's memory bandwidth
+    (bytes/s, ``hbm_bytes_per_s`` in ``data/hardware.json``); ``(0.0, 0.0)`` for a device without one.
+
+    Raises:
+        ValueError: ``tp`` not an int >= 1.
+    """
+    from commlab.parallel.planner.kernels import loss_bytes_per_token
+    forward, backward = loss_bytes_per_token(m, tp)
+    hbm = _memory_bandwidth(device)
+    if hbm is None:
+        return 0.0, 0.0
+    tokens = micro_batch * m.seq
+    return forward * tokens / hbm, backward * tokens / hbm
 
 
 def _kernel_terms(m: ModelConfig, layout: Layout, cluster: Cluster, dtype: str, executed: float,

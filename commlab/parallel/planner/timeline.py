@@ -14,7 +14,7 @@ backward) and recomputation (what :func:`~commlab.parallel.planner.time_model.ex
 adds for the policy) sums to the executed FLOP of the time model. What the timeline adds is *where* the work
 sits: each stage's own layers (``ceil(L/(pp·v))`` per chunk, one layer fewer on the first, then the last,
 then the second chunk ... until the count is right: Llama 3 405B's 126 layers over 16 stages put 7 on the
-first and last stage, as its paper says), the output layer's matmul on the last stage, and the order of the
+first and last stage, as its paper says), the output layer's matmul and the loss on the last stage, and the order of the
 operations.
 
 **Replay** (:func:`replay`): a stage runs its operations in schedule order on its compute stream; an
@@ -72,11 +72,12 @@ from typing import Sequence
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_schedule, interleaved_schedule,
                                                  one_f_one_b_schedule)
+from commlab.parallel.planner.kernels import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_FORWARD_BYTES_PER_LOGIT
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
-                                                 _check_share, attention_flops_per_token, executed_flops_per_token,
-                                                 step_time)
+                                                 _check_share, attention_flops_per_token, dp_last_bucket_share,
+                                                 executed_flops_per_token, step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -165,6 +166,10 @@ class StepCosts:
         dp_gather_s: the distributed optimizer's parameter AllGather, s (0 without one).
         overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares.
         optimizer_s: the optimizer step, s.
+        dp_reduce_tail: share (0..1) of the overlapped reduction in the bucket reduced last, launched only
+            when the stage's last backward has ended (:func:`~.time_model.dp_last_bucket_share`).
+        dp_gather_head: share (0..1) of the overlapped parameter AllGather gathered first, which the stage's
+            first forward waits for before it starts.
 
     Raises:
         ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside
@@ -182,6 +187,8 @@ class StepCosts:
     overlap_dp_grad_reduce: float = 0.0
     overlap_dp_param_gather: float = 0.0
     optimizer_s: float = 0.0
+    dp_reduce_tail: float = 0.0
+    dp_gather_head: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -195,7 +202,8 @@ class StepCosts:
             raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
         for name in ("pp_message_s", "dp_gather_s", "optimizer_s"):
             _check_seconds(name, (getattr(self, name),))
-        for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather"):
+        for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather",
+                     "dp_reduce_tail", "dp_gather_head"):
             object.__setattr__(self, name, _check_share(name, getattr(self, name)))
         if not self.compute_slowdown >= 1:
             raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
@@ -268,6 +276,10 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
     rec_layer = (full - none) / L  # every-k: the recomputed layers' FLOP spread evenly over the layers
     f_layer, b_layer = 2.0 * lp + att_f, 4.0 * lp + att_b
     out_f, out_b = 2.0 * m.vocab * m.hidden, 4.0 * m.vocab * m.hidden  # output layer, never recomputed
+    # The loss over the vocabulary, after the output layer: the time model's seconds, split as its bytes are.
+    loss_f = bd.loss_s / micro * LOSS_FORWARD_BYTES_PER_LOGIT / (LOSS_FORWARD_BYTES_PER_LOGIT
+                                                                 + LOSS_BACKWARD_BYTES_PER_LOGIT)
+    loss_b = bd.loss_s / micro - loss_f
 
     tp_one = 0.0
     if layout.tp > 1:
@@ -281,8 +293,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
         f, b, r, tf, tb, tr = [], [], [], [], [], []
         for c, n in enumerate(counts):
             last = (c * pp + s) == pp * v - 1
-            f.append((n * f_layer + (out_f if last else 0.0)) * tokens * sec_per_flop)
-            b.append((n * b_layer + (out_b if last else 0.0)) * tokens * sec_per_flop)
+            f.append((n * f_layer + (out_f if last else 0.0)) * tokens * sec_per_flop + (loss_f if last else 0.0))
+            b.append((n * b_layer + (out_b if last else 0.0)) * tokens * sec_per_flop + (loss_b if last else 0.0))
             r.append(n * rec_layer * tokens * sec_per_flop)
             tf.append(2 * n * tp_one)
             tb.append(2 * n * tp_one)
@@ -297,12 +309,14 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
     else:
         reduce = (("dp_reduce_scatter", bd.dp_reduce_scatter_s), ("dp_all_gather", bd.dp_all_gather_s))
         gather = 0.0
+    tail = dp_last_bucket_share(m, layout, sw.bucket_params(layout.dp)) if layout.zero_stage < 3 else 0.0
     costs = StepCosts(stages=tuple(stages), micro_batches=micro, pp_message_s=pp_one,
                       overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0,
                       overlap_pp=sw.pp_overlap(layout.interleave),
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
-                      optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s)
+                      optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s,
+                      dp_reduce_tail=tail, dp_gather_head=tail if layout.zero1 else 0.0)
     return costs, bd
 
 
@@ -435,18 +449,22 @@ def _templates(costs: StepCosts) -> dict:
 
 
 def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start: float, mid: float,
-               stall_from: float, msg: tuple | None, end: float) -> None:
-    """Bars of one op: its wait (``pp_recv`` while its input was in flight, ``bubble`` otherwise), its
-    computation, a stall for the parameter AllGather, its send."""
+               stall_from: float, msg: tuple | None, end: float, ready: float | None = None) -> None:
+    """Bars of one op: its wait (``pp_recv`` while its input was in flight, ``bubble`` otherwise, up to
+    ``ready``, when it could have started), a stall for the first gathered parameter bucket (``ready`` to
+    ``start``), its computation, a stall for the rest of the parameter AllGather, its send."""
     code, _, backward, c, j, sends = entry
     ivs = state.intervals
     free = state.compute_free[s]
-    if start > free:
-        in_flight = max(free, msg[0]) if msg is not None else start
+    ready = start if ready is None else ready
+    if ready > free:
+        in_flight = max(free, msg[0]) if msg is not None else ready
         if in_flight > free:
             ivs.append(Interval(s, "bubble", free, in_flight))
-        if start > in_flight:
-            ivs.append(Interval(s, "pp_recv", in_flight, start))
+        if ready > in_flight:
+            ivs.append(Interval(s, "pp_recv", in_flight, ready))
+    if start > max(ready, free):
+        ivs.append(Interval(s, "dp_all_gather", max(ready, free), start, j, c))
     for kind, a, b, lane in tpl.bars:
         ivs.append(Interval(s, kind, start + a, start + b, j, c, lane))
     if mid > stall_from:
@@ -474,6 +492,7 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
     tpl = [[templates[(s, c, b)] for c in range(v) for b in (False, True)] for s in range(p)]
     state = ReplayState.start(p, 2 * m * p * v, record)
     gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
+    head = gathered * costs.dp_gather_head
     free, arrival, nxt, last_b = state.compute_free, state.arrival, state.next_op, state.last_backward
     sent_at = [0.0] * len(arrival) if record else None
     total = sum(len(ops) for ops in order)
@@ -489,19 +508,24 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                 if dep >= 0 and arrival[dep] is None:
                     break
                 start = free[s] if dep < 0 or arrival[dep] <= free[s] else arrival[dep]
+                ready = start  # when it could start; later only while it waits for the first gathered bucket
                 t = tpl_s[2 * c + backward]
                 mid = start + t.compute_end
                 stall_from = mid
                 if not backward and not state.gathered[s]:
-                    # The stream cannot run past its first layers before the overlapped AllGather is done.
+                    # The first forward starts once the first bucket is gathered, and cannot run past its
+                    # first layers before the rest of the overlapped AllGather is done.
                     state.gathered[s] = True
+                    if head > start:
+                        ready, start = start, head
+                        mid = stall_from = start + t.compute_end
                     mid = max(mid, gathered)
                 if backward:
                     last_b[(s, c)] = start + t.backward_at
                 end = mid + t.send_stall if sends else mid
                 if record:
                     msg = (sent_at[dep], arrival[dep]) if dep >= 0 else None
-                    _record_op(state, s, entry, t, start, mid, stall_from, msg, end)
+                    _record_op(state, s, entry, t, start, mid, stall_from, msg, end, ready)
                     sent_at[code] = mid
                 arrival[code] = mid + t.message_s if sends else end
                 free[s] = end
@@ -535,12 +559,16 @@ def finish_stage(state: ReplayState, costs: StepCosts, stage: int) -> float:
     t_end = state.compute_free[stage]
     gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
     _lay(state, stage, [("dp_all_gather", gathered)], 0.0, COMM_LANE)
-    # Overlapped gradient reduction: one share per chunk, launched in the order the chunks finish.
-    share = [(k, costs.overlap_dp_grad_reduce * d / v) for k, d in costs.dp_reduce]
+    # Overlapped gradient reduction: one share per chunk, launched in the order the chunks finish; the last
+    # bucket (dp_reduce_tail) only once the backward has ended, since its first layers finish last.
+    ov, tail = costs.overlap_dp_grad_reduce, costs.dp_reduce_tail
+    share = [(k, ov * (1 - tail) * d / v) for k, d in costs.dp_reduce]
     launches = sorted((state.last_backward.get((stage, c), t_end), c) for c in range(v))
     comm, hidden = 0.0, []
     for at, c in launches:
         comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c, hidden)
+    comm = _lay(state, stage, [(k, ov * tail * d) for k, d in costs.dp_reduce], max(t_end, comm), COMM_LANE,
+                None, hidden)
     # The stream waits for the overlapped reduction still running after its last backward (exposed).
     t = t_end
     for kind, a, b, c in hidden:
