@@ -106,11 +106,12 @@ def _step_slips(c, tp, pp_s, dp, p, m, v) -> dict[str, float]:
 
 
 def check_step_seconds(fn: Callable) -> CheckReport:
-    """Grade ``fn(compute_s, tp_s, pp_s, dp_s, pp, micro_batches, interleave) -> seconds``."""
+    """Grade ``fn(compute_s, tp_s, pp_s, dp_s, pp, micro_batches, interleave) -> seconds``; ``compute_s`` is passed
+    as the planner's ``compute_s + loss_s``, the GPU's computation with the loss over the vocabulary."""
     report = CheckReport(f"step-time exercise ({getattr(fn, '__name__', 'fn')})")
     for label, model, layout, batch, cluster in planner_cases():
         t = step_time(model, layout, cluster, batch)
-        args = (t.compute_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
+        args = (t.compute_s + t.loss_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
         _grade_number(report, label, fn, args, t.total_s, _step_slips(*args), lambda got: f"{got:.4g} s")
         if report.not_attempted:
             return report

@@ -22,7 +22,8 @@ from commlab.topology import list_presets
 __all__ = ["TERMS", "plan_rows", "table_text", "table_html", "static_figure", "explorer"]
 
 #: The step-time terms, in the order they are stacked: (key of a row, label).
-TERMS: tuple[tuple[str, str], ...] = (("compute_s", "compute"), ("tp_s", "TP AllReduce"), ("pp_s", "PP send/recv"),
+TERMS: tuple[tuple[str, str], ...] = (("compute_s", "compute"), ("loss_s", "loss (cross-entropy)"),
+                                      ("tp_s", "TP AllReduce"), ("pp_s", "PP send/recv"),
                                       ("bubble_s", "pipeline bubble"), ("dp_s", "DP AllReduce (exposed)"))
 
 
@@ -52,7 +53,7 @@ def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: in
 
 
 _COLUMNS = (("layout", "layout", "{}"), ("step_s", "step (s)", "{:.3f}"), ("compute_s", "compute", "{:.3f}"),
-            ("tp_s", "TP", "{:.3f}"), ("pp_s", "PP", "{:.3f}"), ("bubble_s", "bubble", "{:.3f}"),
+            ("loss_s", "loss", "{:.3f}"), ("tp_s", "TP", "{:.3f}"), ("pp_s", "PP", "{:.3f}"), ("bubble_s", "bubble", "{:.3f}"),
             ("dp_s", "DP", "{:.3f}"), ("memory_gb", "GB/GPU", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.4g}"),
             ("tflops_per_gpu", "TFLOP/s/GPU", "{:.0f}"))
 

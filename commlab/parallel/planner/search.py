@@ -88,10 +88,11 @@ class Plan:
         return flop_per_step / self.step_s / self.time.gpus
 
     def row(self) -> dict:
-        """A flat dict for tables: layout, step and term times (s), memory (GB), tokens/s, TFLOP/s/GPU."""
+        """A flat dict for tables: layout, step and term times (s; ``loss_s`` the cross-entropy over the vocabulary),
+        memory (GB), tokens/s, TFLOP/s/GPU."""
         t, mem = self.time, self.memory
         return {"layout": self.layout.short(), "step_s": self.step_s, "analytical_step_s": t.total_s,
-                "compute_s": t.compute_s, "tp_s": t.tp_s,
+                "compute_s": t.compute_s, "loss_s": t.loss_s, "tp_s": t.tp_s,
                 "pp_s": t.pp_s, "bubble_s": t.bubble_s, "dp_s": t.dp_exposed_s, "micro_batches": t.micro_batches,
                 "memory_gb": mem.total_bytes / 1e9, "fragile": self.fragile,
                 "tokens_per_s": t.tokens_per_step / self.step_s,
@@ -336,6 +337,7 @@ class ValidationRow:
             of a faster split (micro-batch, interleaving, recomputation, ZeRO) counted before it.
         knobs_fixed: the source fixes the micro-batch or the interleaving; without, ``exact_rank`` says no
             more than ``plan_rank`` and the table prints it as ``n/a``.
+        published_time: the analytical breakdown of the published configuration's plan (seconds per term).
 
     Ranks are positions in the planner's ranking (its :data:`TIMELINE_TOP_K` best by their replayed timelines,
     the rest by the sum of terms); plans with equal step times share the position of the first of them.
@@ -357,6 +359,7 @@ class ValidationRow:
     exact_rank: int | None = None
     plan_rank: int | None = None
     knobs_fixed: bool = False
+    published_time: TimeBreakdown | None = None
 
     @property
     def within(self) -> bool:
@@ -425,7 +428,8 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
                                   top_tp_within_node=d % top.layout.tp == 0, published_step_s=pub.step_s,
                                   top_step_s=top.step_s, accounting=definition, published_rank=rank,
                                   software=sw.name, exact_rank=exact, plan_rank=plan_rank,
-                                  knobs_fixed=any(k in fixed for k in ("micro_batches", "interleave"))))
+                                  knobs_fixed=any(k in fixed for k in ("micro_batches", "interleave")),
+                                  published_time=pub.time))
     return rows
 
 
