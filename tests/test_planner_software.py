@@ -15,9 +15,10 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       attention_flops_per_token, dp_exposed_seconds, dp_gradient_nbytes,
                                       dp_last_bucket_share,
                                       dp_all_reduce_seconds, executed_flops_per_token, layer_params, list_software,
-                                      load_model, load_software, make_cluster, megatron_eq3_flops,
+                                      korthikanti_eq7_flops, load_model, load_software, make_cluster, megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
+from commlab.parallel.planner.search import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 
 TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
@@ -189,9 +190,34 @@ def test_flop_converters():
     assert model_flops_per_step(m, B, "megatron-eq3") == megatron_eq3_flops(m, B)
     assert model_flops_per_step(m, B, "model") == model_flops_per_token(m) * B * m.seq
     assert model_flops_per_step(m, B, "6n") == 6 * parameter_count(m) * B * m.seq
-    assert set(FLOP_DEFINITIONS) == {"megatron-eq3", "megatron-2024", "model", "6n"}
+    assert set(FLOP_DEFINITIONS) == {"megatron-eq3", "megatron-2024", "korthikanti-eq7", "model", "6n"}
     with pytest.raises(ValueError, match=r"'palm'.*megatron-eq3"):
         model_flops_per_step(m, B, "palm")
+
+
+def test_korthikanti_eq7_by_hand():
+    # Korthikanti et al. 2022, Appendix A, Eq. 7: 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)). Their 22B model
+    # (L 48, h 6144, s 2048, V 51200) at B 4: the weight matmuls 72·4·2048·48·6144² = 1.0687e15, attention
+    # s/(6h) = 2048/36864 = 0.05556, logits V/(12·L·h) = 51200/3538944 = 0.01447 of that.
+    m = ModelConfig("22b", layers=48, hidden=6144, heads=64, ffn=4 * 6144, seq=2048, vocab=51200)
+    weights = 72 * 4 * 2048 * 48 * 6144 ** 2
+    assert weights == 1_068_725_302_198_272
+    expected = weights * (1 + 2048 / 36864 + 51200 / 3538944)
+    assert model_flops_per_step(m, 4, "korthikanti-eq7") == pytest.approx(expected, rel=1e-12)
+    assert korthikanti_eq7_flops(m, 4) == pytest.approx(1.14356e15, rel=1e-5)
+    # Eq. 3 of Narayanan et al. 2021 counts a full recomputation (96 = 72·4/3) and the logits once less.
+    assert megatron_eq3_flops(m, 4) / korthikanti_eq7_flops(m, 4) == pytest.approx(
+        4 / 3 * (1 + 2048 / 36864 + 51200 / (16 * 48 * 6144)) / (1 + 2048 / 36864 + 51200 / 3538944))
+
+
+def test_reported_tflops_from_the_iteration_time():
+    # A row gives the TFLOP/s per GPU its source prints, or its iteration time, from which the definition's
+    # FLOP per step gives it; never both, never neither.
+    assert _reported_tflops("r", {"tflops_per_gpu": 140.0, "gpus": 8}, 1e15) == 140.0
+    assert _reported_tflops("r", {"iteration_s": 1.25, "gpus": 8}, 1e15) == pytest.approx(100.0)
+    for bad in ({"gpus": 8}, {"gpus": 8, "tflops_per_gpu": 1.0, "iteration_s": 1.0}):
+        with pytest.raises(ValueError, match="'r' must give exactly one of tflops_per_gpu and iteration_s"):
+            _reported_tflops("r", bad, 1e15)
 
 
 def test_time_breakdown_keeps_executed_and_model_flops_apart():
@@ -265,7 +291,7 @@ def test_buckets_and_the_last_bucket_by_hand():
     # and the 24th layer is left open, to be reduced with the embedding.
     assert 2 * layer + out >= 330e6 > layer + out and 7 * layer >= 330e6 > 6 * layer
     assert dp_last_bucket_share(m, lay, 330e6) == pytest.approx((layer + emb) / total)
-    assert dp_last_bucket_share(m, lay, 0) == 1.0  # no buckets: one holds everything
+    assert dp_last_bucket_share(m, lay, 0) == 0.0  # no buckets given: the overlap share alone decides
     # pp > 1: the first stage's first chunk, ceil(L/(pp·v)) layers, tp splits every matrix
     lay = Layout(2, 4, 6, interleave=3, zero1=True)
     assert dp_last_bucket_share(m, lay, 1e12) == pytest.approx((2 * layer + emb) / 2 / dp_gradient_nbytes(m, lay, 1))

@@ -315,7 +315,9 @@ class ValidationRow:
             planner chose because the source does not report it (``b1*``).
         planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
             free.
-        reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``).
+        reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``), or where it
+            reports its iteration time instead (``iteration_s``), that definition's FLOP per step / the time /
+            the GPUs.
         predicted_tflops: the planner's, for the published layout, in the same definition, at its step time
             (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the re-ranked
             :data:`TIMELINE_TOP_K`).
@@ -419,7 +421,7 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
         flops = model_flops_per_step(m, e["global_batch"], definition)
         predicted = pub.flop_per_s_per_gpu(flops) / 1e12
         top_tf = top.flop_per_s_per_gpu(flops) / 1e12
-        reported = float(e["tflops_per_gpu"])
+        reported = _reported_tflops(key, e, flops)
         d = load_preset(e["preset"]).devices_per_node
         rows.append(ValidationRow(config=key, published=_published_label(pub.layout, fixed),
                                   planner_top=top.layout.short(),
@@ -431,6 +433,20 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
                                   knobs_fixed=any(k in fixed for k in ("micro_batches", "interleave")),
                                   published_time=pub.time))
     return rows
+
+
+def _reported_tflops(key: str, e: dict, flop_per_step: float) -> float:
+    """The row's TFLOP/s per GPU: ``tflops_per_gpu`` as the source prints it, or, where the source gives its
+    iteration time instead (``iteration_s``, seconds), its FLOP per step in its definition / that time / GPUs.
+
+    Raises:
+        ValueError: the row gives both or neither.
+    """
+    if ("tflops_per_gpu" in e) == ("iteration_s" in e):
+        raise ValueError(f"published row {key!r} must give exactly one of tflops_per_gpu and iteration_s")
+    if "iteration_s" in e:
+        return flop_per_step / float(e["iteration_s"]) / e["gpus"] / 1e12
+    return float(e["tflops_per_gpu"])
 
 
 def _fixed_knobs(key: str, e: dict, sw: SoftwareProfile) -> dict:

@@ -167,7 +167,8 @@ class SoftwareProfile:
             bucket by bucket as the backward pass completes them, so the bucket reduced last -- the first
             layers and the input embedding -- cannot hide behind that backward, and a distributed optimizer
             gathers the same bucket first, before the next forward can start
-            (:func:`~.time_model.dp_last_bucket_share`). 0 = no buckets: the whole gradient is one.
+            (:func:`~.time_model.dp_last_bucket_share`). 0 = no buckets given: nothing is held back for a
+            last bucket, and the overlap share alone says what hides.
         overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
             kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
             was checked, so every preset has 1.0 and says so.
@@ -262,7 +263,7 @@ class SoftwareProfile:
 
     def bucket_params(self, dp: int) -> float:
         """Elements of one gradient bucket for ``dp`` data-parallel ranks: ``max(dp_bucket_params,
-        dp_bucket_params_per_dp_rank·dp)``; 0 = no buckets (one bucket holds the whole gradient)."""
+        dp_bucket_params_per_dp_rank·dp)``; 0 = no buckets given (see the class docstring)."""
         return max(self.dp_bucket_params, self.dp_bucket_params_per_dp_rank * dp)
 
     def pp_overlap(self, interleave: int) -> float:

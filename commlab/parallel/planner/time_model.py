@@ -112,6 +112,7 @@ from commlab.topology import Cluster, Link
 
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
+           "korthikanti_eq7_flops",
            "model_flops_per_step",
            "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
            "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "group_all_reduce_seconds",
@@ -133,6 +134,9 @@ FLOP_DEFINITIONS = {
     "model": "6·P + 12·L·h·s per token, P with embeddings, no recomputation (PaLM's MFU accounting, Chowdhery et "
              "al. 2022, Appendix B)",
     "6n": "6·P per token, P with embeddings: weights only, no attention, no recomputation",
+    "korthikanti-eq7": "Korthikanti et al. 2022, Appendix A, Eq. 7 (their model FLOPs, the numerator of their MFU): "
+                       "72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)): the weight matmuls, full attention and the logits, "
+                       "forward and backward, no recomputation",
     "megatron-2024": "Megatron-LM megatron/training/training.py num_floating_point_operations (at commit "
                      "937571cfd4, 2024-07-15): 12·B·s·L·h²·((1 + g/a + s/h)·(a·d/h) + (F/h)·(3/2 if SwiGLU) + "
                      "V/(2·L·h)), g the key/value heads, d the head width, F the MLP width: the weight matmuls, "
@@ -287,6 +291,15 @@ def megatron_eq3_flops(m: ModelConfig, global_batch: int) -> float:
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def korthikanti_eq7_flops(m: ModelConfig, global_batch: int) -> float:
+    """Model FLOP per iteration as Korthikanti et al. 2022 count them for their MFU (Appendix A, Eq. 7):
+    ``72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))``, a layer's ``24·B·s·h² + 4·B·s²·h`` forward and the logits'
+    ``2·B·s·h·V``, times 3 for the backward pass; recomputation is not counted (their Eq. 8, the hardware
+    FLOP, adds the selectively recomputed attention)."""
+    B, s, L, h, V = global_batch, m.seq, m.layers, m.hidden, m.vocab
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
 def megatron_2024_flops(m: ModelConfig, global_batch: int) -> float:
     """FLOP per iteration as Megatron-LM of 2024 logs them (:data:`FLOP_DEFINITIONS` ``"megatron-2024"``:
     ``num_floating_point_operations`` in ``megatron/training/training.py`` at commit 937571cfd4). Per token and
@@ -304,6 +317,7 @@ def megatron_2024_flops(m: ModelConfig, global_batch: int) -> float:
 def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "model") -> float:
     """Model FLOP of one step of ``global_batch`` sequences in a published definition (:data:`FLOP_DEFINITIONS`):
     ``"megatron-eq3"`` (:func:`megatron_eq3_flops`), ``"megatron-2024"`` (:func:`megatron_2024_flops`),
+    ``"korthikanti-eq7"`` (:func:`korthikanti_eq7_flops`),
     ``"model"`` (:func:`model_flops_per_token` × tokens) or ``"6n"`` (``6·P`` × tokens). Divide by the step
     time and the GPUs for the FLOP/s per GPU a source reports.
 
@@ -317,6 +331,8 @@ def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "m
         return megatron_eq3_flops(m, global_batch)
     if definition == "megatron-2024":
         return megatron_2024_flops(m, global_batch)
+    if definition == "korthikanti-eq7":
+        return korthikanti_eq7_flops(m, global_batch)
     if definition == "model":
         return model_flops_per_token(m) * tokens
     if definition == "6n":
@@ -472,13 +488,15 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
     first stage's first layers and the input embedding: the walk here goes, on one tp rank, over the output
     layer (pp = 1), then the first chunk's ``ceil(L/(pp·v))`` layers from the last, one layer at a time, closing
     a bucket whenever it holds ``bucket_params`` elements, and ends with the embedding, so the last bucket is
-    the embedding plus what the layers left open. ``bucket_params <= 0``: one bucket, share 1.
+    the embedding plus what the layers left open. ``bucket_params <= 0``: the profile gives no buckets,
+    share 0, so that the overlap share alone says what hides (a caller's ``dp_overlap`` on a profile
+    without buckets keeps its meaning; a profile that reduces after the backward pass has overlap 0).
 
     The walk is at the granularity of layers, not of single weight matrices; a bucket boundary inside a
     layer moves the share by less than one layer's parameters.
     """
     if bucket_params <= 0:
-        return 1.0
+        return 0.0
     tp = layout.tp
     layer = layer_params(m) / tp
     embedding = _embedding_params(m) / tp
