@@ -340,7 +340,8 @@ def test_gloo_ranks_under_torchrun_get_their_share_of_the_cores(tmp_path):
     script = tmp_path / "threads.py"
     script.write_text("import os, sys, torch\nfrom commlab.launch import init_from_env\ninit_from_env('gloo')\n"
                       "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
-                      "f\"{torch.get_num_threads()} {len(os.sched_getaffinity(0))}\")\n")
+                      "f\"{torch.get_num_threads()} {len(os.sched_getaffinity(0))}\")\n"
+                      "torch.distributed.destroy_process_group()\n")  # see tests/jobs/restart_job.py
     env = {**os.environ, "OMP_NUM_THREADS": "64"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
