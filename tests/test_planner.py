@@ -9,7 +9,7 @@ import pytest
 from commlab.__main__ import main
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner import (Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
-                                      dp_gradient_nbytes, layer_params, list_models, load_model, loss_seconds,
+                                      dp_gradient_nbytes, korthikanti_eq7_flops, layer_params, list_models, load_model, loss_seconds,
                                       make_cluster,
                                       load_published, megatron_eq3_flops, memory_breakdown, parameter_count, search,
                                       stage_params,
@@ -204,7 +204,13 @@ def test_search_16k_gpus_is_fast():
 HOLDS = ["megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "megatron-39.1b", "megatron-76.1b",
          "megatron-145.6b", "megatron-310.1b", "megatron-529.6b", "megatron-1t", "bloom-176b",
          "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b", "mcore-h100-119b",
-         "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b"]
+         "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b",
+         "korthikanti-22b-full", "korthikanti-22b-selective", "korthikanti-175b-full", "korthikanti-175b-selective",
+         "korthikanti-530b-full", "korthikanti-530b-selective", "korthikanti-530b-selective-2240gpus"]
+#: Korthikanti et al. 2022, Table 5: four models, full recomputation and the paper's sequence parallelism with
+#: selective recomputation, and section 6.3's 530B run on 2240 GPUs.
+KORTHIKANTI = {"22b": (1.42, 1.10, 41.5), "175b": (18.13, 13.75, 51.4), "530b": (49.05, 37.83, 56.0),
+               "1t": (94.42, 71.49, 56.3)}  # full, present work (s), the present work's MFU (%)
 #: Megatron-Core's weak-scaling runs on H100 (Megatron-LM's README, 2024); the smallest is over-predicted by
 #: about a third with one fraction for every layer (see test_the_smallest_h100_run_is_over_predicted).
 MCORE = ["mcore-h100-1.7b", "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b",
@@ -219,7 +225,7 @@ def validation():
 
 
 def test_every_top_layout_keeps_tp_inside_a_node(validation):
-    assert len(validation) == 22
+    assert len(validation) == 31
     for r in validation.values():
         assert r.top_tp_within_node, r
         # The search ranks by the sum of terms and replays only its TIMELINE_TOP_K best as timelines: the
@@ -346,6 +352,40 @@ def test_megatron_2024_flop_by_hand():
     h, L, F, s, V = 16384, 126, 53248, 8192, 128256
     per_token = (6 * (2 * h * h + 2 * h * h * 8 / 128) + 6 * 3 * h * F) * L + 12 * s * h * L + 6 * V * h
     assert megatron_2024_flops(llama, 1) == pytest.approx(per_token * s)
+
+
+def test_korthikanti_rows_are_table_5(validation):
+    # Each row is a Table 5 iteration time; the TFLOP/s it reports is Eq. 7's model FLOP / time / GPUs, which
+    # for the present-work rows must give back the table's own MFU against the A100's 312 TFLOP/s.
+    rows = load_published()
+    for size, (full_s, present_s, mfu) in KORTHIKANTI.items():
+        for policy, seconds in (("full", full_s), ("selective", present_s)):
+            key = f"korthikanti-{size}-{policy}"
+            e, r = rows[key], validation[key]
+            assert e["iteration_s"] == seconds and e["flop_accounting"] == "korthikanti-eq7" and e["dp"] == 1
+            assert r.software == ("megatron-lm-2022-sp-selective" if policy == "selective"
+                                  else "megatron-lm-2022-full-recompute")
+            assert r.reported_tflops == pytest.approx(
+                korthikanti_eq7_flops(load_model(e["model"]), e["global_batch"]) / seconds / e["gpus"] / 1e12)
+            if policy == "selective":
+                assert e["percent_of_peak"] == mfu
+                assert r.reported_tflops / 312 * 100 == pytest.approx(mfu, abs=0.3)
+            assert r.published_rank is not None and r.published_rank <= 5
+        # Section 6.3: about 30 % more throughput with the paper's method; the planner sees a gain too
+        full, present = validation[f"korthikanti-{size}-full"], validation[f"korthikanti-{size}-selective"]
+        assert 1.25 < full_s / present_s < 1.35 and present.predicted_tflops > full.predicted_tflops
+    wide = rows["korthikanti-530b-selective-2240gpus"]
+    assert (wide["dp"], wide["global_batch"], wide["iteration_s"], wide["percent_of_peak"]) == (8, 2240, 39.15, 54.2)
+
+
+def test_the_trillion_parameter_rows_of_2022_are_under_predicted(validation):
+    # The 1T model at 56 % MFU: one achievable fraction (0.5) for every matmul cannot reach it once the
+    # recomputation and the bubble are added; reported as outside ±25 %, not tuned away. The same gap, smaller,
+    # is in the 2021 row of that model (megatron-1t).
+    for key in ("korthikanti-1t-full", "korthikanti-1t-selective"):
+        r = validation[key]
+        assert not r.within and -35 < r.error_pct < -25, r
+    assert validation["megatron-1t"].error_pct < -15
 
 
 def test_llama3_gap_is_reported(validation):

@@ -556,7 +556,12 @@ def validation_table(rows: Sequence[ValidationRow]) -> str:
     """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, the three ranks of
     :class:`ValidationRow`), and a closing summary line (:func:`validation_summary`). In the published
     layout a ``*`` marks each knob the planner chose because the source does not give it."""
-    head = (f"{'config':<26} {'software':<27} {'published layout (*: chosen)':<38} {'reported':>8} "
+    # The name columns are as wide as their longest entry, so that long row and profile names keep the
+    # numbers aligned.
+    wc = max([26] + [len(r.config) for r in rows])
+    ws = max([27] + [len(r.software) for r in rows])
+    wp = max([38] + [len(r.published) for r in rows])
+    head = (f"{'config':<{wc}} {'software':<{ws}} {'published layout (*: chosen)':<{wp}} {'reported':>8} "
             f"{'predicted':>9} {'error %':>8} {'split':>5} {'plan':>5} {'exact':>5}  {'planner top layout':<34} "
             f"{'top TF/s':>8}")
     lines = [head, "-" * len(head)]
@@ -564,7 +569,7 @@ def validation_table(rows: Sequence[ValidationRow]) -> str:
     for r in rows:
         flag = "" if r.within else "  (outside ±%d %%)" % WITHIN_PCT
         exact = show(r.exact_rank) if r.knobs_fixed else "n/a"
-        lines.append(f"{r.config:<26} {r.software:<27} {r.published:<38} {r.reported_tflops:>8.0f} "
+        lines.append(f"{r.config:<{wc}} {r.software:<{ws}} {r.published:<{wp}} {r.reported_tflops:>8.0f} "
                      f"{r.predicted_tflops:>9.0f} {r.error_pct:>+8.1f} {show(r.published_rank):>5} "
                      f"{show(r.plan_rank):>5} {exact:>5}  {r.planner_top:<34} {r.top_tflops:>8.0f}{flag}")
     if rows:
