@@ -9,7 +9,8 @@ import pytest
 from commlab.__main__ import main
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner import (Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
-                                      dp_gradient_nbytes, korthikanti_eq7_flops, layer_params, list_models, load_model, loss_seconds,
+                                      dp_gradient_nbytes, korthikanti_eq7_flops, layer_params, list_models, load_model,
+                                      loss_seconds,
                                       make_cluster,
                                       load_published, megatron_eq3_flops, memory_breakdown, parameter_count, search,
                                       stage_params,

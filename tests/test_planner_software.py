@@ -15,7 +15,8 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       attention_flops_per_token, dp_exposed_seconds, dp_gradient_nbytes,
                                       dp_last_bucket_share,
                                       dp_all_reduce_seconds, executed_flops_per_token, layer_params, list_software,
-                                      korthikanti_eq7_flops, load_model, load_software, make_cluster, megatron_eq3_flops,
+                                      korthikanti_eq7_flops, load_model, load_software, make_cluster,
+                                      megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
 from commlab.parallel.planner.search import _reported_tflops
@@ -205,7 +206,8 @@ def test_korthikanti_eq7_by_hand():
     expected = weights * (1 + 2048 / 36864 + 51200 / 3538944)
     assert model_flops_per_step(m, 4, "korthikanti-eq7") == pytest.approx(expected, rel=1e-12)
     assert korthikanti_eq7_flops(m, 4) == pytest.approx(1.14356e15, rel=1e-5)
-    # Eq. 3 of Narayanan et al. 2021 counts a full recomputation (96 = 72·4/3) and the logits once less.
+    # Eq. 3 of Narayanan et al. 2021 adds the layers' recomputed forward (96 = 72·4/3), not the logits'
+    # (96/16 = 72/12).
     assert megatron_eq3_flops(m, 4) / korthikanti_eq7_flops(m, 4) == pytest.approx(
         4 / 3 * (1 + 2048 / 36864 + 51200 / (16 * 48 * 6144)) / (1 + 2048 / 36864 + 51200 / 3538944))
 
