@@ -3,7 +3,9 @@
 # Sphinx warning fails the build (exit code != 0). Extra arguments go to jupyter-book.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The notebooks run on ATen's AVX2 kernels, as for their stored outputs (see tests/conftest.py).
-export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}
+# On x86-64 the notebooks run on ATen's AVX2 kernels, as for their stored outputs (see conftest.py).
+case "$(uname -m)" in
+  x86_64|amd64) export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2} ;;
+esac
 .venv/bin/jupyter-book build . -W -n --keep-going "$@"
 echo "== the book is in _build/html/index.html"

@@ -6,15 +6,8 @@ matplotlib.use("Agg")
 
 import os
 
-# nbval compares notebook outputs digit for digit, and ATen picks its vectorised CPU kernels by the machine:
-# AVX-512 kernels sum in other orders than AVX2 ones, so a training curve stored on one CPU drifts on the
-# other (seen: a CI machine without AVX-512 got PowerSGD's accuracy 0.883 against a stored 0.894). Every
-# notebook therefore runs on the AVX2 kernels, which any x86-64 CPU of the last decade has; the kernels nbval
-# starts inherit this. Set before torch is imported; tools/nbtools.py and scripts/build_book.sh do the same.
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 from hypothesis import settings
 
 # In CI the property tests draw the same examples on every run (derandomize), so a run is red only for a

@@ -11,6 +11,7 @@ gets nbval's cell tag ``nbval-ignore-output`` instead (same effect for nbval; th
 from __future__ import annotations
 
 import os
+import platform
 import sys
 
 import nbformat
@@ -42,9 +43,10 @@ def write(path: str, cells) -> None:
 
 
 def execute(path: str, timeout: int = 300) -> None:
-    # Stored outputs come from ATen's AVX2 kernels, as nbval's runs (see tests/conftest.py); the kernel
-    # inherits this process's environment.
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    # Stored outputs come from ATen's AVX2 kernels on x86-64, as nbval's runs (see the root conftest.py);
+    # the kernel inherits this process's environment.
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     nb = nbformat.read(path, as_version=4)
     # record_timing=False: per-cell timestamps would make every re-execution a diff of every cell.
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
