@@ -3,7 +3,8 @@
 # Sphinx warning fails the build (exit code != 0). Extra arguments go to jupyter-book.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# On x86-64 the notebooks run on ATen's AVX2 kernels, as for their stored outputs (see conftest.py).
+# On x86-64 the notebooks run on ATen's AVX2 kernels, as for their stored outputs
+# (tools/nbtools.py pin_cpu_kernels says why).
 case "$(uname -m)" in
   x86_64|amd64) export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2} ;;
 esac

@@ -42,11 +42,23 @@ def write(path: str, cells) -> None:
     nbformat.write(nb, path)
 
 
-def execute(path: str, timeout: int = 300) -> None:
-    # Stored outputs come from ATen's AVX2 kernels on x86-64, as nbval's runs (see the root conftest.py);
-    # the kernel inherits this process's environment.
+def pin_cpu_kernels() -> None:
+    """Have notebook kernels started from this process run ATen's AVX2 kernels on x86-64 (they inherit the
+    environment), unless ``ATEN_CPU_CAPABILITY`` is already set. Call it before torch is imported.
+
+    nbval compares notebook outputs digit for digit, and ATen picks its vectorised CPU kernels by the machine:
+    AVX-512 kernels sum in other orders than AVX2 ones, so a training curve stored on one CPU drifts on the
+    other (seen: a CI machine without AVX-512 got PowerSGD's accuracy 0.883 against a stored 0.894). Any
+    x86-64 CPU of the last decade has AVX2; elsewhere the value would be invalid, and torch would warn into
+    the outputs. It pins ATen's own kernels, not MKL's or oneDNN's, which gave the same results on both kinds
+    of machine. The root conftest.py calls it for every pytest run; scripts/build_book.sh does the same in
+    shell."""
     if platform.machine().lower() in ("x86_64", "amd64"):
         os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+
+def execute(path: str, timeout: int = 300) -> None:
+    pin_cpu_kernels()  # stored outputs come from the same kernels as nbval's runs
     nb = nbformat.read(path, as_version=4)
     # record_timing=False: per-cell timestamps would make every re-execution a diff of every cell.
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
