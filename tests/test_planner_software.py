@@ -19,6 +19,7 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
+from commlab.parallel.planner.time_model import input_grad_share, tp_backward_window_flops_per_token
 from commlab.parallel.planner.search import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 
@@ -347,9 +348,60 @@ def test_tp_overlap_and_the_compute_slowdown():
     # While the hidden half runs, compute goes at half speed: the step pays half of the hidden time.
     assert slow.overlap_slowdown_s == pytest.approx(0.5 * half.tp_hidden_s)
     assert slow.total_s == pytest.approx(half.total_s + 0.5 * half.tp_hidden_s)
-    # Megatron overlaps TP communication only under sequence parallelism.
-    no_sp = step_time(m, dataclasses.replace(layout, sequence_parallel=False), c, 1024, software=core)
-    assert no_sp.tp_hidden_s == 0 and no_sp.tp_s > 0
+    # Megatron overlaps TP communication (--tp-comm-overlap) only under sequence parallelism; without it only
+    # the backward's input-gradient all-reduces hide (overlap_tp_backward), half of TP under selective
+    # recomputation (2 of the 4 per layer), and nothing once that share is 0.
+    no_sp = dataclasses.replace(layout, sequence_parallel=False)
+    async_only = step_time(m, no_sp, c, 1024, software=core)
+    assert async_only.tp_hidden_s == pytest.approx(async_only.tp_s) and async_only.tp_s > 0
+    serial = step_time(m, no_sp, c, 1024, software=core.replace(overlap_tp_backward=0.0))
+    assert serial.tp_hidden_s == 0 and serial.tp_s > 0
+
+
+def test_backward_tp_hides_behind_the_column_parallel_weight_gradients_by_hand():
+    # Korthikanti et al. 2022, section 6.2; Megatron-LM megatron/mpu/layers.py at cfd2e21607: the input
+    # gradient of QKV and of the MLP's first linear is reduced asynchronously beside their weight gradient.
+    h = 6144
+    gpt = ModelConfig(name="g", layers=48, hidden=h, heads=64, ffn=4 * h, vocab=51200, seq=2048)
+    assert tp_backward_window_flops_per_token(gpt) == 2 * h * 3 * h + 2 * h * 4 * h  # 14 h^2
+    llama = load_model("llama3-405b")
+    kv = llama.kv_heads * llama.hidden // llama.heads
+    assert tp_backward_window_flops_per_token(llama) == (2 * llama.hidden * (llama.hidden + 2 * kv)
+                                                         + 4 * llama.hidden * llama.ffn)
+    assert (input_grad_share(False), input_grad_share(True)) == (1.0, 0.5)
+
+    c = make_cluster("dgx-a100-hdr", 8)
+    link = c.intra
+    one = ring_all_reduce_seconds(4 * 2048 * h * 2, 8, link.alpha_s, link.beta_s_per_byte)
+    # Full recomputation without SP: 6 all-reduces per layer and micro-batch, the 2 of the backward hidden.
+    full = step_time(gpt, Layout(8, 1, 1, micro_batch=4, recompute="full", sequence_parallel=False,
+                                 flash_attention=False), c, 4, software="megatron-lm-2022-full-recompute")
+    assert full.tp_s + full.tp_hidden_s == pytest.approx(6 * 48 * one)
+    assert full.tp_hidden_s == pytest.approx(2 * 48 * one)
+    # SP with selective recomputation: 4 per layer, of which the 2 input-gradient ReduceScatters are half a
+    # backward's bytes: one of the four hidden.
+    sel = step_time(gpt, Layout(8, 1, 1, micro_batch=4, recompute="selective", sequence_parallel=True,
+                                flash_attention=False), c, 4, software="megatron-lm-2022-sp-selective")
+    assert sel.tp_hidden_s == pytest.approx(1 * 48 * one)
+    assert sel.tp_s == pytest.approx(3 * 48 * one)
+    # The 2021 stack of SC'21 reduced in series.
+    old = step_time(gpt, Layout(8, 1, 1, micro_batch=4, recompute="full", sequence_parallel=False,
+                                flash_attention=False), c, 4, software="megatron-lm-2021")
+    assert old.tp_hidden_s == 0
+
+
+def test_backward_tp_hides_at_most_the_weight_gradient_time():
+    # On a slow link the reduction outlasts the weight-gradient GEMMs: only their time hides,
+    # compute x (layers x 14 h^2) / executed FLOP per token.
+    gpt = load_model("megatron-18.4b")
+    c = make_cluster("pcie-gen4-node", 8)
+    lay = Layout(8, 1, 1, micro_batch=1, recompute="none", sequence_parallel=False, flash_attention=False)
+    t = step_time(gpt, lay, c, 8, software="megatron-lm-2022-full-recompute")
+    window = t.compute_s * gpt.layers * tp_backward_window_flops_per_token(gpt) / executed_flops_per_token(
+        gpt, "none", False)
+    backward = (t.tp_s + t.tp_hidden_s) / 2  # 4 per layer, 2 of them the backward's
+    assert window < backward
+    assert t.tp_hidden_s == pytest.approx(window)
 
 
 def test_search_takes_its_knobs_from_the_profile():

@@ -117,7 +117,7 @@ def check_zero_stage(stage) -> int:
 #: The profile ``step_time`` and ``search`` use when none is given.
 DEFAULT_SOFTWARE = "generic-no-overlap"
 
-_FRACTIONS = ("overlap_dp_grad_reduce", "overlap_dp_param_gather", "overlap_tp", "overlap_pp")
+_FRACTIONS = ("overlap_dp_grad_reduce", "overlap_dp_param_gather", "overlap_tp", "overlap_tp_backward", "overlap_pp")
 
 
 def check_recompute_policy(policy) -> str:
@@ -154,6 +154,14 @@ class SoftwareProfile:
             hide behind the forward pass of the first micro-batch (``--overlap-param-gather``).
         overlap_tp: share (0..1) of the TP communication hidden behind the layer's matmuls
             (``--tp-comm-overlap``).
+        overlap_tp_backward: share (0..1) of the reductions of the column-parallel linears' input gradients
+            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs: Megatron-LM,
+            from August 2021, launches each such all-reduce (a reduce-scatter under sequence parallelism)
+            asynchronously and computes the weight gradient meanwhile (``--no-async-tensor-model-parallel-
+            allreduce`` turns it off; Korthikanti et al. 2022, §6.2). Without sequence parallelism these are
+            all of a layer's backward TP communication; with it, half (the row-parallel outputs' gradients are
+            all-gathered in series). At most those GEMMs' time hides
+            (:func:`~.time_model.tp_backward_window_flops_per_token`).
         overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
             (``overlap_p2p_comm``).
         overlap_pp_needs_interleave: the stack overlaps pipeline sends only under the interleaved schedule
@@ -195,6 +203,7 @@ class SoftwareProfile:
     overlap_dp_grad_reduce: float = 0.0
     overlap_dp_param_gather: float = 0.0
     overlap_tp: float = 0.0
+    overlap_tp_backward: float = 0.0
     overlap_pp: float = 0.0
     overlap_pp_needs_interleave: bool = False
     even_stages: bool = False

@@ -29,7 +29,12 @@ The terms, per step, on the critical path of one GPU:
   for messages this large. The bytes are **not** divided by tp -- only the per-rank share of a ring,
   2(t-1)/t of them, depends on t (Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3.2). The profile's
   ``overlap_tp`` share of it hides behind the matmuls (at most the compute time) when the layout runs
-  sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires; the rest is exposed.
+  sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires. Of the backward's 2 per layer,
+  the reductions of the column-parallel linears' input gradients (both without sequence parallelism, half
+  of the bytes with it: :func:`input_grad_share`) may instead hide, for the profile's ``overlap_tp_backward``
+  share, behind those linears' weight-gradient GEMMs (at most their time,
+  :func:`tp_backward_window_flops_per_token`): Megatron-LM's asynchronous all-reduce or reduce-scatter of
+  the input gradient (Korthikanti et al. 2022, §6.2). The rest is exposed.
 * **PP**: per micro-batch and interleaved chunk, one send forward and one backward between neighbouring
   stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
   the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
@@ -114,7 +119,8 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
            "korthikanti_eq7_flops",
            "model_flops_per_step",
-           "tp_all_reduce_nbytes", "pp_message_nbytes", "dp_gradient_nbytes", "dp_all_reduce_seconds",
+           "tp_all_reduce_nbytes", "input_grad_share", "tp_backward_window_flops_per_token", "pp_message_nbytes",
+           "dp_gradient_nbytes", "dp_all_reduce_seconds",
            "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "group_all_reduce_seconds",
            "loss_seconds", "step_time",
            "KERNELS"]
@@ -345,6 +351,26 @@ def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "m
 def tp_all_reduce_nbytes(m: ModelConfig, micro_batch: int) -> float:
     """Bytes of one TP AllReduce: the bf16 activation ``b·s·h·2``, the same on every rank whatever tp is."""
     return 2.0 * micro_batch * m.seq * m.hidden
+
+
+def input_grad_share(sequence_parallel: bool) -> float:
+    """Share of a layer's backward TP bytes that are the reductions of the column-parallel linears' input
+    gradients (QKV and the MLP's first linear): 1.0 without sequence parallelism (the backward's two
+    AllReduces are those; the row-parallel linears' backward communicates nothing), 0.5 with it (their two
+    ReduceScatters; the two AllGathers of the row-parallel outputs' gradients are the other half).
+    Megatron-LM megatron/mpu/layers.py and mappings.py at commit cfd2e21607 (2022)."""
+    return 0.5 if sequence_parallel else 1.0
+
+
+def tp_backward_window_flops_per_token(m: ModelConfig) -> float:
+    """FLOP per token and layer of the column-parallel linears' weight-gradient GEMMs (QKV and the MLP's
+    first linear, two of them when gated): ``2·h·(h + 2·kv) + 2·h·ffn`` (``4·h·ffn`` gated), the same as their
+    forward. The backward TP reduction a profile's ``overlap_tp_backward`` hides runs beside these GEMMs
+    (Megatron-LM's asynchronous input-gradient all-reduce or reduce-scatter, Korthikanti et al. 2022, §6.2),
+    so their time bounds it."""
+    h = m.hidden
+    kv = m.kv_heads * (h // m.heads)
+    return 2.0 * h * (h + 2 * kv) + 2.0 * h * m.ffn * (2 if m.gated_ffn else 1)
 
 
 def pp_message_nbytes(m: ModelConfig, micro_batch: int, tp: int = 1, split: bool = False) -> float:
@@ -602,7 +628,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     compute = executed * tokens / (gpus * rate) * imbalance
     forward_share = _forward_flops_per_token(m, L.flash_attention) / executed
 
-    tp_total = 0.0
+    tp_total, recomputed = 0.0, 0
     if L.tp > 1:
         link, share = _tp_link(L, cluster)
         one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, L.micro_batch), L.tp, link.alpha_s,
@@ -612,7 +638,13 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
     # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
     overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
-    tp_hidden = min(overlap_tp * tp_total, compute)
+    tp_backward = tp_total * 2 * layers_per_stage / (4 * layers_per_stage + 2 * recomputed) if L.tp > 1 else 0.0
+    # The asynchronous reduction of the column-parallel input gradients hides only behind those linears'
+    # weight-gradient GEMMs (same FLOP as their forward), a share of the executed FLOP.
+    window = compute * m.layers * tp_backward_window_flops_per_token(m) / executed
+    backward_hidden = max(overlap_tp * tp_backward,
+                          min(input_grad_share(L.sequence_parallel) * sw.overlap_tp_backward * tp_backward, window))
+    tp_hidden = min(overlap_tp * (tp_total - tp_backward) + backward_hidden, compute)
 
     pp_total = 0.0
     if L.pp > 1:

@@ -23,7 +23,8 @@ micro-batch j on virtual stage k waits for virtual stage k-1's forward of j plus
 backward the reverse; :func:`~commlab.parallel.pipeline.schedules.virtual_dependencies`). A backward starts
 with its recomputation. TP communication follows each computation: the profile's ``overlap_tp`` share (under
 sequence parallelism only, as in the time model), up to the computation's own length, runs on the comm lane
-beside it; the rest stalls the stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
+beside it -- in a backward, the larger of that and the ``overlap_tp_backward`` share, up to the time of its
+column-parallel weight-gradient GEMMs -- and the rest stalls the stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
 ``1 - overlap_pp`` share stalls the sender (``pp_send``), and the receiver cannot start before it has fully
 arrived; a receiver's wait while a message is in flight is ``pp_recv``, any other wait ``bubble``.
 
@@ -77,7 +78,8 @@ from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, s
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
                                                  _check_share, attention_flops_per_token, dp_last_bucket_share,
-                                                 executed_flops_per_token, step_time)
+                                                 executed_flops_per_token, step_time,
+                                                 input_grad_share, tp_backward_window_flops_per_token)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -160,6 +162,11 @@ class StepCosts:
         micro_batches: m per step.
         pp_message_s: one pipeline message (activation forward or gradient backward), s.
         overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
+        overlap_tp_backward: share of a backward's TP communication that may run beside its column-parallel
+            weight-gradient GEMMs (the profile's share of the input-gradient reductions times
+            :func:`~.time_model.input_grad_share`; the larger of it and ``overlap_tp`` applies).
+        tp_backward_window: those GEMMs' share (0..1) of a backward's computation, the most that share may
+            hide behind (the last chunk's output layer and loss count in the computation, a slight overstatement).
         compute_slowdown: factor (>= 1) by which compute slows while TP overlaps it.
         dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction, in order (``dp_reduce_scatter``, and
             ``dp_all_gather`` for the second half of an AllReduce).
@@ -181,6 +188,8 @@ class StepCosts:
     pp_message_s: float = 0.0
     overlap_tp: float = 0.0
     overlap_pp: float = 0.0
+    overlap_tp_backward: float = 0.0
+    tp_backward_window: float = 0.0
     compute_slowdown: float = 1.0
     dp_reduce: tuple = ()
     dp_gather_s: float = 0.0
@@ -202,8 +211,8 @@ class StepCosts:
             raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
         for name in ("pp_message_s", "dp_gather_s", "optimizer_s"):
             _check_seconds(name, (getattr(self, name),))
-        for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather",
-                     "dp_reduce_tail", "dp_gather_head"):
+        for name in ("overlap_tp", "overlap_pp", "overlap_tp_backward", "tp_backward_window",
+                     "overlap_dp_grad_reduce", "overlap_dp_param_gather", "dp_reduce_tail", "dp_gather_head"):
             object.__setattr__(self, name, _check_share(name, getattr(self, name)))
         if not self.compute_slowdown >= 1:
             raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
@@ -312,7 +321,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
     tail = dp_last_bucket_share(m, layout, sw.bucket_params(layout.dp)) if layout.zero_stage < 3 else 0.0
     costs = StepCosts(stages=tuple(stages), micro_batches=micro, pp_message_s=pp_one,
                       overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0,
-                      overlap_pp=sw.pp_overlap(layout.interleave),
+                      overlap_pp=sw.pp_overlap(layout.interleave), overlap_tp_backward=input_grad_share(layout.sequence_parallel) * sw.overlap_tp_backward,
+                      tp_backward_window=tp_backward_window_flops_per_token(m) / b_layer,
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
                       optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s,
@@ -402,8 +412,13 @@ def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
 def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float) -> tuple[list, float]:
     """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
     times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
-    length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it."""
-    hidden = min(costs.overlap_tp * tp_s, work_s)
+    length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it. A backward
+    hides the larger of that and the ``overlap_tp_backward`` share, up to ``tp_backward_window`` of its
+    computation."""
+    hidden = costs.overlap_tp * tp_s
+    if kind == "backward":
+        hidden = max(hidden, min(costs.overlap_tp_backward * tp_s, costs.tp_backward_window * work_s))
+    hidden = min(hidden, work_s)
     work = work_s + hidden * (1 - 1 / costs.compute_slowdown)
     exposed = tp_s - hidden
     bars = []
