@@ -10,9 +10,11 @@ import pytest
 from commlab import hardware
 from commlab.__main__ import main
 from commlab.parallel.planner import KERNELS, Layout, load_model, stage_params, step_time
+from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
-                                              layer_kernels, load_gemm_table, memory_bound_bytes_per_token,
-                                              optimizer_step_bytes)
+                                              layer_kernels, layer_seconds, load_gemm_table,
+                                              memory_bound_bytes_per_token, optimizer_step_bytes,
+                                              validate_layer_times)
 from commlab.parallel.planner.time_model import executed_flops_per_token
 from commlab.topology import load_preset
 from tests.helpers import exit_status
@@ -131,6 +133,61 @@ def test_the_kernel_model_prices_flash_attention_at_that_speed():
     out = 3 * gemm_seconds(table, peak, Gemm("output", m.seq, -(-m.vocab // tp), m.hidden)) / m.seq
     by_hand = m.layers * (gemm + (af + ab) / tp / 308e12 + 3 * (layer_b + core_b) / hbm) + out
     assert _seconds_per_token(m, tp, 1, "none", 1, True, True, "H100-SXM", peak, hbm) == pytest.approx(by_hand)
+
+
+def test_layer_seconds_by_hand():
+    # One 22B layer (Korthikanti et al. 2022, Table 3: tp 8, micro-batch 4, no FlashAttention) on A100:
+    # its GEMMs at the table's efficiency plus its memory-bound bytes over the datasheet's bandwidth.
+    m = load_model("korthikanti-22b")
+    dev = "A100-SXM"
+    t, peak, hbm = load_gemm_table(dev), hardware.value(dev, "bf16_dense_flop_per_s"), hardware.value(
+        dev, "hbm_bytes_per_s")
+    ks = layer_kernels(m, 4, 8, flash_attention=False)
+    tokens = 4 * m.seq
+    secs = {k: sum(gemm_seconds(t, peak, g) for g in v) for k, v in ks.items()}
+    for sp in (False, True):
+        layer_b, core_b = memory_bound_bytes_per_token(m, 8, sp, flash_attention=False)
+        f_layer, f_core = secs["forward"] + layer_b * tokens / hbm, secs["core_forward"] + core_b * tokens / hbm
+        b_none = secs["backward"] + secs["core_backward"] + 2 * (layer_b + core_b) * tokens / hbm
+        f, b = layer_seconds(m, 8, 4, dev, "none", sp, False)
+        assert f == pytest.approx(f_layer + f_core) and b == pytest.approx(b_none)
+        # Full recomputation reruns the whole forward in the backward, selective only the attention core's.
+        assert layer_seconds(m, 8, 4, dev, "full", sp, False)[1] == pytest.approx(b_none + f_layer + f_core)
+        assert layer_seconds(m, 8, 4, dev, "selective", sp, False)[1] == pytest.approx(b_none + f_core)
+    # Sequence parallelism splits the norms and residual additions by tp: 20 h (+ 2 h of masks) bytes a token
+    # on one rank instead of all of them.
+    saved = (8 + 12 + 2) * m.hidden * (1 - 1 / 8) * tokens / hbm
+    assert layer_seconds(m, 8, 4, dev)[0] - layer_seconds(m, 8, 4, dev, sequence_parallel=True)[0] == \
+        pytest.approx(saved)
+    with pytest.raises(ValueError, match="recompute must be"):
+        layer_seconds(m, 8, 4, dev, "every-k")
+
+
+def test_korthikanti_table_4_against_the_kernel_model():
+    # Table 4's five experiments on one 22B layer. The TP collectives by hand: two ring AllReduces of the
+    # b*s*h*2-byte activation in the forward; in the backward the stack hides the input-gradient reductions
+    # behind the weight gradients (all of them without SP, the ReduceScatter half with it), and a full
+    # recomputation repeats the forward's two.
+    rows = validate_layer_times()
+    assert [r.experiment for r in rows] == ["Baseline no recompute", "Sequence Parallelism",
+                                            "Baseline with recompute", "Selective Recompute", "Selective + Sequence"]
+    m = load_model("korthikanti-22b")
+    link = load_preset("dgx-a100-hdr", nodes=1).intra
+    one = ring_all_reduce_seconds(4 * m.seq * m.hidden * 2, 8, link.alpha_s, link.beta_s_per_byte) * 1e3
+    for r in rows:
+        assert r.tp_forward_ms == pytest.approx(2 * one)
+        assert r.tp_backward_ms == pytest.approx((one if r.sequence_parallel else 0.0)
+                                                 + (2 * one if r.recompute == "full" else 0.0))
+        f, b = layer_seconds(m, 8, 4, "A100-SXM", r.recompute, r.sequence_parallel, False)
+        assert r.predicted_forward_ms == pytest.approx(f * 1e3 + r.tp_forward_ms)
+        assert r.predicted_backward_ms == pytest.approx(b * 1e3 + r.tp_backward_ms)
+        # The gap, reported rather than fitted: the kernel model prices one layer 14 to 18 % short of the
+        # measurement in every experiment, forward and backward alike -- the time it misses is inside the
+        # layer, not only between the kernels of a whole step.
+        assert -20 < r.forward_error_pct < -12 and -20 < r.backward_error_pct < -12, r
+    base, sp = rows[0], rows[1]
+    # What sequence parallelism saves in the forward (norms and dropout on 1/t of the tokens): 0.5 ms measured.
+    assert base.predicted_forward_ms - sp.predicted_forward_ms == pytest.approx(0.5, abs=0.1)
 
 
 def test_optimizer_step_bytes_by_hand():

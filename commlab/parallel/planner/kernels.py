@@ -32,6 +32,11 @@ against the layer's formula. :func:`effective_fraction` turns the kernel times o
 share of peak its executed FLOP run at, the number the time model then uses in place of one constant.
 Nothing here is fitted to the published end-to-end runs: the only inputs are the GEMM table, the
 datasheet's bandwidth, the attention measurement and the layer's tensor inventory.
+
+:func:`layer_seconds` gives one layer's forward and backward from the same prices, and
+:func:`validate_layer_times` sets them, with the layer's TP collectives, against measured single-layer
+times (``data/published_layer_times.json``: Korthikanti et al. 2022, Table 4), a check inside one layer
+that no other part of a step can blur.
 """
 
 from __future__ import annotations
@@ -45,11 +50,14 @@ from pathlib import Path
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
-           "layer_kernels", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
-           "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction"]
+           "layer_kernels", "layer_seconds", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
+           "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction",
+           "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
 _ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
+#: Measured per-layer times (:func:`validate_layer_times`): the repository's ``data/published_layer_times.json``.
+LAYER_TIMES_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layer_times.json"
 _TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
 
 #: HBM bytes per logit (one token, one vocabulary entry of this tp rank) that the loss moves in the forward
@@ -327,10 +335,10 @@ def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_pe
     return executed_flop_per_token / layout.tp / (peak_flop_per_s * seconds_per_token)
 
 
-@lru_cache(maxsize=4096)  # a search asks for the same few (tp, micro-batch, policy) many times
-def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str, recompute_every: int,
-                       sequence_parallel: bool, flash_attention: bool, device: str, peak_flop_per_s: float,
-                       hbm_bytes_per_s: float) -> float:
+def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: bool, flash_attention: bool,
+                 device: str, peak_flop_per_s: float, hbm_bytes_per_s: float) -> tuple[float, float, float, float]:
+    """Seconds per token of one layer on one tp rank: ``(forward without the attention core, the core's
+    forward, backward without the core, the core's backward)``, GEMMs and memory-bound bytes together."""
     from commlab.parallel.planner.time_model import attention_flops_per_token
     table = load_gemm_table(device)
     ks = layer_kernels(m, micro_batch, tp, flash_attention)
@@ -342,10 +350,123 @@ def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str
         sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
     mem_layer, mem_core = (b / hbm_bytes_per_s for b in
                            memory_bound_bytes_per_token(m, tp, sequence_parallel, flash_attention))
-    forward = sec["forward"] + mem_layer
-    core = sec["core_forward"] + mem_core
+    return (sec["forward"] + mem_layer, sec["core_forward"] + mem_core, sec["backward"] + 2 * mem_layer,
+            sec["core_backward"] + 2 * mem_core)
+
+
+def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recompute: str = "none",
+                  sequence_parallel: bool = False, flash_attention: bool = True) -> tuple[float, float]:
+    """Seconds of one transformer layer's ``(forward, backward)`` for one micro-batch on one of ``tp`` GPUs,
+    from its kernels alone: its GEMMs (:func:`layer_kernels`) at the table's efficiency, the attention core,
+    and the memory-bound bytes at the datasheet's bandwidth, as :func:`effective_fraction` prices them. The
+    backward includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention
+    core's forward). No communication: the TP collectives are the time model's.
+
+    Why: a measured per-layer time (Korthikanti et al. 2022, Table 4: one 22B layer, forward and backward)
+    checks the kernel model inside one layer, apart from everything else a training step does.
+
+    Raises:
+        ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; what :func:`layer_kernels`,
+            :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a device without a peak or memory
+            bandwidth in ``data/hardware.json``.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    from commlab import hardware
+    parts = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention, device,
+                         _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"))
+    forward, core, backward, core_backward = (x * micro_batch * m.seq for x in parts)
+    rerun = {"full": forward + core, "selective": core}.get(recompute, 0.0)
+    return forward + core, backward + core_backward + rerun
+
+
+@lru_cache(maxsize=4096)  # a search asks for the same few (tp, micro-batch, policy) many times
+def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str, recompute_every: int,
+                       sequence_parallel: bool, flash_attention: bool, device: str, peak_flop_per_s: float,
+                       hbm_bytes_per_s: float) -> float:
+    forward, core, backward, core_backward = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention,
+                                                          device, peak_flop_per_s, hbm_bytes_per_s)
+    table = load_gemm_table(device)
+    tokens = micro_batch * m.seq
     rerun = {"full": 1.0, "every-k": 1.0 / recompute_every}.get(recompute, 0.0)
     layer_s = ((forward + core) * (1.0 + rerun) + (core if recompute == "selective" else 0.0)
-               + sec["backward"] + sec["core_backward"] + 2 * (mem_layer + mem_core))
+               + backward + core_backward)
     out_s = 3 * gemm_seconds(table, peak_flop_per_s, Gemm("output", tokens, -(-m.vocab // tp), m.hidden)) / tokens
     return m.layers * layer_s + out_s
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimeRow:
+    """One measured layer against the kernel model: milliseconds per layer and micro-batch on one GPU.
+
+    Attributes:
+        entry: the key in ``data/published_layer_times.json``; experiment: the source's row label.
+        recompute, sequence_parallel: the row's policy.
+        reported_forward_ms, reported_backward_ms: measured.
+        predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` plus the exposed TP collectives.
+        tp_forward_ms, tp_backward_ms: those exposed TP collectives (in the predictions).
+    """
+
+    entry: str
+    experiment: str
+    recompute: str
+    sequence_parallel: bool
+    reported_forward_ms: float
+    reported_backward_ms: float
+    predicted_forward_ms: float
+    predicted_backward_ms: float
+    tp_forward_ms: float
+    tp_backward_ms: float
+
+    @property
+    def forward_error_pct(self) -> float:
+        return (self.predicted_forward_ms - self.reported_forward_ms) / self.reported_forward_ms * 100
+
+    @property
+    def backward_error_pct(self) -> float:
+        return (self.predicted_backward_ms - self.reported_backward_ms) / self.reported_backward_ms * 100
+
+
+def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
+    """The kernel model against measured single-layer times (``data/published_layer_times.json``:
+    Korthikanti et al. 2022, Table 4).
+
+    For each row: :func:`layer_seconds` for the layer's kernels, plus its TP collectives as the time model
+    prices them (a ring over the tp ranks on the preset's NVLink, :func:`~.time_model.tp_all_reduce_nbytes`):
+    two in the forward; in the backward two, less the input-gradient reductions the profile's
+    ``overlap_tp_backward`` hides (:func:`~.time_model.input_grad_share`, at most the column-parallel
+    weight-gradient GEMMs' time), and two more for a fully recomputed forward. With sequence parallelism and
+    the profile's ``overlap_tp`` the forward's hide as the time model says. Nothing here is fitted.
+
+    Raises:
+        ValueError: an entry whose model, preset, profile or policy is unknown, or whose tp does not fit in
+            one node of its preset.
+    """
+    from commlab.collectives.ring import ring_all_reduce_seconds
+    from commlab.parallel.planner.memory import load_model
+    from commlab.parallel.planner.software import load_software
+    from commlab.parallel.planner.tables import read_table
+    from commlab.parallel.planner.time_model import input_grad_share, tp_all_reduce_nbytes
+    from commlab.topology import load_preset
+    out = []
+    for key, e in read_table(path, LAYER_TIMES_PATH).items():
+        m, sw, tp, b = load_model(e["model"]), load_software(e["software"]), e["tp"], e["micro_batch"]
+        cluster = load_preset(e["preset"], nodes=1)
+        if cluster.devices_per_node % tp:
+            raise ValueError(f"layer-time entry {key!r}: tp={tp} does not divide a node of {e['preset']!r}")
+        table, peak = load_gemm_table(cluster.device), _peak(cluster.device, "bf16")
+        one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, b), tp, cluster.intra.alpha_s,
+                                      cluster.intra.beta_s_per_byte)
+        ks = layer_kernels(m, b, tp, e["flash_attention"])
+        window = sum(gemm_seconds(table, peak, g) for g in ks["backward"]
+                     if g.name in ("qkv wgrad", "mlp-in wgrad"))
+        for r in e["rows"]:
+            sp = r["sequence_parallel"]
+            fwd, bwd = layer_seconds(m, tp, b, cluster.device, r["recompute"], sp, e["flash_attention"])
+            overlap_tp = sw.overlap_tp if sp else 0.0
+            tp_f = 2 * one * (1 - overlap_tp)
+            hidden = max(overlap_tp * 2 * one, min(input_grad_share(sp) * sw.overlap_tp_backward * 2 * one, window))
+            tp_b = 2 * one - hidden + (tp_f if r["recompute"] == "full" else 0.0)
+            out.append(LayerTimeRow(key, r["experiment"], r["recompute"], sp, r["forward_ms"], r["backward_ms"],
+                                    (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3, tp_b * 1e3))
+    return out
