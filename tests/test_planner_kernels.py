@@ -184,7 +184,7 @@ def test_korthikanti_table_4_against_the_kernel_model():
         # The gap, reported rather than fitted: the kernel model prices one layer 14 to 18 % short of the
         # measurement in every experiment, forward and backward alike -- the time it misses is inside the
         # layer, not only between the kernels of a whole step.
-        assert -20 < r.forward_error_pct < -12 and -20 < r.backward_error_pct < -12, r
+        assert -18 < r.forward_error_pct < -14 and -18 < r.backward_error_pct < -14, r
     base, sp = rows[0], rows[1]
     # What sequence parallelism saves in the forward (norms and dropout on 1/t of the tokens): 0.5 ms measured.
     assert base.predicted_forward_ms - sp.predicted_forward_ms == pytest.approx(0.5, abs=0.1)

@@ -19,7 +19,8 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
-from commlab.parallel.planner.time_model import input_grad_share, tp_backward_window_flops_per_token
+from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, column_wgrad_flops_per_token,
+                                                 input_grad_share)
 from commlab.parallel.planner.search import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 
@@ -338,12 +339,17 @@ def test_tp_overlap_and_the_compute_slowdown():
     layout = Layout(8, 1, 32, micro_batch=1, recompute="selective")
     plain = step_time(m, layout, c, 1024, software="generic-no-overlap")
     core = load_software("megatron-core")
-    half = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_dp_grad_reduce=0.0,
-                                                               overlap_dp_param_gather=0.0))
+    half = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_tp_backward=0.0,
+                                                               overlap_dp_grad_reduce=0.0, overlap_dp_param_gather=0.0))
     assert half.tp_hidden_s == pytest.approx(0.5 * plain.tp_s)
     assert half.tp_s == pytest.approx(0.5 * plain.tp_s)
-    slow = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_dp_grad_reduce=0.0,
-                                                               overlap_dp_param_gather=0.0,
+    # With the asynchronous input-gradient ReduceScatters as well (half of the backward's 2 of 4), those hide
+    # in full and the rest at 0.5: 0.5 * 2 + 1 + 0.5 * 1 = 2.5 of the 4.
+    both = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_dp_grad_reduce=0.0,
+                                                               overlap_dp_param_gather=0.0))
+    assert both.tp_hidden_s == pytest.approx(2.5 / 4 * plain.tp_s)
+    slow = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_tp_backward=0.0,
+                                                               overlap_dp_grad_reduce=0.0, overlap_dp_param_gather=0.0,
                                                                overlap_compute_slowdown=2.0))
     # While the hidden half runs, compute goes at half speed: the step pays half of the hidden time.
     assert slow.overlap_slowdown_s == pytest.approx(0.5 * half.tp_hidden_s)
@@ -363,11 +369,11 @@ def test_backward_tp_hides_behind_the_column_parallel_weight_gradients_by_hand()
     # gradient of QKV and of the MLP's first linear is reduced asynchronously beside their weight gradient.
     h = 6144
     gpt = ModelConfig(name="g", layers=48, hidden=h, heads=64, ffn=4 * h, vocab=51200, seq=2048)
-    assert tp_backward_window_flops_per_token(gpt) == 2 * h * 3 * h + 2 * h * 4 * h  # 14 h^2
+    assert column_wgrad_flops_per_token(gpt) == (2 * h * 3 * h, 2 * h * 4 * h)  # QKV 6 h^2, MLP 8 h^2
     llama = load_model("llama3-405b")
     kv = llama.kv_heads * llama.hidden // llama.heads
-    assert tp_backward_window_flops_per_token(llama) == (2 * llama.hidden * (llama.hidden + 2 * kv)
-                                                         + 4 * llama.hidden * llama.ffn)
+    assert column_wgrad_flops_per_token(llama) == (2 * llama.hidden * (llama.hidden + 2 * kv),
+                                                   4 * llama.hidden * llama.ffn)  # gate and up projection
     assert (input_grad_share(False), input_grad_share(True)) == (1.0, 0.5)
 
     c = make_cluster("dgx-a100-hdr", 8)
@@ -390,19 +396,40 @@ def test_backward_tp_hides_behind_the_column_parallel_weight_gradients_by_hand()
     assert old.tp_hidden_s == 0
 
 
-def test_backward_tp_hides_at_most_the_weight_gradient_time():
-    # On a slow link the reduction outlasts the weight-gradient GEMMs: only their time hides,
-    # compute x (layers x 14 h^2) / executed FLOP per token.
-    gpt = load_model("megatron-18.4b")
-    c = make_cluster("pcie-gen4-node", 8)
-    lay = Layout(8, 1, 1, micro_batch=1, recompute="none", sequence_parallel=False, flash_attention=False)
-    t = step_time(gpt, lay, c, 8, software="megatron-lm-2022-full-recompute")
-    window = t.compute_s * gpt.layers * tp_backward_window_flops_per_token(gpt) / executed_flops_per_token(
-        gpt, "none", False)
-    backward = (t.tp_s + t.tp_hidden_s) / 2  # 4 per layer, 2 of them the backward's
-    assert window < backward
-    assert t.tp_hidden_s == pytest.approx(window)
+def test_each_input_gradient_hides_behind_its_own_weight_gradient():
+    # By hand, one layer and micro-batch with AllReduces of 10 ms: without SP each linear's reduction is one
+    # of them; behind QKV's 4 ms weight gradient only 4 ms hide, behind the MLP's 23 ms all 10 -- not the 20
+    # that the sum of the two GEMMs would allow.
+    assert backward_tp_hidden_seconds(0.010, False, 0.0, 1.0, (0.004, 0.023)) == pytest.approx(0.004 + 0.010)
+    # With SP each is a ReduceScatter, half of one: 5 ms, of which QKV's GEMM covers 4; the AllGathers of the
+    # other half hide only under --tp-comm-overlap: with overlap_tp 0.5 half of their 10 ms, and each
+    # ReduceScatter the larger of 0.5 x 5 and what the asynchronous launch hides.
+    assert backward_tp_hidden_seconds(0.010, True, 0.0, 1.0, (0.004, 0.023)) == pytest.approx(0.004 + 0.005)
+    assert backward_tp_hidden_seconds(0.010, True, 0.5, 1.0, (0.004, 0.023)) == pytest.approx(
+        0.004 + 0.005 + 0.5 * 0.010)
+    assert backward_tp_hidden_seconds(0.010, True, 0.5, 0.0, (0.004, 0.023)) == pytest.approx(0.5 * 0.020)
+    with pytest.raises(ValueError, match="two times"):
+        backward_tp_hidden_seconds(0.010, False, 0.0, 1.0, (0.004,))
+    with pytest.raises(ValueError, match="overlap_tp_backward"):
+        backward_tp_hidden_seconds(0.010, False, 0.0, 1.5, (0.004, 0.023))
 
+
+def test_backward_tp_hides_at_most_the_weight_gradient_time():
+    # Llama 3 405B's layers on PCIe at tp 8, one achievable fraction: one AllReduce outlasts QKV's weight
+    # gradient (grouped-query attention keeps it small) but not the MLP's. Priced by hand: a GEMM of F FLOP per
+    # token takes F*b*s/(tp*peak*fraction), one ring AllReduce of the b*s*h*2-byte activation on the link.
+    m = load_model("llama3-405b")
+    c = make_cluster("pcie-gen4-node", 8)
+    lay = Layout(8, 1, 1, micro_batch=1, recompute="none", sequence_parallel=False, flash_attention=True)
+    t = step_time(m, lay, c, 1, software="megatron-lm-2022-full-recompute")
+    b, s, tp, rate = 1, m.seq, 8, c.peak_flop_per_s["bf16"] * 0.5
+    link = c.intra
+    one = ring_all_reduce_seconds(b * s * m.hidden * 2, tp, link.alpha_s, link.beta_s_per_byte)
+    h, kv, f = m.hidden, m.kv_heads * m.hidden // m.heads, m.ffn
+    w_qkv, w_mlp = (2 * h * (h + 2 * kv) * b * s / (tp * rate), 4 * h * f * b * s / (tp * rate))
+    assert w_qkv < one < w_mlp
+    assert t.tp_hidden_s == pytest.approx(m.layers * (w_qkv + one))
+    assert t.tp_s == pytest.approx(m.layers * (4 * one - w_qkv - one))
 
 def test_search_takes_its_knobs_from_the_profile():
     res = search("megatron-18.4b", "dgx-a100-hdr", 256, 1024, software="megatron-lm-2021", micro_batches=(1,),

@@ -434,8 +434,8 @@ def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
     For each row: :func:`layer_seconds` for the layer's kernels, plus its TP collectives as the time model
     prices them (a ring over the tp ranks on the preset's NVLink, :func:`~.time_model.tp_all_reduce_nbytes`):
     two in the forward; in the backward two, less the input-gradient reductions the profile's
-    ``overlap_tp_backward`` hides (:func:`~.time_model.input_grad_share`, at most the column-parallel
-    weight-gradient GEMMs' time), and two more for a fully recomputed forward. With sequence parallelism and
+    ``overlap_tp_backward`` hides (:func:`~.time_model.backward_tp_hidden_seconds`, each at most its own
+    linear's weight-gradient GEMM time), and two more for a fully recomputed forward. With sequence parallelism and
     the profile's ``overlap_tp`` the forward's hide as the time model says. Nothing here is fitted.
 
     Raises:
@@ -446,7 +446,7 @@ def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
     from commlab.parallel.planner.memory import load_model
     from commlab.parallel.planner.software import load_software
     from commlab.parallel.planner.tables import read_table
-    from commlab.parallel.planner.time_model import input_grad_share, tp_all_reduce_nbytes
+    from commlab.parallel.planner.time_model import backward_tp_hidden_seconds, tp_all_reduce_nbytes
     from commlab.topology import load_preset
     out = []
     for key, e in read_table(path, LAYER_TIMES_PATH).items():
@@ -458,14 +458,14 @@ def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
         one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, b), tp, cluster.intra.alpha_s,
                                       cluster.intra.beta_s_per_byte)
         ks = layer_kernels(m, b, tp, e["flash_attention"])
-        window = sum(gemm_seconds(table, peak, g) for g in ks["backward"]
-                     if g.name in ("qkv wgrad", "mlp-in wgrad"))
+        wgrad = tuple(sum(gemm_seconds(table, peak, g) for g in ks["backward"] if g.name == name)
+                      for name in ("qkv wgrad", "mlp-in wgrad"))  # a gated MLP's two first linears together
         for r in e["rows"]:
             sp = r["sequence_parallel"]
             fwd, bwd = layer_seconds(m, tp, b, cluster.device, r["recompute"], sp, e["flash_attention"])
             overlap_tp = sw.overlap_tp if sp else 0.0
-            tp_f = 2 * one * (1 - overlap_tp)
-            hidden = max(overlap_tp * 2 * one, min(input_grad_share(sp) * sw.overlap_tp_backward * 2 * one, window))
+            tp_f = 2 * one - min(overlap_tp * 2 * one, fwd)
+            hidden = min(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad), bwd)
             tp_b = 2 * one - hidden + (tp_f if r["recompute"] == "full" else 0.0)
             out.append(LayerTimeRow(key, r["experiment"], r["recompute"], sp, r["forward_ms"], r["backward_ms"],
                                     (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3, tp_b * 1e3))

@@ -155,13 +155,14 @@ class SoftwareProfile:
         overlap_tp: share (0..1) of the TP communication hidden behind the layer's matmuls
             (``--tp-comm-overlap``).
         overlap_tp_backward: share (0..1) of the reductions of the column-parallel linears' input gradients
-            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs: Megatron-LM,
-            from August 2021, launches each such all-reduce (a reduce-scatter under sequence parallelism)
-            asynchronously and computes the weight gradient meanwhile (``--no-async-tensor-model-parallel-
-            allreduce`` turns it off; Korthikanti et al. 2022, §6.2). Without sequence parallelism these are
+            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs: Megatron-LM
+            launches each such all-reduce (a reduce-scatter under sequence parallelism) asynchronously and
+            computes the weight gradient meanwhile (Korthikanti et al. 2022, §6.2; opt-in from commit
+            cf7efd4f5a, 2021-08-30, on by default from 3f65246911, 2021-09-02, with
+            ``--no-async-tensor-model-parallel-allreduce`` to turn it off). Without sequence parallelism these are
             all of a layer's backward TP communication; with it, half (the row-parallel outputs' gradients are
-            all-gathered in series). At most those GEMMs' time hides
-            (:func:`~.time_model.tp_backward_window_flops_per_token`).
+            all-gathered in series). Each hides for at most its own linear's weight-gradient time
+            (:func:`~.time_model.backward_tp_hidden_seconds`).
         overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
             (``overlap_p2p_comm``).
         overlap_pp_needs_interleave: the stack overlaps pipeline sends only under the interleaved schedule

@@ -32,9 +32,9 @@ The terms, per step, on the critical path of one GPU:
   sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires. Of the backward's 2 per layer,
   the reductions of the column-parallel linears' input gradients (both without sequence parallelism, half
   of the bytes with it: :func:`input_grad_share`) may instead hide, for the profile's ``overlap_tp_backward``
-  share, behind those linears' weight-gradient GEMMs (at most their time,
-  :func:`tp_backward_window_flops_per_token`): Megatron-LM's asynchronous all-reduce or reduce-scatter of
-  the input gradient (Korthikanti et al. 2022, §6.2). The rest is exposed.
+  share, each behind its own linear's weight-gradient GEMM and for at most that GEMM's time
+  (:func:`column_wgrad_flops_per_token`, :func:`backward_tp_hidden_seconds`): Megatron-LM's asynchronous
+  all-reduce or reduce-scatter of the input gradient (Korthikanti et al. 2022, §6.2). The rest is exposed.
 * **PP**: per micro-batch and interleaved chunk, one send forward and one backward between neighbouring
   stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
   the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 from commlab.collectives.ring import ring_all_reduce_seconds
@@ -119,7 +120,8 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
            "korthikanti_eq7_flops",
            "model_flops_per_step",
-           "tp_all_reduce_nbytes", "input_grad_share", "tp_backward_window_flops_per_token", "pp_message_nbytes",
+           "tp_all_reduce_nbytes", "input_grad_share", "column_wgrad_flops_per_token", "backward_tp_hidden_seconds",
+           "pp_message_nbytes",
            "dp_gradient_nbytes", "dp_all_reduce_seconds",
            "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "group_all_reduce_seconds",
            "loss_seconds", "step_time",
@@ -362,15 +364,40 @@ def input_grad_share(sequence_parallel: bool) -> float:
     return 0.5 if sequence_parallel else 1.0
 
 
-def tp_backward_window_flops_per_token(m: ModelConfig) -> float:
-    """FLOP per token and layer of the column-parallel linears' weight-gradient GEMMs (QKV and the MLP's
-    first linear, two of them when gated): ``2·h·(h + 2·kv) + 2·h·ffn`` (``4·h·ffn`` gated), the same as their
-    forward. The backward TP reduction a profile's ``overlap_tp_backward`` hides runs beside these GEMMs
-    (Megatron-LM's asynchronous input-gradient all-reduce or reduce-scatter, Korthikanti et al. 2022, §6.2),
-    so their time bounds it."""
+def column_wgrad_flops_per_token(m: ModelConfig) -> tuple[float, float]:
+    """FLOP per token and layer of the weight-gradient GEMMs of the two column-parallel linears,
+    ``(QKV, the MLP's first linear)``: ``2·h·(h + 2·kv)`` and ``2·h·ffn`` (``4·h·ffn`` gated, Megatron's fused
+    gate and up projection), each the same as its forward. Each linear's input-gradient reduction hides
+    behind its own weight-gradient GEMM (Megatron-LM's asynchronous all-reduce or reduce-scatter,
+    Korthikanti et al. 2022, §6.2), so each GEMM's time bounds its own reduction."""
     h = m.hidden
     kv = m.kv_heads * (h // m.heads)
-    return 2.0 * h * (h + 2 * kv) + 2.0 * h * m.ffn * (2 if m.gated_ffn else 1)
+    return 2.0 * h * (h + 2 * kv), 2.0 * h * m.ffn * (2 if m.gated_ffn else 1)
+
+
+def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp: float, overlap_tp_backward: float,
+                               wgrad_s: Sequence[float]) -> float:
+    """Seconds of one layer's backward TP communication (two AllReduce-equivalents of ``one_s`` each, for one
+    micro-batch) that hide behind its computation.
+
+    Each column-parallel linear's input-gradient reduction, ``c = input_grad_share·one_s``, hides for the
+    larger of ``overlap_tp`` (``--tp-comm-overlap``, which needs sequence parallelism; the caller passes 0
+    without it) and ``overlap_tp_backward`` (the asynchronous reduction), the latter at most that linear's
+    weight-gradient time (``wgrad_s``: QKV's, then the MLP's first linear's, seconds); the rest of the
+    backward's bytes (the AllGathers under sequence parallelism) hide for ``overlap_tp`` only.
+
+    Raises:
+        ValueError: a negative or non-finite time, a share outside [0, 1], not two weight-gradient times.
+    """
+    wgrad_s = tuple(wgrad_s)
+    if len(wgrad_s) != 2:
+        raise ValueError(f"wgrad_s must give two times (QKV, the MLP's first linear), got {wgrad_s!r}")
+    _check_seconds("backward TP", (one_s, *wgrad_s))
+    for name, v in (("overlap_tp", overlap_tp), ("overlap_tp_backward", overlap_tp_backward)):
+        _check_share(name, v)
+    c = input_grad_share(sequence_parallel) * one_s
+    per_linear = sum(max(overlap_tp * c, min(overlap_tp_backward * c, w)) for w in wgrad_s)
+    return per_linear + overlap_tp * (2 * one_s - 2 * c)
 
 
 def pp_message_nbytes(m: ModelConfig, micro_batch: int, tp: int = 1, split: bool = False) -> float:
@@ -638,12 +665,14 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
     # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
     overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
-    tp_backward = tp_total * 2 * layers_per_stage / (4 * layers_per_stage + 2 * recomputed) if L.tp > 1 else 0.0
-    # The asynchronous reduction of the column-parallel input gradients hides only behind those linears'
-    # weight-gradient GEMMs (same FLOP as their forward), a share of the executed FLOP.
-    window = compute * m.layers * tp_backward_window_flops_per_token(m) / executed
-    backward_hidden = max(overlap_tp * tp_backward,
-                          min(input_grad_share(L.sequence_parallel) * sw.overlap_tp_backward * tp_backward, window))
+    tp_backward, backward_hidden = 0.0, 0.0
+    if L.tp > 1:
+        tp_backward = 2 * one * layers_per_stage * micro
+        # Each layer's column-parallel weight gradients, in this model's seconds (one micro-batch, one GPU).
+        per_flop = compute / (executed * layers_per_stage * micro / m.layers)
+        wgrad = tuple(f * per_flop for f in column_wgrad_flops_per_token(m))
+        backward_hidden = layers_per_stage * micro * backward_tp_hidden_seconds(
+            one, L.sequence_parallel, overlap_tp, sw.overlap_tp_backward, wgrad)
     tp_hidden = min(overlap_tp * (tp_total - tp_backward) + backward_hidden, compute)
 
     pp_total = 0.0

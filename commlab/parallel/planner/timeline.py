@@ -23,8 +23,9 @@ micro-batch j on virtual stage k waits for virtual stage k-1's forward of j plus
 backward the reverse; :func:`~commlab.parallel.pipeline.schedules.virtual_dependencies`). A backward starts
 with its recomputation. TP communication follows each computation: the profile's ``overlap_tp`` share (under
 sequence parallelism only, as in the time model), up to the computation's own length, runs on the comm lane
-beside it -- in a backward, the larger of that and the ``overlap_tp_backward`` share, up to the time of its
-column-parallel weight-gradient GEMMs -- and the rest stalls the stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
+beside it -- in a backward, what :func:`~commlab.parallel.planner.time_model.backward_tp_hidden_seconds`
+hides, the input-gradient reductions behind their own weight-gradient GEMMs -- and the rest stalls the
+stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
 ``1 - overlap_pp`` share stalls the sender (``pp_send``), and the receiver cannot start before it has fully
 arrived; a receiver's wait while a message is in flight is ``pp_recv``, any other wait ``bubble``.
 
@@ -33,8 +34,8 @@ AllGather half of the AllReduce) of each chunk starts, for its ``overlap_dp_grad
 lane at the start of that chunk's last backward (Megatron ``--overlap-grad-reduce`` launches the buckets
 during the last micro-batch's backward); the stream waits at the end for what is still running, then runs
 the non-overlapped share, the optimizer step (``optimizer_s``: the time model's, which the kernel model
-prices and the constant-fraction model leaves at 0) and the parameter AllGather's non-overlapped share (a distributed optimizer gathers the updated
-parameters at the end of its step). The overlapped share of that AllGather (``--overlap-param-gather``)
+prices and the constant-fraction model leaves at 0) and the parameter AllGather's non-overlapped share (a
+distributed optimizer gathers the updated parameters at the end of its step). The overlapped share of that AllGather (``--overlap-param-gather``)
 runs at the start of the step, and the stage's first forward cannot finish before it has.
 
 **Against the analytical form.** The analytical step is ``(1 + (p-1)/m)·m·(t_f + t_b + 2c)`` for
@@ -77,9 +78,9 @@ from commlab.parallel.planner.kernels import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
-                                                 _check_share, attention_flops_per_token, dp_last_bucket_share,
-                                                 executed_flops_per_token, step_time,
-                                                 input_grad_share, tp_backward_window_flops_per_token)
+                                                 _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
+                                                 column_wgrad_flops_per_token, dp_last_bucket_share,
+                                                 executed_flops_per_token, step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -126,6 +127,9 @@ class StageCosts:
         forward_s, backward_s, recompute_s: computation of one micro-batch on the chunk.
         tp_forward_s, tp_backward_s, tp_recompute_s: the TP collectives of that computation, in full (the
             overlapped share is taken off by the replay).
+        tp_backward_hidden_s: of ``tp_backward_s``, the seconds that hide behind the backward's computation
+            (:func:`~.time_model.backward_tp_hidden_seconds` for each of the chunk's layers; 0 where nothing
+            hides there); None: the ``overlap_tp`` share of ``tp_backward_s``, as for the forward.
 
     Raises:
         ValueError: a negative or non-finite time; the tuples of unequal length or empty.
@@ -137,12 +141,15 @@ class StageCosts:
     tp_forward_s: tuple = ()
     tp_backward_s: tuple = ()
     tp_recompute_s: tuple = ()
+    tp_backward_hidden_s: tuple | None = None
 
     def __post_init__(self):
         v = len(self.forward_s)
         if v < 1:
             raise ValueError("a stage needs the costs of at least one chunk")
         for f in dataclasses.fields(self):
+            if f.name == "tp_backward_hidden_s" and self.tp_backward_hidden_s is None:
+                continue
             vals = getattr(self, f.name) or (0.0,) * v
             if len(vals) != v:
                 raise ValueError(f"{f.name} has {len(vals)} chunks, forward_s has {v}")
@@ -162,11 +169,6 @@ class StepCosts:
         micro_batches: m per step.
         pp_message_s: one pipeline message (activation forward or gradient backward), s.
         overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
-        overlap_tp_backward: share of a backward's TP communication that may run beside its column-parallel
-            weight-gradient GEMMs (the profile's share of the input-gradient reductions times
-            :func:`~.time_model.input_grad_share`; the larger of it and ``overlap_tp`` applies).
-        tp_backward_window: those GEMMs' share (0..1) of a backward's computation, the most that share may
-            hide behind (the last chunk's output layer and loss count in the computation, a slight overstatement).
         compute_slowdown: factor (>= 1) by which compute slows while TP overlaps it.
         dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction, in order (``dp_reduce_scatter``, and
             ``dp_all_gather`` for the second half of an AllReduce).
@@ -188,8 +190,6 @@ class StepCosts:
     pp_message_s: float = 0.0
     overlap_tp: float = 0.0
     overlap_pp: float = 0.0
-    overlap_tp_backward: float = 0.0
-    tp_backward_window: float = 0.0
     compute_slowdown: float = 1.0
     dp_reduce: tuple = ()
     dp_gather_s: float = 0.0
@@ -211,8 +211,8 @@ class StepCosts:
             raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
         for name in ("pp_message_s", "dp_gather_s", "optimizer_s"):
             _check_seconds(name, (getattr(self, name),))
-        for name in ("overlap_tp", "overlap_pp", "overlap_tp_backward", "tp_backward_window",
-                     "overlap_dp_grad_reduce", "overlap_dp_param_gather", "dp_reduce_tail", "dp_gather_head"):
+        for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather",
+                     "dp_reduce_tail", "dp_gather_head"):
             object.__setattr__(self, name, _check_share(name, getattr(self, name)))
         if not self.compute_slowdown >= 1:
             raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
@@ -297,9 +297,14 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
     rec_share = {"full": 1.0, "every-k": 1.0 / layout.recompute_every}.get(layout.recompute, 0.0)
     pp_one = (bd.pp_s + bd.pp_hidden_s) / (2 * micro * v) if pp > 1 else 0.0
 
+    overlap_tp = sw.overlap_tp if layout.sequence_parallel else 0.0
+    # Each layer's column-parallel weight gradients in this plan's seconds: its backward TP hides behind them.
+    wgrad = tuple(w * tokens * sec_per_flop for w in column_wgrad_flops_per_token(m))
+    hidden_layer = (backward_tp_hidden_seconds(tp_one, layout.sequence_parallel, overlap_tp, sw.overlap_tp_backward,
+                                               wgrad) if layout.tp > 1 else 0.0)
     stages = []
     for s, counts in enumerate(chunk_layers(L, pp, v)):
-        f, b, r, tf, tb, tr = [], [], [], [], [], []
+        f, b, r, tf, tb, tr, th = [], [], [], [], [], [], []
         for c, n in enumerate(counts):
             last = (c * pp + s) == pp * v - 1
             f.append((n * f_layer + (out_f if last else 0.0)) * tokens * sec_per_flop + (loss_f if last else 0.0))
@@ -308,7 +313,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
             tf.append(2 * n * tp_one)
             tb.append(2 * n * tp_one)
             tr.append(2 * n * rec_share * tp_one)
-        stages.append(StageCosts(tuple(f), tuple(b), tuple(r), tuple(tf), tuple(tb), tuple(tr)))
+            th.append(n * hidden_layer)
+        stages.append(StageCosts(tuple(f), tuple(b), tuple(r), tuple(tf), tuple(tb), tuple(tr), tuple(th)))
 
     ov_grad = sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap
     ov_param = sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap
@@ -320,9 +326,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
         gather = 0.0
     tail = dp_last_bucket_share(m, layout, sw.bucket_params(layout.dp)) if layout.zero_stage < 3 else 0.0
     costs = StepCosts(stages=tuple(stages), micro_batches=micro, pp_message_s=pp_one,
-                      overlap_tp=sw.overlap_tp if layout.sequence_parallel else 0.0,
-                      overlap_pp=sw.pp_overlap(layout.interleave), overlap_tp_backward=input_grad_share(layout.sequence_parallel) * sw.overlap_tp_backward,
-                      tp_backward_window=tp_backward_window_flops_per_token(m) / b_layer,
+                      overlap_tp=overlap_tp,
+                      overlap_pp=sw.pp_overlap(layout.interleave),
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
                       optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s,
@@ -409,16 +414,13 @@ def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
     return tuple(out)
 
 
-def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float) -> tuple[list, float]:
+def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float,
+            backward_hidden_s: float | None = None) -> tuple[list, float]:
     """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
     times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
     length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it. A backward
-    hides the larger of that and the ``overlap_tp_backward`` share, up to ``tp_backward_window`` of its
-    computation."""
-    hidden = costs.overlap_tp * tp_s
-    if kind == "backward":
-        hidden = max(hidden, min(costs.overlap_tp_backward * tp_s, costs.tp_backward_window * work_s))
-    hidden = min(hidden, work_s)
+    hides ``backward_hidden_s`` instead (the chunk's :attr:`StageCosts.tp_backward_hidden_s`)."""
+    hidden = min(costs.overlap_tp * tp_s if backward_hidden_s is None else backward_hidden_s, work_s)
     work = work_s + hidden * (1 - 1 / costs.compute_slowdown)
     exposed = tp_s - hidden
     bars = []
@@ -458,7 +460,8 @@ def _templates(costs: StepCosts) -> dict:
             out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s)
             bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
             at = t
-            more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t)
+            more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t,
+                              None if sc.tp_backward_hidden_s is None else sc.tp_backward_hidden_s[c])
             out[(s, c, True)] = _OpTemplate(tuple(bars + more), t, at, tuple(send), exposed, costs.pp_message_s)
     return out
 
