@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--kernels", action="store_true",
                       help="price compute from the layers' kernels instead of one share of peak: GEMM efficiency by "
                            "shape from data/gemm_efficiency.json, memory-bound operations and the optimizer step at "
-                           "the device's memory bandwidth (see planner/kernels.py)")
+                           "the device's memory bandwidth, the layers' kernels at the stack's share of those rates "
+                           "that measured layers give (data/published_layer_times.json; see planner/kernels.py)")
     plan.add_argument("--dp-overlap", type=float, default=None,
                       help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
                            "software profile's)")

@@ -327,6 +327,31 @@ def test_the_smallest_h100_run_is_still_over_predicted(validation):
     assert 10 < r.error_pct <= 25
 
 
+@pytest.fixture(scope="module")
+def kernel_validation():
+    rows = validate_published("kernels")
+    print("\n" + validation_table(rows))
+    return {r.config: r for r in rows}
+
+
+def test_the_kernel_model_against_the_published_runs(kernel_validation):
+    # GEMMs by shape, memory-bound bytes and the attention core, at the stack's share of the microbenchmark
+    # rates measured on one layer (Korthikanti et al. 2022, Table 4): no constant fitted to any of these runs.
+    rows = kernel_validation
+    errors = sorted(abs(r.error_pct) for r in rows.values())
+    assert len(errors) == 31 and errors[15] <= 10  # the median
+    # Every A100 run (Megatron-LM 2021 and 2022, BLOOM on Megatron-DeepSpeed) and both Llama 3 runs on H100
+    # within 12 %; Korthikanti's 22B runs are the layer the share is measured on, the other 27 are not.
+    a100 = [k for k in rows if not k.startswith("mcore-h100")]
+    assert all(abs(rows[k].error_pct) <= 12 for k in a100), {k: round(rows[k].error_pct, 1) for k in a100}
+    # Megatron-Core's H100 runs, with DP, TP and PP all overlapped, are over-predicted, and nothing measured
+    # says by what: the profile's slowdown of compute beside communication is unmeasured (1.0). Reported, not
+    # tuned away; the one row outside 25 % is the 32B run (tp 8, one micro-batch a step, its TP overlapped).
+    assert all(0 <= rows[k].error_pct for k in MCORE)
+    assert [k for k in rows if not rows[k].within] == ["mcore-h100-32b"]
+    assert sum(r.published_rank is not None and r.published_rank <= 5 for r in rows.values()) == 30
+
+
 def test_the_loss_is_priced_at_memory_bandwidth_and_only_where_it_is_known():
     m = load_model("mcore-gpt-1.7b")
     lay = Layout(2, 1, 4, micro_batch=2)

@@ -12,7 +12,7 @@ from commlab.__main__ import main
 from commlab.parallel.planner import KERNELS, Layout, load_model, stage_params, step_time
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
-                                              layer_kernels, layer_seconds, load_gemm_table,
+                                              in_stack_share, layer_kernels, layer_seconds, load_gemm_table,
                                               memory_bound_bytes_per_token, optimizer_step_bytes,
                                               validate_layer_times)
 from commlab.parallel.planner.time_model import executed_flops_per_token
@@ -20,6 +20,7 @@ from commlab.topology import load_preset
 from tests.helpers import exit_status
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "gemm_efficiency.json"
+LAYER_TIMES = Path(__file__).resolve().parent.parent / "data" / "published_layer_times.json"
 H100_PEAK = 989e12
 
 
@@ -132,7 +133,9 @@ def test_the_kernel_model_prices_flash_attention_at_that_speed():
     layer_b, core_b = memory_bound_bytes_per_token(m, tp, True, True)
     out = 3 * gemm_seconds(table, peak, Gemm("output", m.seq, -(-m.vocab // tp), m.hidden)) / m.seq
     by_hand = m.layers * (gemm + (af + ab) / tp / 308e12 + 3 * (layer_b + core_b) / hbm) + out
-    assert _seconds_per_token(m, tp, 1, "none", 1, True, True, "H100-SXM", peak, hbm) == pytest.approx(by_hand)
+    # ... all of it at the stack's share of those microbenchmark rates
+    share = in_stack_share("H100-SXM").share
+    assert _seconds_per_token(m, tp, 1, "none", 1, True, True, "H100-SXM", peak, hbm) == pytest.approx(by_hand / share)
 
 
 def test_layer_seconds_by_hand():
@@ -161,6 +164,12 @@ def test_layer_seconds_by_hand():
         pytest.approx(saved)
     with pytest.raises(ValueError, match="recompute must be"):
         layer_seconds(m, 8, 4, dev, "every-k")
+    # A share of the microbenchmark rates divides every kernel's seconds, forward and backward alike.
+    f, b = layer_seconds(m, 8, 4, dev, "full")
+    assert layer_seconds(m, 8, 4, dev, "full", share=0.8) == pytest.approx((f / 0.8, b / 0.8))
+    for bad in (0, 1.5, -0.1, True, "0.8"):
+        with pytest.raises(ValueError, match="share must be in"):
+            layer_seconds(m, 8, 4, dev, share=bad)
 
 
 def test_korthikanti_table_4_against_the_kernel_model():
@@ -188,6 +197,58 @@ def test_korthikanti_table_4_against_the_kernel_model():
     base, sp = rows[0], rows[1]
     # What sequence parallelism saves in the forward (norms and dropout on 1/t of the tokens): 0.5 ms measured.
     assert base.predicted_forward_ms - sp.predicted_forward_ms == pytest.approx(0.5, abs=0.1)
+
+
+def test_the_stacks_share_of_the_microbenchmark_rates_by_hand():
+    # A100: from Table 4's ten numbers, kernel-model seconds over measured seconds less the modelled TP
+    # collectives, summed over all of them.
+    rows = validate_layer_times()
+    pairs = [(p - t, r - t) for row in rows for p, r, t in (
+        (row.predicted_forward_ms, row.reported_forward_ms, row.tp_forward_ms),
+        (row.predicted_backward_ms, row.reported_backward_ms, row.tp_backward_ms))]
+    a100 = in_stack_share("A100-SXM")
+    assert a100.share == pytest.approx(sum(k for k, _ in pairs) / sum(m for _, m in pairs))
+    assert a100.ratios == pytest.approx(tuple(k / m for k, m in pairs)) and len(a100.ratios) == 10
+    assert a100.measured_on == "A100-SXM" and "Table 4" in a100.source
+    # Every measured number on its own lands within a few points of the one share (what one number per GPU
+    # rests on), and the stack runs below its microbenchmarks.
+    assert 0.78 < min(a100.ratios) and max(a100.ratios) < 0.87 and 0.8 < a100.share < 0.85
+    # H100 has no measured layer: it takes A100's share, and says that this is an assumption.
+    h100 = in_stack_share("H100-SXM")
+    assert h100.share == a100.share and h100.measured_on == "A100-SXM" and "assumption" in h100.source
+
+
+def test_the_stacks_share_errors(tmp_path):
+    with pytest.raises(ValueError, match="no measured layer times on 'V100'"):
+        in_stack_share("V100")
+    # A measured number that the modelled TP collectives alone already exceed cannot give a share.
+    table = json.loads(Path(LAYER_TIMES).read_text())
+    table["korthikanti-22b-table-4"]["rows"][0]["forward_ms"] = 0.1
+    bad = tmp_path / "layers.json"
+    bad.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match="is not more than its modelled TP collectives"):
+        in_stack_share("A100-SXM", str(bad))
+    # A layer measured faster than its microbenchmarks would give a share above 1.
+    for row in table["korthikanti-22b-table-4"]["rows"]:
+        row["forward_ms"], row["backward_ms"] = 2.0, 4.0
+    fast = tmp_path / "fast.json"  # a new path: the tables are read once per path
+    fast.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match="outside \\(0, 1\\]"):
+        in_stack_share("A100-SXM", str(fast))
+
+
+def test_the_time_model_prices_kernels_at_the_stacks_share():
+    # The same layout's compute from the kernel model, against the kernels at their microbenchmark rates:
+    # slower by exactly the share (the loss and the optimizer step are priced apart, by bytes).
+    from commlab.parallel.planner.kernels import _seconds_per_token
+    m, dev = load_model("megatron-18.4b"), "A100-SXM"
+    peak, hbm = hardware.value(dev, "bf16_dense_flop_per_s"), hardware.value(dev, "hbm_bytes_per_s")
+    f, b = layer_seconds(m, 8, 1, dev, "full", flash_attention=False)
+    table = load_gemm_table(dev)
+    out = 3 * gemm_seconds(table, peak, Gemm("output", m.seq, -(-m.vocab // 8), m.hidden))
+    raw_per_token = (m.layers * (f + b) + out) / m.seq
+    assert _seconds_per_token(m, 8, 1, "full", 1, False, False, dev, peak, hbm) == pytest.approx(
+        raw_per_token / in_stack_share(dev).share)
 
 
 def test_optimizer_step_bytes_by_hand():

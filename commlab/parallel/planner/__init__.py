@@ -13,7 +13,8 @@
   compute as far as the profile overlaps it; model FLOP in the definitions published runs use.
 * :mod:`~commlab.parallel.planner.kernels` -- compute from a layer's kernels, the alternative to one share
   of peak: GEMM efficiency by shape (``data/gemm_efficiency.json``), memory-bound operations and the optimizer
-  step at the device's memory bandwidth.
+  step at the device's memory bandwidth, a layer's kernels at the stack's share of those rates that measured
+  single layers give (``data/published_layer_times.json``).
 * :mod:`~commlab.parallel.planner.timeline` -- the step timeline of a plan: the real schedule (GPipe,
   1F1B, interleaved 1F1B) replayed per pipeline stage with the time model's durations, overlap as the
   profile says; its step time re-ranks the search's top candidates.

@@ -31,12 +31,23 @@ the weight gradient) with their shapes on one tensor-parallel rank, so that a te
 against the layer's formula. :func:`effective_fraction` turns the kernel times of a layout into the
 share of peak its executed FLOP run at, the number the time model then uses in place of one constant.
 Nothing here is fitted to the published end-to-end runs: the only inputs are the GEMM table, the
-datasheet's bandwidth, the attention measurement and the layer's tensor inventory.
+datasheet's bandwidth, the attention measurement, the layer's tensor inventory and one measured layer (below).
 
 :func:`layer_seconds` gives one layer's forward and backward from the same prices, and
 :func:`validate_layer_times` sets them, with the layer's TP collectives, against measured single-layer
 times (``data/published_layer_times.json``: Korthikanti et al. 2022, Table 4), a check inside one layer
 that no other part of a step can blur.
+
+**The stack's share of the microbenchmark rates** (:func:`in_stack_share`). Priced from microbenchmarks
+alone, that measured layer comes out 14-18 % short in every one of its ten numbers (forward and backward
+of five experiments): kernels inside a
+training stack (launched one after another from Python, between transposes, casts and allocator work the
+inventory does not list, on a GPU that also runs communication) run below the rate an isolated, warmed-up
+microbenchmark gets. The kernel model therefore divides a layer's kernel seconds by the share the measured
+layer gives on its GPU -- one number per GPU, from a per-layer measurement, never from an end-to-end run:
+``sum(kernel-model seconds) / sum(measured seconds - the modelled TP collectives)`` over the layer-time
+rows on that GPU. A GPU with no measured layer takes another GPU's share where its GEMM table says so
+(``in_stack_share_from``, an assumption its entry states).
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from commlab.parallel.planner.memory import Layout, ModelConfig
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
            "layer_kernels", "layer_seconds", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
            "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction",
-           "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times"]
+           "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times", "InStackShare", "in_stack_share"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
 _ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
@@ -336,9 +347,11 @@ def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_pe
 
 
 def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: bool, flash_attention: bool,
-                 device: str, peak_flop_per_s: float, hbm_bytes_per_s: float) -> tuple[float, float, float, float]:
+                 device: str, peak_flop_per_s: float, hbm_bytes_per_s: float,
+                 share: float = 1.0) -> tuple[float, float, float, float]:
     """Seconds per token of one layer on one tp rank: ``(forward without the attention core, the core's
-    forward, backward without the core, the core's backward)``, GEMMs and memory-bound bytes together."""
+    forward, backward without the core, the core's backward)``, GEMMs and memory-bound bytes together, each
+    divided by ``share`` (the share of the microbenchmark rates the stack runs at; 1.0 = as measured alone)."""
     from commlab.parallel.planner.time_model import attention_flops_per_token
     table = load_gemm_table(device)
     ks = layer_kernels(m, micro_batch, tp, flash_attention)
@@ -350,31 +363,37 @@ def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: b
         sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
     mem_layer, mem_core = (b / hbm_bytes_per_s for b in
                            memory_bound_bytes_per_token(m, tp, sequence_parallel, flash_attention))
-    return (sec["forward"] + mem_layer, sec["core_forward"] + mem_core, sec["backward"] + 2 * mem_layer,
-            sec["core_backward"] + 2 * mem_core)
+    return ((sec["forward"] + mem_layer) / share, (sec["core_forward"] + mem_core) / share,
+            (sec["backward"] + 2 * mem_layer) / share, (sec["core_backward"] + 2 * mem_core) / share)
 
 
 def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recompute: str = "none",
-                  sequence_parallel: bool = False, flash_attention: bool = True) -> tuple[float, float]:
+                  sequence_parallel: bool = False, flash_attention: bool = True,
+                  share: float = 1.0) -> tuple[float, float]:
     """Seconds of one transformer layer's ``(forward, backward)`` for one micro-batch on one of ``tp`` GPUs,
     from its kernels alone: its GEMMs (:func:`layer_kernels`) at the table's efficiency, the attention core,
     and the memory-bound bytes at the datasheet's bandwidth, as :func:`effective_fraction` prices them. The
     backward includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention
-    core's forward). No communication: the TP collectives are the time model's.
+    core's forward). No communication: the TP collectives are the time model's. ``share`` divides every
+    kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates, as measured alone;
+    ``in_stack_share(device).share`` at the rate the time model's kernel model uses.
 
     Why: a measured per-layer time (Korthikanti et al. 2022, Table 4: one 22B layer, forward and backward)
     checks the kernel model inside one layer, apart from everything else a training step does.
 
     Raises:
-        ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; what :func:`layer_kernels`,
+        ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; ``share`` not in (0, 1];
+            what :func:`layer_kernels`,
             :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a device without a peak or memory
             bandwidth in ``data/hardware.json``.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1] (the stack's share of the microbenchmark rates), got {share!r}")
     from commlab import hardware
     parts = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention, device,
-                         _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"))
+                         _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"), share)
     forward, core, backward, core_backward = (x * micro_batch * m.seq for x in parts)
     rerun = {"full": forward + core, "selective": core}.get(recompute, 0.0)
     return forward + core, backward + core_backward + rerun
@@ -384,15 +403,16 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
 def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str, recompute_every: int,
                        sequence_parallel: bool, flash_attention: bool, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float) -> float:
+    share = in_stack_share(device).share
     forward, core, backward, core_backward = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention,
-                                                          device, peak_flop_per_s, hbm_bytes_per_s)
+                                                          device, peak_flop_per_s, hbm_bytes_per_s, share)
     table = load_gemm_table(device)
     tokens = micro_batch * m.seq
     rerun = {"full": 1.0, "every-k": 1.0 / recompute_every}.get(recompute, 0.0)
     layer_s = ((forward + core) * (1.0 + rerun) + (core if recompute == "selective" else 0.0)
                + backward + core_backward)
     out_s = 3 * gemm_seconds(table, peak_flop_per_s, Gemm("output", tokens, -(-m.vocab // tp), m.hidden)) / tokens
-    return m.layers * layer_s + out_s
+    return m.layers * layer_s + out_s / share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,3 +490,78 @@ def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
             out.append(LayerTimeRow(key, r["experiment"], r["recompute"], sp, r["forward_ms"], r["backward_ms"],
                                     (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3, tp_b * 1e3))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class InStackShare:
+    """The share of the microbenchmark rates a training stack's kernels run at on one GPU.
+
+    Attributes:
+        device: the GPU it is used for (a key of ``data/gemm_efficiency.json``).
+        share: in (0, 1]: the kernel model's layer seconds are divided by it.
+        measured_on: the GPU whose measured layers give it (``device`` itself, or the GPU its
+            ``in_stack_share_from`` names).
+        ratios: each measured number's own ratio, kernel-model seconds over measured seconds less the
+            modelled TP collectives (forward and backward of every row, in file order): their spread says
+            how well one share fits them.
+        source: where the measurements come from, and the assumption when ``measured_on != device``.
+    """
+
+    device: str
+    share: float
+    measured_on: str
+    ratios: tuple[float, ...]
+    source: str
+
+
+@lru_cache(maxsize=8)
+def in_stack_share(device: str, path: str | None = None, gemm_path: str | None = None) -> InStackShare:
+    """The stack's share of the microbenchmark rates on ``device`` (see the module docstring).
+
+    From the measured layers on the GPU (:func:`validate_layer_times` over ``path``, default
+    :data:`LAYER_TIMES_PATH`; a row is on a GPU when its preset's device is that GPU):
+    ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over each row's forward and
+    backward, kernel seconds at the microbenchmarks' rates (``share=1`` in :func:`layer_seconds`). A GPU
+    with none takes the share of the GPU its entry in ``data/gemm_efficiency.json`` (or the file at
+    ``gemm_path``) names in ``in_stack_share_from``, with the entry's ``in_stack_assumption``.
+
+    Why one number per GPU and not per shape: the measured layer is one shape; its ten numbers agree within a
+    few per cent (:attr:`InStackShare.ratios`), and the shape dependence is the GEMM table's.
+
+    Raises:
+        ValueError: ``device`` has no measured layer and its GEMM-table entry names no
+            ``in_stack_share_from`` (or names a GPU without measured layers); a measured number not larger
+            than its modelled TP time (the share would not be in (0, 1]).
+    """
+    from commlab.parallel.planner.tables import read_table
+    from commlab.topology import load_preset
+    entries = read_table(path, LAYER_TIMES_PATH)
+    mine = {key for key, e in entries.items() if load_preset(e["preset"], nodes=1).device == device}
+    if not mine:
+        gemm = read_table(gemm_path, _DATA).get(device, {})
+        other = gemm.get("in_stack_share_from")
+        if other is None or other == device:
+            raise ValueError(f"no measured layer times on {device!r} and its GEMM table names no "
+                             f"'in_stack_share_from': the kernel model has no share of the microbenchmark rates "
+                             f"for it (add a measured layer to {LAYER_TIMES_PATH.name})")
+        base = in_stack_share(other, path, gemm_path)
+        return InStackShare(device, base.share, base.measured_on, base.ratios,
+                            f"{base.source.rstrip('.')}; {gemm.get('in_stack_assumption', 'assumption: the share of ' + other)}")
+    kernel, measured, ratios = 0.0, 0.0, []
+    for r in validate_layer_times(path):
+        if r.entry not in mine:
+            continue
+        for pred, rep, tp in ((r.predicted_forward_ms, r.reported_forward_ms, r.tp_forward_ms),
+                              (r.predicted_backward_ms, r.reported_backward_ms, r.tp_backward_ms)):
+            if rep <= tp:
+                raise ValueError(f"layer-time entry {r.entry!r} ({r.experiment}): measured {rep} ms is not more "
+                                 f"than its modelled TP collectives ({tp:.3f} ms)")
+            kernel += pred - tp
+            measured += rep - tp
+            ratios.append((pred - tp) / (rep - tp))
+    share = kernel / measured
+    if not 0 < share <= 1:
+        raise ValueError(f"the measured layers on {device!r} give a share of {share:.3f} of the microbenchmark "
+                         f"rates, outside (0, 1]: the kernel model would run the stack faster than its microbenchmarks")
+    sources = "; ".join(sorted({entries[k].get("source", k) for k in mine}))
+    return InStackShare(device, share, device, tuple(ratios), sources)

@@ -96,7 +96,8 @@ Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeli
 schedule's order, and the search ranks its top candidates by that replay. ``achievable_fraction=KERNELS``
 replaces the one constant by the layout's own share of peak from its kernels
 (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
-operations and the optimizer step at the memory's bandwidth). What is left out (see the book): with the
+operations and the optimizer step at the memory's bandwidth, a layer's kernels at the stack's share of their
+microbenchmark rates measured on single layers, :func:`~.kernels.in_stack_share`). What is left out (see the book): with the
 constant, kernel-efficiency changes with the GEMM shapes and memory-bound operations; in both, the
 all-gather inside the node after a scattered pipeline message, context parallelism, with the constant the optimizer step time,
 data loading, stragglers.
