@@ -163,12 +163,10 @@ def test_search_returns_only_fitting_layouts_with_tp_inside_a_node():
         assert p.memory.fits(80e9, 0.9)
         assert 8 % p.layout.tp == 0
         assert p.layout.gpus == 512
-    # The top TIMELINE_TOP_K are re-ranked among themselves by their replayed timelines; the rest stay
-    # ranked by the analytical step time.
-    head, tail = res.plans[:TIMELINE_TOP_K], res.plans[TIMELINE_TOP_K:]
-    assert [p.step_s for p in head] == sorted(p.step_s for p in head)
-    assert [p.step_s for p in tail] == sorted(p.step_s for p in tail)
-    assert max(p.time.total_s for p in head) <= min(p.step_s for p in tail)
+    # Every plan is ranked by its step time, the replayed timeline's where it has one, and the first
+    # TIMELINE_TOP_K places are all replayed plans.
+    assert [p.step_s for p in res.plans] == sorted(p.step_s for p in res.plans)
+    assert all(p.timeline_step_s is not None for p in res.plans[:TIMELINE_TOP_K])
     for r in res.rejected:
         if r.kind == "memory":
             assert "GB per GPU" in r.reason
@@ -341,15 +339,19 @@ def test_the_kernel_model_against_the_published_runs(kernel_validation):
     errors = sorted(abs(r.error_pct) for r in rows.values())
     assert len(errors) == 31 and errors[15] <= 10  # the median
     # Every A100 run (Megatron-LM 2021 and 2022, BLOOM on Megatron-DeepSpeed) and both Llama 3 runs on H100
-    # within 12 %; Korthikanti's 22B runs are the layer the share is measured on, the other 27 are not.
-    a100 = [k for k in rows if not k.startswith("mcore-h100")]
-    assert all(abs(rows[k].error_pct) <= 12 for k in a100), {k: round(rows[k].error_pct, 1) for k in a100}
+    # within 12 %. Korthikanti et al.'s nine runs share the paper, cluster and stack of the measured layer;
+    # Table 1's ten, BLOOM and Llama 3 do not.
+    not_mcore = [k for k in rows if k not in MCORE]
+    assert len(not_mcore) == 22
+    assert all(abs(rows[k].error_pct) <= 12 for k in not_mcore), {k: round(rows[k].error_pct, 1) for k in not_mcore}
     # Megatron-Core's H100 runs, with DP, TP and PP all overlapped, are over-predicted, and nothing measured
     # says by what: the profile's slowdown of compute beside communication is unmeasured (1.0). Reported, not
     # tuned away; the one row outside 25 % is the 32B run (tp 8, one micro-batch a step, its TP overlapped).
-    assert all(0 <= rows[k].error_pct for k in MCORE)
+    mcore = sorted(rows[k].error_pct for k in MCORE)
+    assert mcore[len(mcore) // 2] > 10 and mcore[0] > -5, mcore
     assert [k for k in rows if not rows[k].within] == ["mcore-h100-32b"]
-    assert sum(r.published_rank is not None and r.published_rank <= 5 for r in rows.values()) == 30
+    # The published split among the planner's top five splits in every row.
+    assert all(r.published_rank is not None and r.published_rank <= 5 for r in rows.values())
 
 
 def test_the_loss_is_priced_at_memory_bandwidth_and_only_where_it_is_known():

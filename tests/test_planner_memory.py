@@ -9,9 +9,10 @@ import pytest
 from commlab.__main__ import main
 from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, activation_bytes_per_layer,
                                       dp_all_reduce_seconds, dp_gradient_nbytes, fsdp_exposed_seconds,
-                                      interleave_memory_factor, is_fragile, layer_params, load_software,
-                                      make_cluster, memory_breakdown, model_state_bytes_per_param, search,
-                                      stage_params, step_time, usable_memory_bytes)
+                                      fsdp_head_share, interleave_memory_factor, is_fragile, layer_params,
+                                      load_model, load_software, make_cluster, memory_breakdown,
+                                      model_state_bytes_per_param, search, stage_params, step_time,
+                                      usable_memory_bytes)
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.time_model import group_all_reduce_seconds
 from commlab.parallel.planner.software import optimizer_dtypes
@@ -114,6 +115,32 @@ def test_zero3_moves_three_passes_per_micro_batch_and_zero2_moves_what_zero1_doe
     assert fsdp_exposed_seconds(1.0, 2.0, 5.0, 5.0, 0.0, 0.0) == (4.0, 0.0)
     with pytest.raises(ValueError, match="gather_overlap"):
         fsdp_exposed_seconds(1.0, 1.0, 1.0, 1.0, 1.5, 0.0)
+    # With a head share: 0.1 of the forward AllGather and of the ReduceScatter are exposed whatever the
+    # windows: hidden 0.9 + (1 + 1.8), exposed 0.1 + 0.2.
+    exposed, hidden = fsdp_exposed_seconds(1.0, 2.0, 5.0, 5.0, 1.0, 1.0, 0.1)
+    assert (exposed, hidden) == pytest.approx((0.3, 3.7))
+    with pytest.raises(ValueError, match="head_share"):
+        fsdp_exposed_seconds(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2)
+
+
+def test_fsdp_head_share_by_hand():
+    # torchtitan's units: the token embedding, every block, the norm with the output layer, the root. The
+    # embedding's and the first block's AllGathers open each forward with nothing to hide behind, and their
+    # ReduceScatters close the backward.
+    m = load_model("megatron-39.1b")
+    block = 12 * m.hidden ** 2 + 13 * m.hidden  # GPT block with biases (Narayanan et al. 2021's count)
+    assert layer_params(m) == block
+    embedding = m.vocab * m.hidden + m.seq * m.hidden  # learned positions
+    head = 2 * m.hidden  # final norm; the output layer is tied to the embedding
+    assert m.tied_embeddings and m.learned_positions
+    total = m.layers * block + embedding + head
+    assert fsdp_head_share(m, Layout(4, 1, 128, zero_stage=3)) == pytest.approx((embedding + block) / total)
+    # With pipeline stages: the heavier of the first stage (the embedding and a block) and the last (a block).
+    first = 12 * block + embedding
+    last = 12 * block + head + m.vocab * m.hidden  # the last stage keeps its own copy of the tied embedding
+    assert stage_params(m, 4, "first") == first and stage_params(m, 4, "last") == last
+    want = (embedding + block) / first if first >= last else block / last
+    assert fsdp_head_share(m, Layout(4, 4, 32, zero_stage=3)) == pytest.approx(want)
 
 
 def test_torchtitan_is_priced_and_searched_with_fsdp():

@@ -10,9 +10,9 @@ from hypothesis import given, settings, strategies as st
 from commlab.parallel.pipeline import BACKWARD, FORWARD, interleaved_schedule, virtual_dependencies
 from commlab.parallel.planner import Layout, attention_flops_per_token, layer_params, load_model, search, step_time
 from commlab.parallel.planner.search import TIMELINE_TOP_K, make_cluster
-from commlab.parallel.planner.timeline import (COMM_LANE, KINDS, StageCosts, StepCosts, chunk_layers,
-                                               make_timeline_schedule, step_costs, step_timeline,
-                                               timeline_from_costs)
+from commlab.parallel.planner.timeline import (COMM_LANE, KINDS, RERANK_MAX_FACTOR, StageCosts, StepCosts,
+                                               chunk_layers, make_timeline_schedule, rerank_by_timeline, step_costs,
+                                               step_timeline, timeline_from_costs)
 
 matplotlib.use("Agg")
 
@@ -242,14 +242,69 @@ def test_stage_costs_add_up_to_the_time_models_compute():
 # ----------------------------------------------------------------------------------------- search, figure
 
 def test_search_reranks_its_top_candidates_by_the_timeline():
-    res = search("megatron-76.1b", "dgx-a100-hdr", 1024, 1024, software="megatron-lm-2021")
-    head, tail = res.plans[:TIMELINE_TOP_K], res.plans[TIMELINE_TOP_K:]
-    assert all(p.timeline_step_s is not None for p in head) and all(p.timeline_step_s is None for p in tail)
-    assert [p.step_s for p in head] == sorted(p.step_s for p in head)
-    assert {p.layout for p in head} == {p.layout for p in search("megatron-76.1b", "dgx-a100-hdr", 1024, 1024,
-                                                                 software="megatron-lm-2021",
-                                                                 timeline_top=0).plans[:TIMELINE_TOP_K]}
-    assert head[0].row()["step_s"] == head[0].timeline_step_s
+    res = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536, software="megatron-lm-2021")
+    analytical = search("megatron-39.1b", "dgx-a100-hdr", 512, 1536, software="megatron-lm-2021", timeline_top=0).plans
+    assert len(analytical) > RERANK_MAX_FACTOR * TIMELINE_TOP_K and all(p.timeline_step_s is None for p in analytical)
+    replayed = [p for p in res.plans if p.timeline_step_s is not None]
+    # The first TIMELINE_TOP_K by the sum of terms are replayed, then each next one while its sum is below
+    # the TIMELINE_TOP_K-th best replay so far, at most RERANK_MAX_FACTOR times as many in all.
+    n = len(replayed)
+    assert TIMELINE_TOP_K <= n <= RERANK_MAX_FACTOR * TIMELINE_TOP_K
+    assert {p.layout for p in replayed} == {p.layout for p in analytical[:n]}
+    if n < RERANK_MAX_FACTOR * TIMELINE_TOP_K and n < len(analytical):
+        kth = sorted(p.timeline_step_s for p in replayed)[TIMELINE_TOP_K - 1]
+        assert analytical[n].step_s >= kth  # the first plan left unreplayed could not have entered the top
+    # One ranking by step time (the replay's where there is one), the first places all replayed.
+    assert [p.step_s for p in res.plans] == sorted(p.step_s for p in res.plans)
+    assert all(p.timeline_step_s is not None for p in res.plans[:TIMELINE_TOP_K])
+    assert res.plans[0].row()["step_s"] == res.plans[0].timeline_step_s
+
+
+def test_rerank_replays_past_the_first_k_when_a_later_plan_could_enter_them():
+    # Three real plans whose sums of terms are set by hand, k = 1: the first sum is the smallest; the
+    # second lies just below the first plan's replay, so it could still replay into first place and is
+    # replayed; the third lies above every replay and is left unreplayed, after both.
+    m, c = load_model("megatron-76.1b"), make_cluster("dgx-a100-hdr", 1024)
+    plans = search(m, c, 1024, 1024, software="megatron-lm-2021", timeline_top=0).plans[:3]
+    replay = [step_timeline(m, p.layout, c, 1024, "megatron-lm-2021", record=False).step_s for p in plans]
+
+    def with_sum(p, total):
+        return dataclasses.replace(p, time=dataclasses.replace(p.time, compute_s=p.time.compute_s + total - p.time.total_s))
+
+    sums = [0.5 * replay[0], 0.999 * replay[0], 1.01 * max(replay)]
+    given = [with_sum(p, s) for p, s in zip(plans, sums)]
+    assert [p.time.total_s for p in given] == pytest.approx(sums)
+    out = rerank_by_timeline(given, 1, m, c, 1024, "megatron-lm-2021")
+    assert [p.timeline_step_s for p in out[:2]] == pytest.approx(sorted(replay[:2]))
+    assert out[2].layout == plans[2].layout and out[2].timeline_step_s is None
+    # k = 1 and the second sum above the first replay: only the first is replayed.
+    given[1] = with_sum(plans[1], 1.001 * replay[0])
+    out = rerank_by_timeline(given, 1, m, c, 1024, "megatron-lm-2021")
+    assert [p.timeline_step_s is not None for p in out] == [True, False, False]
+    assert rerank_by_timeline(given, 0, m, c, 1024, "megatron-lm-2021") == given  # k = 0: as given
+
+
+def test_fsdp_is_replayed_per_op_and_agrees_with_the_time_model():
+    # ZeRO-3 on torchtitan's profile, one pipeline stage: each micro-batch's forward gathers the parameters
+    # and its backward gathers them again and reduce-scatters the gradients, hidden behind that op's compute
+    # but for the heads no prefetch hides; the replay and the time model then give the same step.
+    m, c = load_model("megatron-39.1b"), make_cluster("dgx-h100-ndr", 512)
+    for lay in (Layout(tp=4, pp=1, dp=128, micro_batch=4, zero_stage=3),    # the windows hold everything
+                Layout(tp=2, pp=1, dp=256, micro_batch=2, zero_stage=3)):   # the backward's window is full
+        t = step_time(m, lay, c, 1536, software="torchtitan")
+        tl = step_timeline(m, lay, c, 1536, "torchtitan")
+        # (the replay's windows also hold the loss, which the time model prices apart: a little more hides)
+        assert tl.step_s == pytest.approx(t.total_s, rel=1e-3) and tl.step_s <= t.total_s + 1e-12, lay
+        kinds = tl.time_by_kind(None)
+        assert kinds["dp_all_gather"] + kinds["dp_reduce_scatter"] == pytest.approx(t.dp_exposed_s, rel=1e-2)
+        assert t.dp_exposed_s > 0
+        # every micro-batch's forward gathers on the comm lane (the hidden part), none waits for a whole-step gather
+        gathers = [iv for iv in tl.intervals if iv.kind == "dp_all_gather" and iv.lane == COMM_LANE]
+        assert len(gathers) == 2 * t.micro_batches
+    costs, _ = step_costs(m, Layout(tp=4, pp=1, dp=128, micro_batch=4, zero_stage=3), c, 1536, "torchtitan")
+    assert costs.dp_reduce == () and costs.dp_gather_s == 0 and costs.fsdp_gather_s > 0 and costs.fsdp_reduce_s > 0
+    with pytest.raises(ValueError, match="fsdp_head_share"):
+        dataclasses.replace(costs, fsdp_head_share=1.5)
 
 
 def test_plot_step_timeline_llama3_405b():

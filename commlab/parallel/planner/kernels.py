@@ -46,8 +46,10 @@ inventory does not list, on a GPU that also runs communication) run below the ra
 microbenchmark gets. The kernel model therefore divides a layer's kernel seconds by the share the measured
 layer gives on its GPU -- one number per GPU, from a per-layer measurement, never from an end-to-end run:
 ``sum(kernel-model seconds) / sum(measured seconds - the modelled TP collectives)`` over the layer-time
-rows on that GPU. A GPU with no measured layer takes another GPU's share where its GEMM table says so
-(``in_stack_share_from``, an assumption its entry states).
+rows on that GPU. It holds whatever the model misses on that layer (NCCL below the link's line rate and
+the error of A100's borrowed GEMM curve included); using it for other stacks and models on the GPU, and for
+a GPU with no measured layer (which takes another GPU's share where its GEMM table says so,
+``in_stack_share_from``), are assumptions (:func:`in_stack_share`).
 """
 
 from __future__ import annotations
@@ -331,14 +333,16 @@ def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_pe
     Seconds per token on one tensor-parallel rank: each layer's GEMMs and memory-bound operations -- the
     forward once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy
     reruns (``"full"`` and ``"every-k"``: the whole forward, or one layer's in k; ``"selective"``: the
-    attention core) -- plus the output layer's three GEMMs. With FlashAttention the core's FLOP
+    attention core) -- plus the output layer's three GEMMs, all at the stack's share of their
+    microbenchmark rates (:func:`in_stack_share`). With FlashAttention the core's FLOP
     (:func:`~.time_model.attention_flops_per_token`) run at FlashAttention-2's measured speed for the
     model's head dimension and sequence length (:func:`attention_flop_per_s`; forward and backward at the
     one rate the measurement gives for both together). The fraction is
     ``executed_flop_per_token / tp`` over those seconds, over peak.
 
     Raises:
-        ValueError: what :func:`layer_kernels`, :func:`load_gemm_table` and :func:`attention_flop_per_s` raise.
+        ValueError: what :func:`layer_kernels`, :func:`load_gemm_table`, :func:`attention_flop_per_s` and
+            :func:`in_stack_share` raise.
     """
     seconds_per_token = _seconds_per_token(m, layout.tp, layout.micro_batch, layout.recompute, layout.recompute_every,
                                            layout.sequence_parallel, layout.flash_attention, device, peak_flop_per_s,
@@ -372,7 +376,7 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
                   share: float = 1.0) -> tuple[float, float]:
     """Seconds of one transformer layer's ``(forward, backward)`` for one micro-batch on one of ``tp`` GPUs,
     from its kernels alone: its GEMMs (:func:`layer_kernels`) at the table's efficiency, the attention core,
-    and the memory-bound bytes at the datasheet's bandwidth, as :func:`effective_fraction` prices them. The
+    and the memory-bound bytes at the datasheet's bandwidth, the parts :func:`effective_fraction` adds up. The
     backward includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention
     core's forward). No communication: the TP collectives are the time model's. ``share`` divides every
     kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates, as measured alone;
@@ -423,7 +427,8 @@ class LayerTimeRow:
         entry: the key in ``data/published_layer_times.json``; experiment: the source's row label.
         recompute, sequence_parallel: the row's policy.
         reported_forward_ms, reported_backward_ms: measured.
-        predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` plus the exposed TP collectives.
+        predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` at the microbenchmarks' rates
+            (``share=1``) plus the exposed TP collectives.
         tp_forward_ms, tp_backward_ms: those exposed TP collectives (in the predictions).
     """
 
@@ -447,33 +452,75 @@ class LayerTimeRow:
         return (self.predicted_backward_ms - self.reported_backward_ms) / self.reported_backward_ms * 100
 
 
-def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
+def _layer_time_entries(path: str | Path | None) -> dict:
+    """The entries of the layer-time file, each checked: ``{key: (entry, its preset's Cluster)}``.
+
+    Raises:
+        ValueError: the file is not a JSON object of entries; an entry without a field the check needs, with
+            an unknown model, preset or profile, a tp that does not divide a node of its preset, no rows, or a
+            row whose times are not finite numbers > 0 (each message names the entry).
+    """
+    from commlab.parallel.planner.memory import load_model
+    from commlab.parallel.planner.software import load_software
+    from commlab.parallel.planner.tables import read_table
+    from commlab.topology import load_preset
+    try:
+        table = read_table(path, LAYER_TIMES_PATH)
+    except AttributeError:
+        raise ValueError(f"layer-time file {path}: the top level must be a JSON object of entries") from None
+    out = {}
+    for key, e in table.items():
+        try:
+            missing = [f for f in ("model", "preset", "software", "tp", "micro_batch", "flash_attention", "rows")
+                       if f not in e]
+            if missing:
+                raise ValueError(f"it has no {', '.join(missing)}")
+            load_model(e["model"]), load_software(e["software"])
+            cluster = load_preset(e["preset"], nodes=1)
+            tp = e["tp"]
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cluster.devices_per_node % tp:
+                raise ValueError(f"tp={tp!r} does not divide a node of {e['preset']!r}")
+            if not e["rows"]:
+                raise ValueError("it has no rows")
+            for r in e["rows"]:
+                for f in ("forward_ms", "backward_ms"):
+                    v = r.get(f)
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                        raise ValueError(f"row {r.get('experiment')!r}: {f} must be a finite number of ms > 0, "
+                                         f"got {v!r}")
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise ValueError(f"layer-time entry {key!r}: {err}") from None
+        out[key] = (e, cluster)
+    return out
+
+
+def validate_layer_times(path: str | Path | None = None, device: str | None = None) -> list[LayerTimeRow]:
     """The kernel model against measured single-layer times (``data/published_layer_times.json``:
-    Korthikanti et al. 2022, Table 4).
+    Korthikanti et al. 2022, Table 4), its kernels at the microbenchmarks' own rates (``share=1`` in
+    :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference).
 
     For each row: :func:`layer_seconds` for the layer's kernels, plus its TP collectives as the time model
     prices them (a ring over the tp ranks on the preset's NVLink, :func:`~.time_model.tp_all_reduce_nbytes`):
     two in the forward; in the backward two, less the input-gradient reductions the profile's
     ``overlap_tp_backward`` hides (:func:`~.time_model.backward_tp_hidden_seconds`, each at most its own
-    linear's weight-gradient GEMM time), and two more for a fully recomputed forward. With sequence parallelism and
-    the profile's ``overlap_tp`` the forward's hide as the time model says. Nothing here is fitted.
+    linear's weight-gradient GEMM time, here at the microbenchmark's rate: on Table 4's layer a reduction is
+    shorter than either GEMM, so the bound does not bind), and two more for a fully recomputed forward. With
+    sequence parallelism and the profile's ``overlap_tp`` the forward's hide as the time model says. Nothing
+    here is fitted. ``device``: only the entries whose preset has that GPU (None: all).
 
     Raises:
-        ValueError: an entry whose model, preset, profile or policy is unknown, or whose tp does not fit in
-            one node of its preset.
+        ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
+            recomputation policy.
     """
     from commlab.collectives.ring import ring_all_reduce_seconds
     from commlab.parallel.planner.memory import load_model
     from commlab.parallel.planner.software import load_software
-    from commlab.parallel.planner.tables import read_table
     from commlab.parallel.planner.time_model import backward_tp_hidden_seconds, tp_all_reduce_nbytes
-    from commlab.topology import load_preset
     out = []
-    for key, e in read_table(path, LAYER_TIMES_PATH).items():
+    for key, (e, cluster) in _layer_time_entries(path).items():
+        if device is not None and cluster.device != device:
+            continue
         m, sw, tp, b = load_model(e["model"]), load_software(e["software"]), e["tp"], e["micro_batch"]
-        cluster = load_preset(e["preset"], nodes=1)
-        if cluster.devices_per_node % tp:
-            raise ValueError(f"layer-time entry {key!r}: tp={tp} does not divide a node of {e['preset']!r}")
         table, peak = load_gemm_table(cluster.device), _peak(cluster.device, "bf16")
         one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, b), tp, cluster.intra.alpha_s,
                                       cluster.intra.beta_s_per_byte)
@@ -481,14 +528,19 @@ def validate_layer_times(path: str | Path | None = None) -> list[LayerTimeRow]:
         wgrad = tuple(sum(gemm_seconds(table, peak, g) for g in ks["backward"] if g.name == name)
                       for name in ("qkv wgrad", "mlp-in wgrad"))  # a gated MLP's two first linears together
         for r in e["rows"]:
-            sp = r["sequence_parallel"]
-            fwd, bwd = layer_seconds(m, tp, b, cluster.device, r["recompute"], sp, e["flash_attention"])
+            sp = r.get("sequence_parallel", False)
+            try:
+                fwd, bwd = layer_seconds(m, tp, b, cluster.device, r.get("recompute", "none"), sp,
+                                         e["flash_attention"])
+            except ValueError as err:
+                raise ValueError(f"layer-time entry {key!r}, row {r.get('experiment')!r}: {err}") from None
             overlap_tp = sw.overlap_tp if sp else 0.0
             tp_f = 2 * one - min(overlap_tp * 2 * one, fwd)
             hidden = min(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad), bwd)
-            tp_b = 2 * one - hidden + (tp_f if r["recompute"] == "full" else 0.0)
-            out.append(LayerTimeRow(key, r["experiment"], r["recompute"], sp, r["forward_ms"], r["backward_ms"],
-                                    (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3, tp_b * 1e3))
+            tp_b = 2 * one - hidden + (tp_f if r.get("recompute") == "full" else 0.0)
+            out.append(LayerTimeRow(key, r.get("experiment", ""), r.get("recompute", "none"), sp, r["forward_ms"],
+                                    r["backward_ms"], (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3,
+                                    tp_b * 1e3))
     return out
 
 
@@ -515,42 +567,52 @@ class InStackShare:
 
 
 @lru_cache(maxsize=8)
-def in_stack_share(device: str, path: str | None = None, gemm_path: str | None = None) -> InStackShare:
+def in_stack_share(device: str, path: str | None = None) -> InStackShare:
     """The stack's share of the microbenchmark rates on ``device`` (see the module docstring).
 
     From the measured layers on the GPU (:func:`validate_layer_times` over ``path``, default
     :data:`LAYER_TIMES_PATH`; a row is on a GPU when its preset's device is that GPU):
     ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over each row's forward and
     backward, kernel seconds at the microbenchmarks' rates (``share=1`` in :func:`layer_seconds`). A GPU
-    with none takes the share of the GPU its entry in ``data/gemm_efficiency.json`` (or the file at
-    ``gemm_path``) names in ``in_stack_share_from``, with the entry's ``in_stack_assumption``.
+    with none takes the share of the GPU its entry in ``data/gemm_efficiency.json`` names in
+    ``in_stack_share_from`` (one hop), with the entry's ``in_stack_assumption``.
+
+    What the share holds is whatever the kernel model and the modelled TP collectives miss on the measured
+    layer: slower kernels in the stack, the gaps between them, NCCL below the link's line rate, and the
+    error of the GPU's GEMM curve (A100's is H100's scaled to A100's best). Using it for another stack or
+    model on the same GPU (the 2021 Megatron-LM, Megatron-DeepSpeed, FlashAttention kernels the layer did not
+    run), or for another GPU, is an assumption; the loss and the optimizer step, which the measured layer
+    does not contain, are not divided by it.
 
     Why one number per GPU and not per shape: the measured layer is one shape; its ten numbers agree within a
     few per cent (:attr:`InStackShare.ratios`), and the shape dependence is the GEMM table's.
 
     Raises:
-        ValueError: ``device`` has no measured layer and its GEMM-table entry names no
-            ``in_stack_share_from`` (or names a GPU without measured layers); a measured number not larger
-            than its modelled TP time (the share would not be in (0, 1]).
+        ValueError: ``device`` has no measured layer and no GEMM-table entry naming an
+            ``in_stack_share_from`` GPU that has them; a measured number not larger than its modelled TP
+            time; measured layers that give a share above 1 (the stack faster than its microbenchmarks);
+            what :func:`validate_layer_times` raises for a malformed entry on the GPU.
     """
     from commlab.parallel.planner.tables import read_table
-    from commlab.topology import load_preset
-    entries = read_table(path, LAYER_TIMES_PATH)
-    mine = {key for key, e in entries.items() if load_preset(e["preset"], nodes=1).device == device}
-    if not mine:
-        gemm = read_table(gemm_path, _DATA).get(device, {})
-        other = gemm.get("in_stack_share_from")
+    rows = validate_layer_times(path, device)
+    if not rows:
+        entry = read_table(None, _DATA).get(device)
+        other = (entry or {}).get("in_stack_share_from")
+        where = (f"no GEMM table for {device!r}" if entry is None
+                 else f"its entry in {_DATA.name} names no 'in_stack_share_from'")
         if other is None or other == device:
-            raise ValueError(f"no measured layer times on {device!r} and its GEMM table names no "
-                             f"'in_stack_share_from': the kernel model has no share of the microbenchmark rates "
-                             f"for it (add a measured layer to {LAYER_TIMES_PATH.name})")
-        base = in_stack_share(other, path, gemm_path)
+            raise ValueError(f"no measured layer times on {device!r} and {where}: the kernel model has no share of "
+                             f"the microbenchmark rates for it (add a measured layer to "
+                             f"{Path(path or LAYER_TIMES_PATH).name}, or name a GPU with one in 'in_stack_share_from')")
+        if not validate_layer_times(path, other):
+            raise ValueError(f"{device!r} takes its share from {other!r} ('in_stack_share_from'), which has no "
+                             f"measured layer times either")
+        base = in_stack_share(other, path)
+        assumption = entry.get("in_stack_assumption", f"assumption: the share measured on {other}")
         return InStackShare(device, base.share, base.measured_on, base.ratios,
-                            f"{base.source.rstrip('.')}; {gemm.get('in_stack_assumption', 'assumption: the share of ' + other)}")
+                            f"{base.source.rstrip('.')}; {assumption}")
     kernel, measured, ratios = 0.0, 0.0, []
-    for r in validate_layer_times(path):
-        if r.entry not in mine:
-            continue
+    for r in rows:
         for pred, rep, tp in ((r.predicted_forward_ms, r.reported_forward_ms, r.tp_forward_ms),
                               (r.predicted_backward_ms, r.reported_backward_ms, r.tp_backward_ms)):
             if rep <= tp:
@@ -560,8 +622,9 @@ def in_stack_share(device: str, path: str | None = None, gemm_path: str | None =
             measured += rep - tp
             ratios.append((pred - tp) / (rep - tp))
     share = kernel / measured
-    if not 0 < share <= 1:
+    if share > 1:
         raise ValueError(f"the measured layers on {device!r} give a share of {share:.3f} of the microbenchmark "
                          f"rates, outside (0, 1]: the kernel model would run the stack faster than its microbenchmarks")
-    sources = "; ".join(sorted({entries[k].get("source", k) for k in mine}))
+    entries = read_table(path, LAYER_TIMES_PATH)
+    sources = "; ".join(sorted({entries[k].get("source", k) for k in {r.entry for r in rows}}))
     return InStackShare(device, share, device, tuple(ratios), sources)

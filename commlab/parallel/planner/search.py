@@ -9,7 +9,8 @@ sequence parallelism, FlashAttention, overlap); it rejects the layouts that do n
 (each with its reason; the usable memory keeps ``memory_reserve`` of the device free) or cannot split the
 global batch, and ranks the rest by predicted step time (the analytical sum of terms; the
 :data:`TIMELINE_TOP_K` fastest are then replayed as step timelines, :mod:`~commlab.parallel.planner.timeline`,
-and re-ranked among themselves by the timeline's step time), marking those near the limit ``fragile``. A
+and so is each next plan that could still replay into those places, and the ranking then uses the replay's
+step time wherever there is one), marking those near the limit ``fragile``. A
 few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
 searched in well under a second (the count does not grow with the GPU count, only with its divisors).
 
@@ -48,11 +49,11 @@ __all__ = ["Plan", "Rejected", "SearchResult", "ValidationRow", "PUBLISHED_PATH"
 #: Published layouts and throughputs: the repository's ``data/published_layouts.json``.
 PUBLISHED_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layouts.json"
 
-#: How many of the fastest candidates (by the analytical step time) :func:`search` replays as step timelines
-#: and re-ranks by the timeline's step time: 10, twice the "top 5" in which the validation looks for published
-#: layouts, because the sum of terms and the replay disagree by a few per cent on the interleaving and the
-#: micro-batch (a plan sixth by the sum can replay first); a replay costs milliseconds, the analytical form
-#: microseconds.
+#: How many places of :func:`search`'s ranking come from replayed step timelines: 10, twice the "top 5" in
+#: which the validation looks for published layouts, because the sum of terms and the replay disagree by a
+#: few per cent on the interleaving and the micro-batch (a plan sixth by the sum can replay first); the search
+#: replays the 10 fastest by the sum and then each next one that could still replay into them
+#: (:func:`~.timeline.rerank_by_timeline`); a replay costs milliseconds, the analytical form microseconds.
 TIMELINE_TOP_K = 10
 
 #: The agreement the validation asks of the time model: predicted within this many percent of reported.
@@ -168,8 +169,10 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
 
     The ranking is by the analytical step time, then the ``timeline_top`` fastest (default
     :data:`TIMELINE_TOP_K`) are replayed as step timelines
-    (:func:`~commlab.parallel.planner.timeline.step_timeline`) and re-ranked among themselves by the
-    timeline's step time, which their :class:`Plan` carries (``timeline_top=0``: analytical only).
+    (:func:`~commlab.parallel.planner.timeline.step_timeline`), and each next one whose sum is below the
+    ``timeline_top``-th best replay so far (:func:`~.timeline.rerank_by_timeline`); every plan is then ranked
+    by its step time, the replay's where its :class:`Plan` carries one, so the first ``timeline_top`` places
+    are replayed plans (``timeline_top=0``: analytical only).
 
     Args:
         model: a :class:`ModelConfig` or a name in ``data/models.json``.

@@ -61,7 +61,8 @@ The terms, per step, on the critical path of one GPU:
   (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
   as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
   compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
-  two. **HSDP** (``Layout.dp_shard``; PyTorch FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with
+  two. What no prefetch hides (:func:`fsdp_head_share`): the forward's first gathers and the backward's
+  last ReduceScatters (the embedding's and the first block's). **HSDP** (``Layout.dp_shard``; PyTorch FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with
   ``(Replicate(), Shard(0))``, ``torch/distributed/fsdp``): the ReduceScatter and
   AllGather run over the shard group of ``dp_shard`` ranks (inside a node when it fits there), and each
   rank's ``1/dp_shard`` gradient shard is then all-reduced across the ``dp/dp_shard`` replicas (over the
@@ -124,7 +125,8 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "tp_all_reduce_nbytes", "input_grad_share", "column_wgrad_flops_per_token", "backward_tp_hidden_seconds",
            "pp_message_nbytes",
            "dp_gradient_nbytes", "dp_all_reduce_seconds",
-           "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "group_all_reduce_seconds",
+           "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "fsdp_head_share",
+           "group_all_reduce_seconds",
            "loss_seconds", "step_time",
            "KERNELS"]
 
@@ -565,7 +567,7 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
 
 
 def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, backward_s: float,
-                         gather_overlap: float, reduce_overlap: float) -> tuple[float, float]:
+                         gather_overlap: float, reduce_overlap: float, head_share: float = 0.0) -> tuple[float, float]:
     """``(exposed, hidden)`` seconds of one micro-batch's ZeRO-3 / FSDP communication.
 
     ``gather_s``: one AllGather of the parameters; it runs twice, before the forward pass (hidden up to
@@ -573,15 +575,42 @@ def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, bac
     ReduceScatter of the gradients after it. The backward AllGather (``gather_overlap``) and the
     ReduceScatter (``reduce_overlap``) hide behind ``backward_s`` together: three ring passes over the
     parameter bytes, where plain data parallelism's AllReduce makes two (Rajbhandari et al. 2020, §5.3).
+    ``head_share`` of the forward AllGather (the first units' parameters, gathered before any compute can
+    start) and of the ReduceScatter (the same units' gradients, reduced after the last compute) is exposed
+    whatever the overlap (:func:`fsdp_head_share`); the rest hides as above.
 
     Raises:
-        ValueError: a time that is negative or not finite, or an overlap share outside [0, 1].
+        ValueError: a time that is negative or not finite, or an overlap or head share outside [0, 1].
     """
     _check_times_and_shares(dict(gather_s=gather_s, reduce_s=reduce_s, forward_s=forward_s, backward_s=backward_s),
-                            dict(gather_overlap=gather_overlap, reduce_overlap=reduce_overlap))
-    hidden = (min(gather_overlap * gather_s, forward_s)
-              + min(gather_overlap * gather_s + reduce_overlap * reduce_s, backward_s))
+                            dict(gather_overlap=gather_overlap, reduce_overlap=reduce_overlap, head_share=head_share))
+    hidden = (min(gather_overlap * (1 - head_share) * gather_s, forward_s)
+              + min(gather_overlap * gather_s + reduce_overlap * (1 - head_share) * reduce_s, backward_s))
     return 2 * gather_s + reduce_s - hidden, hidden
+
+
+def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
+    """Share of one GPU's ZeRO-3 / FSDP parameters whose forward AllGather and whose ReduceScatter no
+    prefetch can hide, for :func:`fsdp_exposed_seconds`.
+
+    The units are torchtitan's (``apply_fsdp`` in ``torchtitan/models/llama3/infra/parallelize.py`` at
+    018740b7aa): ``fully_shard`` on the token embedding, on every transformer block, on the final norm with
+    the output layer, and on the root. FSDP2 issues a unit's AllGather when its forward is reached (the CPU
+    runs ahead of the GPU, so it overlaps the unit before it): the embedding's, first, and the first block's,
+    right after the embedding's lookup, have no compute to hide behind; in the backward the first block's and
+    the embedding's ReduceScatters come after the last compute. The backward's first gather hides: the norm
+    and output layer are not resharded after the forward, and the last block is gathered during their
+    backward. With pipeline stages, the heavier of the first stage (the embedding and a block) and the last
+    (a block) is taken, as for the DP bytes (:func:`dp_gradient_nbytes`). Left out: with pipelining
+    torchtitan does not reshard after the forward at all, so its backward gathers nothing, where the time
+    model gathers again.
+    """
+    block = layer_params(m)
+    if layout.pp == 1:
+        return min(1.0, (_embedding_params(m) + block) / stage_params(m, 1, "only"))
+    first = stage_params(m, layout.pp, "first", layout.interleave)
+    last = stage_params(m, layout.pp, "last", layout.interleave)
+    return min(1.0, (_embedding_params(m) + block) / first if first >= last else block / last)
 
 
 def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
@@ -618,7 +647,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     Raises:
         ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of
             range; ``dtype`` not in the cluster's peak table; an unknown software profile; with
-            :data:`KERNELS`, a cluster whose device has no GEMM table or memory bandwidth.
+            :data:`KERNELS`, a cluster whose device has no GEMM table or memory bandwidth, or no share of the
+            microbenchmark rates (:func:`~.kernels.in_stack_share`).
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
@@ -702,7 +732,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         one_rs = grad_ar / 2 + replica_ar  # FSDP2's HSDP all-reduces after every backward's ReduceScatter
         one_ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
         exposed, hidden = fsdp_exposed_seconds(one_ag, one_rs, per_micro * forward_share,
-                                               per_micro * (1 - forward_share), ov_param, ov_grad)
+                                               per_micro * (1 - forward_share), ov_param, ov_grad,
+                                               fsdp_head_share(m, L))
         rs, ag, dp_exposed, dp_hidden = micro * one_rs, micro * 2 * one_ag, micro * exposed, micro * hidden
     else:
         if L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params

@@ -60,9 +60,12 @@ both the exact offsets and the relative agreement). Where they differ legitimate
 
 Left out: the compute slowdown under overlapped PP and DP communication (applied to TP only; every preset
 sets it to 1.0), stragglers and jitter, the optimizer's own time, and per-stage DP volumes (every stage
-reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed with the time model's
-totals as ZeRO-1's pattern is (one parameter AllGather from the step's start, the gradient ReduceScatter
-after each chunk's last backward), not as its per-micro-batch gathers before each forward and backward.
+reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed per op, as the time
+model prices it (:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the
+chunk's parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
+profile's shares, the rest exposed (the exposed AllGather before the op, the ReduceScatter after it, which
+then also delays the op's pipeline send); the first units' gathers and the last units' ReduceScatters
+of each step's passes, which no prefetch can hide, are exposed (:func:`~.time_model.fsdp_head_share`).
 """
 
 from __future__ import annotations
@@ -79,13 +82,16 @@ from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, s
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
                                                  _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
-                                                 column_wgrad_flops_per_token, dp_last_bucket_share,
+                                                 column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
                                                  executed_flops_per_token, step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
            "StepTimeline", "ReplayState", "chunk_layers", "step_costs", "make_timeline_schedule", "replay",
-           "finish_stage", "timeline_from_costs", "step_timeline", "rerank_by_timeline"]
+           "finish_stage", "timeline_from_costs", "step_timeline", "rerank_by_timeline", "RERANK_MAX_FACTOR"]
+
+#: :func:`rerank_by_timeline` replays at most this many times ``k`` plans (a bound on the search's time).
+RERANK_MAX_FACTOR = 4
 
 #: Interval kinds, in drawing order.
 KINDS = ("forward", "backward", "recompute", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
@@ -179,6 +185,13 @@ class StepCosts:
             when the stage's last backward has ended (:func:`~.time_model.dp_last_bucket_share`).
         dp_gather_head: share (0..1) of the overlapped parameter AllGather gathered first, which the stage's
             first forward waits for before it starts.
+        fsdp_gather_s: ZeRO-3 / FSDP: one AllGather of one chunk's parameters, s, before each forward and
+            before each backward of every micro-batch (0 without ZeRO-3); ``overlap_dp_param_gather`` of it
+            hides behind that forward's or backward's compute.
+        fsdp_reduce_s: ZeRO-3 / FSDP: one ReduceScatter of one chunk's gradients after each backward, s;
+            ``overlap_dp_grad_reduce`` of it hides behind the backward's compute, beside its AllGather.
+        fsdp_head_share: share (0..1) of the forward AllGather and of the ReduceScatter that no prefetch
+            hides (:func:`~.time_model.fsdp_head_share`).
 
     Raises:
         ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside
@@ -198,6 +211,9 @@ class StepCosts:
     optimizer_s: float = 0.0
     dp_reduce_tail: float = 0.0
     dp_gather_head: float = 0.0
+    fsdp_gather_s: float = 0.0
+    fsdp_reduce_s: float = 0.0
+    fsdp_head_share: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -209,10 +225,10 @@ class StepCosts:
         m = self.micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
-        for name in ("pp_message_s", "dp_gather_s", "optimizer_s"):
+        for name in ("pp_message_s", "dp_gather_s", "optimizer_s", "fsdp_gather_s", "fsdp_reduce_s"):
             _check_seconds(name, (getattr(self, name),))
         for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather",
-                     "dp_reduce_tail", "dp_gather_head"):
+                     "dp_reduce_tail", "dp_gather_head", "fsdp_head_share"):
             object.__setattr__(self, name, _check_share(name, getattr(self, name)))
         if not self.compute_slowdown >= 1:
             raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
@@ -318,7 +334,16 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
 
     ov_grad = sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap
     ov_param = sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap
-    if layout.zero1:
+    fsdp_gather = fsdp_reduce = 0.0
+    fsdp_head = 0.0
+    if layout.zero_stage >= 3:
+        # Per micro-batch the time model gathers the stage's parameters twice and reduce-scatters its
+        # gradients once; each chunk holds 1/v of them, and each of its forwards and backwards carries its own.
+        reduce, gather = (), 0.0
+        fsdp_gather = bd.dp_all_gather_s / (2 * micro * v)
+        fsdp_reduce = bd.dp_reduce_scatter_s / (micro * v)
+        fsdp_head = fsdp_head_share(m, layout)
+    elif layout.zero1:
         reduce = (("dp_reduce_scatter", bd.dp_reduce_scatter_s),)
         gather = bd.dp_all_gather_s
     else:
@@ -331,7 +356,8 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
                       compute_slowdown=sw.overlap_compute_slowdown, dp_reduce=reduce, dp_gather_s=gather,
                       overlap_dp_grad_reduce=ov_grad, overlap_dp_param_gather=ov_param if layout.zero1 else 0.0,
                       optimizer_s=bd.optimizer_s if optimizer_s is None else optimizer_s,
-                      dp_reduce_tail=tail, dp_gather_head=tail if layout.zero1 else 0.0)
+                      dp_reduce_tail=tail, dp_gather_head=tail if layout.zero1 else 0.0,
+                      fsdp_gather_s=fsdp_gather, fsdp_reduce_s=fsdp_reduce, fsdp_head_share=fsdp_head)
     return costs, bd
 
 
@@ -446,6 +472,31 @@ class _OpTemplate:
     message_s: float
 
 
+def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float, backward: bool) -> tuple[list, float, float]:
+    """One op's bars with its ZeRO-3 / FSDP communication, as :func:`~.time_model.fsdp_exposed_seconds`
+    prices it: the chunk's AllGather (and after a backward its ReduceScatter) hides behind the op's
+    compute (``window``, s) up to the profile's shares, less the head shares that no prefetch hides
+    (every op of the chunk pays them: the time model's per-micro-batch totals); the AllGather's exposed rest runs before the
+    compute (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end
+    and the shift of the compute (the exposed AllGather)."""
+    g, r = costs.fsdp_gather_s, costs.fsdp_reduce_s if backward else 0.0
+    if g == 0 and r == 0:
+        return bars, end, 0.0
+    head = 0.0 if backward else costs.fsdp_head_share  # the backward's first gather hides (fsdp_head_share)
+    hide_g = min(costs.overlap_dp_param_gather * (1 - head) * g, window)
+    hide_r = min(costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r, window - hide_g)
+    wait, after = g - hide_g, r - hide_r
+    out = [("dp_all_gather", 0.0, wait, COMPUTE_LANE)] if wait > 0 else []
+    out += [(kind, a + wait, b + wait, lane) for kind, a, b, lane in bars]
+    if hide_g > 0:
+        out.append(("dp_all_gather", wait, wait + hide_g, COMM_LANE))
+    if hide_r > 0:
+        out.append(("dp_reduce_scatter", wait + hide_g, wait + hide_g + hide_r, COMM_LANE))
+    if after > 0:
+        out.append(("dp_reduce_scatter", end + wait, end + wait + after, COMPUTE_LANE))
+    return out, end + wait + after, wait
+
+
 def _templates(costs: StepCosts) -> dict:
     exposed = (1 - costs.overlap_pp) * costs.pp_message_s
     send = []
@@ -457,12 +508,14 @@ def _templates(costs: StepCosts) -> dict:
     for s, sc in enumerate(costs.stages):
         for c in range(sc.chunks):
             bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
+            bars, t, _ = _with_fsdp(costs, bars, t, sc.forward_s[c], False)
             out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s)
             bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
             at = t
             more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t,
                               None if sc.tp_backward_hidden_s is None else sc.tp_backward_hidden_s[c])
-            out[(s, c, True)] = _OpTemplate(tuple(bars + more), t, at, tuple(send), exposed, costs.pp_message_s)
+            bars, t, wait = _with_fsdp(costs, bars + more, t, sc.recompute_s[c] + sc.backward_s[c], True)
+            out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed, costs.pp_message_s)
     return out
 
 
@@ -694,12 +747,26 @@ def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster
                        software: SoftwareProfile | str | None = None,
                        achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                        dtype: str = "bf16", grad_bytes: int | None = None) -> list:
-    """The search's final ranking: the first ``k`` plans (sorted by the analytical step time) replayed with
-    :func:`step_timeline`, given their ``timeline_step_s`` and sorted among themselves by it (ties by
-    memory); the rest follow unchanged. ``plans`` are :class:`~commlab.parallel.planner.search.Plan` s."""
-    head = [dataclasses.replace(p, timeline_step_s=step_timeline(m, p.layout, cluster, global_batch, software, None,
-                                                                 achievable_fraction, dp_overlap, dtype,
-                                                                 grad_bytes, record=False).step_s)
-            for p in plans[:k]]
-    head.sort(key=lambda p: (p.step_s, p.memory.total_bytes))
-    return head + list(plans[k:])
+    """The search's final ranking, its first ``k`` places all from replayed timelines.
+
+    ``plans`` (:class:`~commlab.parallel.planner.search.Plan` s, sorted by the analytical step time) are
+    replayed with :func:`step_timeline` in that order, each given its ``timeline_step_s``: the first ``k``,
+    then each next one whose analytical step time is below the ``k``-th best replayed step so far (it could
+    still replay into the first ``k``), at most :data:`RERANK_MAX_FACTOR` ``· k`` in all. All are then
+    sorted by their step time (the replayed one where there is one; ties by memory).
+
+    Why not the first ``k`` only: a replay is usually a few per cent slower than the sum of terms (the
+    schedule's dependencies), so a plan just past the ``k``-th by the sum, never replayed, would otherwise
+    rank above replayed plans that it would beat if it were replayed too.
+    """
+    if k <= 0:
+        return list(plans)
+    replayed, i = [], 0
+    cap = RERANK_MAX_FACTOR * k
+    while i < len(plans) and (i < k or (i < cap and plans[i].step_s < sorted(p.step_s for p in replayed)[k - 1])):
+        p = plans[i]
+        replayed.append(dataclasses.replace(p, timeline_step_s=step_timeline(
+            m, p.layout, cluster, global_batch, software, None, achievable_fraction, dp_overlap, dtype, grad_bytes,
+            record=False).step_s))
+        i += 1
+    return sorted(replayed + list(plans[i:]), key=lambda p: (p.step_s, p.memory.total_bytes))
