@@ -473,14 +473,14 @@ def _plan(args, parser) -> int:
         mem = [r.reason for r in result.rejected if r.kind == "memory"]
         print("# nothing fits" + (f"; smallest need e.g. {min(mem, key=len)}" if mem else ""))
         return 1
-    print(f"# step s: the replayed step timeline for the top {TIMELINE_TOP_K} (re-ranked by it), the analytical sum "
-          f"of terms below them; the term columns are the analytical ones")
+    print(f"# step s: the replayed step timeline where the search replayed the plan (every one of the top "
+          f"{TIMELINE_TOP_K}), else the analytical sum of terms (marked ~); the term columns are the analytical ones")
     head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} {'DP':>7} "
             f"{'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
     print(head)
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()
-        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f} {r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
+        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f}{'~' if p.timeline_step_s is None else ' '}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
               f"{r['pp_s']:>7.3f} "
               f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "
               f"{r['tokens_per_s']:>11.4g} "

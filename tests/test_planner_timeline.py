@@ -284,6 +284,29 @@ def test_rerank_replays_past_the_first_k_when_a_later_plan_could_enter_them():
     assert rerank_by_timeline(given, 0, m, c, 1024, "megatron-lm-2021") == given  # k = 0: as given
 
 
+def test_rerank_keeps_replayed_plans_first_under_its_cap_and_on_ties():
+    m, c = load_model("megatron-39.1b"), make_cluster("dgx-a100-hdr", 512)
+    plans = search(m, c, 512, 1536, software="megatron-lm-2021", timeline_top=0).plans[:6]
+    replay = [step_timeline(m, p.layout, c, 1536, "megatron-lm-2021", record=False).step_s for p in plans]
+
+    def with_sum(p, total):
+        return dataclasses.replace(p, time=dataclasses.replace(p.time, compute_s=p.time.compute_s + total - p.time.total_s))
+
+    # Every sum far below every replay (and the first replay slower than its sum): each next plan could
+    # still win, so the search replays until its cap, RERANK_MAX_FACTOR * k = 4 for k = 1, and the first
+    # place is still a replayed plan, the fastest replay.
+    tiny = [with_sum(p, 1e-3 * (i + 1)) for i, p in enumerate(plans)]
+    out = rerank_by_timeline(tiny, 1, m, c, 1536, "megatron-lm-2021")
+    assert sum(p.timeline_step_s is not None for p in out) == RERANK_MAX_FACTOR
+    assert out[0].timeline_step_s == pytest.approx(min(replay[:RERANK_MAX_FACTOR]))
+    # A sum equal to the best replay (replays so far exactly their sums) is replayed: it could tie.
+    tie = [with_sum(plans[0], replay[0]), with_sum(plans[1], replay[0])] + [with_sum(p, 10 * max(replay))
+                                                                           for p in plans[2:]]
+    out = rerank_by_timeline(tie, 1, m, c, 1536, "megatron-lm-2021")
+    assert [p.timeline_step_s is not None for p in out[:2]] == [True, True]
+    assert all(p.timeline_step_s is None for p in out[2:])
+
+
 def test_fsdp_is_replayed_per_op_and_agrees_with_the_time_model():
     # ZeRO-3 on torchtitan's profile, one pipeline stage: each micro-batch's forward gathers the parameters
     # and its backward gathers them again and reduce-scatters the gradients, hidden behind that op's compute

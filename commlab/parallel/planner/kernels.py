@@ -591,7 +591,8 @@ def in_stack_share(device: str, path: str | None = None) -> InStackShare:
         ValueError: ``device`` has no measured layer and no GEMM-table entry naming an
             ``in_stack_share_from`` GPU that has them; a measured number not larger than its modelled TP
             time; measured layers that give a share above 1 (the stack faster than its microbenchmarks);
-            what :func:`validate_layer_times` raises for a malformed entry on the GPU.
+            what :func:`validate_layer_times` raises for a malformed entry anywhere in the file (every entry
+            is checked, whichever GPU it is on).
     """
     from commlab.parallel.planner.tables import read_table
     rows = validate_layer_times(path, device)

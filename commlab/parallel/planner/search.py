@@ -322,7 +322,7 @@ class ValidationRow:
             reports its iteration time instead (``iteration_s``), that definition's FLOP per step / the time /
             the GPUs.
         predicted_tflops: the planner's, for the published layout, in the same definition, at its step time
-            (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the re-ranked
+            (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the replayed first
             :data:`TIMELINE_TOP_K`).
         top_tflops: the time model's for the planner's top layout, same definition (Eq. 3 credits a layout
             without recomputation with the recomputed forward it assumes).
@@ -344,8 +344,9 @@ class ValidationRow:
             more than ``plan_rank`` and the table prints it as ``n/a``.
         published_time: the analytical breakdown of the published configuration's plan (seconds per term).
 
-    Ranks are positions in the planner's ranking (its :data:`TIMELINE_TOP_K` best by their replayed timelines,
-    the rest by the sum of terms); plans with equal step times share the position of the first of them.
+    Ranks are positions in the planner's ranking (its first :data:`TIMELINE_TOP_K` places by their replayed
+    timelines, after them each plan by its replay where the search replayed it, else by the sum of terms:
+    :func:`~.timeline.rerank_by_timeline`); plans with equal step times share the position of the first of them.
     """
 
     config: str

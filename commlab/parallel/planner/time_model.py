@@ -602,8 +602,10 @@ def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
     and output layer are not resharded after the forward, and the last block is gathered during their
     backward. With pipeline stages, the heavier of the first stage (the embedding and a block) and the last
     (a block) is taken, as for the DP bytes (:func:`dp_gradient_nbytes`). Left out: with pipelining
-    torchtitan does not reshard after the forward at all, so its backward gathers nothing, where the time
-    model gathers again.
+    torchtitan does not reshard after the forward, and PyTorch's pipeline stages turn gradient
+    synchronisation and resharding after the backward off until a step's last micro-batch, so such a step
+    gathers and reduce-scatters about once, where the time model does it for every micro-batch (pessimistic
+    for ZeRO-3 with pp > 1).
     """
     block = layer_params(m)
     if layout.pp == 1:

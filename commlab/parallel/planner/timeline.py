@@ -65,7 +65,10 @@ model prices it (:func:`~.time_model.fsdp_exposed_seconds`): each forward and ba
 chunk's parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
 profile's shares, the rest exposed (the exposed AllGather before the op, the ReduceScatter after it, which
 then also delays the op's pipeline send); the first units' gathers and the last units' ReduceScatters
-of each step's passes, which no prefetch can hide, are exposed (:func:`~.time_model.fsdp_head_share`).
+of each step's passes, which no prefetch can hide, are exposed (:func:`~.time_model.fsdp_head_share`). With
+pp = 1 the replay and the time model agree; with pp > 1 the replay is longer wherever FSDP is exposed, since
+the exposed time also delays the pipeline's sends and so widens the bubble (the time model's bubble leaves
+DP out), and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
 """
 
 from __future__ import annotations
@@ -747,26 +750,42 @@ def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster
                        software: SoftwareProfile | str | None = None,
                        achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
                        dtype: str = "bf16", grad_bytes: int | None = None) -> list:
-    """The search's final ranking, its first ``k`` places all from replayed timelines.
+    """The search's final ranking, its first ``k`` places all replayed plans.
 
     ``plans`` (:class:`~commlab.parallel.planner.search.Plan` s, sorted by the analytical step time) are
-    replayed with :func:`step_timeline` in that order, each given its ``timeline_step_s``: the first ``k``,
-    then each next one whose analytical step time is below the ``k``-th best replayed step so far (it could
-    still replay into the first ``k``), at most :data:`RERANK_MAX_FACTOR` ``· k`` in all. All are then
-    sorted by their step time (the replayed one where there is one; ties by memory).
-
-    Why not the first ``k`` only: a replay is usually a few per cent slower than the sum of terms (the
-    schedule's dependencies), so a plan just past the ``k``-th by the sum, never replayed, would otherwise
-    rank above replayed plans that it would beat if it were replayed too.
+    replayed with :func:`step_timeline`, each given its ``timeline_step_s``: first the ``k`` fastest by the
+    sum; then, place by place, the best replayed plan takes the next place unless a plan not yet replayed
+    could still beat it, which is replayed first. A plan could beat it when its sum times the smallest
+    replay-to-sum ratio seen so far (at most 1) is not above the best replay: a replay is usually a little
+    slower than the sum (the schedule's dependencies) but can be faster (the sum prices every stage as the
+    heaviest), and the ratio is the margin the replays have shown. At most :data:`RERANK_MAX_FACTOR` ``· k``
+    plans are replayed; the first ``k`` places are replayed plans even when that cap binds. After them, every
+    other plan follows by its step time (the replay's where there is one; ties by memory).
     """
     if k <= 0:
         return list(plans)
-    replayed, i = [], 0
-    cap = RERANK_MAX_FACTOR * k
-    while i < len(plans) and (i < k or (i < cap and plans[i].step_s < sorted(p.step_s for p in replayed)[k - 1])):
-        p = plans[i]
-        replayed.append(dataclasses.replace(p, timeline_step_s=step_timeline(
+
+    def key(p):
+        return p.step_s, p.memory.total_bytes
+
+    def replayed(p):
+        return dataclasses.replace(p, timeline_step_s=step_timeline(
             m, p.layout, cluster, global_batch, software, None, achievable_fraction, dp_overlap, dtype, grad_bytes,
-            record=False).step_s))
-        i += 1
-    return sorted(replayed + list(plans[i:]), key=lambda p: (p.step_s, p.memory.total_bytes))
+            record=False).step_s)
+
+    cap = RERANK_MAX_FACTOR * k
+    done = [replayed(p) for p in plans[:k]]
+    ratio = min([1.0] + [p.timeline_step_s / p.time.total_s for p in done if p.time.total_s > 0])
+    nxt, out = len(done), []
+    while len(out) < k and done:
+        best = min(done, key=key)
+        if nxt < len(plans) and nxt < cap and plans[nxt].step_s * ratio <= best.step_s:
+            p = replayed(plans[nxt])
+            if p.time.total_s > 0:
+                ratio = min(ratio, p.timeline_step_s / p.time.total_s)
+            done.append(p)
+            nxt += 1
+            continue
+        done.remove(best)
+        out.append(best)
+    return out + sorted(done + list(plans[nxt:]), key=key)
