@@ -260,6 +260,12 @@ def test_search_reranks_its_top_candidates_by_the_timeline():
     assert res.plans[0].row()["step_s"] == res.plans[0].timeline_step_s
 
 
+def _with_sum(plan, total):
+    """The plan with its analytical step time set to ``total`` seconds (the change put on its compute)."""
+    return dataclasses.replace(plan, time=dataclasses.replace(plan.time,
+                                                              compute_s=plan.time.compute_s + total - plan.time.total_s))
+
+
 def test_rerank_replays_past_the_first_k_when_a_later_plan_could_enter_them():
     # Three real plans whose sums of terms are set by hand, k = 1: the first sum is the smallest; the
     # second lies just below the first plan's replay, so it could still replay into first place and is
@@ -268,17 +274,14 @@ def test_rerank_replays_past_the_first_k_when_a_later_plan_could_enter_them():
     plans = search(m, c, 1024, 1024, software="megatron-lm-2021", timeline_top=0).plans[:3]
     replay = [step_timeline(m, p.layout, c, 1024, "megatron-lm-2021", record=False).step_s for p in plans]
 
-    def with_sum(p, total):
-        return dataclasses.replace(p, time=dataclasses.replace(p.time, compute_s=p.time.compute_s + total - p.time.total_s))
-
     sums = [0.5 * replay[0], 0.999 * replay[0], 1.01 * max(replay)]
-    given = [with_sum(p, s) for p, s in zip(plans, sums)]
+    given = [_with_sum(p, s) for p, s in zip(plans, sums)]
     assert [p.time.total_s for p in given] == pytest.approx(sums)
     out = rerank_by_timeline(given, 1, m, c, 1024, "megatron-lm-2021")
     assert [p.timeline_step_s for p in out[:2]] == pytest.approx(sorted(replay[:2]))
     assert out[2].layout == plans[2].layout and out[2].timeline_step_s is None
     # k = 1 and the second sum above the first replay: only the first is replayed.
-    given[1] = with_sum(plans[1], 1.001 * replay[0])
+    given[1] = _with_sum(plans[1], 1.001 * replay[0])
     out = rerank_by_timeline(given, 1, m, c, 1024, "megatron-lm-2021")
     assert [p.timeline_step_s is not None for p in out] == [True, False, False]
     assert rerank_by_timeline(given, 0, m, c, 1024, "megatron-lm-2021") == given  # k = 0: as given
@@ -289,18 +292,15 @@ def test_rerank_keeps_replayed_plans_first_under_its_cap_and_on_ties():
     plans = search(m, c, 512, 1536, software="megatron-lm-2021", timeline_top=0).plans[:6]
     replay = [step_timeline(m, p.layout, c, 1536, "megatron-lm-2021", record=False).step_s for p in plans]
 
-    def with_sum(p, total):
-        return dataclasses.replace(p, time=dataclasses.replace(p.time, compute_s=p.time.compute_s + total - p.time.total_s))
-
     # Every sum far below every replay (and the first replay slower than its sum): each next plan could
     # still win, so the search replays until its cap, RERANK_MAX_FACTOR * k = 4 for k = 1, and the first
     # place is still a replayed plan, the fastest replay.
-    tiny = [with_sum(p, 1e-3 * (i + 1)) for i, p in enumerate(plans)]
+    tiny = [_with_sum(p, 1e-3 * (i + 1)) for i, p in enumerate(plans)]
     out = rerank_by_timeline(tiny, 1, m, c, 1536, "megatron-lm-2021")
     assert sum(p.timeline_step_s is not None for p in out) == RERANK_MAX_FACTOR
     assert out[0].timeline_step_s == pytest.approx(min(replay[:RERANK_MAX_FACTOR]))
     # A sum equal to the best replay (replays so far exactly their sums) is replayed: it could tie.
-    tie = [with_sum(plans[0], replay[0]), with_sum(plans[1], replay[0])] + [with_sum(p, 10 * max(replay))
+    tie = [_with_sum(plans[0], replay[0]), _with_sum(plans[1], replay[0])] + [_with_sum(p, 10 * max(replay))
                                                                            for p in plans[2:]]
     out = rerank_by_timeline(tie, 1, m, c, 1536, "megatron-lm-2021")
     assert [p.timeline_step_s is not None for p in out[:2]] == [True, True]
