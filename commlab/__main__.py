@@ -480,7 +480,8 @@ def _plan(args, parser) -> int:
     print(head)
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()
-        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f}{'~' if p.timeline_step_s is None else ' '}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
+        by_sum = "~" if p.timeline_step_s is None else " "
+        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f}{by_sum}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
               f"{r['pp_s']:>7.3f} "
               f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "
               f"{r['tokens_per_s']:>11.4g} "

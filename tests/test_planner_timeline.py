@@ -262,8 +262,8 @@ def test_search_reranks_its_top_candidates_by_the_timeline():
 
 def _with_sum(plan, total):
     """The plan with its analytical step time set to ``total`` seconds (the change put on its compute)."""
-    return dataclasses.replace(plan, time=dataclasses.replace(plan.time,
-                                                              compute_s=plan.time.compute_s + total - plan.time.total_s))
+    time = dataclasses.replace(plan.time, compute_s=plan.time.compute_s + total - plan.time.total_s)
+    return dataclasses.replace(plan, time=time)
 
 
 def test_rerank_replays_past_the_first_k_when_a_later_plan_could_enter_them():

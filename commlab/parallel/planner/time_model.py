@@ -62,8 +62,8 @@ The terms, per step, on the critical path of one GPU:
   as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
   compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
   two. What no prefetch hides (:func:`fsdp_head_share`): the forward's first gathers and the backward's
-  last ReduceScatters (the embedding's and the first block's). **HSDP** (``Layout.dp_shard``; PyTorch FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with
-  ``(Replicate(), Shard(0))``, ``torch/distributed/fsdp``): the ReduceScatter and
+  last ReduceScatters (the embedding's and the first block's). **HSDP** (``Layout.dp_shard``; PyTorch
+  FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with ``(Replicate(), Shard(0))``, ``torch/distributed/fsdp``): the ReduceScatter and
   AllGather run over the shard group of ``dp_shard`` ranks (inside a node when it fits there), and each
   rank's ``1/dp_shard`` gradient shard is then all-reduced across the ``dp/dp_shard`` replicas (over the
   network), after every micro-batch's backward under ZeRO-3 as FSDP2 does by default, once per step under
@@ -98,7 +98,8 @@ schedule's order, and the search ranks its top candidates by that replay. ``achi
 replaces the one constant by the layout's own share of peak from its kernels
 (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
 operations and the optimizer step at the memory's bandwidth, a layer's kernels at the stack's share of their
-microbenchmark rates measured on single layers, :func:`~.kernels.in_stack_share`). What is left out (see the book): with the
+microbenchmark rates measured on single layers, :func:`~.kernels.in_stack_share`). What is left out (see the
+book): with the
 constant, kernel-efficiency changes with the GEMM shapes and memory-bound operations; in both, the
 all-gather inside the node after a scattered pipeline message, context parallelism, with the constant the optimizer step time,
 data loading, stragglers.

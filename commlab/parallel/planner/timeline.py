@@ -478,9 +478,10 @@ class _OpTemplate:
 def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float, backward: bool) -> tuple[list, float, float]:
     """One op's bars with its ZeRO-3 / FSDP communication, as :func:`~.time_model.fsdp_exposed_seconds`
     prices it: the chunk's AllGather (and after a backward its ReduceScatter) hides behind the op's
-    compute (``window``, s) up to the profile's shares, less the head shares that no prefetch hides
-    (every op of the chunk pays them: the time model's per-micro-batch totals); the AllGather's exposed rest runs before the
-    compute (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end
+    compute (``window``, s) up to the profile's shares, less, in a forward's gather and a backward's
+    ReduceScatter, the head share that no prefetch hides (every chunk's op pays its part of it, so a
+    micro-batch pays it whole, as in the time model); the AllGather's exposed rest runs before the compute
+    (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end
     and the shift of the compute (the exposed AllGather)."""
     g, r = costs.fsdp_gather_s, costs.fsdp_reduce_s if backward else 0.0
     if g == 0 and r == 0:
