@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from commlab.parallel.pipeline import BACKWARD, FORWARD, interleaved_schedule, virtual_dependencies
 from commlab.parallel.planner import Layout, attention_flops_per_token, layer_params, load_model, search, step_time
 from commlab.parallel.planner.search import TIMELINE_TOP_K, make_cluster
-from commlab.parallel.planner.timeline import (COMM_LANE, KINDS, RERANK_MAX_FACTOR, StageCosts, StepCosts,
+from commlab.parallel.planner.timeline import (COMM_LANE, COMPUTE_LANE, KINDS, RERANK_MAX_FACTOR, StageCosts, StepCosts,
                                                chunk_layers, make_timeline_schedule, rerank_by_timeline, step_costs,
                                                step_timeline, timeline_from_costs)
 
@@ -328,6 +328,30 @@ def test_fsdp_is_replayed_per_op_and_agrees_with_the_time_model():
     assert costs.dp_reduce == () and costs.dp_gather_s == 0 and costs.fsdp_gather_s > 0 and costs.fsdp_reduce_s > 0
     with pytest.raises(ValueError, match="fsdp_head_share"):
         dataclasses.replace(costs, fsdp_head_share=1.5)
+
+
+def test_fsdp_with_pipeline_stages_delays_no_message_and_keeps_each_stream_serial():
+    # ZeRO-3 with 4 even stages: the exposed gather runs while the op's input is in flight and the exposed
+    # ReduceScatter after its send has left, so the replay stays within a few per cent of the time model
+    # (whose bubble leaves DP out) and every stage's compute stream holds one bar at a time.
+    m, c = load_model("megatron-39.1b"), make_cluster("dgx-h100-ndr", 512)
+    lay = Layout(tp=4, pp=4, dp=32, micro_batch=2, zero_stage=3)
+    t = step_time(m, lay, c, 1536, software="torchtitan")
+    tl = step_timeline(m, lay, c, 1536, "torchtitan")
+    assert tl.step_s == pytest.approx(t.total_s, rel=0.03)
+    for s in range(lay.pp):
+        bars = sorted((iv for iv in tl.intervals if iv.stage == s and iv.lane == COMPUTE_LANE),
+                      key=lambda iv: (iv.start_s, iv.end_s))
+        assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(bars, bars[1:])), s
+        exposed = sum(iv.duration_s for iv in bars if iv.kind in ("dp_all_gather", "dp_reduce_scatter"))
+        # (each stage's windows are its own chunks', the last stage's with the output layer and the loss; the
+        # time model's are the heaviest stage's: they differ by a little)
+        assert exposed == pytest.approx(t.dp_exposed_s, rel=0.03), s
+    # a message leaves when the op's computation ends, before its exposed ReduceScatter
+    for key, (sent, _) in tl.arrivals.items():
+        rs = [iv for iv in tl.intervals if iv.stage == key[0] and iv.kind == "dp_reduce_scatter"
+              and iv.lane == COMPUTE_LANE and iv.microbatch == key[2] and iv.chunk == key[3]]
+        assert all(iv.start_s >= sent - 1e-9 for iv in rs)
 
 
 def test_plot_step_timeline_llama3_405b():

@@ -63,12 +63,13 @@ sets it to 1.0), stragglers and jitter, the optimizer's own time, and per-stage 
 reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed per op, as the time
 model prices it (:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the
 chunk's parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
-profile's shares, the rest exposed (the exposed AllGather before the op, the ReduceScatter after it, which
-then also delays the op's pipeline send); the first units' gathers and the last units' ReduceScatters
-of each step's passes, which no prefetch can hide, are exposed (:func:`~.time_model.fsdp_head_share`). With
-pp = 1 the replay and the time model agree; with pp > 1 the replay is longer wherever FSDP is exposed, since
-the exposed time also delays the pipeline's sends and so widens the bubble (the time model's bubble leaves
-DP out), and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
+profile's shares, the rest exposed: the AllGather before the op, while its input may still be in flight,
+and the ReduceScatter after it, once its send has left, so that neither delays the pipeline's messages. The
+first units' gathers and the last
+units' ReduceScatters of each step's passes, which no prefetch can hide, are exposed
+(:func:`~.time_model.fsdp_head_share`). With pp = 1 the replay and the time model agree; with pp > 1 the
+exposed time still delays the stage's next ops and so its bubble (the time model's bubble leaves DP out),
+and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
 """
 
 from __future__ import annotations
@@ -465,7 +466,9 @@ def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float,
 @dataclasses.dataclass(frozen=True)
 class _OpTemplate:
     """One chunk's forward or backward relative to its start: compute bars, when its computation ends
-    (``compute_end``), when its backward computation starts (``backward_at``), and its send."""
+    (``compute_end``), when its backward computation starts (``backward_at``), and its send; under ZeRO-3
+    the exposed AllGather it opens with (``pre_wait``, which may run while its input is still in flight) and
+    the exposed ReduceScatter it closes with (``tail_bars``, after the send leaves, ``tail_s`` long)."""
 
     bars: tuple
     compute_end: float
@@ -473,19 +476,24 @@ class _OpTemplate:
     send_bars: tuple  # relative to compute_end
     send_stall: float
     message_s: float
+    pre_wait: float = 0.0
+    tail_bars: tuple = ()  # relative to the end of the send's stall
+    tail_s: float = 0.0
 
 
-def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float, backward: bool) -> tuple[list, float, float]:
+def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
+               backward: bool) -> tuple[list, float, float, tuple, float]:
     """One op's bars with its ZeRO-3 / FSDP communication, as :func:`~.time_model.fsdp_exposed_seconds`
     prices it: the chunk's AllGather (and after a backward its ReduceScatter) hides behind the op's
     compute (``window``, s) up to the profile's shares, less, in a forward's gather and a backward's
     ReduceScatter, the head share that no prefetch hides (every chunk's op pays its part of it, so a
     micro-batch pays it whole, as in the time model); the AllGather's exposed rest runs before the compute
-    (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end
-    and the shift of the compute (the exposed AllGather)."""
+    (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end of the
+    computation, the exposed AllGather (the shift of the compute), and the exposed ReduceScatter's bars
+    (relative to when the op's send has left) and seconds."""
     g, r = costs.fsdp_gather_s, costs.fsdp_reduce_s if backward else 0.0
     if g == 0 and r == 0:
-        return bars, end, 0.0
+        return bars, end, 0.0, (), 0.0
     head = 0.0 if backward else costs.fsdp_head_share  # the backward's first gather hides (fsdp_head_share)
     hide_g = min(costs.overlap_dp_param_gather * (1 - head) * g, window)
     hide_r = min(costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r, window - hide_g)
@@ -496,9 +504,8 @@ def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float, backward
         out.append(("dp_all_gather", wait, wait + hide_g, COMM_LANE))
     if hide_r > 0:
         out.append(("dp_reduce_scatter", wait + hide_g, wait + hide_g + hide_r, COMM_LANE))
-    if after > 0:
-        out.append(("dp_reduce_scatter", end + wait, end + wait + after, COMPUTE_LANE))
-    return out, end + wait + after, wait
+    tail = (("dp_reduce_scatter", 0.0, after, COMPUTE_LANE),) if after > 0 else ()
+    return out, end + wait, wait, tail, after
 
 
 def _templates(costs: StepCosts) -> dict:
@@ -512,14 +519,17 @@ def _templates(costs: StepCosts) -> dict:
     for s, sc in enumerate(costs.stages):
         for c in range(sc.chunks):
             bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
-            bars, t, _ = _with_fsdp(costs, bars, t, sc.forward_s[c], False)
-            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s)
+            bars, t, wait, tail, after = _with_fsdp(costs, bars, t, sc.forward_s[c], False)
+            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s,
+                                             wait, tail, after)
             bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
             at = t
             more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t,
                               None if sc.tp_backward_hidden_s is None else sc.tp_backward_hidden_s[c])
-            bars, t, wait = _with_fsdp(costs, bars + more, t, sc.recompute_s[c] + sc.backward_s[c], True)
-            out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed, costs.pp_message_s)
+            bars, t, wait, tail, after = _with_fsdp(costs, bars + more, t, sc.recompute_s[c] + sc.backward_s[c],
+                                                    True)
+            out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed, costs.pp_message_s,
+                                            wait, tail, after)
     return out
 
 
@@ -533,7 +543,8 @@ def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start
     free = state.compute_free[s]
     ready = start if ready is None else ready
     if ready > free:
-        in_flight = max(free, msg[0]) if msg is not None else ready
+        # (an op that opens with an exposed ZeRO-3 gather starts before its input arrives: no wait past it)
+        in_flight = min(max(free, msg[0]), ready) if msg is not None else ready
         if in_flight > free:
             ivs.append(Interval(s, "bubble", free, in_flight))
         if ready > in_flight:
@@ -547,6 +558,9 @@ def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start
     if sends:
         for kind, a, b, lane in tpl.send_bars:
             ivs.append(Interval(s, kind, mid + a, mid + b, j, c, lane))
+    after_send = end - tpl.tail_s
+    for kind, a, b, lane in tpl.tail_bars:
+        ivs.append(Interval(s, kind, after_send + a, after_send + b, j, c, lane))
     key = (s, BACKWARD if backward else FORWARD, j, c)
     state.done[key] = (start, end)
     if sends:
@@ -582,9 +596,10 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                 code, dep, backward, c, j, sends = entry
                 if dep >= 0 and arrival[dep] is None:
                     break
-                start = free[s] if dep < 0 or arrival[dep] <= free[s] else arrival[dep]
-                ready = start  # when it could start; later only while it waits for the first gathered bucket
                 t = tpl_s[2 * c + backward]
+                # Its exposed ZeRO-3 gather (pre_wait) needs no input: it may run while the input is in flight.
+                start = free[s] if dep < 0 or arrival[dep] <= free[s] + t.pre_wait else arrival[dep] - t.pre_wait
+                ready = start  # when it could start; later only while it waits for the first gathered bucket
                 mid = start + t.compute_end
                 stall_from = mid
                 if not backward and not state.gathered[s]:
@@ -597,7 +612,7 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                     mid = max(mid, gathered)
                 if backward:
                     last_b[(s, c)] = start + t.backward_at
-                end = mid + t.send_stall if sends else mid
+                end = (mid + t.send_stall if sends else mid) + t.tail_s
                 if record:
                     msg = (sent_at[dep], arrival[dep]) if dep >= 0 else None
                     _record_op(state, s, entry, t, start, mid, stall_from, msg, end, ready)
