@@ -351,11 +351,10 @@ def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_pe
 
 
 def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: bool, flash_attention: bool,
-                 device: str, peak_flop_per_s: float, hbm_bytes_per_s: float,
-                 share: float = 1.0) -> tuple[float, float, float, float]:
-    """Seconds per token of one layer on one tp rank: ``(forward without the attention core, the core's
-    forward, backward without the core, the core's backward)``, GEMMs and memory-bound bytes together, each
-    divided by ``share`` (the share of the microbenchmark rates the stack runs at; 1.0 = as measured alone)."""
+                 device: str, peak_flop_per_s: float, hbm_bytes_per_s: float) -> tuple[float, float, float, float]:
+    """Seconds per token of one layer on one tp rank at the microbenchmarks' rates: ``(forward without the
+    attention core, the core's forward, backward without the core, the core's backward)``, GEMMs and
+    memory-bound bytes together."""
     from commlab.parallel.planner.time_model import attention_flops_per_token
     table = load_gemm_table(device)
     ks = layer_kernels(m, micro_batch, tp, flash_attention)
@@ -367,8 +366,8 @@ def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: b
         sec["core_forward"], sec["core_backward"] = af / tp / rate, ab / tp / rate
     mem_layer, mem_core = (b / hbm_bytes_per_s for b in
                            memory_bound_bytes_per_token(m, tp, sequence_parallel, flash_attention))
-    return ((sec["forward"] + mem_layer) / share, (sec["core_forward"] + mem_core) / share,
-            (sec["backward"] + 2 * mem_layer) / share, (sec["core_backward"] + 2 * mem_core) / share)
+    return (sec["forward"] + mem_layer, sec["core_forward"] + mem_core, sec["backward"] + 2 * mem_layer,
+            sec["core_backward"] + 2 * mem_core)
 
 
 def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recompute: str = "none",
@@ -397,8 +396,8 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
         raise ValueError(f"share must be in (0, 1] (the stack's share of the microbenchmark rates), got {share!r}")
     from commlab import hardware
     parts = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention, device,
-                         _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"), share)
-    forward, core, backward, core_backward = (x * micro_batch * m.seq for x in parts)
+                         _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"))
+    forward, core, backward, core_backward = (x * micro_batch * m.seq / share for x in parts)
     rerun = {"full": forward + core, "selective": core}.get(recompute, 0.0)
     return forward + core, backward + core_backward + rerun
 
@@ -407,16 +406,15 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
 def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str, recompute_every: int,
                        sequence_parallel: bool, flash_attention: bool, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float) -> float:
-    share = in_stack_share(device).share
     forward, core, backward, core_backward = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention,
-                                                          device, peak_flop_per_s, hbm_bytes_per_s, share)
+                                                          device, peak_flop_per_s, hbm_bytes_per_s)
     table = load_gemm_table(device)
     tokens = micro_batch * m.seq
     rerun = {"full": 1.0, "every-k": 1.0 / recompute_every}.get(recompute, 0.0)
     layer_s = ((forward + core) * (1.0 + rerun) + (core if recompute == "selective" else 0.0)
                + backward + core_backward)
     out_s = 3 * gemm_seconds(table, peak_flop_per_s, Gemm("output", tokens, -(-m.vocab // tp), m.hidden)) / tokens
-    return m.layers * layer_s + out_s / share
+    return (m.layers * layer_s + out_s) / in_stack_share(device).share  # the stack's share of those rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +451,8 @@ class LayerTimeRow:
 
 
 def _layer_time_entries(path: str | Path | None) -> dict:
-    """The entries of the layer-time file, each checked: ``{key: (entry, its preset's Cluster)}``.
+    """The entries of the layer-time file, each checked: ``{key: (entry, its preset's Cluster, its
+    ModelConfig, its SoftwareProfile)}``.
 
     Raises:
         ValueError: the file is not a JSON object of entries; an entry without a field the check needs, with
@@ -475,7 +474,7 @@ def _layer_time_entries(path: str | Path | None) -> dict:
                        if f not in e]
             if missing:
                 raise ValueError(f"it has no {', '.join(missing)}")
-            load_model(e["model"]), load_software(e["software"])
+            m, sw = load_model(e["model"]), load_software(e["software"])
             cluster = load_preset(e["preset"], nodes=1)
             tp = e["tp"]
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cluster.devices_per_node % tp:
@@ -490,7 +489,7 @@ def _layer_time_entries(path: str | Path | None) -> dict:
                                          f"got {v!r}")
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"layer-time entry {key!r}: {err}") from None
-        out[key] = (e, cluster)
+        out[key] = (e, cluster, m, sw)
     return out
 
 
@@ -513,14 +512,12 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
             recomputation policy.
     """
     from commlab.collectives.ring import ring_all_reduce_seconds
-    from commlab.parallel.planner.memory import load_model
-    from commlab.parallel.planner.software import load_software
     from commlab.parallel.planner.time_model import backward_tp_hidden_seconds, tp_all_reduce_nbytes
     out = []
-    for key, (e, cluster) in _layer_time_entries(path).items():
+    for key, (e, cluster, m, sw) in _layer_time_entries(path).items():
         if device is not None and cluster.device != device:
             continue
-        m, sw, tp, b = load_model(e["model"]), load_software(e["software"]), e["tp"], e["micro_batch"]
+        tp, b = e["tp"], e["micro_batch"]
         table, peak = load_gemm_table(cluster.device), _peak(cluster.device, "bf16")
         one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, b), tp, cluster.intra.alpha_s,
                                       cluster.intra.beta_s_per_byte)
@@ -596,22 +593,28 @@ def in_stack_share(device: str, path: str | None = None) -> InStackShare:
     """
     from commlab.parallel.planner.tables import read_table
     rows = validate_layer_times(path, device)
+    if rows:
+        return _measured_share(device, rows, path)
+    entry = read_table(None, _DATA).get(device)
+    other = (entry or {}).get("in_stack_share_from")
+    where = (f"no GEMM table for {device!r}" if entry is None
+             else f"its entry in {_DATA.name} names no 'in_stack_share_from'")
+    if other is None or other == device:
+        raise ValueError(f"no measured layer times on {device!r} and {where}: the kernel model has no share of "
+                         f"the microbenchmark rates for it (add a measured layer to "
+                         f"{Path(path or LAYER_TIMES_PATH).name}, or name a GPU with one in 'in_stack_share_from')")
+    rows = validate_layer_times(path, other)
     if not rows:
-        entry = read_table(None, _DATA).get(device)
-        other = (entry or {}).get("in_stack_share_from")
-        where = (f"no GEMM table for {device!r}" if entry is None
-                 else f"its entry in {_DATA.name} names no 'in_stack_share_from'")
-        if other is None or other == device:
-            raise ValueError(f"no measured layer times on {device!r} and {where}: the kernel model has no share of "
-                             f"the microbenchmark rates for it (add a measured layer to "
-                             f"{Path(path or LAYER_TIMES_PATH).name}, or name a GPU with one in 'in_stack_share_from')")
-        if not validate_layer_times(path, other):
-            raise ValueError(f"{device!r} takes its share from {other!r} ('in_stack_share_from'), which has no "
-                             f"measured layer times either")
-        base = in_stack_share(other, path)
-        assumption = entry.get("in_stack_assumption", f"assumption: the share measured on {other}")
-        return InStackShare(device, base.share, base.measured_on, base.ratios,
-                            f"{base.source.rstrip('.')}; {assumption}")
+        raise ValueError(f"{device!r} takes its share from {other!r} ('in_stack_share_from'), which has no "
+                         f"measured layer times either")
+    base = _measured_share(other, rows, path)
+    assumption = entry.get("in_stack_assumption", f"assumption: the share measured on {other}")
+    return InStackShare(device, base.share, base.measured_on, base.ratios, f"{base.source.rstrip('.')}; {assumption}")
+
+
+def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> InStackShare:
+    """:func:`in_stack_share` from the measured layers ``rows`` on ``device`` (see there; same errors)."""
+    from commlab.parallel.planner.tables import read_table
     kernel, measured, ratios = 0.0, 0.0, []
     for r in rows:
         for pred, rep, tp in ((r.predicted_forward_ms, r.reported_forward_ms, r.tp_forward_ms),

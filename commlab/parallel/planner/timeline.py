@@ -784,22 +784,24 @@ def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster
     def key(p):
         return p.step_s, p.memory.total_bytes
 
+    ratio = 1.0  # the smallest replay-to-sum ratio seen so far
+
     def replayed(p):
-        return dataclasses.replace(p, timeline_step_s=step_timeline(
+        nonlocal ratio
+        p = dataclasses.replace(p, timeline_step_s=step_timeline(
             m, p.layout, cluster, global_batch, software, None, achievable_fraction, dp_overlap, dtype, grad_bytes,
             record=False).step_s)
+        if p.time.total_s > 0:
+            ratio = min(ratio, p.timeline_step_s / p.time.total_s)
+        return p
 
     cap = RERANK_MAX_FACTOR * k
     done = [replayed(p) for p in plans[:k]]
-    ratio = min([1.0] + [p.timeline_step_s / p.time.total_s for p in done if p.time.total_s > 0])
     nxt, out = len(done), []
     while len(out) < k and done:
         best = min(done, key=key)
         if nxt < len(plans) and nxt < cap and plans[nxt].step_s * ratio <= best.step_s:
-            p = replayed(plans[nxt])
-            if p.time.total_s > 0:
-                ratio = min(ratio, p.timeline_step_s / p.time.total_s)
-            done.append(p)
+            done.append(replayed(plans[nxt]))
             nxt += 1
             continue
         done.remove(best)
