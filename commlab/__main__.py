@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
                            "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
-                           "search, median |error| (the other options but --achievable-fraction and --kernels are "
-                           "not used)")
+                           "search, median |error| (the other options but --achievable-fraction are not used)")
     plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
     plan.add_argument("--preset",
                       help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
@@ -106,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     plan.add_argument("--achievable-fraction", type=float, default=None,
-                      help="share of peak FLOP/s the matmuls reach (default 0.5, see time_model)")
+                      help="price compute at this one share of peak FLOP/s for every matmul instead of the kernel "
+                           "model (0..1; the time model's constant is 0.5)")
     plan.add_argument("--kernels", action="store_true",
-                      help="price compute from the layers' kernels instead of one share of peak: GEMM efficiency by "
-                           "shape from data/gemm_efficiency.json, memory-bound operations and the optimizer step at "
-                           "the device's memory bandwidth, the layers' kernels at the stack's share of those rates "
-                           "that measured layers give (data/published_layer_times.json; see planner/kernels.py)")
+                      help="the kernel model, and fail where the GPU lacks it. It is the default wherever the GPU has "
+                           "it: GEMM efficiency by shape from data/gemm_efficiency.json, memory-bound operations and "
+                           "the optimizer step at the device's memory bandwidth, the layers' kernels at the stack's "
+                           "share of those rates that measured layers give (data/published_layer_times.json; see "
+                           "planner/kernels.py); a GPU without them gets the share 0.5, and the header says so")
     plan.add_argument("--dp-overlap", type=float, default=None,
                       help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
                            "software profile's)")
@@ -407,13 +408,14 @@ def _bench_emulated(args, parser, nbytes) -> int:
 
 
 def _plan(args, parser) -> int:
-    from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, DEFAULT_MEMORY_RESERVE, KERNELS, TIMELINE_TOP_K,
-                                          list_models, list_software, load_model, search, validate_published,
+    from commlab.parallel.planner import (AUTO, DEFAULT_MEMORY_RESERVE, KERNELS, TIMELINE_TOP_K, list_models,
+                                          list_software, load_model, load_published, search, validate_published,
                                           validation_table)
-    from commlab.topology import list_presets
+    from commlab.parallel.planner.kernels import kernel_model_gap
+    from commlab.topology import list_presets, load_preset
 
-    fraction = DEFAULT_ACHIEVABLE_FRACTION if args.achievable_fraction is None else args.achievable_fraction
-    if not 0 < fraction <= 1:
+    fraction = AUTO if args.achievable_fraction is None else args.achievable_fraction
+    if fraction != AUTO and not 0 < fraction <= 1:
         parser.error(f"--achievable-fraction must be in (0, 1], got {fraction}")
     if args.kernels:
         if args.achievable_fraction is not None:
@@ -427,11 +429,25 @@ def _plan(args, parser) -> int:
         parser.error(f"--memory-reserve must be in [0, 1), got {reserve}")
     if args.software is not None and args.software not in list_software():
         parser.error(f"unknown software profile {args.software!r}; choose from {', '.join(list_software())}")
+    def priced(devices) -> str:
+        if fraction not in (AUTO, KERNELS):
+            return f"achievable fraction of peak {fraction}"
+        gaps = {d: kernel_model_gap(d) for d in sorted(set(devices))}
+        if fraction == KERNELS and any(gaps.values()):
+            parser.error("--kernels: " + "; ".join(g for g in gaps.values() if g))
+        lacking = [f"{d}: {g}" for d, g in gaps.items() if g]
+        if not lacking:
+            return "compute from the kernel model"
+        head = "achievable fraction of peak 0.5" if len(lacking) == len(gaps) else \
+            "compute from the kernel model, and the fraction of peak 0.5 where a GPU lacks it"
+        return f"{head} (no kernel model for {'; '.join(lacking)})"
+
     if args.validate:
         import time
         started = time.perf_counter()
+        devices = [load_preset(e["preset"], nodes=1).device for e in load_published().values()]
+        what = priced(devices)
         rows = validate_published(achievable_fraction=fraction)
-        what = "compute from the kernel model" if fraction == KERNELS else f"achievable fraction of peak {fraction}"
         print(f"# the planner against published runs: {what}, each row with its software profile")
         print("# ranks in the planner's own search (1 = its top): split = of the published tp x pp split, each "
               "split counted once;")
@@ -456,6 +472,7 @@ def _plan(args, parser) -> int:
         model = model.with_seq(args.seq)
     if args.top < 1:
         parser.error("--top must be >= 1")
+    what = priced([load_preset(args.preset, nodes=1).device])
     try:
         result = search(model, args.preset, args.gpus, args.global_batch, achievable_fraction=fraction,
                         dp_overlap=args.dp_overlap, even_stages=args.even_stages, software=args.software,
@@ -464,11 +481,12 @@ def _plan(args, parser) -> int:
         parser.error(str(e))
     print(f"# {model.name}: {model.params / 1e9:.1f}B parameters, seq {model.seq}, global batch {args.global_batch} "
           f"sequences, on {args.gpus} GPUs of {args.preset}; software {args.software or 'generic-no-overlap'}; "
-          f"{'compute from the kernel model' if fraction == KERNELS else f'achievable fraction of peak {fraction}'}; {reserve:.0%} of device memory reserved, ! = fragile (within 5 % "
-          f"of the rest)")
+          f"{what}; {reserve:.0%} of device memory reserved, ! = fragile (within 5 % of the rest)")
     print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
           f"{result.rejected_for_memory} rejected for memory, "
-          f"{len(result.rejected) - result.rejected_for_memory} for the batch split")
+          f"{sum(r.kind == 'batch' for r in result.rejected)} for the batch split"
+          + "".join(f", {n} because tp does not divide the {model.heads} heads"
+                    for n in [sum(r.kind == "heads" for r in result.rejected)] if n))
     if not result.plans:
         mem = [r.reason for r in result.rejected if r.kind == "memory"]
         print("# nothing fits" + (f"; smallest need e.g. {min(mem, key=len)}" if mem else ""))

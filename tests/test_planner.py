@@ -8,7 +8,7 @@ import pytest
 
 from commlab.__main__ import main
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner import (Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
+from commlab.parallel.planner import (DEFAULT_ACHIEVABLE_FRACTION, Layout, ModelConfig, activation_bytes_per_layer, divisors, dp_all_reduce_seconds,
                                       dp_gradient_nbytes, korthikanti_eq7_flops, layer_params, list_models, load_model,
                                       loss_seconds,
                                       make_cluster,
@@ -135,7 +135,13 @@ def test_step_time_terms_and_errors():
     t = step_time(m, Layout(8, 8, 24, recompute=True), c, 2304)
     assert t.micro_batches == 96
     assert t.bubble_s == pytest.approx(7 / 96 * (t.compute_s + t.tp_s + t.pp_s + t.loss_s))
-    assert t.total_s == pytest.approx(t.compute_s + t.loss_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_exposed_s)
+    # The default prices compute with the kernel model (A100 has it), which adds the optimizer step.
+    assert t.optimizer_s > 0 and t.compute_fraction != 0.5
+    assert t.total_s == pytest.approx(t.compute_s + t.loss_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_exposed_s
+                                      + t.optimizer_s + t.overlap_slowdown_s)
+    assert t.total_s == pytest.approx(step_time(m, Layout(8, 8, 24, recompute=True), c, 2304, "kernels").total_s)
+    flat = step_time(m, Layout(8, 8, 24, recompute=True), c, 2304, 0.5)
+    assert flat.compute_fraction == 0.5 and flat.optimizer_s == 0
     # The loss on the last stage, every micro-batch: 52 bytes per logit of the rank's 51200/8 over A100's 2,039 GB/s.
     assert t.loss_s == pytest.approx(96 * 52 * 6400 * 1 * 2048 / 2.039e12)
     assert t.tokens_per_s == pytest.approx(2304 * 2048 / t.total_s)
@@ -198,33 +204,36 @@ def test_search_16k_gpus_is_fast():
 
 # ----------------------------------------------------------------------------------------- published layouts
 
-#: Runs for which the time model (one global achievable fraction, 0.5) lands within ±25 % of the reported
-#: per-GPU throughput. The Llama 3 runs are under-predicted; see test_llama3_gap_is_reported.
-HOLDS = ["megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "megatron-39.1b", "megatron-76.1b",
-         "megatron-145.6b", "megatron-310.1b", "megatron-529.6b", "megatron-1t", "bloom-176b",
-         "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b", "mcore-h100-119b",
-         "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b",
-         "korthikanti-22b-full", "korthikanti-22b-selective", "korthikanti-175b-full", "korthikanti-175b-selective",
-         "korthikanti-530b-full", "korthikanti-530b-selective", "korthikanti-530b-selective-2240gpus"]
+#: Every run the validation models (data/published_layouts.json without context parallelism), Table 1's ten
+#: first: with the default compute model (the kernel model) each lands within ±25 % of its reported per-GPU
+#: throughput (test_prediction_within_25_percent).
+HOLDS = [k for k, e in load_published().items() if e.get("cp", 1) == 1]
 #: Korthikanti et al. 2022, Table 5: four models, full recomputation and the paper's sequence parallelism with
 #: selective recomputation, and section 6.3's 530B run on 2240 GPUs.
 KORTHIKANTI = {"22b": (1.42, 1.10, 41.5), "175b": (18.13, 13.75, 51.4), "530b": (49.05, 37.83, 56.0),
                "1t": (94.42, 71.49, 56.3)}  # full, present work (s), the present work's MFU (%)
-#: Megatron-Core's weak-scaling runs on H100 (Megatron-LM's README, 2024); the smallest is over-predicted by
-#: about a third with one fraction for every layer (see test_the_smallest_h100_run_is_over_predicted).
+#: Megatron-Core's weak-scaling runs on H100 (Megatron-LM's README, 2024), over-predicted by the kernel model
+#: (test_the_kernel_model_against_the_published_runs).
 MCORE = ["mcore-h100-1.7b", "mcore-h100-7.1b", "mcore-h100-16b", "mcore-h100-32b", "mcore-h100-70b",
          "mcore-h100-119b", "mcore-h100-177b", "mcore-h100-314b", "mcore-h100-462b"]
 
 
 @pytest.fixture(scope="module")
 def validation():
-    rows = validate_published()
+    rows = validate_published()  # the default compute model: the kernel model, which every row's GPU has
+    print("\n" + validation_table(rows))
+    return {r.config: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def constant_validation():
+    rows = validate_published(DEFAULT_ACHIEVABLE_FRACTION)  # one share of peak, 0.5, for every matmul
     print("\n" + validation_table(rows))
     return {r.config: r for r in rows}
 
 
 def test_every_top_layout_keeps_tp_inside_a_node(validation):
-    assert len(validation) == 31
+    assert len(validation) == len(HOLDS) == 31
     for r in validation.values():
         assert r.top_tp_within_node, r
         # The search ranks by the sum of terms and replays only its TIMELINE_TOP_K best as timelines: the
@@ -317,25 +326,19 @@ def test_the_h100_weak_scaling_runs_are_priced_in_megatrons_2024_flop(validation
         assert r.published_rank is not None and r.published_rank <= 5
 
 
-def test_the_smallest_h100_run_is_still_over_predicted(validation):
+def test_the_smallest_h100_run_is_over_predicted_with_one_fraction(constant_validation):
     # h = 2048 with 4096-token sequences: the loss over 131,072 logits per token and the exposed last bucket
-    # are priced, but the attention core and the layers' memory-bound work still run at the one fraction of
-    # peak; reported, not tuned away
-    r = validation["mcore-h100-1.7b"]
+    # are priced, but the attention core and the layers' memory-bound work run at the one fraction of peak
+    r = constant_validation["mcore-h100-1.7b"]
     assert 10 < r.error_pct <= 25
 
 
-@pytest.fixture(scope="module")
-def kernel_validation():
-    rows = validate_published("kernels")
-    print("\n" + validation_table(rows))
-    return {r.config: r for r in rows}
-
-
-def test_the_kernel_model_against_the_published_runs(kernel_validation):
+def test_the_kernel_model_against_the_published_runs(validation):
     # GEMMs by shape, memory-bound bytes and the attention core, at the stack's share of the microbenchmark
-    # rates measured on one layer (Korthikanti et al. 2022, Table 4): no constant fitted to any of these runs.
-    rows = kernel_validation
+    # rates measured on one layer (Korthikanti et al. 2022, Table 4), compute slowed beside the communication
+    # that hides (Lee et al. 2025): no constant fitted to any of these runs.
+    rows = validation
+    assert validate_published("kernels") == list(rows.values())  # what the default is
     errors = sorted(abs(r.error_pct) for r in rows.values())
     assert len(errors) == 31 and errors[15] <= 10  # the median
     # Every A100 run (Megatron-LM 2021 and 2022, BLOOM on Megatron-DeepSpeed) and both Llama 3 runs on H100
@@ -344,12 +347,11 @@ def test_the_kernel_model_against_the_published_runs(kernel_validation):
     not_mcore = [k for k in rows if k not in MCORE]
     assert len(not_mcore) == 22
     assert all(abs(rows[k].error_pct) <= 12 for k in not_mcore), {k: round(rows[k].error_pct, 1) for k in not_mcore}
-    # Megatron-Core's H100 runs, with DP, TP and PP all overlapped, are over-predicted, and nothing measured
-    # says by what: the profile's slowdown of compute beside communication is unmeasured (1.0). Reported, not
-    # tuned away; the one row outside 25 % is the 32B run (tp 8, one micro-batch a step, its TP overlapped).
+    # Megatron-Core's H100 runs, with DP, TP and PP all overlapped, are still over-predicted, by 12 % at the
+    # median: H100's share of its microbenchmark rates is A100's by assumption. Reported, not tuned away.
     mcore = sorted(rows[k].error_pct for k in MCORE)
     assert mcore[len(mcore) // 2] > 10 and mcore[0] > -5, mcore
-    assert [k for k in rows if not rows[k].within] == ["mcore-h100-32b"]
+    assert all(r.within for r in rows.values())
     # The published split among the planner's top five splits in every row.
     assert all(r.published_rank is not None and r.published_rank <= 5 for r in rows.values())
 
@@ -382,7 +384,7 @@ def test_megatron_2024_flop_by_hand():
     assert megatron_2024_flops(llama, 1) == pytest.approx(per_token * s)
 
 
-def test_korthikanti_rows_are_table_5(validation):
+def test_korthikanti_rows_are_table_5(validation, constant_validation):
     # Each row is a Table 5 iteration time; the TFLOP/s it reports is Eq. 7's model FLOP / time / GPUs, which
     # for the present-work rows must give back the table's own MFU against the A100's 312 TFLOP/s.
     rows = load_published()
@@ -399,33 +401,32 @@ def test_korthikanti_rows_are_table_5(validation):
                 assert e["percent_of_peak"] == mfu
                 assert r.reported_tflops / 312 * 100 == pytest.approx(mfu, abs=0.3)
             assert r.published_rank is not None and r.published_rank <= 5
-        # Section 6.3: 29 to 32 % more throughput with the paper's method; the planner's gain, from the
-        # recomputation it no longer runs, within 2 points of it for every model (chapter 11 prints both)
-        full, present = validation[f"korthikanti-{size}-full"], validation[f"korthikanti-{size}-selective"]
+        # Section 6.3: 29 to 32 % more throughput with the paper's method. The planner's gain, from the
+        # recomputation it no longer runs: with one fraction of peak within 2.5 points of it for every model; the
+        # kernel model over-predicts it by 1 to 7 points, the most on the smallest model (chapter 11 prints
+        # both)
         assert 1.25 < full_s / present_s < 1.35
-        assert present.predicted_tflops / full.predicted_tflops - full_s / present_s == pytest.approx(0, abs=0.02)
+        for found, low, high in ((constant_validation, -0.025, 0.025), (validation, 0.0, 0.07)):
+            full, present = found[f"korthikanti-{size}-full"], found[f"korthikanti-{size}-selective"]
+            assert low < present.predicted_tflops / full.predicted_tflops - full_s / present_s < high, size
     wide = rows["korthikanti-530b-selective-2240gpus"]
     assert (wide["dp"], wide["global_batch"], wide["iteration_s"], wide["percent_of_peak"]) == (8, 2240, 39.15, 54.2)
 
 
-def test_the_trillion_parameter_rows_of_2022_are_under_predicted(validation):
-    # The 1T model at 56 % MFU: one achievable fraction (0.5) for every matmul cannot reach it once the
-    # recomputation and the bubble are added; reported as outside ±25 %, not tuned away. The same gap, smaller,
-    # is in the 2021 row of that model (megatron-1t).
+def test_one_fraction_of_peak_misses_the_widest_models(constant_validation):
+    # Why the constant is not the default: one achievable fraction (0.5) for every matmul, whatever its shape,
+    # misses by more than 10 % at the median, and the widest models most. The 1T model at 56 % MFU cannot be
+    # reached once the recomputation and the bubble are added; the same gap, smaller, is in the 2021 row of
+    # that model (megatron-1t), and Llama 3 405B (h = 16384, pp = 16) is under-predicted by about a fifth.
+    rows = constant_validation
+    assert sorted(abs(r.error_pct) for r in rows.values())[15] > 10
     for key in ("korthikanti-1t-full", "korthikanti-1t-selective"):
-        r = validation[key]
+        r = rows[key]
         assert not r.within and -35 < r.error_pct < -25, r
-    assert validation["megatron-1t"].error_pct < -15
-
-
-def test_llama3_gap_is_reported(validation):
-    # Under-predicted by about a fifth with the megatron-core profile (TP, PP and DP overlapped): the memory
-    # model still forces full recomputation on pp = 16 stages, and one achievable fraction (0.5) prices every
-    # matmul; reported as a gap, not tuned away.
+    assert rows["megatron-1t"].error_pct < -15
     for key in ("llama3-405b-8k-8192gpus", "llama3-405b-8k-16384gpus"):
-        r = validation[key]
-        assert r.predicted_tflops < r.reported_tflops
-        assert r.published.startswith("tp8 pp16")
+        r = rows[key]
+        assert r.error_pct < -15 and r.published.startswith("tp8 pp16")
 
 
 # ----------------------------------------------------------------------------------------- CLI and widget

@@ -9,7 +9,7 @@ import pytest
 
 from commlab import hardware
 from commlab.__main__ import main
-from commlab.parallel.planner import KERNELS, Layout, load_model, stage_params, step_time
+from commlab.parallel.planner import KERNELS, Layout, load_model, load_software, stage_params, step_time
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
                                               in_stack_share, layer_kernels, layer_seconds, load_gemm_table,
@@ -175,7 +175,8 @@ def test_layer_seconds_by_hand():
 def test_korthikanti_table_4_against_the_kernel_model():
     # Table 4's five experiments on one 22B layer. The TP collectives by hand: two ring AllReduces of the
     # b*s*h*2-byte activation in the forward; in the backward the stack hides the input-gradient reductions
-    # behind the weight gradients (all of them without SP, the ReduceScatter half with it), and a full
+    # behind the weight gradients (all of them without SP, the ReduceScatter half with it), which still cost
+    # their slowdown of the GEMMs beside them (hidden * (1 - 1/1.189), Lee et al. 2025), and a full
     # recomputation repeats the forward's two.
     rows = validate_layer_times()
     assert [r.experiment for r in rows] == ["Baseline no recompute", "Sequence Parallelism",
@@ -183,17 +184,20 @@ def test_korthikanti_table_4_against_the_kernel_model():
     m = load_model("korthikanti-22b")
     link = load_preset("dgx-a100-hdr", nodes=1).intra
     one = ring_all_reduce_seconds(4 * m.seq * m.hidden * 2, 8, link.alpha_s, link.beta_s_per_byte) * 1e3
+    slow = 1 - 1 / 1.189
+    assert load_software("megatron-lm-2022-full-recompute").overlap_compute_slowdown == 1.189
     for r in rows:
         assert r.tp_forward_ms == pytest.approx(2 * one)
         assert r.tp_backward_ms == pytest.approx((one if r.sequence_parallel else 0.0)
+                                                 + (one if r.sequence_parallel else 2 * one) * slow
                                                  + (2 * one if r.recompute == "full" else 0.0))
         f, b = layer_seconds(m, 8, 4, "A100-SXM", r.recompute, r.sequence_parallel, False)
         assert r.predicted_forward_ms == pytest.approx(f * 1e3 + r.tp_forward_ms)
         assert r.predicted_backward_ms == pytest.approx(b * 1e3 + r.tp_backward_ms)
-        # The gap, at the microbenchmarks' rates: the kernel model prices one layer 14 to 18 % short of the
+        # The gap, at the microbenchmarks' rates: the kernel model prices one layer 12 to 18 % short of the
         # measurement in every experiment, forward and backward alike -- the time it misses is inside the
         # layer; in_stack_share turns it into the share the kernel model then prices at.
-        assert -18 < r.forward_error_pct < -14 and -18 < r.backward_error_pct < -14, r
+        assert -18 < r.forward_error_pct < -12 and -18 < r.backward_error_pct < -12, r
     base, sp = rows[0], rows[1]
     # What sequence parallelism saves in the forward (norms and dropout on 1/t of the tokens): 0.5 ms measured.
     assert base.predicted_forward_ms - sp.predicted_forward_ms == pytest.approx(0.5, abs=0.1)
@@ -214,11 +218,11 @@ def test_the_stacks_share_of_the_microbenchmark_rates_by_hand():
         (row.predicted_forward_ms, row.reported_forward_ms, row.tp_forward_ms),
         (row.predicted_backward_ms, row.reported_backward_ms, row.tp_backward_ms))]
     assert a100.share == pytest.approx(sum(k for k, _ in pairs) / sum(m for _, m in pairs))
-    assert a100.share == pytest.approx(0.825, abs=0.001) and len(a100.ratios) == 10
+    assert a100.share == pytest.approx(0.832, abs=0.001) and len(a100.ratios) == 10
     assert a100.measured_on == "A100-SXM" and "Table 4" in a100.source
     # Every measured number on its own lands within a few points of the one share (what one number per GPU
     # rests on), and the stack runs below its microbenchmarks.
-    assert 0.78 < min(a100.ratios) and max(a100.ratios) < 0.87
+    assert 0.78 < min(a100.ratios) and max(a100.ratios) < 0.88
     # H100 has no measured layer: it takes A100's share, and says that this is an assumption.
     h100 = in_stack_share("H100-SXM")
     assert h100.share == a100.share and h100.measured_on == "A100-SXM" and "assumption" in h100.source

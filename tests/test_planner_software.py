@@ -273,6 +273,14 @@ def test_dp_remainder_after_overlap_by_hand():
     assert dp_exposed_seconds(1.0, 2.0, 1.0, 0.3, 2.0, 1.0, reduce_tail=0.25, gather_head=0.5) == \
         pytest.approx((0.25 + 0.15, 0.75 + 0.15))
     assert dp_exposed_seconds(1.0, 0.5, 1.0, reduce_tail=0.25) == pytest.approx((0.5, 0.5))  # the window binds
+    # Compute at half speed beside the 0.5 s that hide: the window lasts 0.25 s longer, and 0.25 s more of the
+    # reduction hides in it; a window longer than the reduction has nothing more to hide.
+    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=2.0) == pytest.approx((0.25, 0.5))
+    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=1.2) == pytest.approx((0.5 - 0.5 * (1 - 1 / 1.2), 0.5))
+    assert dp_exposed_seconds(0.3, 1.0, 1.0, slowdown=2.0) == pytest.approx((0.0, 0.3))
+    for bad in (0.9, True, "2"):
+        with pytest.raises(ValueError, match="slowdown"):
+            dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=bad)
     with pytest.raises(ValueError, match="reduce_tail"):
         dp_exposed_seconds(1.0, 2.0, 1.0, reduce_tail=1.5)
 
@@ -326,7 +334,14 @@ def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_an
     tail = V * h / 8 / dp_gradient_nbytes(m, layout, 1)
     assert dp_last_bucket_share(m, layout, core.bucket_params(128)) == pytest.approx(tail)
     hidden = min(rs * (1 - tail), bwd_window) + min(ag * (1 - tail), fwd_window)
-    assert t.dp_exposed_s == pytest.approx(rs + ag - hidden)
+    # Compute beside the hidden seconds runs 1/1.189 as fast (Lee et al. 2025): each window lasts that much
+    # longer, and as much more of what did not fit hides in it.
+    slow = 1 - 1 / core.overlap_compute_slowdown
+    assert core.overlap_compute_slowdown == 1.189
+    longer = sum(min(comm - min(comm, w), min(comm, w) * slow)
+                 for comm, w in ((rs * (1 - tail), bwd_window), (ag * (1 - tail), fwd_window)))
+    assert t.dp_exposed_s == pytest.approx(rs + ag - hidden - longer)
+    assert t.overlap_slowdown_s == pytest.approx((hidden + t.tp_hidden_s + t.pp_hidden_s) * slow)
     # Nothing overlapped: all of it is exposed.
     none = step_time(m, layout, c, 2048, software=core.replace(overlap_dp_grad_reduce=0.0,
                                                                overlap_dp_param_gather=0.0))
@@ -340,7 +355,8 @@ def test_tp_overlap_and_the_compute_slowdown():
     plain = step_time(m, layout, c, 1024, software="generic-no-overlap")
     core = load_software("megatron-core")
     half = step_time(m, layout, c, 1024, software=core.replace(overlap_tp=0.5, overlap_tp_backward=0.0,
-                                                               overlap_dp_grad_reduce=0.0, overlap_dp_param_gather=0.0))
+                                                               overlap_dp_grad_reduce=0.0, overlap_dp_param_gather=0.0,
+                                                               overlap_compute_slowdown=1.0))
     assert half.tp_hidden_s == pytest.approx(0.5 * plain.tp_s)
     assert half.tp_s == pytest.approx(0.5 * plain.tp_s)
     # With the asynchronous input-gradient ReduceScatters as well (half of the backward's 2 of 4), those hide

@@ -76,6 +76,59 @@ def test_dp_reduction_overlaps_the_last_backward_as_far_as_the_profile_says():
     assert tl.step_s == pytest.approx(4.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(1.0)
 
 
+def test_compute_beside_communication_slows_by_the_profiles_factor():
+    # compute_slowdown = 2: compute runs at half speed while communication runs beside it, so every hidden
+    # second costs half a second more, drawn as a slowdown bar on the compute lane.
+    st_ = StageCosts((1.0,), (2.0,))
+    # The gradient reduction (1.5 s, launched as the backward starts at 1) beside the 2 s backward: 0.75 s more;
+    # the reduction ended at 2.5, before the compute's 3.75.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),),
+                                       overlap_dp_grad_reduce=1.0, compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(3.75) and tl.time_by_kind(0)["slowdown"] == pytest.approx(0.75)
+    # Longer (3 s) than the backward: 2 s beside it cost 1 s, and the 1 s of reduction past the backward hides
+    # in that second: the step ends with the reduction, at 4.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 3.0),),
+                                       overlap_dp_grad_reduce=1.0, compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(4.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(0.0)
+    # The last bucket (a fifth of 1.5 s) starts only once the slowed backward is over (3 + 0.6 for the 1.2 s
+    # beside it), and is exposed.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),), overlap_dp_grad_reduce=1.0,
+                                       dp_reduce_tail=0.2, compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(3.6 + 0.3)
+    # The overlapped parameter AllGather (0.8 s from the step's start) beside the first forward: 0.4 s more.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_gather_s=0.8, overlap_dp_param_gather=1.0,
+                                       compute_slowdown=2.0), "1f1b")
+    assert _bars(tl, 0) == [("forward", 0, 1.0, 0), ("slowdown", 1.0, 1.4, 0), ("backward", 1.4, 3.4, 0)]
+    # Hidden TP (0.4 s of each op's, overlap_tp = 1): 0.2 s more per op, after its compute.
+    tl = timeline_from_costs(StepCosts((StageCosts((1.0,), (2.0,), tp_forward_s=(0.4,), tp_backward_s=(0.4,)),), 1,
+                                       overlap_tp=1.0, compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(3.4) and tl.time_by_kind(0)["slowdown"] == pytest.approx(0.4)
+    # A hidden pipeline send (0.5 s) slows its sender by 0.25 s; the message itself is not delayed.
+    tl = timeline_from_costs(StepCosts((st_, st_), 1, pp_message_s=0.5, overlap_pp=1.0, compute_slowdown=2.0),
+                             "1f1b")
+    assert tl.ops[(1, FORWARD, 0, 0)][0] == pytest.approx(1.5)
+    assert tl.time_by_kind(0)["slowdown"] == pytest.approx(0.25) and tl.time_by_kind(1)["slowdown"] == 0.25
+    # ZeRO-3: a chunk's 0.3 s AllGather hides behind its forward and costs 0.15 s more.
+    tl = timeline_from_costs(StepCosts((st_,), 1, fsdp_gather_s=0.3, overlap_dp_param_gather=1.0,
+                                       compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(3.0 + 2 * 0.15)
+    for t in (tl,):
+        assert sum(t.time_by_kind(0).values()) == pytest.approx(t.step_s)
+
+
+def test_the_slowdown_in_the_replay_matches_the_time_model_on_one_stage():
+    # Megatron-Core on H100 (TP, DP gather and reduction all overlapped, compute 1/1.189 as fast beside them):
+    # with one stage the replay and the time model price the same step, the slowdown included.
+    m = load_model("mcore-gpt-32b")
+    c = make_cluster("dgx-h100-ndr", 384)
+    lay = Layout(8, 1, 48, micro_batch=4, zero1=True, recompute="none")
+    tl = step_timeline(m, lay, c, 192, "megatron-core-2024")
+    ana = step_time(m, lay, c, 192, software="megatron-core-2024")
+    assert ana.overlap_slowdown_s > 0.05 * ana.total_s
+    assert tl.step_s == pytest.approx(ana.total_s, rel=1e-9)
+    assert tl.time_by_kind(0)["slowdown"] == pytest.approx(ana.overlap_slowdown_s, rel=1e-9)
+
+
 def test_the_last_bucket_and_the_first_gathered_bucket_cannot_hide():
     st_ = StageCosts((1.0,), (2.0,))
     # A fifth of the 1.5 s reduction is the last bucket: launched when the backward ends at 3, after the

@@ -9,7 +9,9 @@ The learner writes
   :func:`commlab.parallel.planner.memory_breakdown` (``total_bytes``), for layouts of published models;
 * ``step_seconds(compute_s, tp_s, pp_s, dp_s, pp, micro_batches, interleave)``: compute + TP + PP + bubble +
   DP, the bubble ``(pp - 1) / (interleave * micro_batches)`` of the work (compute + TP + PP). The reference is
-  :func:`commlab.parallel.planner.step_time` (``total_s``, DP not overlapped), its terms passed in.
+  :func:`commlab.parallel.planner.step_time` (``total_s``, DP not overlapped, compute at one share of peak,
+  :data:`~commlab.parallel.planner.DEFAULT_ACHIEVABLE_FRACTION`: the kernel model, the planner's default,
+  adds the optimizer step, which the exercise leaves out), its terms passed in.
 
 A wrong answer is matched against the usual slips (the tp split forgotten, ZeRO-1 applied to every byte,
 the bubble as a share of the step, interleaving ignored, a term left out) to say which one it is; how far the
@@ -23,7 +25,7 @@ from functools import lru_cache
 from typing import Callable
 
 from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
-from commlab.parallel.planner import Layout, load_model, memory_breakdown, step_time
+from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, Layout, load_model, memory_breakdown, step_time
 from commlab.parallel.planner.search import make_cluster
 
 __all__ = ["check_memory_per_gpu", "check_step_seconds", "planner_cases"]
@@ -110,7 +112,7 @@ def check_step_seconds(fn: Callable) -> CheckReport:
     as the planner's ``compute_s + loss_s``, the GPU's computation with the loss over the vocabulary."""
     report = CheckReport(f"step-time exercise ({getattr(fn, '__name__', 'fn')})")
     for label, model, layout, batch, cluster in planner_cases():
-        t = step_time(model, layout, cluster, batch)
+        t = step_time(model, layout, cluster, batch, DEFAULT_ACHIEVABLE_FRACTION)
         args = (t.compute_s + t.loss_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
         _grade_number(report, label, fn, args, t.total_s, _step_slips(*args), lambda got: f"{got:.4g} s")
         if report.not_attempted:

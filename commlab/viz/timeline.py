@@ -2,9 +2,9 @@
 
 Input: a :class:`commlab.parallel.planner.timeline.StepTimeline` (:func:`~commlab.parallel.planner.timeline.
 step_timeline`). One row per pipeline stage, stage 0 on top: the compute stream as full-height bars, one
-colour per kind (forward, backward, recomputation, exposed TP, the sender's pipeline stall, the wait for a
-message in flight, exposed DP, optimizer, bubble, idle until the slowest stage is done), and under it a thin
-strip of the communication that runs beside compute (hidden TP, hidden pipeline sends, overlapped DP).
+colour per kind (forward, backward, recomputation, the compute's slowdown while communication runs beside
+it, exposed TP, the sender's pipeline stall, the wait for a message in flight, exposed DP, optimizer,
+bubble, idle until the slowest stage is done), and under it a thin strip of the communication that runs beside compute (hidden TP, hidden pipeline sends, overlapped DP).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 __all__ = ["plot_step_timeline", "KIND_COLORS", "KIND_LABELS"]
 
 #: Colour of each interval kind (:data:`commlab.parallel.planner.timeline.KINDS`).
-KIND_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "#9ecae1", "tp": "tab:purple",
-               "pp_send": "tab:red", "pp_recv": "#f4a6a6", "dp_reduce_scatter": "tab:green",
+KIND_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "#9ecae1", "slowdown": "#dbdb8d",
+               "tp": "tab:purple", "pp_send": "tab:red", "pp_recv": "#f4a6a6", "dp_reduce_scatter": "tab:green",
                "dp_all_gather": "#98df8a", "optimizer": "tab:brown", "bubble": "0.82", "idle": "0.93"}
 
 #: Legend text of each kind.
-KIND_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp": "TP comm.",
-               "pp_send": "PP send", "pp_recv": "PP recv wait", "dp_reduce_scatter": "DP ReduceScatter",
-               "dp_all_gather": "DP AllGather", "optimizer": "optimizer", "bubble": "bubble",
-               "idle": "idle (step end)"}
+KIND_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute",
+               "slowdown": "slowed by overlap", "tp": "TP comm.", "pp_send": "PP send", "pp_recv": "PP recv wait",
+               "dp_reduce_scatter": "DP ReduceScatter", "dp_all_gather": "DP AllGather", "optimizer": "optimizer",
+               "bubble": "bubble", "idle": "idle (step end)"}
 
 
 def plot_step_timeline(timeline, ax=None, title: str | None = None, width_in: float = 6.88):

@@ -6,7 +6,7 @@ Three layers, as in :mod:`commlab.widgets.calculator`:
   :func:`commlab.parallel.planner.search` as plain dicts (times in seconds, memory in GB = 1e9 bytes,
   throughput in tokens/s and model TFLOP/s per GPU) and their tables;
 * :func:`explorer` -- the ipywidgets front end (model and preset dropdowns, GPU count, global batch,
-  achievable fraction, top-k), redrawn on every change;
+  compute model and achievable fraction, top-k), redrawn on every change;
 * :func:`static_figure` -- the same information as a matplotlib Figure for the online book: each top
   layout's step time split into compute, TP, PP, bubble and exposed DP, with its memory per GPU.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, list_models, load_model, search
+from commlab.parallel.planner import AUTO, DEFAULT_ACHIEVABLE_FRACTION, list_models, load_model, search
 from commlab.topology import list_presets
 
 __all__ = ["TERMS", "plan_rows", "table_text", "table_html", "static_figure", "explorer"]
@@ -29,13 +29,16 @@ TERMS: tuple[tuple[str, str], ...] = (("compute_s", "compute"), ("loss_s", "loss
 
 def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: int = 16384,
               global_batch: int = 2048, top_k: int = 5,
-              achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION) -> tuple[list[dict], dict]:
+              achievable_fraction: float | str = AUTO) -> tuple[list[dict], dict]:
     """The ``top_k`` fastest layouts that fit, and a summary.
 
     Returns:
         ``(rows, summary)``: rows as :meth:`commlab.parallel.planner.Plan.row` (seconds, GB, tokens/s,
         TFLOP/s per GPU); summary with ``candidates``, ``fit``, ``rejected_for_memory``, ``rejected_batch``,
-        ``elapsed_s`` and ``params`` (the model's parameter count).
+        ``rejected_heads`` (tp not dividing the attention heads),
+        ``elapsed_s``, ``params`` (the model's parameter count) and ``compute_model`` (``"kernels"`` or the
+        share of peak that priced compute: the default ``"auto"`` is the kernel model where the preset's GPU
+        has it, else 0.5).
 
     Raises:
         KeyError: unknown model or preset. ValueError: ``gpus`` not a multiple of devices per node,
@@ -47,8 +50,9 @@ def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: in
     result = search(m, preset, gpus, global_batch, achievable_fraction=achievable_fraction)
     summary = {"candidates": result.candidates, "fit": len(result.plans),
                "rejected_for_memory": result.rejected_for_memory,
-               "rejected_batch": len(result.rejected) - result.rejected_for_memory,
-               "elapsed_s": result.elapsed_s, "params": m.params}
+               "rejected_batch": sum(r.kind == "batch" for r in result.rejected),
+               "rejected_heads": sum(r.kind == "heads" for r in result.rejected),
+               "elapsed_s": result.elapsed_s, "params": m.params, "compute_model": result.compute_model}
     return [p.row() for p in result.plans[:top_k]], summary
 
 
@@ -80,7 +84,7 @@ def table_html(rows: Sequence[dict], caption: str = "") -> str:
 
 def static_figure(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: int = 16384,
                   global_batch: int = 2048, top_k: int = 5,
-                  achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION):
+                  achievable_fraction: float | str = AUTO):
     """The top layouts as a matplotlib Figure: horizontal bars of step time (s) split into :data:`TERMS`,
     each labelled with memory per GPU (GB) and model TFLOP/s per GPU.
 
@@ -115,8 +119,9 @@ def static_figure(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus
 
 def explorer(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: int = 16384, global_batch: int = 2048,
              top_k: int = 5):
-    """An ipywidgets planner: model and preset dropdowns, GPU count, global batch (sequences), achievable
-    fraction of peak and top-k; shows :func:`table_html` and the search summary, or the error message.
+    """An ipywidgets planner: model and preset dropdowns, GPU count, global batch (sequences), the compute
+    model (the kernel model by default, or one share of peak set by a slider) and top-k; shows
+    :func:`table_html` and the search summary, or the error message.
 
     Returns:
         an ``ipywidgets.VBox`` with ``controls`` (dict of input widgets), ``table`` (HTML widget) and
@@ -134,32 +139,42 @@ def explorer(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: int
         "gpus": w.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", style=style),
         "global_batch": w.BoundedIntText(value=global_batch, min=1, max=10_000_000, description="global batch (seq)",
                                          style=style),
+        "compute": w.Dropdown(options=[("kernel model", AUTO), ("one share of peak", "fraction")], value=AUTO,
+                              description="compute", style=style),
         "achievable_fraction": w.FloatSlider(value=DEFAULT_ACHIEVABLE_FRACTION, min=0.1, max=1.0, step=0.05,
-                                             description="fraction of peak", style=style, continuous_update=False),
+                                             description="fraction of peak", style=style, continuous_update=False,
+                                             disabled=True),
         "top_k": w.BoundedIntText(value=top_k, min=1, max=50, description="top k", style=style),
     }
     table = w.HTML()
     current: list[dict] = []
 
     def redraw(*_):
+        by_share = controls["compute"].value != AUTO
+        controls["achievable_fraction"].disabled = not by_share
         try:
             rows, s = plan_rows(controls["model"].value, controls["preset"].value, controls["gpus"].value,
                                 controls["global_batch"].value, controls["top_k"].value,
-                                controls["achievable_fraction"].value)
+                                controls["achievable_fraction"].value if by_share else AUTO)
         except (KeyError, ValueError) as e:
             current.clear()
             table.value = f"<p style='color:#b00'>{html.escape(str(e))}</p>"
             return
         current[:] = rows
+        priced = ("the kernel model" if s["compute_model"] == "kernels"
+                  else f"{s['compute_model']:g} of peak" + ("" if by_share else " (no kernel model for this GPU)"))
         caption = (f"{s['candidates']} layouts considered: {s['fit']} fit, {s['rejected_for_memory']} rejected "
-                   f"for memory, {s['rejected_batch']} for the batch split")
+                   f"for memory, {s['rejected_batch']} for the batch split"
+                   + (f", {s['rejected_heads']} for the heads" if s["rejected_heads"] else "")
+                   + f"; compute: {priced}")
         table.value = table_html(rows, caption) if rows else f"<p>No layout fits. {html.escape(caption)}</p>"
 
     for c in controls.values():
         c.observe(redraw, names="value")
     redraw()
     box = w.VBox([w.HBox([w.VBox([controls[k] for k in ("model", "preset", "gpus")]),
-                          w.VBox([controls[k] for k in ("global_batch", "achievable_fraction", "top_k")])]), table])
+                          w.VBox([controls[k] for k in ("global_batch", "compute", "achievable_fraction",
+                                                        "top_k")])]), table])
     box.controls, box.table = controls, table
     box.rows = lambda: list(current)
     return box

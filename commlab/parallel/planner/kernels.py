@@ -65,7 +65,8 @@ from commlab.parallel.planner.memory import Layout, ModelConfig
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
            "layer_kernels", "layer_seconds", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
            "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction",
-           "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times", "InStackShare", "in_stack_share"]
+           "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times", "InStackShare", "in_stack_share",
+           "kernel_model_gap"]
 
 _DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
 _ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
@@ -426,8 +427,8 @@ class LayerTimeRow:
         recompute, sequence_parallel: the row's policy.
         reported_forward_ms, reported_backward_ms: measured.
         predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` at the microbenchmarks' rates
-            (``share=1``) plus the exposed TP collectives.
-        tp_forward_ms, tp_backward_ms: those exposed TP collectives (in the predictions).
+            (``share=1``) plus the exposed TP collectives and the slowdown of compute under the hidden ones.
+        tp_forward_ms, tp_backward_ms: those two together (in the predictions).
     """
 
     entry: str
@@ -504,8 +505,9 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
     ``overlap_tp_backward`` hides (:func:`~.time_model.backward_tp_hidden_seconds`, each at most its own
     linear's weight-gradient GEMM time, here at the microbenchmark's rate: on Table 4's layer a reduction is
     shorter than either GEMM, so the bound does not bind), and two more for a fully recomputed forward. With
-    sequence parallelism and the profile's ``overlap_tp`` the forward's hide as the time model says. Nothing
-    here is fitted. ``device``: only the entries whose preset has that GPU (None: all).
+    sequence parallelism and the profile's ``overlap_tp`` the forward's hide as the time model says. What
+    hides still costs its slowdown of the compute beside it (``hidden·(1 - 1/overlap_compute_slowdown)``, as
+    the time model charges it), counted with the TP time. Nothing here is fitted. ``device``: only the entries whose preset has that GPU (None: all).
 
     Raises:
         ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
@@ -532,9 +534,12 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
             except ValueError as err:
                 raise ValueError(f"layer-time entry {key!r}, row {r.get('experiment')!r}: {err}") from None
             overlap_tp = sw.overlap_tp if sp else 0.0
-            tp_f = 2 * one - min(overlap_tp * 2 * one, fwd)
+            # What hides still slows the compute beside it (the profile's overlap_compute_slowdown).
+            slow = 1 - 1 / sw.overlap_compute_slowdown
+            hidden_f = min(overlap_tp * 2 * one, fwd)
+            tp_f = 2 * one - hidden_f * (1 - slow)
             hidden = min(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad), bwd)
-            tp_b = 2 * one - hidden + (tp_f if r.get("recompute") == "full" else 0.0)
+            tp_b = 2 * one - hidden * (1 - slow) + (tp_f if r.get("recompute") == "full" else 0.0)
             out.append(LayerTimeRow(key, r.get("experiment", ""), r.get("recompute", "none"), sp, r["forward_ms"],
                                     r["backward_ms"], (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3,
                                     tp_b * 1e3))
@@ -632,3 +637,31 @@ def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> 
     entries = read_table(path, LAYER_TIMES_PATH)
     sources = "; ".join(sorted({entries[k].get("source", k) for k in {r.entry for r in rows}}))
     return InStackShare(device, share, device, tuple(ratios), sources)
+
+
+@lru_cache(maxsize=16)
+def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
+    """Why the kernel model cannot price ``dtype`` matmuls on ``device``, or None where it can: it needs the
+    device's GEMM table in that dtype (:func:`load_gemm_table`), its FlashAttention speed
+    (``data/attention_speed.json``), its memory bandwidth (``hbm_bytes_per_s`` in ``data/hardware.json``) and
+    the stack's share of its microbenchmark rates (:func:`in_stack_share`). The planner's default compute
+    model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
+    from commlab import hardware
+    from commlab.parallel.planner.tables import read_table
+    entry = read_table(None, _DATA).get(device)
+    if entry is None:
+        return f"no GEMM table for {device!r} in {_DATA.name}"
+    base = entry if "entries" in entry else read_table(None, _DATA).get(entry.get("shape_curve_from"), {})
+    if base.get("dtype") != dtype:
+        return f"the GEMM table of {device!r} is in {base.get('dtype')}, not {dtype}"
+    if device not in read_table(None, _ATTENTION):
+        return f"no FlashAttention measurement for {device!r} in {_ATTENTION.name}"
+    try:
+        hardware.value(device, "hbm_bytes_per_s")
+    except (KeyError, ValueError):
+        return f"no memory bandwidth (hbm_bytes_per_s) for {device!r} in hardware.json"
+    try:
+        in_stack_share(device)
+    except ValueError as err:
+        return str(err)
+    return None

@@ -37,7 +37,8 @@ from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEM
                                              memory_breakdown, usable_memory_bytes)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
 from commlab.parallel.planner.tables import read_table
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, model_flops_per_step,
+from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, compute_model,
+                                                 model_flops_per_step,
                                                  step_time)
 from commlab.parallel.planner.timeline import rerank_by_timeline
 from commlab.topology import Cluster, load_preset
@@ -102,7 +103,9 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Rejected:
-    """A layout the search turned down: ``reason`` says why (``kind`` is ``"memory"`` or ``"batch"``)."""
+    """A layout the search turned down: ``reason`` says why (``kind`` is ``"memory"``, ``"batch"``, or
+    ``"heads"`` where tp does not divide the attention heads, which Megatron-LM asserts and the kernel model
+    needs: each rank holds whole heads)."""
 
     layout: Layout
     kind: str
@@ -118,12 +121,15 @@ class SearchResult:
         rejected: layouts turned down, with reasons (memory first).
         candidates: layouts considered.
         elapsed_s: wall time of the search, s.
+        compute_model: what priced compute (:func:`~.time_model.compute_model` of the ``achievable_fraction``
+            asked for): ``"kernels"`` or the share of peak.
     """
 
     plans: list[Plan]
     rejected: list[Rejected]
     candidates: int
     elapsed_s: float
+    compute_model: float | str = DEFAULT_ACHIEVABLE_FRACTION
 
     @property
     def rejected_for_memory(self) -> int:
@@ -161,7 +167,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            recompute: Sequence[bool | str] | None = None, interleave: Sequence[int] = (1, 2, 4, 8),
            tp_values: Iterable[int] | None = None, pp_values: Iterable[int] | None = None,
            even_stages: bool | None = None, sequence_parallel: bool | None = None, flash_attention: bool | None = None,
-           achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+           achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
            usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
            software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
            fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
@@ -201,7 +207,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             the software profile's.
         achievable_fraction, dp_overlap, grad_bytes, dtype: passed to
             :func:`~commlab.parallel.planner.time_model.step_time` (grad_bytes also to the memory model;
-            default the profile's).
+            default the profile's); the default ``achievable_fraction`` is :data:`~.time_model.AUTO`, the
+            kernel model where the cluster's GPU has it (:attr:`SearchResult.compute_model` says which).
         software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
             ``data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
         memory_reserve: share of device memory kept free for what the memory model does not count
@@ -232,6 +239,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         recompute = ("none", "full") + ((sw.recompute,) if sw.recompute not in ("none", "full") else ())
     m = load_model(model) if isinstance(model, str) else model
     c = make_cluster(cluster, gpus)
+    achievable_fraction = compute_model(achievable_fraction, c.device, dtype)  # "auto" resolved once
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
     d = c.devices_per_node
@@ -275,6 +283,10 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                             flash_attention=flash_attention, recompute_every=sw.recompute_every,
                                             dp_shard=shard)
                             candidates += 1
+                            if m.heads % tp:
+                                rejected.append(Rejected(layout, "heads", f"tp={tp} does not divide the model's "
+                                                         f"{m.heads} attention heads"))
+                                continue
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "
                                                          f"multiple of dp·b = {dp}·{b}"))
@@ -297,7 +309,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     plans = rerank_by_timeline(plans, timeline_top, m, c, global_batch, sw, achievable_fraction, dp_overlap, dtype,
                                g_bytes)
     rejected.sort(key=lambda r: r.kind != "memory")
-    return SearchResult(plans, rejected, candidates, time.perf_counter() - started)
+    return SearchResult(plans, rejected, candidates, time.perf_counter() - started, achievable_fraction)
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -380,7 +392,7 @@ VALIDATION_MICRO_BATCHES = (1, 2, 4, 8, 16)
 VALIDATION_INTERLEAVE = (1, 2, 3, 4, 8)
 
 
-def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+def validate_published(achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                        path: str | Path | None = None) -> list[ValidationRow]:
     """The planner against every published run it can model (runs with context parallelism are skipped).
 
@@ -393,7 +405,8 @@ def validate_published(achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRA
     :data:`VALIDATION_INTERLEAVE` for every row. Throughput is put in the source's own FLOP definition
     (``flop_accounting``).
 
-    One global ``achievable_fraction`` for all runs; nothing is fitted per run.
+    One compute model for all runs (default :data:`~.time_model.AUTO`: the kernel model, which every row's
+    GPU has; or one global ``achievable_fraction``); nothing is fitted per run.
 
     Raises:
         ValueError: a row names an unknown software profile or FLOP definition; a row's ``micro_batch`` or

@@ -129,7 +129,7 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "fsdp_head_share",
            "group_all_reduce_seconds",
            "loss_seconds", "step_time",
-           "KERNELS"]
+           "KERNELS", "AUTO", "compute_model"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -138,6 +138,21 @@ DEFAULT_ACHIEVABLE_FRACTION = 0.5
 #: (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape, memory-bound operations, the
 #: optimizer step).
 KERNELS = "kernels"
+
+#: ``achievable_fraction="auto"``, the default of every planner function and of ``python -m commlab plan``:
+#: :data:`KERNELS` where the device has what the kernel model needs (:func:`~.kernels.kernel_model_gap`),
+#: else :data:`DEFAULT_ACHIEVABLE_FRACTION` (:func:`compute_model` resolves it).
+AUTO = "auto"
+
+
+def compute_model(achievable_fraction: float | str, device: str, dtype: str = "bf16") -> float | str:
+    """What compute is priced with on ``device``: for :data:`AUTO`, :data:`KERNELS` where
+    :func:`~.kernels.kernel_model_gap` finds nothing missing for ``dtype``, else
+    :data:`DEFAULT_ACHIEVABLE_FRACTION`; any other value as given (checked by :func:`step_time`)."""
+    if achievable_fraction != AUTO:
+        return achievable_fraction
+    from commlab.parallel.planner.kernels import kernel_model_gap
+    return KERNELS if kernel_model_gap(device, dtype) is None else DEFAULT_ACHIEVABLE_FRACTION
 
 #: Model-FLOP definitions published runs use, for :func:`model_flops_per_step`.
 FLOP_DEFINITIONS = {
@@ -513,7 +528,7 @@ def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -
 
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
                        gather_window_s: float = 0.0, gather_overlap: float = 0.0, reduce_tail: float = 0.0,
-                       gather_head: float = 0.0) -> tuple[float, float]:
+                       gather_head: float = 0.0, slowdown: float = 1.0) -> tuple[float, float]:
     """``(exposed, hidden)`` seconds of the DP communication.
 
     The gradient reduction (``reduce_s``) may hide up to ``reduce_overlap × (1 - reduce_tail) × reduce_s``
@@ -521,18 +536,28 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
     bucket reduced last, which the backward completes only as it ends. The parameter all-gather
     (``gather_s``) may hide up to ``gather_overlap × (1 - gather_head) × gather_s`` behind ``gather_window_s``
     (the first micro-batch's forward pass): ``gather_head`` is the share gathered first, which that forward
-    waits for. What does not fit in its window, and the share not overlapped, is exposed.
+    waits for. What does not fit in its window, and the share not overlapped, is exposed. ``slowdown``
+    (>= 1, the profile's ``overlap_compute_slowdown``): the compute beside the ``hidden`` seconds runs
+    ``1/slowdown`` as fast, so its window lasts ``hidden·(1 - 1/slowdown)`` longer (the caller charges that
+    time) and as much more of what did not fit hides in it, as in the step timeline's replay.
 
     Raises:
-        ValueError: a time that is negative or not finite, or an overlap, tail or head share outside [0, 1].
+        ValueError: a time that is negative or not finite, an overlap, tail or head share outside [0, 1], a
+            slowdown below 1.
     """
     _check_times_and_shares(dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
                                  gather_window_s=gather_window_s),
                             dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap,
                                  reduce_tail=reduce_tail, gather_head=gather_head))
-    hidden = (min(reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s)
-              + min(gather_overlap * (1 - gather_head) * gather_s, gather_window_s))
-    return reduce_s + gather_s - hidden, hidden
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1:
+        raise ValueError(f"slowdown = {slowdown!r} must be >= 1 (1 = compute does not slow beside communication)")
+    hidden = exposed = 0.0
+    for comm, window in ((reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s),
+                         (gather_overlap * (1 - gather_head) * gather_s, gather_window_s)):
+        beside = min(comm, window)
+        hidden += beside
+        exposed -= beside + min(comm - beside, beside * (1 - 1 / slowdown))
+    return reduce_s + gather_s + exposed, hidden
 
 
 def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -> float:
@@ -626,7 +651,7 @@ def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
 # ----------------------------------------------------------------------------------------- the step
 
 def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
-              achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+              achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
               dtype: str = "bf16", grad_bytes: int | None = None,
               software: SoftwareProfile | str | None = None) -> TimeBreakdown:
     """Predicted time of one training step (seconds), term by term (see the module docstring).
@@ -640,7 +665,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         global_batch: sequences per step; must be a multiple of ``dp·micro_batch``.
         achievable_fraction: share of peak the matmuls sustain, in (0, 1]; or :data:`KERNELS` to price
             compute from the layout's kernels (:func:`~.kernels.effective_fraction`) and add the optimizer
-            step (:func:`~.kernels.optimizer_step_bytes` over the GPU's memory bandwidth).
+            step (:func:`~.kernels.optimizer_step_bytes` over the GPU's memory bandwidth); or :data:`AUTO`
+            (the default): the kernel model where the device has it, else 0.5 (:func:`compute_model`).
         dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
         dtype: key of ``cluster.peak_flop_per_s``.
         grad_bytes: if given, replaces the profile's bytes per gradient element (2 or 4).
@@ -658,9 +684,11 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     if global_batch % (layout.dp * layout.micro_batch):
         raise ValueError(f"global_batch={global_batch} sequences is not a multiple of dp·micro_batch = "
                          f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")
+    achievable_fraction = compute_model(achievable_fraction, cluster.device, dtype)
     kernels = achievable_fraction == KERNELS
     if not kernels and (isinstance(achievable_fraction, (str, bool)) or not 0 < achievable_fraction <= 1):
-        raise ValueError(f"achievable_fraction must be in (0, 1] or {KERNELS!r}, got {achievable_fraction!r}")
+        raise ValueError(f"achievable_fraction must be in (0, 1], {KERNELS!r} or {AUTO!r}, got "
+                         f"{achievable_fraction!r}")
     if dp_overlap is not None and not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
     if dtype not in cluster.peak_flop_per_s:
@@ -748,7 +776,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
             reduce_s, gather_s = grad_ar, 0.0
         tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp)) if ov_grad or ov_param else 1.0
         dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
-                                                   gather_s, per_micro * forward_share, ov_param, tail, tail)
+                                                   gather_s, per_micro * forward_share, ov_param, tail, tail,
+                                                   sw.overlap_compute_slowdown)
     slowdown = (tp_hidden + pp_hidden + dp_hidden) * (1 - 1 / sw.overlap_compute_slowdown)
     return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,

@@ -58,8 +58,11 @@ both the exact offsets and the relative agreement). Where they differ legitimate
   (the analytical form hides it altogether); DP communication may also hide behind the waits of the drain,
   and a later stage's parameter AllGather behind its wait for the first activation.
 
-Left out: the compute slowdown under overlapped PP and DP communication (applied to TP only; every preset
-sets it to 1.0), stragglers and jitter, the optimizer's own time, and per-stage DP volumes (every stage
+Compute beside communication runs ``1/compute_slowdown`` as fast (the profile's
+``overlap_compute_slowdown``): hidden TP lengthens its op, the hidden part of a pipeline send its sender's
+next work, the overlapped parameter AllGather the stage's first forward, ZeRO-3's hidden collectives their
+op, and the overlapped gradient reduction the stage's end (``slowdown`` bars). Left out: that slowdown
+delaying messages sent meanwhile (it is paid on the stage's own stream), stragglers and jitter, the optimizer's own time, and per-stage DP volumes (every stage
 reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed per op, as the time
 model prices it (:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the
 chunk's parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
@@ -84,7 +87,7 @@ from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_sc
 from commlab.parallel.planner.kernels import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_FORWARD_BYTES_PER_LOGIT
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
-from commlab.parallel.planner.time_model import (DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, _check_seconds,
+from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, _check_seconds,
                                                  _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
                                                  column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
                                                  executed_flops_per_token, step_time)
@@ -98,7 +101,7 @@ __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval
 RERANK_MAX_FACTOR = 4
 
 #: Interval kinds, in drawing order.
-KINDS = ("forward", "backward", "recompute", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
+KINDS = ("forward", "backward", "recompute", "slowdown", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
          "optimizer", "bubble", "idle")
 
 #: The lane of the stream that computes (and stalls on exposed communication).
@@ -179,7 +182,9 @@ class StepCosts:
         micro_batches: m per step.
         pp_message_s: one pipeline message (activation forward or gradient backward), s.
         overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
-        compute_slowdown: factor (>= 1) by which compute slows while TP overlaps it.
+        compute_slowdown: factor (>= 1) by which compute slows while communication runs beside it (hidden
+            TP, the hidden share of a pipeline send, the overlapped DP or ZeRO-3 / FSDP collectives); the
+            replay draws the time it costs as ``slowdown`` bars on the compute lane.
         dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction, in order (``dp_reduce_scatter``, and
             ``dp_all_gather`` for the second half of an AllReduce).
         dp_gather_s: the distributed optimizer's parameter AllGather, s (0 without one).
@@ -278,7 +283,7 @@ def chunk_layers(layers: int, pp: int, interleave: int = 1) -> list[list[int]]:
 
 def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                software: SoftwareProfile | str | None = None,
-               achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+               achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                dtype: str = "bf16", grad_bytes: int | None = None,
                optimizer_s: float | None = None) -> tuple[StepCosts, TimeBreakdown]:
     """The per-stage, per-micro-batch durations of a plan, and the analytical breakdown they are read from.
@@ -444,18 +449,28 @@ def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
     return tuple(out)
 
 
+def _slowdown_s(costs: StepCosts, overlapped_s: float) -> float:
+    """What ``overlapped_s`` seconds of compute beside communication cost: compute runs ``1/compute_slowdown``
+    as fast there, so the same work takes ``overlapped_s·(1 - 1/compute_slowdown)`` longer (the time model's
+    ``overlap_slowdown_s``)."""
+    return overlapped_s * (1 - 1 / costs.compute_slowdown) if overlapped_s > 0 else 0.0
+
+
 def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float,
             backward_hidden_s: float | None = None) -> tuple[list, float]:
     """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
     times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
-    length, beside it on the comm lane (slowing it by ``compute_slowdown``), the rest after it. A backward
-    hides ``backward_hidden_s`` instead (the chunk's :attr:`StageCosts.tp_backward_hidden_s`)."""
+    length, beside it on the comm lane, the rest after it; the computation then takes ``hidden·(1 - 1/
+    compute_slowdown)`` longer (a ``slowdown`` bar after it). A backward hides ``backward_hidden_s`` instead
+    (the chunk's :attr:`StageCosts.tp_backward_hidden_s`)."""
     hidden = min(costs.overlap_tp * tp_s if backward_hidden_s is None else backward_hidden_s, work_s)
-    work = work_s + hidden * (1 - 1 / costs.compute_slowdown)
+    work = work_s + _slowdown_s(costs, hidden)
     exposed = tp_s - hidden
     bars = []
-    if work > 0:
-        bars.append((kind, t, t + work, COMPUTE_LANE))
+    if work_s > 0:
+        bars.append((kind, t, t + work_s, COMPUTE_LANE))
+    if work > work_s:
+        bars.append(("slowdown", t + work_s, t + work, COMPUTE_LANE))
     if hidden > 0:
         bars.append(("tp", t, t + hidden, COMM_LANE))
     if exposed > 0:
@@ -485,7 +500,8 @@ def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
                backward: bool) -> tuple[list, float, float, tuple, float]:
     """One op's bars with its ZeRO-3 / FSDP communication, as :func:`~.time_model.fsdp_exposed_seconds`
     prices it: the chunk's AllGather (and after a backward its ReduceScatter) hides behind the op's
-    compute (``window``, s) up to the profile's shares, less, in a forward's gather and a backward's
+    compute (``window``, s) up to the profile's shares (the compute slowed by what hides, a ``slowdown`` bar),
+    less, in a forward's gather and a backward's
     ReduceScatter, the head share that no prefetch hides (every chunk's op pays its part of it, so a
     micro-batch pays it whole, as in the time model); the AllGather's exposed rest runs before the compute
     (the op waits for its parameters), the ReduceScatter's after it. Returns the bars, the new end of the
@@ -504,15 +520,23 @@ def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
         out.append(("dp_all_gather", wait, wait + hide_g, COMM_LANE))
     if hide_r > 0:
         out.append(("dp_reduce_scatter", wait + hide_g, wait + hide_g + hide_r, COMM_LANE))
+    slow = _slowdown_s(costs, hide_g + hide_r)
+    if slow > 0:
+        out.append(("slowdown", end + wait, end + wait + slow, COMPUTE_LANE))
     tail = (("dp_reduce_scatter", 0.0, after, COMPUTE_LANE),) if after > 0 else ()
-    return out, end + wait, wait, tail, after
+    return out, end + wait + slow, wait, tail, after
 
 
 def _templates(costs: StepCosts) -> dict:
     exposed = (1 - costs.overlap_pp) * costs.pp_message_s
+    # The hidden rest of a send runs beside the sender's next computation, which it slows: the sender's
+    # stream pays that at once (after the exposed part), so the message itself is not delayed.
+    slow = _slowdown_s(costs, costs.pp_message_s - exposed)
     send = []
     if exposed > 0:
         send.append(("pp_send", 0.0, exposed, COMPUTE_LANE))
+    if slow > 0:
+        send.append(("slowdown", exposed, exposed + slow, COMPUTE_LANE))
     if costs.pp_message_s > exposed:
         send.append(("pp_send", exposed, costs.pp_message_s, COMM_LANE))
     out = {}
@@ -520,7 +544,7 @@ def _templates(costs: StepCosts) -> dict:
         for c in range(sc.chunks):
             bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
             bars, t, wait, tail, after = _with_fsdp(costs, bars, t, sc.forward_s[c], False)
-            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed, costs.pp_message_s,
+            out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed + slow, costs.pp_message_s,
                                              wait, tail, after)
             bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
             at = t
@@ -528,7 +552,7 @@ def _templates(costs: StepCosts) -> dict:
                               None if sc.tp_backward_hidden_s is None else sc.tp_backward_hidden_s[c])
             bars, t, wait, tail, after = _with_fsdp(costs, bars + more, t, sc.recompute_s[c] + sc.backward_s[c],
                                                     True)
-            out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed, costs.pp_message_s,
+            out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed + slow, costs.pp_message_s,
                                             wait, tail, after)
     return out
 
@@ -537,7 +561,8 @@ def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start
                stall_from: float, msg: tuple | None, end: float, ready: float | None = None) -> None:
     """Bars of one op: its wait (``pp_recv`` while its input was in flight, ``bubble`` otherwise, up to
     ``ready``, when it could have started), a stall for the first gathered parameter bucket (``ready`` to
-    ``start``), its computation, a stall for the rest of the parameter AllGather, its send."""
+    ``start``), its computation, its slowdown by the parameter AllGather beside it (to ``stall_from``), a
+    stall for the rest of that AllGather, its send."""
     code, _, backward, c, j, sends = entry
     ivs = state.intervals
     free = state.compute_free[s]
@@ -553,6 +578,8 @@ def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start
         ivs.append(Interval(s, "dp_all_gather", max(ready, free), start, j, c))
     for kind, a, b, lane in tpl.bars:
         ivs.append(Interval(s, kind, start + a, start + b, j, c, lane))
+    if stall_from > start + tpl.compute_end:
+        ivs.append(Interval(s, "slowdown", start + tpl.compute_end, stall_from, j, c))
     if mid > stall_from:
         ivs.append(Interval(s, "dp_all_gather", stall_from, mid, j, c))
     if sends:
@@ -609,6 +636,8 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                     if head > start:
                         ready, start = start, head
                         mid = stall_from = start + t.compute_end
+                    # the rest of the AllGather runs beside this forward's compute, which it slows
+                    mid = stall_from = mid + _slowdown_s(costs, min(gathered, mid) - start)
                     mid = max(mid, gathered)
                 if backward:
                     last_b[(s, c)] = start + t.backward_at
@@ -657,10 +686,13 @@ def finish_stage(state: ReplayState, costs: StepCosts, stage: int) -> float:
     comm, hidden = 0.0, []
     for at, c in launches:
         comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c, hidden)
-    comm = _lay(state, stage, [(k, ov * tail * d) for k, d in costs.dp_reduce], max(t_end, comm), COMM_LANE,
+    # What of it ran beside the backward passes slowed them: the stream pays that after its last backward
+    # (a stage's own end; the messages it sent meanwhile are not delayed), and the last bucket waits for it.
+    t = _lay(state, stage, [("slowdown", _slowdown_s(costs, sum(max(0.0, min(b, t_end) - a)
+                                                                   for _, a, b, _ in hidden)))], t_end)
+    comm = _lay(state, stage, [(k, ov * tail * d) for k, d in costs.dp_reduce], max(t, comm), COMM_LANE,
                 None, hidden)
-    # The stream waits for the overlapped reduction still running after its last backward (exposed).
-    t = t_end
+    # The stream waits for the overlapped reduction still running (exposed).
     for kind, a, b, c in hidden:
         if b > t:
             _lay(state, stage, [(kind, b - max(a, t))], max(a, t), COMPUTE_LANE, c)
@@ -737,7 +769,7 @@ def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytica
 
 def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
                   software: SoftwareProfile | str | None = None, schedule: str | None = None,
-                  achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                  achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                   dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
     """The step timeline of a plan (see the module docstring).
@@ -764,7 +796,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
 
 def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster, global_batch: int,
                        software: SoftwareProfile | str | None = None,
-                       achievable_fraction: float | str = DEFAULT_ACHIEVABLE_FRACTION, dp_overlap: float | None = None,
+                       achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                        dtype: str = "bf16", grad_bytes: int | None = None) -> list:
     """The search's final ranking, its first ``k`` places all replayed plans.
 
