@@ -179,8 +179,8 @@ class SoftwareProfile:
             (:func:`~.time_model.dp_last_bucket_share`). 0 = no buckets given: nothing is held back for a
             last bucket, and the overlap share alone says what hides.
         overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
-            kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown. No primary measurement of it
-            was checked, so every preset has 1.0 and says so.
+            kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown (the default of a profile
+            made by hand). Every preset has 1.189, the average Lee et al. 2025 measured (arXiv:2507.03114).
         grad_bytes: bytes per gradient element, held and reduced (2 bf16/fp16, 4 fp32).
         optimizer_dtypes: the stack's parameter and optimizer-state dtypes, a key of
             :data:`OPTIMIZER_DTYPES` (e.g. ``"bf16-fp32-adam"``: 2-byte parameters, 12 bytes of state).

@@ -77,10 +77,13 @@ The terms, per step, on the critical path of one GPU:
   bandwidth figure gets no loss term (``loss_s = 0``). In the bubble's per-micro-batch work, as the last
   stage's.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
-  fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``.
-  Every preset sets 1.0 (no slowdown): no primary measurement of it was checked.
+  fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``,
+  and the DP collectives that did not fit in their window hide for as much longer
+  (:func:`dp_exposed_seconds`). Every preset sets 1.189, Lee et al. 2025's average over A100, H100, MI250
+  and MI210 (arXiv:2507.03114).
 
-``achievable_fraction`` (default :data:`DEFAULT_ACHIEVABLE_FRACTION` = 0.5) is the one calibration constant:
+``achievable_fraction`` = a share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION` = 0.5) is the simple form,
+with one calibration constant:
 the share of dense peak that the matrix multiplications of a large transformer sustain. Half of peak is
 the order that Megatron-LM reports for its whole step, communication and bubble included (44-52 % of A100
 peak, Narayanan et al. 2021, Table 1) and that Llama 3 reports as MFU on H100 (38-43 %, §3.3.2); the
@@ -94,8 +97,9 @@ Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP i
 PaLM's Appendix B; ``6·P``).
 
 Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeline` replays them in the
-schedule's order, and the search ranks its top candidates by that replay. ``achievable_fraction=KERNELS``
-replaces the one constant by the layout's own share of peak from its kernels
+schedule's order, and the search ranks its top candidates by that replay. ``achievable_fraction=KERNELS``,
+and the default :data:`AUTO` wherever the device has what it needs (:func:`compute_model`), replaces the one
+constant by the layout's own share of peak from its kernels
 (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
 operations and the optimizer step at the memory's bandwidth, a layer's kernels at the stack's share of their
 microbenchmark rates measured on single layers, :func:`~.kernels.in_stack_share`). What is left out (see the
