@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--validate", action="store_true",
                       help="check the planner against the published runs of data/published_layouts.json: reported vs "
                            "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
-                           "search, median |error| (the other options but --achievable-fraction are not used)")
+                           "search, median |error| (the other options but --achievable-fraction and --kernels are not "
+                           "used)")
     plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
     plan.add_argument("--preset",
                       help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
@@ -485,23 +486,25 @@ def _plan(args, parser) -> int:
     print(f"# {result.candidates} layouts considered in {result.elapsed_s:.2f} s: {len(result.plans)} fit, "
           f"{result.rejected_for_memory} rejected for memory, "
           f"{sum(r.kind == 'batch' for r in result.rejected)} for the batch split"
-          + "".join(f", {n} because tp does not divide the {model.heads} heads"
+          + "".join(f", {n} because tp does not divide the {model.heads} heads and {model.kv_heads} KV heads"
                     for n in [sum(r.kind == "heads" for r in result.rejected)] if n))
     if not result.plans:
         mem = [r.reason for r in result.rejected if r.kind == "memory"]
         print("# nothing fits" + (f"; smallest need e.g. {min(mem, key=len)}" if mem else ""))
         return 1
     print(f"# step s: the replayed step timeline where the search replayed the plan (every one of the top "
-          f"{TIMELINE_TOP_K}), else the analytical sum of terms (marked ~); the term columns are the analytical ones")
+          f"{TIMELINE_TOP_K}), else the analytical sum of terms (marked ~); the term columns are the analytical ones, "
+          f"exposed only (slow = compute slowed by the communication hidden beside it, opt = the optimizer step)")
     head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} {'DP':>7} "
-            f"{'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
+            f"{'slow':>6} {'opt':>6} {'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
     print(head)
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()
         by_sum = "~" if p.timeline_step_s is None else " "
         print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f}{by_sum}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
               f"{r['pp_s']:>7.3f} "
-              f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "
+              f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['slowdown_s']:>6.3f} {r['optimizer_s']:>6.3f} "
+              f"{r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "
               f"{r['tokens_per_s']:>11.4g} "
               f"{r['tflops_per_gpu']:>12.0f}")
     return 0

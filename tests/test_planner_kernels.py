@@ -9,7 +9,7 @@ import pytest
 
 from commlab import hardware
 from commlab.__main__ import main
-from commlab.parallel.planner import KERNELS, Layout, load_model, load_software, stage_params, step_time
+from commlab.parallel.planner import KERNELS, Layout, load_model, load_software, search, stage_params, step_time
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
                                               in_stack_share, layer_kernels, layer_seconds, load_gemm_table,
@@ -346,10 +346,19 @@ def test_wider_models_run_nearer_the_ceiling():
 
 def test_kernel_model_errors():
     m = load_model("megatron-1.7b")
-    with pytest.raises(ValueError, match="hbm_bytes_per_s"):
+    with pytest.raises(ValueError, match="no GEMM table for 'A100-PCIe'"):
         step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("pcie-gen4-node", nodes=1), 8, achievable_fraction=KERNELS)
-    with pytest.raises(ValueError, match="'kernels'"):
-        step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("dgx-a100-hdr", nodes=1), 8, achievable_fraction="fast")
+    with pytest.raises(ValueError, match="cannot price fp8 on 'H100-SXM'.*bf16, not fp8"):
+        step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("dgx-h100-ndr", nodes=1), 8, achievable_fraction=KERNELS,
+                  dtype="fp8")
+    for bad in ("fast", "Auto", True, None, 0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="'kernels' or 'auto'"):
+            step_time(m, Layout(tp=1, pp=1, dp=8), load_preset("dgx-a100-hdr", nodes=1), 8, achievable_fraction=bad)
+        with pytest.raises(ValueError, match="'kernels' or 'auto'"):
+            search(m, "dgx-a100-hdr", 8, 8, achievable_fraction=bad)
+    # "auto" falls back to one share of peak where the kernel model lacks its data, and says so
+    assert search(m, "pcie-gen4-node", 8, 8).compute_model == 0.5
+    assert search(m, "dgx-h100-ndr", 8, 8, dtype="fp8").compute_model == 0.5
 
 
 def test_cli_kernels(capsys):

@@ -19,8 +19,8 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
-from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, column_wgrad_flops_per_token,
-                                                 input_grad_share)
+from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, beside_seconds, column_wgrad_flops_per_token,
+                                                 input_grad_share, slowdown_seconds)
 from commlab.parallel.planner.search import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 
@@ -273,11 +273,14 @@ def test_dp_remainder_after_overlap_by_hand():
     assert dp_exposed_seconds(1.0, 2.0, 1.0, 0.3, 2.0, 1.0, reduce_tail=0.25, gather_head=0.5) == \
         pytest.approx((0.25 + 0.15, 0.75 + 0.15))
     assert dp_exposed_seconds(1.0, 0.5, 1.0, reduce_tail=0.25) == pytest.approx((0.5, 0.5))  # the window binds
-    # Compute at half speed beside the 0.5 s that hide: the window lasts 0.25 s longer, and 0.25 s more of the
-    # reduction hides in it; a window longer than the reduction has nothing more to hide.
-    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=2.0) == pytest.approx((0.25, 0.5))
-    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=1.2) == pytest.approx((0.5 - 0.5 * (1 - 1 / 1.2), 0.5))
+    # Compute at half speed beside communication: the 0.5 s window lasts up to 1 s, and holds all of the 1 s
+    # reduction; at 1/1.2 of its speed it lasts up to 0.6 s; a window longer than the reduction holds it all.
+    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=2.0) == pytest.approx((0.0, 1.0))
+    assert dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=1.2) == pytest.approx((0.4, 0.6))
     assert dp_exposed_seconds(0.3, 1.0, 1.0, slowdown=2.0) == pytest.approx((0.0, 0.3))
+    assert beside_seconds(1.0, 0.5, 1.2) == pytest.approx(0.6) and beside_seconds(0.3, 1.0, 2.0) == 0.3
+    # A computation entirely beside communication takes slowdown times as long (Lee et al. 2025's definition).
+    assert 0.5 + slowdown_seconds(beside_seconds(5.0, 0.5, 1.189), 1.189) == pytest.approx(0.5 * 1.189)
     for bad in (0.9, True, "2"):
         with pytest.raises(ValueError, match="slowdown"):
             dp_exposed_seconds(1.0, 0.5, 1.0, slowdown=bad)
@@ -333,15 +336,13 @@ def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_an
     assert math.ceil(L / (16 * 4)) == 2 and layer_params(m) / 8 >= core.bucket_params(128)
     tail = V * h / 8 / dp_gradient_nbytes(m, layout, 1)
     assert dp_last_bucket_share(m, layout, core.bucket_params(128)) == pytest.approx(tail)
-    hidden = min(rs * (1 - tail), bwd_window) + min(ag * (1 - tail), fwd_window)
-    # Compute beside the hidden seconds runs 1/1.189 as fast (Lee et al. 2025): each window lasts that much
-    # longer, and as much more of what did not fit hides in it.
-    slow = 1 - 1 / core.overlap_compute_slowdown
-    assert core.overlap_compute_slowdown == 1.189
-    longer = sum(min(comm - min(comm, w), min(comm, w) * slow)
-                 for comm, w in ((rs * (1 - tail), bwd_window), (ag * (1 - tail), fwd_window)))
-    assert t.dp_exposed_s == pytest.approx(rs + ag - hidden - longer)
-    assert t.overlap_slowdown_s == pytest.approx((hidden + t.tp_hidden_s + t.pp_hidden_s) * slow)
+    # Compute beside communication runs 1/1.189 as fast (Lee et al. 2025): each window, slowed, lasts up to
+    # 1.189 times its length, and holds that much communication.
+    s = core.overlap_compute_slowdown
+    assert s == 1.189
+    hidden = min(rs * (1 - tail), s * bwd_window) + min(ag * (1 - tail), s * fwd_window)
+    assert t.dp_exposed_s == pytest.approx(rs + ag - hidden)
+    assert t.overlap_slowdown_s == pytest.approx((hidden + t.tp_hidden_s + t.pp_hidden_s) * (1 - 1 / s))
     # Nothing overlapped: all of it is exposed.
     none = step_time(m, layout, c, 2048, software=core.replace(overlap_dp_grad_reduce=0.0,
                                                                overlap_dp_param_gather=0.0))
@@ -444,8 +445,12 @@ def test_backward_tp_hides_at_most_the_weight_gradient_time():
     h, kv, f = m.hidden, m.kv_heads * m.hidden // m.heads, m.ffn
     w_qkv, w_mlp = (2 * h * (h + 2 * kv) * b * s / (tp * rate), 4 * h * f * b * s / (tp * rate))
     assert w_qkv < one < w_mlp
-    assert t.tp_hidden_s == pytest.approx(m.layers * (w_qkv + one))
-    assert t.tp_s == pytest.approx(m.layers * (4 * one - w_qkv - one))
+    # QKV's weight gradient, slowed by the reduction beside it (1.189, Lee et al. 2025), lasts 1.189 times as
+    # long and hides that much of it.
+    slow = load_software("megatron-lm-2022-full-recompute").overlap_compute_slowdown
+    assert slow == 1.189 and slow * w_qkv < one
+    assert t.tp_hidden_s == pytest.approx(m.layers * (slow * w_qkv + one))
+    assert t.tp_s == pytest.approx(m.layers * (4 * one - slow * w_qkv - one))
 
 def test_search_takes_its_knobs_from_the_profile():
     res = search("megatron-18.4b", "dgx-a100-hdr", 256, 1024, software="megatron-lm-2021", micro_batches=(1,),

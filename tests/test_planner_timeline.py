@@ -85,11 +85,16 @@ def test_compute_beside_communication_slows_by_the_profiles_factor():
     tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),),
                                        overlap_dp_grad_reduce=1.0, compute_slowdown=2.0), "1f1b")
     assert tl.step_s == pytest.approx(3.75) and tl.time_by_kind(0)["slowdown"] == pytest.approx(0.75)
-    # Longer (3 s) than the backward: 2 s beside it cost 1 s, and the 1 s of reduction past the backward hides
-    # in that second: the step ends with the reduction, at 4.
+    # Longer (3 s, to t = 4) than the backward: at half speed the backward does 1.5 s of its 2 s of work by then,
+    # the last 0.5 s alone: it ends at 4.5, and nothing of the reduction is exposed.
     tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 3.0),),
                                        overlap_dp_grad_reduce=1.0, compute_slowdown=2.0), "1f1b")
-    assert tl.step_s == pytest.approx(4.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(0.0)
+    assert tl.step_s == pytest.approx(4.5) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(0.0)
+    # Longer than the backward can last even slowed (5 s against 2 x 2 s): the backward runs at half speed
+    # throughout, to t = 5, and the reduction's last second is exposed.
+    tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 5.0),),
+                                       overlap_dp_grad_reduce=1.0, compute_slowdown=2.0), "1f1b")
+    assert tl.step_s == pytest.approx(6.0) and tl.time_by_kind(0)["dp_reduce_scatter"] == pytest.approx(1.0)
     # The last bucket (a fifth of 1.5 s) starts only once the slowed backward is over (3 + 0.6 for the 1.2 s
     # beside it), and is exposed.
     tl = timeline_from_costs(StepCosts((st_,), 1, dp_reduce=(("dp_reduce_scatter", 1.5),), overlap_dp_grad_reduce=1.0,

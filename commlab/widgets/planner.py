@@ -8,7 +8,8 @@ Three layers, as in :mod:`commlab.widgets.calculator`:
 * :func:`explorer` -- the ipywidgets front end (model and preset dropdowns, GPU count, global batch,
   compute model and achievable fraction, top-k), redrawn on every change;
 * :func:`static_figure` -- the same information as a matplotlib Figure for the online book: each top
-  layout's step time split into compute, TP, PP, bubble and exposed DP, with its memory per GPU.
+  layout's step time split into :data:`TERMS` (compute, loss, the slowdown of compute beside hidden
+  communication, TP, PP, bubble, exposed DP, the optimizer step), with its memory per GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ __all__ = ["TERMS", "plan_rows", "table_text", "table_html", "static_figure", "e
 
 #: The step-time terms, in the order they are stacked: (key of a row, label).
 TERMS: tuple[tuple[str, str], ...] = (("compute_s", "compute"), ("loss_s", "loss (cross-entropy)"),
-                                      ("tp_s", "TP AllReduce"), ("pp_s", "PP send/recv"),
-                                      ("bubble_s", "pipeline bubble"), ("dp_s", "DP AllReduce (exposed)"))
+                                      ("slowdown_s", "compute slowed by overlap"), ("tp_s", "TP AllReduce"),
+                                      ("pp_s", "PP send/recv"), ("bubble_s", "pipeline bubble"),
+                                      ("dp_s", "DP AllReduce (exposed)"), ("optimizer_s", "optimizer step"))
 
 
 def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: int = 16384,
@@ -58,7 +60,8 @@ def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: in
 
 _COLUMNS = (("layout", "layout", "{}"), ("step_s", "step (s)", "{:.3f}"), ("compute_s", "compute", "{:.3f}"),
             ("loss_s", "loss", "{:.3f}"), ("tp_s", "TP", "{:.3f}"), ("pp_s", "PP", "{:.3f}"), ("bubble_s", "bubble", "{:.3f}"),
-            ("dp_s", "DP", "{:.3f}"), ("memory_gb", "GB/GPU", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.4g}"),
+            ("dp_s", "DP", "{:.3f}"), ("slowdown_s", "slowed", "{:.3f}"), ("optimizer_s", "optimizer", "{:.3f}"),
+            ("memory_gb", "GB/GPU", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.4g}"),
             ("tflops_per_gpu", "TFLOP/s/GPU", "{:.0f}"))
 
 

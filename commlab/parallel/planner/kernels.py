@@ -514,7 +514,8 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
             recomputation policy.
     """
     from commlab.collectives.ring import ring_all_reduce_seconds
-    from commlab.parallel.planner.time_model import backward_tp_hidden_seconds, tp_all_reduce_nbytes
+    from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, beside_seconds, slowdown_seconds,
+                                                     tp_all_reduce_nbytes)
     out = []
     for key, (e, cluster, m, sw) in _layer_time_entries(path).items():
         if device is not None and cluster.device != device:
@@ -535,11 +536,12 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
                 raise ValueError(f"layer-time entry {key!r}, row {r.get('experiment')!r}: {err}") from None
             overlap_tp = sw.overlap_tp if sp else 0.0
             # What hides still slows the compute beside it (the profile's overlap_compute_slowdown).
-            slow = 1 - 1 / sw.overlap_compute_slowdown
-            hidden_f = min(overlap_tp * 2 * one, fwd)
-            tp_f = 2 * one - hidden_f * (1 - slow)
-            hidden = min(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad), bwd)
-            tp_b = 2 * one - hidden * (1 - slow) + (tp_f if r.get("recompute") == "full" else 0.0)
+            slow = sw.overlap_compute_slowdown
+            hidden_f = beside_seconds(overlap_tp * 2 * one, fwd, slow)
+            tp_f = 2 * one - hidden_f + slowdown_seconds(hidden_f, slow)
+            hidden = beside_seconds(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad,
+                                                               slow), bwd, slow)
+            tp_b = 2 * one - hidden + slowdown_seconds(hidden, slow) + (tp_f if r.get("recompute") == "full" else 0.0)
             out.append(LayerTimeRow(key, r.get("experiment", ""), r.get("recompute", "none"), sp, r["forward_ms"],
                                     r["backward_ms"], (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3,
                                     tp_b * 1e3))

@@ -90,12 +90,14 @@ class Plan:
         return flop_per_step / self.step_s / self.time.gpus
 
     def row(self) -> dict:
-        """A flat dict for tables: layout, step and term times (s; ``loss_s`` the cross-entropy over the vocabulary),
+        """A flat dict for tables: layout, step and term times (s; ``loss_s`` the cross-entropy over the vocabulary,
+        ``slowdown_s`` what hidden communication adds by slowing compute, ``optimizer_s`` the optimizer step),
         memory (GB), tokens/s, TFLOP/s/GPU."""
         t, mem = self.time, self.memory
         return {"layout": self.layout.short(), "step_s": self.step_s, "analytical_step_s": t.total_s,
                 "compute_s": t.compute_s, "loss_s": t.loss_s, "tp_s": t.tp_s,
-                "pp_s": t.pp_s, "bubble_s": t.bubble_s, "dp_s": t.dp_exposed_s, "micro_batches": t.micro_batches,
+                "pp_s": t.pp_s, "bubble_s": t.bubble_s, "dp_s": t.dp_exposed_s, "slowdown_s": t.overlap_slowdown_s,
+                "optimizer_s": t.optimizer_s, "micro_batches": t.micro_batches,
                 "memory_gb": mem.total_bytes / 1e9, "fragile": self.fragile,
                 "tokens_per_s": t.tokens_per_step / self.step_s,
                 "tflops_per_gpu": self.flop_per_s_per_gpu(t.model_flop_per_step) / 1e12}
@@ -104,8 +106,8 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Rejected:
     """A layout the search turned down: ``reason`` says why (``kind`` is ``"memory"``, ``"batch"``, or
-    ``"heads"`` where tp does not divide the attention heads, which Megatron-LM asserts and the kernel model
-    needs: each rank holds whole heads)."""
+    ``"heads"`` where tp does not divide the attention heads or the KV heads, which Megatron-LM asserts and the
+    kernel model needs: each rank holds whole heads and whole query groups)."""
 
     layout: Layout
     kind: str
@@ -283,9 +285,9 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                                             flash_attention=flash_attention, recompute_every=sw.recompute_every,
                                             dp_shard=shard)
                             candidates += 1
-                            if m.heads % tp:
+                            if m.heads % tp or m.kv_heads % tp:
                                 rejected.append(Rejected(layout, "heads", f"tp={tp} does not divide the model's "
-                                                         f"{m.heads} attention heads"))
+                                                         f"{m.heads} attention heads and {m.kv_heads} KV heads"))
                                 continue
                             if global_batch % (dp * b):
                                 rejected.append(Rejected(layout, "batch", f"global batch {global_batch} is not a "

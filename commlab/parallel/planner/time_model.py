@@ -41,8 +41,8 @@ The terms, per step, on the critical path of one GPU:
   over the tp ranks (Narayanan et al. 2021, §4.1) or runs sequence parallelism (each rank then holds
   ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute
   (none without interleaving when the profile's ``overlap_pp_needs_interleave`` says so).
-* **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP;
-  Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
+* **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP + the
+  slowdown that hidden TP, PP and ZeRO-3 collectives add to each op; Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
   :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
 * **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an AllGather:
   of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's ``--use-distributed-optimizer``; ZeRO-2
@@ -77,10 +77,11 @@ The terms, per step, on the critical path of one GPU:
   bandwidth figure gets no loss term (``loss_s = 0``). In the bubble's per-micro-batch work, as the last
   stage's.
 * **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
-  fast (communication kernels take SMs and memory bandwidth); the step pays ``hidden × (1 - 1/slowdown)``,
-  and the DP collectives that did not fit in their window hide for as much longer
-  (:func:`dp_exposed_seconds`). Every preset sets 1.189, Lee et al. 2025's average over A100, H100, MI250
-  and MI210 (arXiv:2507.03114).
+  fast (communication kernels take SMs and memory bandwidth): ``w`` seconds of compute hold up to
+  ``slowdown·w`` of communication beside them (:func:`beside_seconds`), and the step pays
+  ``hidden × (1 - 1/slowdown)`` (:func:`slowdown_seconds`), so that compute entirely beside communication
+  takes ``slowdown`` times as long. Every preset sets 1.189, Lee et al. 2025's average over A100, H100,
+  MI250 and MI210 (arXiv:2507.03114).
 
 ``achievable_fraction`` = a share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION` = 0.5) is the simple form,
 with one calibration constant:
@@ -133,7 +134,7 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "dp_exposed_seconds", "dp_last_bucket_share", "fsdp_exposed_seconds", "fsdp_head_share",
            "group_all_reduce_seconds",
            "loss_seconds", "step_time",
-           "KERNELS", "AUTO", "compute_model"]
+           "KERNELS", "AUTO", "compute_model", "beside_seconds", "slowdown_seconds"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -152,11 +153,27 @@ AUTO = "auto"
 def compute_model(achievable_fraction: float | str, device: str, dtype: str = "bf16") -> float | str:
     """What compute is priced with on ``device``: for :data:`AUTO`, :data:`KERNELS` where
     :func:`~.kernels.kernel_model_gap` finds nothing missing for ``dtype``, else
-    :data:`DEFAULT_ACHIEVABLE_FRACTION`; any other value as given (checked by :func:`step_time`)."""
-    if achievable_fraction != AUTO:
-        return achievable_fraction
+    :data:`DEFAULT_ACHIEVABLE_FRACTION`; :data:`KERNELS` and a share of peak in (0, 1] as given.
+
+    Raises:
+        ValueError: :data:`KERNELS` where the device lacks what the kernel model needs for ``dtype`` (the
+            message says what); anything else that is not :data:`AUTO` or a share in (0, 1].
+    """
     from commlab.parallel.planner.kernels import kernel_model_gap
-    return KERNELS if kernel_model_gap(device, dtype) is None else DEFAULT_ACHIEVABLE_FRACTION
+    if isinstance(achievable_fraction, str) and achievable_fraction in (AUTO, KERNELS):
+        gap = kernel_model_gap(device, dtype)
+        if achievable_fraction == AUTO:
+            return KERNELS if gap is None else DEFAULT_ACHIEVABLE_FRACTION
+        if gap is not None:
+            raise ValueError(f"achievable_fraction={KERNELS!r}: the kernel model cannot price {dtype} on {device!r}: "
+                             f"{gap}; pass a share of peak, or {AUTO!r} to fall back to "
+                             f"{DEFAULT_ACHIEVABLE_FRACTION}")
+        return KERNELS
+    if isinstance(achievable_fraction, (str, bool)) or not isinstance(achievable_fraction, (int, float)) \
+            or not 0 < achievable_fraction <= 1:
+        raise ValueError(f"achievable_fraction must be in (0, 1], {KERNELS!r} or {AUTO!r}, got "
+                         f"{achievable_fraction!r}")
+    return achievable_fraction
 
 #: Model-FLOP definitions published runs use, for :func:`model_flops_per_step`.
 FLOP_DEFINITIONS = {
@@ -398,19 +415,43 @@ def column_wgrad_flops_per_token(m: ModelConfig) -> tuple[float, float]:
     return 2.0 * h * (h + 2 * kv), 2.0 * h * m.ffn * (2 if m.gated_ffn else 1)
 
 
+def beside_seconds(comm_s: float, work_s: float, slowdown: float = 1.0) -> float:
+    """Seconds of ``comm_s`` of communication that run beside ``work_s`` seconds of compute (its time alone),
+    when compute runs ``1/slowdown`` as fast beside communication (the profile's ``overlap_compute_slowdown``):
+    ``min(comm_s, slowdown·work_s)``. The compute then takes ``beside·(1 - 1/slowdown)`` longer
+    (:func:`slowdown_seconds`); a compute entirely beside communication takes ``slowdown`` times as long,
+    the slowdown Lee et al. 2025 (arXiv:2507.03114) measure, and what of ``comm_s`` is left runs exposed.
+
+    Raises:
+        ValueError: a negative or non-finite time; a slowdown below 1.
+    """
+    _check_seconds("beside", (comm_s, work_s))
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1:
+        raise ValueError(f"slowdown = {slowdown!r} must be >= 1 (1 = compute does not slow beside communication)")
+    return min(comm_s, slowdown * work_s)
+
+
+def slowdown_seconds(beside_s: float, slowdown: float) -> float:
+    """What ``beside_s`` seconds of compute beside communication add to the step: compute runs ``1/slowdown``
+    as fast there, so ``beside_s·(1 - 1/slowdown)``."""
+    return beside_s * (1 - 1 / slowdown) if beside_s > 0 else 0.0
+
+
 def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp: float, overlap_tp_backward: float,
-                               wgrad_s: Sequence[float]) -> float:
+                               wgrad_s: Sequence[float], slowdown: float = 1.0) -> float:
     """Seconds of one layer's backward TP communication (two AllReduce-equivalents of ``one_s`` each, for one
     micro-batch) that hide behind its computation.
 
     Each column-parallel linear's input-gradient reduction, ``c = input_grad_share·one_s``, hides for the
     larger of ``overlap_tp`` (``--tp-comm-overlap``, which needs sequence parallelism; the caller passes 0
     without it) and ``overlap_tp_backward`` (the asynchronous reduction), the latter at most that linear's
-    weight-gradient time (``wgrad_s``: QKV's, then the MLP's first linear's, seconds); the rest of the
-    backward's bytes (the AllGathers under sequence parallelism) hide for ``overlap_tp`` only.
+    weight-gradient time (``wgrad_s``: QKV's, then the MLP's first linear's, seconds), which ``slowdown``
+    (:func:`beside_seconds`) stretches; the rest of the backward's bytes (the AllGathers under sequence
+    parallelism) hide for ``overlap_tp`` only.
 
     Raises:
-        ValueError: a negative or non-finite time, a share outside [0, 1], not two weight-gradient times.
+        ValueError: a negative or non-finite time, a share outside [0, 1], not two weight-gradient times, a
+            slowdown below 1.
     """
     wgrad_s = tuple(wgrad_s)
     if len(wgrad_s) != 2:
@@ -419,7 +460,7 @@ def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp
     for name, v in (("overlap_tp", overlap_tp), ("overlap_tp_backward", overlap_tp_backward)):
         _check_share(name, v)
     c = input_grad_share(sequence_parallel) * one_s
-    per_linear = sum(max(overlap_tp * c, min(overlap_tp_backward * c, w)) for w in wgrad_s)
+    per_linear = sum(max(overlap_tp * c, beside_seconds(overlap_tp_backward * c, w, slowdown)) for w in wgrad_s)
     return per_linear + overlap_tp * (2 * one_s - 2 * c)
 
 
@@ -541,9 +582,9 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
     (``gather_s``) may hide up to ``gather_overlap × (1 - gather_head) × gather_s`` behind ``gather_window_s``
     (the first micro-batch's forward pass): ``gather_head`` is the share gathered first, which that forward
     waits for. What does not fit in its window, and the share not overlapped, is exposed. ``slowdown``
-    (>= 1, the profile's ``overlap_compute_slowdown``): the compute beside the ``hidden`` seconds runs
-    ``1/slowdown`` as fast, so its window lasts ``hidden·(1 - 1/slowdown)`` longer (the caller charges that
-    time) and as much more of what did not fit hides in it, as in the step timeline's replay.
+    (>= 1, the profile's ``overlap_compute_slowdown``): compute beside communication runs ``1/slowdown`` as
+    fast, so a window of ``w`` seconds of compute holds up to ``slowdown·w`` of it (:func:`beside_seconds`;
+    the caller charges the ``hidden·(1 - 1/slowdown)`` this costs), as in the step timeline's replay.
 
     Raises:
         ValueError: a time that is negative or not finite, an overlap, tail or head share outside [0, 1], a
@@ -553,15 +594,9 @@ def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: 
                                  gather_window_s=gather_window_s),
                             dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap,
                                  reduce_tail=reduce_tail, gather_head=gather_head))
-    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1:
-        raise ValueError(f"slowdown = {slowdown!r} must be >= 1 (1 = compute does not slow beside communication)")
-    hidden = exposed = 0.0
-    for comm, window in ((reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s),
-                         (gather_overlap * (1 - gather_head) * gather_s, gather_window_s)):
-        beside = min(comm, window)
-        hidden += beside
-        exposed -= beside + min(comm - beside, beside * (1 - 1 / slowdown))
-    return reduce_s + gather_s + exposed, hidden
+    hidden = (beside_seconds(reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s, slowdown)
+              + beside_seconds(gather_overlap * (1 - gather_head) * gather_s, gather_window_s, slowdown))
+    return reduce_s + gather_s - hidden, hidden
 
 
 def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -> float:
@@ -597,7 +632,8 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
 
 
 def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, backward_s: float,
-                         gather_overlap: float, reduce_overlap: float, head_share: float = 0.0) -> tuple[float, float]:
+                         gather_overlap: float, reduce_overlap: float, head_share: float = 0.0,
+                         slowdown: float = 1.0) -> tuple[float, float]:
     """``(exposed, hidden)`` seconds of one micro-batch's ZeRO-3 / FSDP communication.
 
     ``gather_s``: one AllGather of the parameters; it runs twice, before the forward pass (hidden up to
@@ -607,15 +643,18 @@ def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, bac
     parameter bytes, where plain data parallelism's AllReduce makes two (Rajbhandari et al. 2020, §5.3).
     ``head_share`` of the forward AllGather (the first units' parameters, gathered before any compute can
     start) and of the ReduceScatter (the same units' gradients, reduced after the last compute) is exposed
-    whatever the overlap (:func:`fsdp_head_share`); the rest hides as above.
+    whatever the overlap (:func:`fsdp_head_share`); the rest hides as above, in windows that ``slowdown``
+    stretches (:func:`beside_seconds`).
 
     Raises:
-        ValueError: a time that is negative or not finite, or an overlap or head share outside [0, 1].
+        ValueError: a time that is negative or not finite, an overlap or head share outside [0, 1], a slowdown
+            below 1.
     """
     _check_times_and_shares(dict(gather_s=gather_s, reduce_s=reduce_s, forward_s=forward_s, backward_s=backward_s),
                             dict(gather_overlap=gather_overlap, reduce_overlap=reduce_overlap, head_share=head_share))
-    hidden = (min(gather_overlap * (1 - head_share) * gather_s, forward_s)
-              + min(gather_overlap * gather_s + reduce_overlap * (1 - head_share) * reduce_s, backward_s))
+    hidden = (beside_seconds(gather_overlap * (1 - head_share) * gather_s, forward_s, slowdown)
+              + beside_seconds(gather_overlap * gather_s + reduce_overlap * (1 - head_share) * reduce_s, backward_s,
+                               slowdown))
     return 2 * gather_s + reduce_s - hidden, hidden
 
 
@@ -731,6 +770,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
     # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
     overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
+    slow = sw.overlap_compute_slowdown
     tp_backward, backward_hidden = 0.0, 0.0
     if L.tp > 1:
         tp_backward = 2 * one * layers_per_stage * micro
@@ -738,8 +778,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         per_flop = compute / (executed * layers_per_stage * micro / m.layers)
         wgrad = tuple(f * per_flop for f in column_wgrad_flops_per_token(m))
         backward_hidden = layers_per_stage * micro * backward_tp_hidden_seconds(
-            one, L.sequence_parallel, overlap_tp, sw.overlap_tp_backward, wgrad)
-    tp_hidden = min(overlap_tp * (tp_total - tp_backward) + backward_hidden, compute)
+            one, L.sequence_parallel, overlap_tp, sw.overlap_tp_backward, wgrad, slow)
+    tp_hidden = beside_seconds(overlap_tp * (tp_total - tp_backward) + backward_hidden, compute, slow)
 
     pp_total = 0.0
     if L.pp > 1:
@@ -750,11 +790,10 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         split = sw.pp_scatter_gather or L.sequence_parallel
         one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
         pp_total = 2 * one * micro * L.interleave
-    pp_hidden = min(sw.pp_overlap(L.interleave) * pp_total, compute - tp_hidden)
+    pp_hidden = min(sw.pp_overlap(L.interleave) * pp_total, slow * compute - tp_hidden)
     tp_s, pp_s = tp_total - tp_hidden, pp_total - pp_hidden
 
     loss = micro * sum(loss_seconds(m, L.micro_batch, L.tp, cluster.device))
-    bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s + loss)
 
     # ZeRO's ReduceScatter and AllGather run over the shard group (all of dp, or HSDP's dp_shard ranks);
     # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups.
@@ -768,7 +807,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         one_ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
         exposed, hidden = fsdp_exposed_seconds(one_ag, one_rs, per_micro * forward_share,
                                                per_micro * (1 - forward_share), ov_param, ov_grad,
-                                               fsdp_head_share(m, L))
+                                               fsdp_head_share(m, L), slow)
         rs, ag, dp_exposed, dp_hidden = micro * one_rs, micro * 2 * one_ag, micro * exposed, micro * hidden
     else:
         if L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
@@ -780,9 +819,13 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
             reduce_s, gather_s = grad_ar, 0.0
         tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp)) if ov_grad or ov_param else 1.0
         dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
-                                                   gather_s, per_micro * forward_share, ov_param, tail, tail,
-                                                   sw.overlap_compute_slowdown)
-    slowdown = (tp_hidden + pp_hidden + dp_hidden) * (1 - 1 / sw.overlap_compute_slowdown)
+                                                   gather_s, per_micro * forward_share, ov_param, tail, tail, slow)
+    slowdown = slowdown_seconds(tp_hidden + pp_hidden + dp_hidden, slow)
+    # The bubble idles a stage for (p-1)/(v m) of its per-micro-batch work: the compute and what of TP and PP
+    # is exposed, and the slowdown that hidden TP, PP and ZeRO-3's per-op collectives add to each op (the DP
+    # reduction of ZeRO 0-2 slows only the step's last backward pass).
+    per_op_slowdown = slowdown_seconds(tp_hidden + pp_hidden + (dp_hidden if L.zero_stage >= 3 else 0.0), slow)
+    bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s + loss + per_op_slowdown)
     return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
                          dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,
                          model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus,

@@ -59,20 +59,25 @@ both the exact offsets and the relative agreement). Where they differ legitimate
   and a later stage's parameter AllGather behind its wait for the first activation.
 
 Compute beside communication runs ``1/compute_slowdown`` as fast (the profile's
-``overlap_compute_slowdown``): hidden TP lengthens its op, the hidden part of a pipeline send its sender's
-next work, the overlapped parameter AllGather the stage's first forward, ZeRO-3's hidden collectives their
-op, and the overlapped gradient reduction the stage's end (``slowdown`` bars). Left out: that slowdown
-delaying messages sent meanwhile (it is paid on the stage's own stream), stragglers and jitter, the optimizer's own time, and per-stage DP volumes (every stage
-reduces the heavier stage's gradients, as in the time model). ZeRO-3 / FSDP is placed per op, as the time
-model prices it (:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the
-chunk's parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
+``overlap_compute_slowdown``), so ``w`` seconds of compute hold up to ``compute_slowdown·w`` of
+communication beside them (:func:`~.time_model.beside_seconds`): hidden TP lengthens its op, the hidden
+part of a pipeline send its sender's next work, the overlapped parameter AllGather the stage's first
+forward, ZeRO-3's hidden collectives their op, and the overlapped gradient reduction (beside the
+computation left after its first launch) the stage's end (``slowdown`` bars). Left out: that slowdown
+delaying messages sent meanwhile (it is paid on the stage's own stream), stragglers and jitter, and
+per-stage DP volumes (every stage reduces the heavier stage's gradients, as in the time model); the
+optimizer step is the time model's (``optimizer_s``, with the kernel model), once per stage after its DP
+reduction. ZeRO-3 / FSDP is placed per op, as the time model prices it
+(:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the chunk's
+parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
 profile's shares, the rest exposed: the AllGather before the op, while its input may still be in flight,
 and the ReduceScatter after it, once its send has left, so that neither delays the pipeline's messages. The
-first units' gathers and the last
-units' ReduceScatters of each step's passes, which no prefetch can hide, are exposed
-(:func:`~.time_model.fsdp_head_share`). With pp = 1 the replay and the time model agree; with pp > 1 the
-exposed time still delays the stage's next ops and so its bubble (the time model's bubble leaves DP out),
-and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
+first units' gathers and the last units' ReduceScatters of each step's passes, which no prefetch can hide,
+are exposed (:func:`~.time_model.fsdp_head_share`). With pp = 1 and ZeRO-3 the replay and the time model
+agree; with ZeRO 0 to 2 and exposed TP the replay may be faster, since its DP reduction also hides behind
+the backward's exposed TP, which the time model's window (the compute alone) leaves out. With pp > 1 the
+exposed ZeRO-3 time still delays the stage's next ops and so its bubble (the time model's bubble leaves DP
+out), and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, _check_seconds,
                                                  _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
                                                  column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
-                                                 executed_flops_per_token, step_time)
+                                                 executed_flops_per_token, slowdown_seconds, step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -326,7 +331,7 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
     # Each layer's column-parallel weight gradients in this plan's seconds: its backward TP hides behind them.
     wgrad = tuple(w * tokens * sec_per_flop for w in column_wgrad_flops_per_token(m))
     hidden_layer = (backward_tp_hidden_seconds(tp_one, layout.sequence_parallel, overlap_tp, sw.overlap_tp_backward,
-                                               wgrad) if layout.tp > 1 else 0.0)
+                                               wgrad, sw.overlap_compute_slowdown) if layout.tp > 1 else 0.0)
     stages = []
     for s, counts in enumerate(chunk_layers(L, pp, v)):
         f, b, r, tf, tb, tr, th = [], [], [], [], [], [], []
@@ -402,7 +407,9 @@ class ReplayState:
         next_op: per stage, the index of its next operation in the schedule.
         arrival: per op code (see :func:`_encoded_schedule`), when the message it sent has arrived, s (None
             before it ran).
-        last_backward: ``(stage, chunk)`` -> start of that chunk's latest backward computation, s.
+        last_backward: ``(stage, chunk)`` -> ``(start, work)`` of that chunk's latest backward computation:
+            when it starts (s) and the stage's seconds of computation before it (``work``).
+        work: per stage, its seconds of computation so far (forward, backward, recomputation alone).
         gathered: per stage, whether its first forward has run (it waits for the overlapped AllGather).
         record: whether to keep bars and op times (False: step time only, for the search's ranking).
         done: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each op (when recording).
@@ -415,6 +422,7 @@ class ReplayState:
     arrival: list
     last_backward: dict
     gathered: list
+    work: list = dataclasses.field(default_factory=list)
     record: bool = True
     done: dict = dataclasses.field(default_factory=dict)
     sent: dict = dataclasses.field(default_factory=dict)
@@ -423,7 +431,7 @@ class ReplayState:
     @classmethod
     def start(cls, p: int, n_codes: int, record: bool = True) -> "ReplayState":
         return cls(compute_free=[0.0] * p, next_op=[0] * p, arrival=[None] * n_codes, last_backward={},
-                   gathered=[False] * p, record=record)
+                   gathered=[False] * p, work=[0.0] * p, record=record)
 
 
 @lru_cache(maxsize=256)  # one validation run asks for about 130 different (p, m, v)
@@ -450,20 +458,25 @@ def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
 
 
 def _slowdown_s(costs: StepCosts, overlapped_s: float) -> float:
-    """What ``overlapped_s`` seconds of compute beside communication cost: compute runs ``1/compute_slowdown``
-    as fast there, so the same work takes ``overlapped_s·(1 - 1/compute_slowdown)`` longer (the time model's
-    ``overlap_slowdown_s``)."""
-    return overlapped_s * (1 - 1 / costs.compute_slowdown) if overlapped_s > 0 else 0.0
+    """What ``overlapped_s`` seconds of compute beside communication cost (:func:`~.time_model.
+    slowdown_seconds` at the costs' ``compute_slowdown``)."""
+    return slowdown_seconds(overlapped_s, costs.compute_slowdown)
+
+
+def _beside_s(costs: StepCosts, comm_s: float, work_s: float) -> float:
+    """Seconds of ``comm_s`` that run beside ``work_s`` seconds of compute (:func:`~.time_model.
+    beside_seconds`: up to ``compute_slowdown·work_s``, the compute's length once slowed)."""
+    return min(comm_s, costs.compute_slowdown * work_s)
 
 
 def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float,
             backward_hidden_s: float | None = None) -> tuple[list, float]:
     """Bars ``(kind, start, end, lane)`` of one computation and its TP communication from t (relative
-    times), and when the stream is free again: the ``overlap_tp`` share of TP, up to the computation's
-    length, beside it on the comm lane, the rest after it; the computation then takes ``hidden·(1 - 1/
-    compute_slowdown)`` longer (a ``slowdown`` bar after it). A backward hides ``backward_hidden_s`` instead
-    (the chunk's :attr:`StageCosts.tp_backward_hidden_s`)."""
-    hidden = min(costs.overlap_tp * tp_s if backward_hidden_s is None else backward_hidden_s, work_s)
+    times), and when the stream is free again: the ``overlap_tp`` share of TP beside it on the comm lane, up
+    to the computation's length once slowed (:func:`_beside_s`), the rest after it; the computation takes
+    ``hidden·(1 - 1/compute_slowdown)`` longer (a ``slowdown`` bar after it). A backward hides
+    ``backward_hidden_s`` instead (the chunk's :attr:`StageCosts.tp_backward_hidden_s`)."""
+    hidden = _beside_s(costs, costs.overlap_tp * tp_s if backward_hidden_s is None else backward_hidden_s, work_s)
     work = work_s + _slowdown_s(costs, hidden)
     exposed = tp_s - hidden
     bars = []
@@ -483,7 +496,9 @@ class _OpTemplate:
     """One chunk's forward or backward relative to its start: compute bars, when its computation ends
     (``compute_end``), when its backward computation starts (``backward_at``), and its send; under ZeRO-3
     the exposed AllGather it opens with (``pre_wait``, which may run while its input is still in flight) and
-    the exposed ReduceScatter it closes with (``tail_bars``, after the send leaves, ``tail_s`` long)."""
+    the exposed ReduceScatter it closes with (``tail_bars``, after the send leaves, ``tail_s`` long); its
+    seconds of computation alone (``work_s``: forward, backward and recomputation, no communication, no
+    slowdown), of which ``recompute_s`` come before ``backward_at``."""
 
     bars: tuple
     compute_end: float
@@ -494,6 +509,8 @@ class _OpTemplate:
     pre_wait: float = 0.0
     tail_bars: tuple = ()  # relative to the end of the send's stall
     tail_s: float = 0.0
+    work_s: float = 0.0
+    recompute_s: float = 0.0
 
 
 def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
@@ -511,8 +528,8 @@ def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
     if g == 0 and r == 0:
         return bars, end, 0.0, (), 0.0
     head = 0.0 if backward else costs.fsdp_head_share  # the backward's first gather hides (fsdp_head_share)
-    hide_g = min(costs.overlap_dp_param_gather * (1 - head) * g, window)
-    hide_r = min(costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r, window - hide_g)
+    hide_g = _beside_s(costs, costs.overlap_dp_param_gather * (1 - head) * g, window)
+    hide_r = min(costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r, costs.compute_slowdown * window - hide_g)
     wait, after = g - hide_g, r - hide_r
     out = [("dp_all_gather", 0.0, wait, COMPUTE_LANE)] if wait > 0 else []
     out += [(kind, a + wait, b + wait, lane) for kind, a, b, lane in bars]
@@ -545,7 +562,7 @@ def _templates(costs: StepCosts) -> dict:
             bars, t = _pieces(costs, "forward", sc.forward_s[c], sc.tp_forward_s[c], 0.0)
             bars, t, wait, tail, after = _with_fsdp(costs, bars, t, sc.forward_s[c], False)
             out[(s, c, False)] = _OpTemplate(tuple(bars), t, 0.0, tuple(send), exposed + slow, costs.pp_message_s,
-                                             wait, tail, after)
+                                             wait, tail, after, sc.forward_s[c])
             bars, t = _pieces(costs, "recompute", sc.recompute_s[c], sc.tp_recompute_s[c], 0.0)
             at = t
             more, t = _pieces(costs, "backward", sc.backward_s[c], sc.tp_backward_s[c], t,
@@ -553,7 +570,8 @@ def _templates(costs: StepCosts) -> dict:
             bars, t, wait, tail, after = _with_fsdp(costs, bars + more, t, sc.recompute_s[c] + sc.backward_s[c],
                                                     True)
             out[(s, c, True)] = _OpTemplate(tuple(bars), t, at + wait, tuple(send), exposed + slow, costs.pp_message_s,
-                                            wait, tail, after)
+                                            wait, tail, after, sc.recompute_s[c] + sc.backward_s[c],
+                                            sc.recompute_s[c])
     return out
 
 
@@ -609,7 +627,7 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
     state = ReplayState.start(p, 2 * m * p * v, record)
     gathered = costs.overlap_dp_param_gather * costs.dp_gather_s
     head = gathered * costs.dp_gather_head
-    free, arrival, nxt, last_b = state.compute_free, state.arrival, state.next_op, state.last_backward
+    free, arrival, nxt, last_b, work = state.compute_free, state.arrival, state.next_op, state.last_backward, state.work
     sent_at = [0.0] * len(arrival) if record else None
     total = sum(len(ops) for ops in order)
     ran = 0
@@ -636,11 +654,12 @@ def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayS
                     if head > start:
                         ready, start = start, head
                         mid = stall_from = start + t.compute_end
-                    # the rest of the AllGather runs beside this forward's compute, which it slows
-                    mid = stall_from = mid + _slowdown_s(costs, min(gathered, mid) - start)
+                    # the rest of the AllGather runs beside this forward's computation, which it slows
+                    mid = stall_from = mid + _slowdown_s(costs, _beside_s(costs, gathered - start, t.work_s))
                     mid = max(mid, gathered)
                 if backward:
-                    last_b[(s, c)] = start + t.backward_at
+                    last_b[(s, c)] = (start + t.backward_at, work[s] + t.recompute_s)
+                work[s] += t.work_s
                 end = (mid + t.send_stall if sends else mid) + t.tail_s
                 if record:
                     msg = (sent_at[dep], arrival[dep]) if dep >= 0 else None
@@ -682,14 +701,17 @@ def finish_stage(state: ReplayState, costs: StepCosts, stage: int) -> float:
     # bucket (dp_reduce_tail) only once the backward has ended, since its first layers finish last.
     ov, tail = costs.overlap_dp_grad_reduce, costs.dp_reduce_tail
     share = [(k, ov * (1 - tail) * d / v) for k, d in costs.dp_reduce]
-    launches = sorted((state.last_backward.get((stage, c), t_end), c) for c in range(v))
+    done = state.work[stage]
+    launches = sorted((*state.last_backward.get((stage, c), (t_end, done)), c) for c in range(v))
     comm, hidden = 0.0, []
-    for at, c in launches:
+    for at, _, c in launches:
         comm = _lay(state, stage, share, max(at, comm), COMM_LANE, c, hidden)
-    # What of it ran beside the backward passes slowed them: the stream pays that after its last backward
-    # (a stage's own end; the messages it sent meanwhile are not delayed), and the last bucket waits for it.
-    t = _lay(state, stage, [("slowdown", _slowdown_s(costs, sum(max(0.0, min(b, t_end) - a)
-                                                                   for _, a, b, _ in hidden)))], t_end)
+    # It runs beside the computation left after the first launch, up to that computation's length once
+    # slowed (_beside_s), and slows it: the stream pays that after its last backward (a stage's own end; the
+    # messages it sent meanwhile are not delayed), and the last bucket waits for it.
+    after_launch = done - launches[0][1] if launches else 0.0
+    beside = _beside_s(costs, sum(b - a for _, a, b, _ in hidden), after_launch)
+    t = _lay(state, stage, [("slowdown", _slowdown_s(costs, beside))], t_end)
     comm = _lay(state, stage, [(k, ov * tail * d) for k, d in costs.dp_reduce], max(t, comm), COMM_LANE,
                 None, hidden)
     # The stream waits for the overlapped reduction still running (exposed).
