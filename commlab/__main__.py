@@ -495,8 +495,8 @@ def _plan(args, parser) -> int:
     print(f"# step s: the replayed step timeline where the search replayed the plan (every one of the top "
           f"{TIMELINE_TOP_K}), else the analytical sum of terms (marked ~); the term columns are the analytical ones, "
           f"exposed only (slow = compute slowed by the communication hidden beside it, opt = the optimizer step)")
-    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} {'DP':>7} "
-            f"{'slow':>6} {'opt':>6} {'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
+    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} "
+            f"{'DP':>7} {'slow':>6} {'opt':>6} {'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
     print(head)
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()

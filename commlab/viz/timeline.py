@@ -4,7 +4,8 @@ Input: a :class:`commlab.parallel.planner.timeline.StepTimeline` (:func:`~commla
 step_timeline`). One row per pipeline stage, stage 0 on top: the compute stream as full-height bars, one
 colour per kind (forward, backward, recomputation, the compute's slowdown while communication runs beside
 it, exposed TP, the sender's pipeline stall, the wait for a message in flight, exposed DP, optimizer,
-bubble, idle until the slowest stage is done), and under it a thin strip of the communication that runs beside compute (hidden TP, hidden pipeline sends, overlapped DP).
+bubble, idle until the slowest stage is done), and under it a thin strip of the communication that runs
+beside compute (hidden TP, hidden pipeline sends, overlapped DP).
 """
 
 from __future__ import annotations

@@ -507,7 +507,8 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
     shorter than either GEMM, so the bound does not bind), and two more for a fully recomputed forward. With
     sequence parallelism and the profile's ``overlap_tp`` the forward's hide as the time model says. What
     hides still costs its slowdown of the compute beside it (``hidden·(1 - 1/overlap_compute_slowdown)``, as
-    the time model charges it), counted with the TP time. Nothing here is fitted. ``device``: only the entries whose preset has that GPU (None: all).
+    the time model charges it), counted with the TP time. Nothing here is fitted. ``device``: only the
+    entries whose preset has that GPU (None: all).
 
     Raises:
         ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown

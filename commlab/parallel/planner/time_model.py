@@ -42,7 +42,8 @@ The terms, per step, on the critical path of one GPU:
   ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute
   (none without interleaving when the profile's ``overlap_pp_needs_interleave`` says so).
 * **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP + the
-  slowdown that hidden TP, PP and ZeRO-3 collectives add to each op; Narayanan et al. 2021, §2.2.1-2.2.2), with m micro-batches per step and v interleaved chunks;
+  slowdown that hidden TP, PP and ZeRO-3 collectives add to each op; Narayanan et al. 2021, §2.2.1-2.2.2),
+  with m micro-batches per step and v interleaved chunks;
   :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
 * **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an AllGather:
   of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's ``--use-distributed-optimizer``; ZeRO-2

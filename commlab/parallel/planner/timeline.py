@@ -95,7 +95,8 @@ from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, _check_seconds,
                                                  _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
                                                  column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
-                                                 executed_flops_per_token, slowdown_seconds, step_time)
+                                                 beside_seconds, executed_flops_per_token, slowdown_seconds,
+                                                 step_time)
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
@@ -106,8 +107,8 @@ __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval
 RERANK_MAX_FACTOR = 4
 
 #: Interval kinds, in drawing order.
-KINDS = ("forward", "backward", "recompute", "slowdown", "tp", "pp_send", "pp_recv", "dp_reduce_scatter", "dp_all_gather",
-         "optimizer", "bubble", "idle")
+KINDS = ("forward", "backward", "recompute", "slowdown", "tp", "pp_send", "pp_recv", "dp_reduce_scatter",
+         "dp_all_gather", "optimizer", "bubble", "idle")
 
 #: The lane of the stream that computes (and stalls on exposed communication).
 COMPUTE_LANE = "compute"
@@ -465,8 +466,9 @@ def _slowdown_s(costs: StepCosts, overlapped_s: float) -> float:
 
 def _beside_s(costs: StepCosts, comm_s: float, work_s: float) -> float:
     """Seconds of ``comm_s`` that run beside ``work_s`` seconds of compute (:func:`~.time_model.
-    beside_seconds`: up to ``compute_slowdown·work_s``, the compute's length once slowed)."""
-    return min(comm_s, costs.compute_slowdown * work_s)
+    beside_seconds`: up to ``compute_slowdown·work_s``, the compute's length once slowed); none where
+    ``comm_s`` is not positive (communication already over)."""
+    return beside_seconds(comm_s, work_s, costs.compute_slowdown) if comm_s > 0 else 0.0
 
 
 def _pieces(costs: StepCosts, kind: str, work_s: float, tp_s: float, t: float,
@@ -529,7 +531,7 @@ def _with_fsdp(costs: StepCosts, bars: list, end: float, window: float,
         return bars, end, 0.0, (), 0.0
     head = 0.0 if backward else costs.fsdp_head_share  # the backward's first gather hides (fsdp_head_share)
     hide_g = _beside_s(costs, costs.overlap_dp_param_gather * (1 - head) * g, window)
-    hide_r = min(costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r, costs.compute_slowdown * window - hide_g)
+    hide_r = _beside_s(costs, costs.overlap_dp_grad_reduce * (1 - costs.fsdp_head_share) * r + hide_g, window) - hide_g
     wait, after = g - hide_g, r - hide_r
     out = [("dp_all_gather", 0.0, wait, COMPUTE_LANE)] if wait > 0 else []
     out += [(kind, a + wait, b + wait, lane) for kind, a, b, lane in bars]
