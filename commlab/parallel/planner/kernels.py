@@ -651,10 +651,11 @@ def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
     model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
     from commlab import hardware
     from commlab.parallel.planner.tables import read_table
-    entry = read_table(None, _DATA).get(device)
+    tables = read_table(None, _DATA)
+    entry = tables.get(device)
     if entry is None:
         return f"no GEMM table for {device!r} in {_DATA.name}"
-    base = entry if "entries" in entry else read_table(None, _DATA).get(entry.get("shape_curve_from"), {})
+    base = entry if "entries" in entry else tables.get(entry.get("shape_curve_from"), {})
     if base.get("dtype") != dtype:
         return f"the GEMM table of {device!r} is in {base.get('dtype')}, not {dtype}"
     if device not in read_table(None, _ATTENTION):

@@ -728,11 +728,8 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
     if global_batch % (layout.dp * layout.micro_batch):
         raise ValueError(f"global_batch={global_batch} sequences is not a multiple of dp·micro_batch = "
                          f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")
-    achievable_fraction = compute_model(achievable_fraction, cluster.device, dtype)
+    achievable_fraction = compute_model(achievable_fraction, cluster.device, dtype)  # checks it, too
     kernels = achievable_fraction == KERNELS
-    if not kernels and (isinstance(achievable_fraction, (str, bool)) or not 0 < achievable_fraction <= 1):
-        raise ValueError(f"achievable_fraction must be in (0, 1], {KERNELS!r} or {AUTO!r}, got "
-                         f"{achievable_fraction!r}")
     if dp_overlap is not None and not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
     if dtype not in cluster.peak_flop_per_s:
