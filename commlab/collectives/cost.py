@@ -27,7 +27,7 @@ from commlab.collectives.hierarchical import hierarchical_all_reduce_seconds, ri
 from commlab.collectives.in_network import HDR_SWITCH_PORTS, in_network_all_reduce_seconds
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.collectives.tree import binomial_tree_all_reduce_seconds, double_binary_tree_all_reduce_seconds
-from commlab.topology.links import Link
+from commlab.topology.links import Link, flows_per_nic
 from commlab.topology.ring_order import topology_aware_ring
 
 #: name -> f(nbytes, n, alpha_s, beta_s_per_byte, gamma_s_per_byte) for a single kind of link.
@@ -142,7 +142,7 @@ def predict_on_cluster(nbytes: float, nodes: int, devices_per_node: int, intra: 
         intra_part = 2 * (d - 1) * (intra.alpha_s + nbytes / d * intra.beta_s_per_byte) if d > 1 else 0.0
         # After the intra-node ReduceScatter each device holds nbytes/d; the node's d shards leave through
         # its NICs, max(1, d/nics) flows per NIC.
-        share = nbytes / d * max(1.0, d / nics_per_node)
+        share = nbytes / d * flows_per_nic(d, nics_per_node)
         out["hierarchical + in-network"] = intra_part + in_network_all_reduce_seconds(
             share, nodes, inter.alpha_s, inter.beta_s_per_byte, switch_alpha_s, radix)
     return out

@@ -37,7 +37,7 @@ from commlab.collectives._common import (as_int64, check_agreement, check_cost_a
 from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
                                       ring_all_reduce_seconds)
 from commlab.topology.emulated import EmulatedTopology
-from commlab.topology.links import Link
+from commlab.topology.links import Link, flows_per_nic
 
 __all__ = [
     "HierarchyGroups", "hierarchy_layout", "make_hierarchy_groups", "hierarchical_all_reduce",
@@ -200,7 +200,7 @@ def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node:
     check_cost_args(nbytes)
     check_counts(nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics_per_node)
     d = devices_per_node
-    share = max(1.0, d / nics_per_node)
+    share = flows_per_nic(d, nics_per_node)
     t_intra = ring_all_reduce_seconds(nbytes, d, intra.alpha_s, intra.beta_s_per_byte)
     t_inter = ring_all_reduce_seconds(nbytes / d, nodes, inter.alpha_s, inter.beta_s_per_byte * share)
     return t_intra + t_inter
@@ -266,6 +266,6 @@ def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: S
     latency = (steps - net_steps) * intra.alpha_s + net_steps * inter.alpha_s
     per_step = m * intra.beta_s_per_byte if any_intra else 0.0
     for count in leaving.values():
-        share = max(1.0, channels * count / nics_per_node)
+        share = flows_per_nic(channels * count, nics_per_node)
         per_step = max(per_step, m / channels * inter.beta_s_per_byte * share)
     return latency + steps * per_step

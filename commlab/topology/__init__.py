@@ -7,11 +7,11 @@
   (DGX A100, DGX H100, a PCIe server): devices and NICs per node, intra/inter links, memory, peak FLOP/s.
 """
 
-from commlab.topology.links import Link
+from commlab.topology.links import Link, flows_per_nic
 from commlab.topology.emulated import EmulatedTopology
 from commlab.topology.cluster import Cluster, list_presets, load_preset
 
-__all__ = ["Link", "EmulatedTopology", "Cluster", "list_presets", "load_preset"]
+__all__ = ["Link", "flows_per_nic", "EmulatedTopology", "Cluster", "list_presets", "load_preset"]
 from commlab.topology.ring_order import crossings, topology_aware_ring
 
 __all__ += ["topology_aware_ring", "crossings"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+__all__ = ["Link", "flows_per_nic"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -53,3 +55,20 @@ class Link:
     def seconds(self, nbytes: float) -> float:
         """Time of one message of ``nbytes`` bytes: α + nbytes·β."""
         return self.alpha_s + nbytes * self.beta_s_per_byte
+
+
+def flows_per_nic(senders_per_node: float, nics_per_node: int) -> float:
+    """How many flows each NIC of a node carries when ``senders_per_node`` flows leave the node at once:
+    ``max(1, senders_per_node / nics_per_node)``, the factor by which a flow's inter-node β grows.
+
+    The flows are assumed to spread evenly over the node's NICs (a rail-optimised node: GPU g sends through
+    its own NIC while there are NICs enough); a NIC never carries less than its one flow.
+
+    Raises:
+        ValueError: ``nics_per_node < 1`` or ``senders_per_node < 0``.
+    """
+    if not nics_per_node >= 1:
+        raise ValueError(f"nics_per_node must be >= 1, got {nics_per_node!r}")
+    if not senders_per_node >= 0:
+        raise ValueError(f"senders_per_node must be >= 0, got {senders_per_node!r}")
+    return max(1.0, senders_per_node / nics_per_node)

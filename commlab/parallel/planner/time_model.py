@@ -123,7 +123,7 @@ from commlab.parallel.planner.memory import (Layout, ModelConfig, _embedding_par
                                              stage_layers,
                                              stage_params)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
-from commlab.topology import Cluster, Link
+from commlab.topology import Cluster, Link, flows_per_nic
 
 __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "model_flops_per_token",
            "executed_flops_per_token", "attention_flops_per_token", "megatron_eq3_flops", "megatron_2024_flops",
@@ -489,11 +489,6 @@ def dp_gradient_nbytes(m: ModelConfig, layout: Layout, grad_bytes: int = 2) -> f
     return p / layout.tp * grad_bytes
 
 
-def _nic_share(cluster: Cluster, senders_per_node: int) -> float:
-    """How many flows each NIC carries when ``senders_per_node`` devices of a node send across nodes at once."""
-    return max(1.0, senders_per_node / cluster.nics_per_node)
-
-
 def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> float:
     """α-β time of the DP gradient AllReduce of ``nbytes`` bytes per GPU.
 
@@ -533,7 +528,7 @@ def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluste
         return ring_all_reduce_seconds(nbytes, n, cluster.intra.alpha_s, cluster.intra.beta_s_per_byte)
     k = math.gcd(k, n)
     t_intra = ring_all_reduce_seconds(nbytes, k, cluster.intra.alpha_s, cluster.intra.beta_s_per_byte)
-    share = _nic_share(cluster, d)
+    share = flows_per_nic(d, cluster.nics_per_node)
     t_inter = ring_all_reduce_seconds(nbytes / k, n // k, cluster.inter.alpha_s,
                                       cluster.inter.beta_s_per_byte * share)
     return t_intra + t_inter
@@ -689,7 +684,7 @@ def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
     d = cluster.devices_per_node
     if layout.tp <= d and d % layout.tp == 0:
         return cluster.intra, 1.0
-    return cluster.inter, _nic_share(cluster, d)
+    return cluster.inter, flows_per_nic(d, cluster.nics_per_node)
 
 
 # ----------------------------------------------------------------------------------------- the step
@@ -784,7 +779,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         if L.tp * L.pp <= cluster.devices_per_node:
             link, share = cluster.intra, 1.0
         else:
-            link, share = cluster.inter, _nic_share(cluster, min(L.tp, cluster.devices_per_node))
+            link, share = cluster.inter, flows_per_nic(min(L.tp, cluster.devices_per_node), cluster.nics_per_node)
         split = sw.pp_scatter_gather or L.sequence_parallel
         one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
         pp_total = 2 * one * micro * L.interleave
