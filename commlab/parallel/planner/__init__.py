@@ -1,29 +1,15 @@
 """The 3D-parallelism planner: which TP × PP × DP layout to use on a cluster, and why.
 
-* :mod:`~commlab.parallel.planner.memory` -- model configs (``data/models.json``), parameter counts with
-  embeddings, bytes per GPU of a :class:`Layout` (weights, gradients, Adam states by optimizer dtype option,
-  ZeRO stages 0-3 and HSDP, activations after Korthikanti et al. 2022 by recompute policy), the memory reserve and the
-  fragile flag.
-* :mod:`~commlab.parallel.planner.software` -- software profiles (``data/software.json``): what the
-  training stack overlaps, its pipeline message layout, gradient and optimizer-state bytes, recomputation
-  policy and ZeRO stage, each field with its source.
-* :mod:`~commlab.parallel.planner.time_model` -- seconds per step: compute from executed FLOP, TP
-  AllReduces (bytes not divided by tp), PP sends (1/tp per rank with scatter/gather or sequence
-  parallelism), bubble, DP ReduceScatter + AllGather on the links each group crosses, each hidden behind
-  compute as far as the profile overlaps it; model FLOP in the definitions published runs use.
-* :mod:`~commlab.parallel.planner.kernels` -- compute from a layer's kernels, the alternative to one share
-  of peak: GEMM efficiency by shape (``data/gemm_efficiency.json``), memory-bound operations and the optimizer
-  step at the device's memory bandwidth, a layer's kernels at the stack's share of those rates that measured
-  single layers give (``data/published_layer_times.json``).
-* :mod:`~commlab.parallel.planner.timeline` -- the step timeline of a plan: the real schedule (GPipe,
-  1F1B, interleaved 1F1B) replayed per pipeline stage with the time model's durations, overlap as the
-  profile says; its step time re-ranks the search's top candidates.
-* :mod:`~commlab.parallel.planner.search` -- the search over layouts, and :func:`validate_published`
-  against Megatron-LM (SC'21, Table 1) and Llama 3 405B (``python -m commlab plan --validate``).
-* :mod:`~commlab.parallel.planner.tables` -- reads the data tables above, once per file.
+* :mod:`~.memory` -- model configs and bytes per GPU of a :class:`Layout` (weights, gradients, optimizer
+  states, ZeRO 0-3 and HSDP, activations by recomputation policy);
+* :mod:`~.software` -- software profiles: what the training stack does and overlaps, each field sourced;
+* :mod:`~.time_model` -- seconds per step, term by term, and model FLOP in published definitions;
+* :mod:`~.kernels` -- compute priced from a layer's kernels (the default where the GPU has the data);
+* :mod:`~.timeline` -- one step replayed in the schedule's order, per pipeline stage;
+* :mod:`~.search` -- the search over layouts and :func:`validate_published` against published runs.
 
 ``python -m commlab plan --model llama3-405b --preset dgx-h100-ndr --gpus 16384 --global-batch 2048``
-prints the top layouts.
+prints the top layouts. Book: chapter 11 (all of it) and chapter 12, §12.4.
 """
 
 from commlab.parallel.planner.software import (DEFAULT_SOFTWARE, OPTIMIZER_DTYPES, RECOMPUTE_POLICIES, ZERO_STAGES,

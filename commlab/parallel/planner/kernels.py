@@ -1,55 +1,16 @@
-"""Compute time of one GPU from its kernels: each GEMM at a measured efficiency for its shape, and the
-memory-bound operations at the memory's bandwidth.
+"""Compute time of one GPU from its kernels (the planner's kernel model): each GEMM at a measured efficiency
+for its shape, the memory-bound operations at the memory's bandwidth.
 
-Why: one achievable fraction of peak for every matrix shape, GPU and stack cannot follow what the
-published runs show -- the share of peak rises with model width (Narayanan et al. 2021, Table 1: 44 % at
-1.7B parameters, 52 % at 1T). Two mechanisms give that rise without a fitted number:
+Entry points: :func:`gemm_efficiency` (``data/gemm_efficiency.json``, interpolated by shape),
+:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``data/attention_speed.json``),
+:func:`memory_bound_bytes_per_token`, :func:`loss_bytes_per_token` and :func:`optimizer_step_bytes` (HBM
+bytes, priced at ``hbm_bytes_per_s`` of ``data/hardware.json``), :func:`layer_kernels` (one layer's GEMM
+shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the time model uses in
+place of one constant), :func:`layer_seconds` and :func:`validate_layer_times` (one layer against
+Korthikanti et al. 2022, Table 4), and :func:`in_stack_share` (the stack's share of the microbenchmark
+rates, measured on that single layer). Nothing is fitted to end-to-end runs.
 
-* **GEMM efficiency by shape.** :func:`gemm_efficiency` reads a table of measured GEMM throughput per GPU
-  (``data/gemm_efficiency.json``: on H100, the 375 shapes of OpenXLA's default GPU cost-model table), and
-  interpolates it in ``log2`` of m, n and k; a GEMM larger than the table is priced at its largest entries
-  (their efficiency has stopped rising there), and a dimension above 4096 rows counts as a batch of 4096-row
-  GEMMs. A GPU without a table of its own scales another GPU's curve to its own measured ceiling (the
-  entry says so).
-* **FlashAttention** (:func:`attention_flop_per_s`): the attention core at the speed its authors measured
-  for FlashAttention-2 on the GPU, by head dimension and sequence length (``data/attention_speed.json``);
-  a fused kernel of softmax and two matmuls runs far below a large GEMM's share of peak.
-* **Memory-bound operations** (:func:`memory_bound_bytes_per_token`): the norms, activation functions,
-  dropout, residual additions and, without FlashAttention, the softmax over the ``s × s`` scores. Each
-  reads its inputs and writes its output once in HBM; the bytes come from the same inventory of a
-  layer's tensors as Korthikanti et al. 2022, §4.1 (2-byte activations, 1-byte dropout masks), and the
-  time is bytes over the datasheet's memory bandwidth (``hbm_bytes_per_s`` in ``data/hardware.json``).
-  The backward pass moves twice the forward's bytes (it reads what the forward wrote and writes a gradient
-  of each), a recomputed forward repeats the forward's. The optimizer step (:func:`optimizer_step_bytes`)
-  reads and writes every optimizer state, gradient and parameter the GPU holds, once per step. The loss
-  over the vocabulary (:func:`loss_bytes_per_token`, the passes of Megatron's vocabulary-parallel
-  cross-entropy) is priced the same way by the time model for either compute model, since one share of peak
-  for the matmuls says nothing about it.
-
-:func:`layer_kernels` lists one layer's GEMMs (forward, and the two of each backward: the input gradient and
-the weight gradient) with their shapes on one tensor-parallel rank, so that a test can check each shape
-against the layer's formula. :func:`effective_fraction` turns the kernel times of a layout into the
-share of peak its executed FLOP run at, the number the time model then uses in place of one constant.
-Nothing here is fitted to the published end-to-end runs: the only inputs are the GEMM table, the
-datasheet's bandwidth, the attention measurement, the layer's tensor inventory and one measured layer (below).
-
-:func:`layer_seconds` gives one layer's forward and backward from the same prices, and
-:func:`validate_layer_times` sets them, with the layer's TP collectives, against measured single-layer
-times (``data/published_layer_times.json``: Korthikanti et al. 2022, Table 4), a check inside one layer
-that no other part of a step can blur.
-
-**The stack's share of the microbenchmark rates** (:func:`in_stack_share`). Priced from microbenchmarks
-alone, that measured layer comes out 14-18 % short in every one of its ten numbers (forward and backward
-of five experiments): kernels inside a
-training stack (launched one after another from Python, between transposes, casts and allocator work the
-inventory does not list, on a GPU that also runs communication) run below the rate an isolated, warmed-up
-microbenchmark gets. The kernel model therefore divides a layer's kernel seconds by the share the measured
-layer gives on its GPU -- one number per GPU, from a per-layer measurement, never from an end-to-end run:
-``sum(kernel-model seconds) / sum(measured seconds - the modelled TP collectives)`` over the layer-time
-rows on that GPU. It holds whatever the model misses on that layer (NCCL below the link's line rate and
-the error of A100's borrowed GEMM curve included); using it for other stacks and models on the GPU, and for
-a GPU with no measured layer (which takes another GPU's share where its GEMM table says so,
-``in_stack_share_from``), are assumptions (:func:`in_stack_share`).
+Book: chapter 11, §11.4, *Compute from kernels* and *Inside one layer*.
 """
 
 from __future__ import annotations
@@ -265,20 +226,11 @@ def memory_bound_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: boo
     """HBM bytes per token of one layer's forward pass outside its GEMMs, on one tensor-parallel rank:
     ``(the layer without its attention core, the attention core)``.
 
-    2-byte activations; each operation reads its inputs and writes its output once:
-
-    * two norms, each reading and writing ``h``: ``8h``;
-    * two residual additions, each reading two ``h`` and writing one: ``12h``; in a model with dropout (the
-      GPT models, ``bias=True``; Llama has none) a 1-byte mask of ``h`` each, ``2h`` more (Megatron fuses
-      bias, dropout and addition in one kernel, so the dropout adds only its mask);
-    * the MLP activation, reading ``ffn`` (two of them when gated) and writing ``ffn``: ``4·ffn`` or
-      ``6·ffn``, split by tp;
-    * the attention core, without FlashAttention only: the scaled, masked softmax over ``a·s`` scores per
-      token (read and write, ``4·a·s``) and its dropout (read, write and a 1-byte mask, ``5·a·s``), split by
-      tp. FlashAttention keeps the scores on chip.
-
-    The norms and residual additions run on every tp rank, unless sequence parallelism splits them by tp
-    (Korthikanti et al. 2022, §4.2.2; the tensors are those their §4.1 counts).
+    2-byte activations, each operation reading its inputs and writing its output once (the tensors of
+    Korthikanti et al. 2022, §4.1): two norms ``8h``; two residual additions ``12h``, plus ``2h`` of 1-byte
+    dropout masks when the model has dropout (``bias=True``); the MLP activation ``4·ffn`` (``6·ffn`` gated)
+    ``/tp``; without FlashAttention, the softmax over ``a·s`` scores (``4·a·s``) and its dropout (``5·a·s``),
+    ``/tp``. Norms and residuals run on every tp rank unless sequence parallelism splits them (§4.2.2).
     """
     h = m.hidden
     replicated = 8 * h + 12 * h + (2 * h if m.bias else 0)
@@ -289,28 +241,15 @@ def memory_bound_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: boo
 
 def loss_bytes_per_token(m: ModelConfig, tp: int) -> tuple[float, float]:
     """HBM bytes per token of the loss over the vocabulary on one of ``tp`` ranks, ``(forward, backward)``:
-    :data:`LOSS_FORWARD_BYTES_PER_LOGIT` and :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` times the ``ceil(V/tp)``
-    logits of the rank's vocabulary shard (under sequence parallelism the output layer's input is gathered
-    first, so every rank holds all the tokens).
+    :data:`LOSS_FORWARD_BYTES_PER_LOGIT` (38) and :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` (14) times the
+    ``ceil(V/tp)`` logits of the rank's vocabulary shard (under sequence parallelism every rank holds all the
+    tokens).
 
-    Why a term of its own: the loss is memory-bound work on a ``tokens × V/tp`` tensor, so it grows with the
-    vocabulary, not with the layers' matmuls; for a small model with a large vocabulary it is a tenth of the
-    step (Megatron-Core's 1.7B GPT, V = 131,072, h = 2048).
-
-    The passes, each over the fp32 logits (4 bytes an element unless said), in Megatron's vocabulary-parallel
-    cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py`` at commit 937571cfd4, 2024; the same
-    operations in ``megatron/mpu/cross_entropy.py`` at de7dc40f88, 2021, and in bigscience-workshop/
-    Megatron-DeepSpeed's copy at e23393fbef, each called on ``logits.float()``):
-
-    * forward, 38 bytes: the cast of the bf16/fp16 logits to fp32 (read 2, write 4), the maximum over the
-      vocabulary (read 4), its in-place subtraction (read and write, 8), the in-place ``exp`` (8), the sum
-      (read 4) and the in-place division into the softmax kept for the backward pass (8);
-    * backward, 14 bytes: the in-place multiplication by the loss gradient (8) and the cast of that fp32
-      gradient back to the logits' 2-byte dtype for the output layer's backward GEMMs (read 4, write 2).
-
-    The gather of each token's target logit and the TP AllReduces of three per-token scalars are left out
-    (a few bytes per token, not per logit). Megatron-Core's fused cross-entropy
-    (``--cross-entropy-loss-fusion``, off by default at 937571cfd4) would move fewer bytes.
+    The passes of Megatron's vocabulary-parallel cross-entropy over fp32 logits
+    (``megatron/core/tensor_parallel/cross_entropy.py``; the same in Megatron-DeepSpeed): forward, the cast to
+    fp32 (2 + 4), the maximum (4), its subtraction (8), ``exp`` (8), the sum (4) and the division (8); backward,
+    the multiplication by the loss gradient (8) and the cast back (4 + 2). The target-logit gather and the TP
+    AllReduces of per-token scalars are left out. Book §11.2, the loss term.
 
     Raises:
         ValueError: ``tp`` not an int >= 1.
@@ -329,17 +268,13 @@ def optimizer_step_bytes(params_on_gpu: float, state_bytes: int, grad_bytes: int
 
 def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float, executed_flop_per_token: float) -> float:
-    """Share of peak the layout's executed FLOP run at, from its kernels (see the module docstring).
+    """Share of peak the layout's executed FLOP run at, from its kernels (book §11.4, *Compute from kernels*).
 
-    Seconds per token on one tensor-parallel rank: each layer's GEMMs and memory-bound operations -- the
-    forward once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy
-    reruns (``"full"`` and ``"every-k"``: the whole forward, or one layer's in k; ``"selective"``: the
-    attention core) -- plus the output layer's three GEMMs, all at the stack's share of their
-    microbenchmark rates (:func:`in_stack_share`). With FlashAttention the core's FLOP
-    (:func:`~.time_model.attention_flops_per_token`) run at FlashAttention-2's measured speed for the
-    model's head dimension and sequence length (:func:`attention_flop_per_s`; forward and backward at the
-    one rate the measurement gives for both together). The fraction is
-    ``executed_flop_per_token / tp`` over those seconds, over peak.
+    Seconds per token on one tensor-parallel rank: each layer's GEMMs and memory-bound operations (the forward
+    once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy reruns), plus
+    the output layer's three GEMMs, all divided by :func:`in_stack_share`; with FlashAttention the core's FLOP
+    at :func:`attention_flop_per_s`. The fraction is ``executed_flop_per_token / tp`` over those seconds, over
+    peak.
 
     Raises:
         ValueError: what :func:`layer_kernels`, :func:`load_gemm_table`, :func:`attention_flop_per_s` and
@@ -379,17 +314,13 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
     and the memory-bound bytes at the datasheet's bandwidth, the parts :func:`effective_fraction` adds up. The
     backward includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention
     core's forward). No communication: the TP collectives are the time model's. ``share`` divides every
-    kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates, as measured alone;
+    kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates;
     ``in_stack_share(device).share`` at the rate the time model's kernel model uses.
-
-    Why: a measured per-layer time (Korthikanti et al. 2022, Table 4: one 22B layer, forward and backward)
-    checks the kernel model inside one layer, apart from everything else a training step does.
 
     Raises:
         ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; ``share`` not in (0, 1];
-            what :func:`layer_kernels`,
-            :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a device without a peak or memory
-            bandwidth in ``data/hardware.json``.
+            what :func:`layer_kernels`, :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a
+            device without a peak or memory bandwidth in ``data/hardware.json``.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
@@ -499,16 +430,11 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
     Korthikanti et al. 2022, Table 4), its kernels at the microbenchmarks' own rates (``share=1`` in
     :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference).
 
-    For each row: :func:`layer_seconds` for the layer's kernels, plus its TP collectives as the time model
-    prices them (a ring over the tp ranks on the preset's NVLink, :func:`~.time_model.tp_all_reduce_nbytes`):
-    two in the forward; in the backward two, less the input-gradient reductions the profile's
-    ``overlap_tp_backward`` hides (:func:`~.time_model.backward_tp_hidden_seconds`, each at most its own
-    linear's weight-gradient GEMM time, here at the microbenchmark's rate: on Table 4's layer a reduction is
-    shorter than either GEMM, so the bound does not bind), and two more for a fully recomputed forward. With
-    sequence parallelism and the profile's ``overlap_tp`` the forward's hide as the time model says. What
-    hides still costs its slowdown of the compute beside it (``hidden·(1 - 1/overlap_compute_slowdown)``, as
-    the time model charges it), counted with the TP time. Nothing here is fitted. ``device``: only the
-    entries whose preset has that GPU (None: all).
+    Each row adds the layer's TP collectives as the time model prices them (rings on the preset's NVLink):
+    two forward, two backward less what ``overlap_tp_backward`` hides
+    (:func:`~.time_model.backward_tp_hidden_seconds`), two more for a fully recomputed forward, and the
+    slowdown of compute beside the hidden ones. Nothing is fitted. ``device``: only the entries whose preset
+    has that GPU (None: all). Book §11.4, *Inside one layer*.
 
     Raises:
         ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
@@ -573,24 +499,14 @@ class InStackShare:
 
 @lru_cache(maxsize=8)
 def in_stack_share(device: str, path: str | None = None) -> InStackShare:
-    """The stack's share of the microbenchmark rates on ``device`` (see the module docstring).
+    """The stack's share of the microbenchmark rates on ``device`` (book §11.4, *Inside one layer*).
 
-    From the measured layers on the GPU (:func:`validate_layer_times` over ``path``, default
-    :data:`LAYER_TIMES_PATH`; a row is on a GPU when its preset's device is that GPU):
-    ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over each row's forward and
-    backward, kernel seconds at the microbenchmarks' rates (``share=1`` in :func:`layer_seconds`). A GPU
-    with none takes the share of the GPU its entry in ``data/gemm_efficiency.json`` names in
-    ``in_stack_share_from`` (one hop), with the entry's ``in_stack_assumption``.
-
-    What the share holds is whatever the kernel model and the modelled TP collectives miss on the measured
-    layer: slower kernels in the stack, the gaps between them, NCCL below the link's line rate, and the
-    error of the GPU's GEMM curve (A100's is H100's scaled to A100's best). Using it for another stack or
-    model on the same GPU (the 2021 Megatron-LM, Megatron-DeepSpeed, FlashAttention kernels the layer did not
-    run), or for another GPU, is an assumption; the loss and the optimizer step, which the measured layer
-    does not contain, are not divided by it.
-
-    Why one number per GPU and not per shape: the measured layer is one shape; its ten numbers agree within a
-    few per cent (:attr:`InStackShare.ratios`), and the shape dependence is the GEMM table's.
+    ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over the forward and backward of
+    every measured layer on the GPU (:func:`validate_layer_times` over ``path``, default
+    :data:`LAYER_TIMES_PATH`), kernel seconds at ``share=1``. A GPU with none takes the share of the GPU its
+    ``data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop), with the entry's
+    ``in_stack_assumption``. The share holds whatever the model misses on that layer; using it for other
+    stacks, models or GPUs is an assumption, and the loss and the optimizer step are not divided by it.
 
     Raises:
         ValueError: ``device`` has no measured layer and no GEMM-table entry naming an

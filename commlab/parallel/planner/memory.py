@@ -1,9 +1,11 @@
-"""Memory per GPU of a 3D-parallel (TP × PP × DP) transformer training layout.
+"""Memory per GPU of a 3D-parallel (TP × PP × DP) transformer training layout, in bytes.
 
 The model: :class:`ModelConfig` (layers L, hidden h, heads a, ffn, vocab V, sequence s), loaded from
-``data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b,
-ZeRO-1, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
-:class:`MemoryBreakdown` in bytes for the stage that needs the most memory.
+``data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b, ZeRO
+stage, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
+:class:`MemoryBreakdown` for the stage that needs the most memory; :func:`usable_memory_bytes` keeps
+:data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan near the limit. Book: chapter 11,
+§11.1 (which quotes the next two paragraphs), chapter 12, §12.4.
 
 What is counted, per GPU (all in bytes):
 
@@ -35,22 +37,6 @@ What is counted, per GPU (all in bytes):
   the first stage (Narayanan et al. 2021, §2.2.1), times :func:`interleave_memory_factor`
   ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3; the same factor in
   ``theoretical_memory_usage.py``).
-
-What does not fit: :func:`usable_memory_bytes` keeps a reserve, :data:`DEFAULT_MEMORY_RESERVE` = 10 % of the
-device by default, for what no term counts (the CUDA context, NCCL's communication buffers, the caching
-allocator's fragmentation, framework workspaces). The 10 % is a documented default, not a measured or
-cited share: no source checked gives one (PyTorch's caching allocator can fail to serve a request with
-enough free bytes in total, which is why some room must stay free; how much depends on the run). Change it
-with ``memory_reserve``. A plan within :data:`DEFAULT_FRAGILE_MARGIN` (5 %) of the usable
-limit is *fragile* (:func:`is_fragile`): a little more than the model counts and it will not run.
-
-Generalisations, stated as assumptions: the MLP part of the 34 (16 of it: the 4h-wide fc1 output and
-activation output) is scaled by ``ffn/(4h)``, and by 1.5 for a gated (SwiGLU) MLP, which stores gate, up
-and their product; with FlashAttention (Dao et al. 2022) the ``5·a·s/h`` score matrices are not stored;
-grouped-query attention's smaller K and V are not credited (slight over-estimate); the last stage adds
-fp32 logits for the loss, ``4·s·b·V/t``; layer norms are counted as if split by tp like the matrices; the
-embedding's token ids and dropout mask (``8·s·b·p + s·b·h·p`` in ``theoretical_memory_usage.py``, under 1 %)
-are left out.
 """
 
 from __future__ import annotations
@@ -76,7 +62,8 @@ MODELS_PATH = Path(__file__).resolve().parents[3] / "data" / "models.json"
 ADAM_STATE_BYTES_PER_PARAM = 12
 
 #: Share of device memory kept free by default for what the model does not count (CUDA context, NCCL
-#: buffers, allocator fragmentation, workspaces): a documented default, not a measurement (module docstring).
+#: buffers, allocator fragmentation, workspaces): a documented default, not measured or cited -- no source
+#: checked gives one, and how much a caching allocator needs free depends on the run.
 DEFAULT_MEMORY_RESERVE = 0.10
 
 #: A plan whose need is within this share of the usable memory is flagged fragile (:func:`is_fragile`).
@@ -273,10 +260,8 @@ class MemoryBreakdown:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
 
     def fits(self, device_memory_bytes: float, usable_fraction: float = 1.0) -> bool:
-        """Whether ``total_bytes <= usable_fraction × device_memory_bytes``.
-
-        Nothing here counts the framework's workspace, NCCL buffers or allocator fragmentation; pass
-        ``usable_fraction < 1`` (e.g. 0.9) to keep room for them.
+        """Whether ``total_bytes <= usable_fraction × device_memory_bytes``; ``usable_fraction < 1`` (e.g. 0.9)
+        keeps room for what no term counts (workspaces, NCCL buffers, fragmentation).
 
         Raises:
             ValueError: ``device_memory_bytes <= 0`` or ``usable_fraction`` not in (0, 1].
@@ -405,14 +390,11 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     """Bytes of activations one layer keeps for the backward pass, per micro-batch (Korthikanti et al. 2022,
     §4): ``s·b·h·(34 + 5·a·s/h)`` unparallelised; ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP;
     ``s·b·h·(34 + 5·a·s/h)/t`` with TP and sequence parallelism; ``2·s·b·h`` (``/t`` with sequence
-    parallelism) with full recomputation (``recompute=True`` or ``"full"``); with selective recomputation
-    (``"selective"``, Korthikanti et al. 2022, §5) the ``5·a·s/h`` attention-core term is not stored, the
-    rest is. The MLP's 16 is scaled by ffn/(4h) (and 1.5 for SwiGLU); the
-    ``5·a·s/h`` term is dropped with FlashAttention. The count is GPT-3's: K and V for every head and two
-    dropout masks; for a Llama-style layer (grouped-query attention, no dropout) it is high by about a
-    sixth (chapter 11, §11.4, counts Llama 3 405B term by term).
-
-    ``"every-k"`` is a mix of whole layers; :func:`memory_breakdown` prices it, not this function.
+    parallelism) with full recomputation (``recompute=True`` or ``"full"``); with ``"selective"`` (§5) the
+    ``5·a·s/h`` attention-core term is not stored. Assumptions: the MLP's 16 scales by ffn/(4h) (and 1.5 for
+    SwiGLU, which stores gate, up and their product); FlashAttention drops the ``5·a·s/h`` term; K and V are
+    counted for every head and two dropout masks (GPT-3's count: high by about a sixth for Llama 3 405B,
+    book §11.4). ``"every-k"`` is priced by :func:`memory_breakdown`, not here.
 
     Raises:
         ValueError: micro_batch or tp not an int >= 1; ``recompute`` not a policy this function prices.
@@ -468,7 +450,7 @@ def model_state_bytes_per_param(option: str | OptimizerDtypes = "bf16-fp32-adam"
 
 
 def usable_memory_bytes(device_memory_bytes: float, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> float:
-    """Bytes a plan may use: ``(1 - memory_reserve) × device_memory_bytes`` (see the module docstring).
+    """Bytes a plan may use: ``(1 - memory_reserve) × device_memory_bytes``.
 
     Raises:
         ValueError: ``device_memory_bytes <= 0`` or ``memory_reserve`` not in [0, 1).
@@ -501,6 +483,10 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
                      grad_bytes: int = 2, optimizer_state_bytes: float = ADAM_STATE_BYTES_PER_PARAM,
                      optimizer: str | OptimizerDtypes | None = None) -> MemoryBreakdown:
     """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most memory.
+
+    Activations per layer as :func:`activation_bytes_per_layer`; the last stage adds the fp32 logits for the
+    loss, ``4·s·b·V/t``. Layer norms are counted as split by tp like the matrices; the embedding's token ids
+    and dropout mask (under 1 % in Megatron-LM's ``theoretical_memory_usage.py``) are left out.
 
     Args:
         m: the model. layout: the layout (its ``zero_stage`` says what is sharded over dp).
@@ -555,7 +541,7 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     z = L.zero_stage
     shard = {k: (L.shard_ranks if z >= s else 1) for k, s in (("opt", 1), ("grad", 2), ("param", 3))}
     # ZeRO-3 gathers whole layers for compute: two layers' bf16 weights at once (the one running and the one
-    # prefetched) and one layer's unsharded gradients before their ReduceScatter (assumption, module docstring).
+    # prefetched) and one layer's unsharded gradients before their ReduceScatter (an assumption about FSDP's prefetch depth).
     gathered = layer_params(m) / L.tp if z >= 3 and L.shard_ranks > 1 else 0.0
 
     def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:

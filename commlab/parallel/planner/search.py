@@ -1,27 +1,16 @@
 """Search the TP × PP × DP layouts of a cluster for the fastest one that fits in memory, and check the
 planner against published layouts.
 
-:func:`search` enumerates tp over the divisors of ``devices_per_node`` (TP stays inside a node), pp over
-the divisors of the layer count (or, by default, any pp up to it with uneven stages), dp = gpus/(tp·pp),
-micro-batch sizes, interleaving depths, ZeRO stages (up to the profile's) and recomputation policies
-(none, full and the software profile's own, e.g. selective), for one software profile (:mod:`~commlab.parallel.planner.software`:
-sequence parallelism, FlashAttention, overlap); it rejects the layouts that do not fit in device memory
-(each with its reason; the usable memory keeps ``memory_reserve`` of the device free) or cannot split the
-global batch, and ranks the rest by predicted step time (the analytical sum of terms; the
-:data:`TIMELINE_TOP_K` fastest are then replayed as step timelines, :mod:`~commlab.parallel.planner.timeline`,
-and so is each next plan that could still replay into those places, and the ranking then uses the replay's
-step time wherever there is one), marking those near the limit ``fragile``. A
-few thousand candidates at most, each a handful of arithmetic operations, so a 16,384-GPU cluster is
-searched in well under a second (the count does not grow with the GPU count, only with its divisors).
+:func:`search` enumerates tp (divisors of the node), pp (uneven stages allowed), micro-batch, interleaving,
+ZeRO stage and recomputation policy for one software profile, rejects what does not fit or cannot split the
+global batch (each with its reason), and ranks the rest by step time: the sum of terms, then the replayed
+timelines of the first places (:func:`~.timeline.rerank_by_timeline`). It returns a :class:`SearchResult`
+of :class:`Plan` s; a 16,384-GPU cluster is searched in well under a second.
+:func:`validate_published` runs the time model and the search on ``data/published_layouts.json`` and
+returns :class:`ValidationRow` s (``python -m commlab plan --validate``).
 
-:func:`validate_published` evaluates the time model on the layouts of ``data/published_layouts.json``
-(Megatron-LM SC'21 Table 1, Llama 3 405B) and runs the search for each, returning
-:class:`ValidationRow` s: published layout, planner's top layout, predicted vs reported TFLOP/s per GPU,
-and where the published split ranks in the planner's own search (``python -m commlab plan --validate``).
-
-Unlike the source article's ``optimal_3d_config`` (§4.2), this planner does not divide TP traffic by the
-TP size, counts embeddings in the parameters, checks memory, and takes its overlap from the software
-profile instead of a fixed share.
+Book: chapter 11, §11.3 (the search), §11.4 (the validation), §11.5 (against the source article's
+``optimal_3d_config``).
 """
 
 from __future__ import annotations
@@ -175,42 +164,37 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
     """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
 
-    The ranking is by the analytical step time, then the ``timeline_top`` fastest (default
-    :data:`TIMELINE_TOP_K`) are replayed as step timelines
-    (:func:`~commlab.parallel.planner.timeline.step_timeline`), and each next one whose sum is below the
-    ``timeline_top``-th best replay so far (:func:`~.timeline.rerank_by_timeline`); every plan is then ranked
-    by its step time, the replay's where its :class:`Plan` carries one, so the first ``timeline_top`` places
-    are replayed plans (``timeline_top=0``: analytical only).
+    Ranked by the analytical step time, then the ``timeline_top`` fastest (default :data:`TIMELINE_TOP_K`),
+    and each next plan that could still replay into those places, are replayed as step timelines
+    (:func:`~.timeline.rerank_by_timeline`); every plan is then ranked by its step time, the replay's where
+    there is one (``timeline_top=0``: analytical only). Book §11.3.
 
     Args:
         model: a :class:`ModelConfig` or a name in ``data/models.json``.
         cluster: a :class:`~commlab.topology.Cluster` or a preset name.
         gpus: GPUs to use; a multiple of ``devices_per_node``.
         global_batch: sequences per step.
-        micro_batches, interleave: the values to try.
-        zero1: ZeRO-1 off/on values to try (off = stage 0, on = stage 1); default every ZeRO stage from 0 up
-            to the profile's ``zero_stage`` (Megatron-Core: 0 and 1; torchtitan's FSDP: 0 to 3). With ZeRO-3
-            the search also tries HSDP with the shard group inside a node (``dp_shard = devices_per_node /
-            (tp·pp)``, when that is between 1 and dp and divides it), as torchtitan's
-            ``data_parallel_shard_degree`` / ``data_parallel_replicate_degree`` allow.
+        micro_batches, interleave: the values to try. Interleaving (v > 1) only when pp > 1, ``v·pp <= L``
+            (and divides L with ``even_stages``) and the micro-batches are a multiple of pp.
+        zero1: ZeRO-1 off/on values to try (off = stage 0, on = stage 1); default every ZeRO stage up to the
+            profile's ``zero_stage``. With ZeRO-3 the search also tries HSDP with the shard group inside a
+            node (``dp_shard = devices_per_node / (tp·pp)``, when that is between 1 and dp and divides it).
         recompute: the recomputation policies to try (see :class:`Layout`); default ``none`` and ``full``
             plus the software profile's own policy.
         tp_values: default the divisors of ``devices_per_node`` (TP inside a node); a value that does not
             divide it raises.
         pp_values: the pipeline sizes to try. Default: with ``even_stages`` the divisors of the layer count
             L; otherwise every pp <= L for which tp·pp divides ``gpus``, the heaviest stage holding
-            ``ceil(L/(pp·v))·v`` layers (priced in both memory and time). Uneven stages are the default because
-            GPU counts are powers of two and layer counts often are not: Llama 3 405B's 126 layers have no
-            divisor between 9 and 14 or above 21 other than 42, 63, 126, and its training used pp = 16 with
-            uneven stages (Llama 3 paper, §3.3.2).
+            ``ceil(L/(pp·v))·v`` layers (layer counts are often not powers of two: Llama 3 405B ran its 126
+            layers on pp = 16).
         even_stages: restrict the default pp values to the divisors of L (and interleaving to v with
             ``pp·v`` dividing L); default the software profile's ``even_stages``.
         sequence_parallel, flash_attention: what the training software does (see :class:`Layout`); default
             the software profile's.
         achievable_fraction, dp_overlap, grad_bytes, dtype: passed to
             :func:`~commlab.parallel.planner.time_model.step_time` (grad_bytes also to the memory model;
-            default the profile's); the default ``achievable_fraction`` is :data:`~.time_model.AUTO`, the
-            kernel model where the cluster's GPU has it (:attr:`SearchResult.compute_model` says which).
+            default the profile's); the default ``achievable_fraction`` is :data:`~.time_model.AUTO`
+            (:attr:`SearchResult.compute_model` says which model priced compute).
         software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
             ``data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
         memory_reserve: share of device memory kept free for what the memory model does not count
@@ -218,9 +202,6 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         usable_fraction: the older spelling of ``1 - memory_reserve``; when given it replaces it.
         fragile_margin: plans within this share of the usable memory are marked ``fragile`` (default 5 %).
         timeline_top: how many of the fastest plans to replay and re-rank (int >= 0).
-
-    Interleaving (v > 1) is tried only when pp > 1, ``v·pp <= L`` (and divides L with ``even_stages``) and
-    the number of micro-batches is a multiple of pp (Narayanan et al. 2021, §2.2.2).
 
     Raises:
         KeyError: unknown model or preset.

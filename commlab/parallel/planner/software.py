@@ -1,19 +1,12 @@
 """Software profiles: facts about the training stack, beside the cluster preset.
 
-A :class:`SoftwareProfile` says what the stack does, not how fast it is: whether sequence parallelism is
-on, whether pipeline sends are split over the tp ranks (scatter/gather), which communication it overlaps
-with compute, the bytes of its gradients and optimizer states, its activation-recomputation policy and its
-ZeRO stage. :func:`load_software` reads a preset of ``data/software.json``, where every field carries the
-flag, source file or paper section it comes from (or says ``assumption:``).
-
-The time model (:func:`~commlab.parallel.planner.time_model.step_time`) uses the overlap fields, the
-scatter/gather layout, the gradient bytes and the compute slowdown; the search
-(:func:`~commlab.parallel.planner.search.search`) uses the rest to fill in the layouts it tries
-(sequence parallelism, FlashAttention, the recomputation policies and ZeRO-1 it may choose).
-
-Overlap fields are shares in [0, 1]: 1 = the stack may hide all of that communication behind compute (up
-to the compute there is to hide behind), 0 = it runs in series. They restate a flag (on = 1, off = 0); none
-is fitted to a measured run.
+A :class:`SoftwareProfile` says what the stack does, not how fast it is: sequence parallelism, pipeline
+sends split over the tp ranks, which communication it overlaps with compute (shares in [0, 1] that restate
+a flag: 1 on, 0 off; none fitted), its gradient and optimizer-state bytes, recomputation policy and ZeRO
+stage. :func:`load_software` reads a preset of ``data/software.json``, where every field carries the flag,
+source file or paper section it comes from (or says ``assumption:``). The time model uses the overlap
+fields, the pipeline layout, the gradient bytes and the compute slowdown; the search uses the rest to fill
+in the layouts it tries. Book: chapter 11, §11.2 and §11.4 (the profiles of each validated run).
 """
 
 from __future__ import annotations
@@ -138,7 +131,7 @@ def check_recompute_policy(policy) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SoftwareProfile:
-    """What a training stack does (see the module docstring).
+    """What a training stack does (book §11.2; every field's source is in ``data/software.json``).
 
     Attributes:
         name: the preset's key.
@@ -155,14 +148,9 @@ class SoftwareProfile:
         overlap_tp: share (0..1) of the TP communication hidden behind the layer's matmuls
             (``--tp-comm-overlap``).
         overlap_tp_backward: share (0..1) of the reductions of the column-parallel linears' input gradients
-            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs: Megatron-LM
-            launches each such all-reduce (a reduce-scatter under sequence parallelism) asynchronously and
-            computes the weight gradient meanwhile (Korthikanti et al. 2022, §6.2; opt-in from commit
-            cf7efd4f5a, 2021-08-30, on by default from 3f65246911, 2021-09-02, with
-            ``--no-async-tensor-model-parallel-allreduce`` to turn it off). Without sequence parallelism these are
-            all of a layer's backward TP communication; with it, half (the row-parallel outputs' gradients are
-            all-gathered in series). Each hides for at most its own linear's weight-gradient time
-            (:func:`~.time_model.backward_tp_hidden_seconds`).
+            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs, each for at
+            most its own GEMM's time (Megatron-LM's asynchronous all-reduce, a reduce-scatter under sequence
+            parallelism; Korthikanti et al. 2022, §6.2; :func:`~.time_model.backward_tp_hidden_seconds`).
         overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
             (``overlap_p2p_comm``).
         overlap_pp_needs_interleave: the stack overlaps pipeline sends only under the interleaved schedule
@@ -172,12 +160,8 @@ class SoftwareProfile:
             then tries only such pp and v.
         dp_bucket_params, dp_bucket_params_per_dp_rank: the gradient bucket, in elements: at least
             ``dp_bucket_params``, and ``dp_bucket_params_per_dp_rank`` per DP rank where that is more
-            (Megatron-Core's ``max(40M, 1M·dp)``); :meth:`bucket_params` gives it. Gradients are reduced
-            bucket by bucket as the backward pass completes them, so the bucket reduced last -- the first
-            layers and the input embedding -- cannot hide behind that backward, and a distributed optimizer
-            gathers the same bucket first, before the next forward can start
-            (:func:`~.time_model.dp_last_bucket_share`). 0 = no buckets given: nothing is held back for a
-            last bucket, and the overlap share alone says what hides.
+            (Megatron-Core's ``max(40M, 1M·dp)``); :meth:`bucket_params` gives it, and
+            :func:`~.time_model.dp_last_bucket_share` what of it cannot hide. 0 = no buckets.
         overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
             kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown (the default of a profile
             made by hand). Every preset has 1.189, the average Lee et al. 2025 measured (arXiv:2507.03114).

@@ -1,114 +1,18 @@
-"""Time of one training step of a 3D-parallel layout: compute, TP, PP, bubble and DP terms.
+"""Time of one training step of a 3D-parallel layout: compute, loss, TP, PP, bubble, DP and slowdown terms.
 
-:func:`step_time` returns a :class:`TimeBreakdown` (seconds) for a model (:class:`~.memory.ModelConfig`),
-a layout (:class:`~.memory.Layout`), a cluster (:class:`~commlab.topology.Cluster`: links with α in s
-and β in s/byte per direction, devices and NICs per node, peak FLOP/s), a global batch (sequences) and a
-software profile (:class:`~.software.SoftwareProfile`: what the stack overlaps, how it lays out pipeline
-messages, its gradient bytes).
+:func:`step_time` returns a :class:`TimeBreakdown` (seconds on one GPU's critical path) for a model
+(:class:`~.memory.ModelConfig`), a layout (:class:`~.memory.Layout`), a cluster
+(:class:`~commlab.topology.Cluster`: α in s, β in s/byte per direction), a global batch (sequences) and a
+software profile (:class:`~.software.SoftwareProfile`: what the stack overlaps and how it sends). Compute is
+priced by one share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by the layout's kernels
+(:data:`KERNELS`, :mod:`~.kernels`; :data:`AUTO`, the default, picks per device: :func:`compute_model`).
+Executed FLOP (:func:`executed_flops_per_token`) and model FLOP in a published definition
+(:func:`model_flops_per_step`, :data:`FLOP_DEFINITIONS`) are kept apart. The terms are summed, not
+scheduled; :mod:`~.timeline` replays them in the schedule's order.
 
-The terms, per step, on the critical path of one GPU:
-
-* **compute** = executed FLOP / (tp·pp·dp GPUs × peak FLOP/s × ``achievable_fraction``). Executed FLOP
-  per token (:func:`executed_flops_per_token`): ``6·P_mm`` for the weight matmuls (2 FLOP per weight
-  forward, 4 backward, Kaplan et al. 2020), where ``P_mm`` is the layers' parameters plus the ``V·h``
-  output layer -- the input-embedding lookup is a gather, not a matmul, so it is not counted; plus the
-  attention core, ``4·s·h`` per layer forward and twice that backward (PaLM, Chowdhery et al. 2022,
-  Appendix B), or with FlashAttention on causal attention half the forward, ``2·s·h``, and 2.5 times that
-  backward (the accounting of FlashAttention-2's benchmark, Dao-AILab/flash-attention
-  ``benchmarks/benchmark_flash_attention.py``, ``flops()``: ``4·b·s²·heads·head_dim``, halved when causal,
-  ×2.5 for the backward, whose kernel recomputes the scores). Recomputation adds the forward it reruns:
-  the layers' ``2·P_layers`` and attention forward with full recomputation (never the output layer,
-  which is not recomputed), a ``1/k`` share of that with ``every-k``, and only the attention-core forward
-  with selective recomputation (Korthikanti et al. 2022, §5). Multiplied by ``stage_layers·pp/L`` when the
-  layers do not divide evenly (the heaviest stage, ``ceil(L/(pp·v))·v`` layers, sets the pace).
-* **TP**: per layer and micro-batch, 4 AllReduces of the ``b·s·h·2``-byte activation (2 forward, 2
-  backward; 2 more per recomputed layer, whose forward repeats its 2; with sequence parallelism each is an
-  AllGather + ReduceScatter pair moving the same bytes), each a ring over the tp ranks on the link the
-  group uses (inside a node when tp divides ``devices_per_node``), with that link's (α, β): the presets
-  give the Simple protocol's pair, the one NCCL's own model (:mod:`commlab.collectives.nccl_model`) picks
-  for messages this large. The bytes are **not** divided by tp -- only the per-rank share of a ring,
-  2(t-1)/t of them, depends on t (Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3.2). The profile's
-  ``overlap_tp`` share of it hides behind the matmuls (at most the compute time) when the layout runs
-  sequence parallelism, which Megatron's ``--tp-comm-overlap`` requires. Of the backward's 2 per layer,
-  the reductions of the column-parallel linears' input gradients (both without sequence parallelism, half
-  of the bytes with it: :func:`input_grad_share`) may instead hide, for the profile's ``overlap_tp_backward``
-  share, each behind its own linear's weight-gradient GEMM and for at most that GEMM's time
-  (:func:`column_wgrad_flops_per_token`, :func:`backward_tp_hidden_seconds`): Megatron-LM's asynchronous
-  all-reduce or reduce-scatter of the input gradient (Korthikanti et al. 2022, §6.2). The rest is exposed.
-* **PP**: per micro-batch and interleaved chunk, one send forward and one backward between neighbouring
-  stages, on the inter-node link when stages cross nodes (the tp ranks of a stage send at once, sharing
-  the node's NICs). Each rank sends ``b·s·h·2/tp`` bytes when the stack scatters the boundary activation
-  over the tp ranks (Narayanan et al. 2021, §4.1) or runs sequence parallelism (each rank then holds
-  ``s/tp`` of the sequence); the whole ``b·s·h·2`` otherwise. ``overlap_pp`` of it hides behind compute
-  (none without interleaving when the profile's ``overlap_pp_needs_interleave`` says so).
-* **bubble**: ``(pp-1)/(v·m)`` of the exposed per-micro-batch work (compute + exposed TP + exposed PP + the
-  slowdown that hidden TP, PP and ZeRO-3 collectives add to each op; Narayanan et al. 2021, §2.2.1-2.2.2),
-  with m micro-batches per step and v interleaved chunks;
-  :func:`commlab.parallel.pipeline.bubble_fraction` gives the same as a fraction of the whole step.
-* **DP**: a ReduceScatter of the GPU's gradient shard, ``stage params / tp × grad_bytes``, and an AllGather:
-  of the updated bf16 parameters with ZeRO stage 1 or 2 (Megatron's ``--use-distributed-optimizer``; ZeRO-2
-  shards the gradient memory too but moves the same bytes), of the reduced gradients otherwise (the two halves
-  of an AllReduce). Each is half of :func:`dp_all_reduce_seconds` (a ring: ``n-1`` of its ``2(n-1)`` steps),
-  on the links the DP group crosses. ``overlap_dp_grad_reduce`` of the gradient reduction (ReduceScatter, and
-  the AllGather half without a distributed optimizer) hides behind the backward pass of the last micro-batch;
-  ``overlap_dp_param_gather`` of the parameter AllGather behind the forward pass of the first (Megatron's
-  ``--overlap-grad-reduce`` and ``--overlap-param-gather``); the rest is exposed. The gradients are reduced in
-  buckets (the profile's :meth:`~.software.SoftwareProfile.bucket_params`) as the backward completes them,
-  so the bucket completed last -- the first layers and the input embedding (:func:`dp_last_bucket_share`)
-  -- cannot hide behind it, and a distributed optimizer gathers that bucket first, before the next forward
-  starts: that share of each is exposed whatever the windows. **ZeRO-3 / FSDP**
-  (Rajbhandari et al. 2020, §5.3, P_os+g+p): for every micro-batch, an AllGather of the bf16 parameters before
-  the forward pass and again before the backward pass, and a ReduceScatter of the gradients after it
-  (:func:`fsdp_exposed_seconds`); the forward AllGather hides behind that micro-batch's forward compute as far
-  as ``overlap_dp_param_gather`` says, the backward AllGather and the ReduceScatter behind its backward
-  compute (FSDP's layer-by-layer prefetch): three passes over the parameter bytes where an AllReduce makes
-  two. What no prefetch hides (:func:`fsdp_head_share`): the forward's first gathers and the backward's
-  last ReduceScatters (the embedding's and the first block's). **HSDP** (``Layout.dp_shard``; PyTorch
-  FSDP's ``HYBRID_SHARD``, FSDP2 on a 2-D mesh with ``(Replicate(), Shard(0))``, ``torch/distributed/fsdp``): the ReduceScatter and
-  AllGather run over the shard group of ``dp_shard`` ranks (inside a node when it fits there), and each
-  rank's ``1/dp_shard`` gradient shard is then all-reduced across the ``dp/dp_shard`` replicas (over the
-  network), after every micro-batch's backward under ZeRO-3 as FSDP2 does by default, once per step under
-  ZeRO-1/2. Gradient accumulation without resharding (one ReduceScatter per step, unsharded gradients held)
-  is not modelled.
-* **loss**: the cross-entropy over the vocabulary on the last stage, every micro-batch: its HBM bytes
-  (:func:`~.kernels.loss_bytes_per_token`: ``52·V/tp`` per token, the passes of Megatron's
-  vocabulary-parallel cross-entropy over the fp32 logits) over the device's memory bandwidth
-  (``hbm_bytes_per_s`` in ``data/hardware.json``), with either compute model: it is memory-bound work that
-  grows with the vocabulary, which no share of peak for the matmuls accounts for. A device without a
-  bandwidth figure gets no loss term (``loss_s = 0``). In the bubble's per-micro-batch work, as the last
-  stage's.
-* **overlap slowdown**: while hidden communication runs, compute runs ``1/overlap_compute_slowdown`` as
-  fast (communication kernels take SMs and memory bandwidth): ``w`` seconds of compute hold up to
-  ``slowdown·w`` of communication beside them (:func:`beside_seconds`), and the step pays
-  ``hidden × (1 - 1/slowdown)`` (:func:`slowdown_seconds`), so that compute entirely beside communication
-  takes ``slowdown`` times as long. Every preset sets 1.189, Lee et al. 2025's average over A100, H100,
-  MI250 and MI210 (arXiv:2507.03114).
-
-``achievable_fraction`` = a share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION` = 0.5) is the simple form,
-with one calibration constant:
-the share of dense peak that the matrix multiplications of a large transformer sustain. Half of peak is
-the order that Megatron-LM reports for its whole step, communication and bubble included (44-52 % of A100
-peak, Narayanan et al. 2021, Table 1) and that Llama 3 reports as MFU on H100 (38-43 %, §3.3.2); the
-kernels themselves must therefore run somewhat above it. It is a single global number, not fitted per
-model: the planner's validation (:func:`~commlab.parallel.planner.search.validate_published`) reports
-how far that takes it.
-
-Two FLOP counts are kept apart: executed FLOP (above, for time) and model FLOP in a stated definition
-(for an MFU or a published TFLOP/s figure): :func:`model_flops_per_step` with one of
-:data:`FLOP_DEFINITIONS` (Megatron's Eq. 3, which counts the recomputed forward; ``6·P + 12·L·h·s`` of
-PaLM's Appendix B; ``6·P``).
-
-Here the terms are summed, not scheduled; :mod:`~commlab.parallel.planner.timeline` replays them in the
-schedule's order, and the search ranks its top candidates by that replay. ``achievable_fraction=KERNELS``,
-and the default :data:`AUTO` wherever the device has what it needs (:func:`compute_model`), replaces the one
-constant by the layout's own share of peak from its kernels
-(:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape from a measured table, memory-bound
-operations and the optimizer step at the memory's bandwidth, a layer's kernels at the stack's share of their
-microbenchmark rates measured on single layers, :func:`~.kernels.in_stack_share`). What is left out (see the
-book): with the
-constant, kernel-efficiency changes with the GEMM shapes and memory-bound operations; in both, the
-all-gather inside the node after a scattered pipeline message, context parallelism, with the constant the optimizer step time,
-data loading, stragglers.
+Sources: Kaplan et al. 2020; Shoeybi et al. 2019 §3; Narayanan et al. 2021 §2.2, §3.2, §4.1; Korthikanti
+et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3; PaLM (Chowdhery et al. 2022) App. B; Lee et al. 2025
+(arXiv:2507.03114) for the slowdown. Book: chapter 11, §11.2 (each term) and §11.4; chapter 12, §12.4.
 """
 
 from __future__ import annotations
@@ -137,7 +41,7 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "FLOP_DEFINITIONS", "
            "loss_seconds", "step_time",
            "KERNELS", "AUTO", "compute_model", "beside_seconds", "slowdown_seconds"]
 
-#: Share of dense peak FLOP/s the model's matrix multiplications achieve (see the module docstring).
+#: Share of dense peak FLOP/s the model's matrix multiplications achieve (why 0.5: book §11.2).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
 
 #: ``achievable_fraction="kernels"``: price compute from the layer's kernels instead of one share of peak
@@ -305,13 +209,12 @@ def _matmul_params(m: ModelConfig) -> float:
 
 def executed_flops_per_token(m: ModelConfig, recompute: bool | str = False, flash_attention: bool = True,
                              causal: bool = True, recompute_every: int = 1) -> float:
-    """FLOP per token the GPUs execute in one training step (see the module docstring).
+    """FLOP per token the GPUs execute in one training step (book §11.2, the compute term).
 
     ``6·P_mm + L·(attention forward + backward)`` (:func:`attention_flops_per_token`), plus the recomputed
     forward: ``L·(2·layer_params + attention forward)`` with ``"full"`` (the output layer is not
     recomputed), ``floor(L/k)`` layers of it with ``"every-k"`` (k = ``recompute_every``), and
-    ``L × attention forward`` with ``"selective"`` (Korthikanti et al. 2022, §5: only the attention core is
-    recomputed).
+    ``L × attention forward`` with ``"selective"`` (Korthikanti et al. 2022, §5).
 
     Raises:
         ValueError: unknown recompute policy; ``recompute_every`` not an int >= 1.
@@ -351,12 +254,10 @@ def korthikanti_eq7_flops(m: ModelConfig, global_batch: int) -> float:
 
 def megatron_2024_flops(m: ModelConfig, global_batch: int) -> float:
     """FLOP per iteration as Megatron-LM of 2024 logs them (:data:`FLOP_DEFINITIONS` ``"megatron-2024"``:
-    ``num_floating_point_operations`` in ``megatron/training/training.py`` at commit 937571cfd4). Per token and
-    layer, ``6·(2 + 2g/a)·h²`` for QKV and the attention projection, ``12·s·h`` for the scores and context and
+    ``num_floating_point_operations`` in ``megatron/training/training.py``). Per token and layer,
+    ``6·(2 + 2g/a)·h²`` for QKV and the attention projection, ``12·s·h`` for the scores and context and
     ``6·h·F`` per MLP matrix (two, or three with SwiGLU); once per token, ``6·V·h`` for the output layer.
-    Megatron uses its padded vocabulary (a multiple of 128·tp); ``m.vocab`` is taken as already padded (the
-    validation's rows in this definition have 131,072, a multiple of 1024). The ``a·d/h`` factor is 1 here,
-    as ``ModelConfig`` has ``d = h/a``."""
+    ``m.vocab`` is taken as already padded (Megatron pads to a multiple of 128·tp)."""
     B, s, L, h, V = global_batch, m.seq, m.layers, m.hidden, m.vocab
     attention = (1 + m.kv_heads / m.heads + s / h) * (m.heads * (h // m.heads) / h)
     mlp = m.ffn / h * (1.5 if m.gated_ffn else 1.0)
@@ -397,11 +298,9 @@ def tp_all_reduce_nbytes(m: ModelConfig, micro_batch: int) -> float:
 
 
 def input_grad_share(sequence_parallel: bool) -> float:
-    """Share of a layer's backward TP bytes that are the reductions of the column-parallel linears' input
-    gradients (QKV and the MLP's first linear): 1.0 without sequence parallelism (the backward's two
-    AllReduces are those; the row-parallel linears' backward communicates nothing), 0.5 with it (their two
-    ReduceScatters; the two AllGathers of the row-parallel outputs' gradients are the other half).
-    Megatron-LM megatron/mpu/layers.py and mappings.py at commit cfd2e21607 (2022)."""
+    """Share of a layer's backward TP bytes that are the column-parallel linears' input-gradient reductions
+    (QKV and the MLP's first linear): 1.0 without sequence parallelism, 0.5 with it (the other half is the
+    row-parallel outputs' AllGathers). Megatron-LM ``megatron/mpu/layers.py`` and ``mappings.py`` (2022)."""
     return 0.5 if sequence_parallel else 1.0
 
 
@@ -490,16 +389,13 @@ def dp_gradient_nbytes(m: ModelConfig, layout: Layout, grad_bytes: int = 2) -> f
 
 
 def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> float:
-    """α-β time of the DP gradient AllReduce of ``nbytes`` bytes per GPU.
+    """α-β time (seconds) of the DP gradient AllReduce of ``nbytes`` bytes per GPU.
 
-    The DP group of a rank is strided by tp·pp (TP innermost, then PP). ``k = devices_per_node // (tp·pp)``
-    of its members share a node (k = 1 when tp·pp >= devices_per_node). If the whole group fits in one
-    node, a ring on the intra-node link; otherwise the hierarchical algorithm: a ring AllReduce over the k
-    members of a node, then a ring of ``nbytes/k`` across the ``dp/k`` nodes during which all
-    ``devices_per_node`` devices of each node send at once through its ``nics_per_node`` NICs (each NIC
-    carries ``max(1, devices_per_node/nics)`` flows). (The first ring stands in for the ReduceScatter +
-    AllGather pair of :func:`~commlab.collectives.hierarchical.hierarchical_all_reduce_seconds`; it moves
-    the same bytes.)
+    The DP group is strided by tp·pp, so ``k = devices_per_node // (tp·pp)`` of its members share a node
+    (at least 1). One node: a ring on the intra-node link. Otherwise hierarchical: a ring AllReduce over the k
+    members of a node (standing in for the ReduceScatter + AllGather pair of
+    :func:`~commlab.collectives.hierarchical.hierarchical_all_reduce_seconds`; same bytes), then a ring of
+    ``nbytes/k`` across the ``dp/k`` nodes with every device of a node sending through its NICs at once.
 
     Raises:
         ValueError: ``nbytes < 0``.
@@ -599,18 +495,11 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
     """Share (0..1) of a GPU's DP gradient (:func:`dp_gradient_nbytes`) in the bucket the backward pass
     completes last -- and that a distributed optimizer all-gathers first.
 
-    Stacks reduce gradients in buckets of about ``bucket_params`` elements, filled over the parameters in
-    reverse order, so that each bucket can be reduced while the backward pass goes on (Megatron-Core
-    ``megatron/core/distributed/param_and_grad_buffer.py``; PyTorch DDP likewise). The last bucket holds the
-    first stage's first layers and the input embedding: the walk here goes, on one tp rank, over the output
-    layer (pp = 1), then the first chunk's ``ceil(L/(pp·v))`` layers from the last, one layer at a time, closing
-    a bucket whenever it holds ``bucket_params`` elements, and ends with the embedding, so the last bucket is
-    the embedding plus what the layers left open. ``bucket_params <= 0``: the profile gives no buckets,
-    share 0, so that the overlap share alone says what hides (a caller's ``dp_overlap`` on a profile
-    without buckets keeps its meaning; a profile that reduces after the backward pass has overlap 0).
-
-    The walk is at the granularity of layers, not of single weight matrices; a bucket boundary inside a
-    layer moves the share by less than one layer's parameters.
+    Buckets of about ``bucket_params`` elements are filled over the parameters in reverse order (Megatron-Core
+    ``megatron/core/distributed/param_and_grad_buffer.py``; PyTorch DDP likewise): on one tp rank, the output
+    layer (pp = 1), then the first chunk's ``ceil(L/(pp·v))`` layers from the last, one whole layer at a time,
+    then the embedding. ``bucket_params <= 0`` (no buckets in the profile): share 0, so that the overlap share
+    alone says what hides. Book: §11.2, the DP term.
     """
     if bucket_params <= 0:
         return 0.0
@@ -656,21 +545,12 @@ def fsdp_exposed_seconds(gather_s: float, reduce_s: float, forward_s: float, bac
 
 def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
     """Share of one GPU's ZeRO-3 / FSDP parameters whose forward AllGather and whose ReduceScatter no
-    prefetch can hide, for :func:`fsdp_exposed_seconds`.
+    prefetch can hide (the embedding's and the first block's), for :func:`fsdp_exposed_seconds`.
 
-    The units are torchtitan's (``apply_fsdp`` in ``torchtitan/models/llama3/infra/parallelize.py`` at
-    018740b7aa): ``fully_shard`` on the token embedding, on every transformer block, on the final norm with
-    the output layer, and on the root. FSDP2 issues a unit's AllGather when its forward is reached (the CPU
-    runs ahead of the GPU, so it overlaps the unit before it): the embedding's, first, and the first block's,
-    right after the embedding's lookup, have no compute to hide behind; in the backward the first block's and
-    the embedding's ReduceScatters come after the last compute. The backward's first gather hides: the norm
-    and output layer are not resharded after the forward, and the last block is gathered during their
-    backward. With pipeline stages, the heavier of the first stage (the embedding and a block) and the last
-    (a block) is taken, as for the DP bytes (:func:`dp_gradient_nbytes`). Left out: with pipelining
-    torchtitan does not reshard after the forward, and PyTorch's pipeline stages turn gradient
-    synchronisation and resharding after the backward off until a step's last micro-batch, so such a step
-    gathers and reduce-scatters about once, where the time model does it for every micro-batch (pessimistic
-    for ZeRO-3 with pp > 1).
+    Units as torchtitan's ``apply_fsdp`` (``torchtitan/models/llama3/infra/parallelize.py``): the token
+    embedding, each block, the final norm with the output layer, the root. With pipeline stages, the heavier
+    of the first stage (the embedding and a block) and the last (a block). Pessimistic for pp > 1, where
+    PyTorch's pipeline stages gather and reduce-scatter about once per step, not per micro-batch. Book: §12.4.
     """
     block = layer_params(m)
     if layout.pp == 1:
@@ -693,7 +573,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
               achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
               dtype: str = "bf16", grad_bytes: int | None = None,
               software: SoftwareProfile | str | None = None) -> TimeBreakdown:
-    """Predicted time of one training step (seconds), term by term (see the module docstring).
+    """Predicted time of one training step (seconds), term by term (book §11.2).
 
     Args:
         m: the model (its ``seq`` is the training sequence length).

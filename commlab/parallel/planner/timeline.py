@@ -1,83 +1,17 @@
 """The step timeline of a plan: what every pipeline stage does, second by second, during one training step.
 
-:func:`step_timeline` replays the real schedule order -- GPipe, 1F1B or interleaved 1F1B
+:func:`step_timeline` replays the schedule's own order -- GPipe, 1F1B or interleaved 1F1B
 (:mod:`commlab.parallel.pipeline.schedules`) -- for one GPU of every pipeline stage, with the durations of
-the time model (:func:`~commlab.parallel.planner.time_model.step_time`), and returns a
-:class:`StepTimeline`: intervals ``(stage, kind, start_s, end_s, microbatch, chunk, lane)`` in seconds from
-the start of the step, and the step time, the end of the last stage's optimizer step.
+the time model (:func:`~commlab.parallel.planner.time_model.step_time`, split per op by :func:`step_costs`),
+and returns a :class:`StepTimeline`: intervals ``(stage, kind, start_s, end_s, microbatch, chunk, lane)`` in
+seconds from the start of the step, and the step time. :func:`replay` runs hand-made
+:class:`StepCosts`; :func:`rerank_by_timeline` is the search's final ranking.
 
-**Durations** (:func:`step_costs`) come from the same terms as the analytical step time, so the two cannot
-disagree on a price: seconds per executed FLOP, the time of one TP collective and of one pipeline message are
-read off the :class:`~commlab.parallel.planner.time_model.TimeBreakdown` of the same plan; the FLOP split
-into forward (``2·P_layer`` + attention forward per token and layer), backward (``4·P_layer`` + attention
-backward) and recomputation (what :func:`~commlab.parallel.planner.time_model.executed_flops_per_token`
-adds for the policy) sums to the executed FLOP of the time model. What the timeline adds is *where* the work
-sits: each stage's own layers (``ceil(L/(pp·v))`` per chunk, one layer fewer on the first, then the last,
-then the second chunk ... until the count is right: Llama 3 405B's 126 layers over 16 stages put 7 on the
-first and last stage, as its paper says), the output layer's matmul and the loss on the last stage, and the order of the
-operations.
+Each stage holds its own layers (:func:`chunk_layers`), the last one the output layer and the loss; ops wait
+for their input message; TP, PP, DP and ZeRO-3 collectives hide as far as the profile's overlap shares
+allow, and compute beside them is slowed by ``overlap_compute_slowdown`` (``slowdown`` bars).
 
-**Replay** (:func:`replay`): a stage runs its operations in schedule order on its compute stream; an
-operation starts when the previous one on the stage is done and its input has arrived (the forward of
-micro-batch j on virtual stage k waits for virtual stage k-1's forward of j plus one pipeline message; the
-backward the reverse; :func:`~commlab.parallel.pipeline.schedules.virtual_dependencies`). A backward starts
-with its recomputation. TP communication follows each computation: the profile's ``overlap_tp`` share (under
-sequence parallelism only, as in the time model), up to the computation's own length, runs on the comm lane
-beside it -- in a backward, what :func:`~commlab.parallel.planner.time_model.backward_tp_hidden_seconds`
-hides, the input-gradient reductions behind their own weight-gradient GEMMs -- and the rest stalls the
-stream (kind ``tp``). A pipeline message takes ``pp_message_s``; its
-``1 - overlap_pp`` share stalls the sender (``pp_send``), and the receiver cannot start before it has fully
-arrived; a receiver's wait while a message is in flight is ``pp_recv``, any other wait ``bubble``.
-
-**DP** (:func:`finish_stage`): the gradient ReduceScatter (and, without a distributed optimizer, the
-AllGather half of the AllReduce) of each chunk starts, for its ``overlap_dp_grad_reduce`` share, on the comm
-lane at the start of that chunk's last backward (Megatron ``--overlap-grad-reduce`` launches the buckets
-during the last micro-batch's backward); the stream waits at the end for what is still running, then runs
-the non-overlapped share, the optimizer step (``optimizer_s``: the time model's, which the kernel model
-prices and the constant-fraction model leaves at 0) and the parameter AllGather's non-overlapped share (a
-distributed optimizer gathers the updated parameters at the end of its step). The overlapped share of that AllGather (``--overlap-param-gather``)
-runs at the start of the step, and the stage's first forward cannot finish before it has.
-
-**Against the analytical form.** The analytical step is ``(1 + (p-1)/m)·m·(t_f + t_b + 2c)`` for
-micro-batch forward and backward times ``t_f``, ``t_b`` and message time c, nothing overlapped. With equal
-stages the replay takes ``2c`` less with GPipe (the first stage never sends a gradient, the last never an
-activation) and ``3c`` less with 1F1B for ``p >= 3``; with 1F1B on ``p = 2`` each stage sends one message
-per micro-batch, not two, and the replay is ``(m + 1)·c`` shorter. A message is small beside a
-micro-batch's work, so these are well under 1 % of a real step (``tests/test_planner_timeline.py`` checks
-both the exact offsets and the relative agreement). Where they differ legitimately:
-
-* *uneven stages* -- the analytical form runs every stage at the heaviest stage's pace and spreads the
-  output layer over all stages; the replay gives each stage its own layers and the output layer to the last,
-  so a plan whose last stage carries the output layer on top of a full share of layers is slower in the
-  replay, and one with a lighter first or last stage (Llama 3) fills and drains faster;
-* *interleaving* -- a micro-batch crosses ``p·v - 1`` stage boundaries instead of ``p - 1``, and the
-  interleaved warm-up is deeper, so fill and drain pay ``(p·v - 1)`` messages, not ``(p - 1)/v`` of the
-  per-micro-batch message time; and with ``m == p`` Megatron-LM runs every forward before any backward
-  (its all-warm-up case), which the replay follows (Llama 3 405B on 16,384 GPUs: m = 16 = p);
-* *overlap* -- an overlapped pipeline message is hidden from its sender but still delays its receiver
-  (the analytical form hides it altogether); DP communication may also hide behind the waits of the drain,
-  and a later stage's parameter AllGather behind its wait for the first activation.
-
-Compute beside communication runs ``1/compute_slowdown`` as fast (the profile's
-``overlap_compute_slowdown``), so ``w`` seconds of compute hold up to ``compute_slowdown·w`` of
-communication beside them (:func:`~.time_model.beside_seconds`): hidden TP lengthens its op, the hidden
-part of a pipeline send its sender's next work, the overlapped parameter AllGather the stage's first
-forward, ZeRO-3's hidden collectives their op, and the overlapped gradient reduction (beside the
-computation left after its first launch) the stage's end (``slowdown`` bars). Left out: that slowdown
-delaying messages sent meanwhile (it is paid on the stage's own stream), stragglers and jitter, and
-per-stage DP volumes (every stage reduces the heavier stage's gradients, as in the time model); the
-optimizer step is the time model's (``optimizer_s``, with the kernel model), once per stage after its DP
-reduction. ZeRO-3 / FSDP is placed per op, as the time model prices it
-(:func:`~.time_model.fsdp_exposed_seconds`): each forward and backward of a chunk gathers the chunk's
-parameters and each backward reduce-scatters its gradients, hidden behind that op's compute up to the
-profile's shares, the rest exposed: the AllGather before the op, while its input may still be in flight,
-and the ReduceScatter after it, once its send has left, so that neither delays the pipeline's messages. The
-first units' gathers and the last units' ReduceScatters of each step's passes, which no prefetch can hide,
-are exposed (:func:`~.time_model.fsdp_head_share`). With pp = 1 and ZeRO-3 the replay and the time model
-agree; with ZeRO 0 to 2 and exposed TP the replay may be faster, since its DP reduction also hides behind
-the backward's exposed TP, which the time model's window (the compute alone) leaves out. With pp > 1 the
-exposed ZeRO-3 time still delays the stage's next ops and so its bubble (the time model's bubble leaves DP
-out), and every chunk carries the heaviest stage's share of the gathers, whatever its own layers.
+Book: chapter 11, §11.4 (the timeline of Llama 3 405B, and how the replay differs from the sum of terms).
 """
 
 from __future__ import annotations
@@ -617,7 +551,7 @@ def _record_op(state: ReplayState, s: int, entry: tuple, tpl: _OpTemplate, start
 def replay(schedule_name: str, costs: StepCosts, record: bool = True) -> ReplayState:
     """Replay the forward and backward passes of the schedule ``schedule_name`` (see
     :func:`make_timeline_schedule`) with ``costs``: every op starts as soon as its stage is free and its
-    input has arrived (see the module docstring). ``record=False`` keeps only the times (faster).
+    input has arrived (book §11.4). ``record=False`` keeps only the times (faster).
 
     Raises:
         ValueError: as :func:`make_timeline_schedule`; the schedule deadlocks (names the stuck stages).
@@ -796,7 +730,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
                   achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                   dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
-    """The step timeline of a plan (see the module docstring).
+    """The step timeline of a plan (book §11.4).
 
     Args:
         m, layout, cluster, global_batch, achievable_fraction, dp_overlap, dtype, grad_bytes, software: as
