@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import launch
-from commlab.collectives._common import CollectiveMismatchError
+from commlab.collectives import CollectiveMismatchError
 from commlab.collectives import all_to_all_seconds
 from commlab.parallel.expert import (AllToAllCounter, ExpertParallelMoE, MoE, all_to_all_autograd, check_ep_size,
                                      deepseek_v3_alltoall_nbytes_per_token, deepseek_v3_figures, deepseek_v3_layout,

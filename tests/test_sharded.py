@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab import launch
-from commlab.collectives._common import CollectiveMismatchError
+from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
 from commlab.parallel.sharded_profile import gathers_issued_ahead, intersection_of_unions, profile_sharded
 

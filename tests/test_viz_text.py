@@ -17,7 +17,7 @@ def test_helpers_render_markdown_and_html_and_refuse_private_functions():
     html = source_listing(ring.reduce_scatter_send_chunk).data
     assert "pre-wrap" in html and "reduce_scatter_send_chunk" in html
     with pytest.raises(ValueError, match="public functions only"):
-        source_listing(ring._ring_steps)
+        source_listing(ring._agreed_geometry)
     table = markdown_table(["a", "b"], [["x|y", 2]])
     assert table.data.splitlines() == ["| a | b |", "|:---|---:|", "| x\\|y | 2 |"]
     assert "<td style=\"text-align: right\">2</td>" in table._repr_html_() and "x|y" in table._repr_html_()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from commlab.bench.timing import calls_per_round, slowest_rank
 from commlab.collectives import p2p
 from commlab.collectives._common import ring_geometry
-from commlab.collectives.ring import _ring_steps, ring_all_reduce, ring_all_reduce_seconds
+from commlab.collectives.ring import ring_steps, ring_all_reduce, ring_all_reduce_seconds
 from commlab.launch import launch
 from commlab.topology.links import Link
 
@@ -122,8 +122,8 @@ def _exchange_call(nbytes: int, device: torch.device | str = "cpu"):
     def both():
         # A call is the 2(N-1) steps of a ring AllReduce without its additions: one grouped exchange per
         # step, each step's send after the previous step's receive (a ring forwards what it received).
-        _ring_steps(n, geom, None, None, lambda step: (chunks[step], scratch, None))
-        _ring_steps(n, geom, None, None, lambda step: (chunks[step], chunks[step + 1], None))
+        ring_steps(n, geom, None, None, lambda step: (chunks[step], scratch, None))
+        ring_steps(n, geom, None, None, lambda step: (chunks[step], chunks[step + 1], None))
 
     return both, 2 * steps
 

@@ -1,7 +1,7 @@
 """Collectives built from point-to-point sends, each with its α-β cost function beside it."""
 
-from commlab.collectives._common import (SUPPORTED_DTYPES, CollectiveMismatchError, chunk_bounds,
-                                         ring_geometry)
+from commlab.collectives._common import SUPPORTED_DTYPES, chunk_bounds, ring_geometry
+from commlab.collectives.agreement import CollectiveMismatchError, agree
 from commlab.collectives.ring import (ring_all_gather, ring_all_gather_seconds, ring_all_reduce,
                                       ring_all_reduce_seconds, ring_bytes_sent_per_rank,
                                       ring_reduce_scatter, ring_reduce_scatter_seconds)
@@ -9,7 +9,7 @@ from commlab.collectives.ring import (ring_all_gather, ring_all_gather_seconds, 
 __all__ = [
     "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
     "ring_reduce_scatter_seconds", "ring_all_gather_seconds", "ring_all_reduce_seconds",
-    "ring_bytes_sent_per_rank", "chunk_bounds", "ring_geometry", "CollectiveMismatchError",
+    "ring_bytes_sent_per_rank", "chunk_bounds", "ring_geometry", "CollectiveMismatchError", "agree",
     "SUPPORTED_DTYPES",
 ]
 from commlab.collectives.halving_doubling import (rhd_all_reduce, rhd_all_reduce_seconds,

@@ -40,8 +40,8 @@ import math
 from typing import Sequence
 
 from commlab.collectives import p2p
-from commlab.collectives._common import (_global, as_int64, check_agreement, check_cost_args,
-                                         group_size_and_rank)
+from commlab.collectives._common import as_int64, check_cost_args, global_rank, group_size_and_rank
+from commlab.collectives.agreement import check_agreement
 from commlab.launch.device import group_device
 from commlab.topology.emulated import EmulatedTopology
 
@@ -94,8 +94,8 @@ def _pairwise_exchange(send: list[torch.Tensor], recv: list[torch.Tensor], me: i
     recv[me].copy_(send[me])
     if size > 1:
         steps = range(1, size)  # step s: send to me+s, receive from me-s (the pairwise schedule)
-        sends = [(send[(me + s) % size], _global(group, (me + s) % size)) for s in steps]
-        recvs = [(recv[(me - s) % size], _global(group, (me - s) % size)) for s in steps]
+        sends = [(send[(me + s) % size], global_rank(group, (me + s) % size)) for s in steps]
+        recvs = [(recv[(me - s) % size], global_rank(group, (me - s) % size)) for s in steps]
         p2p.exchange(sends, recvs, group, emulate=emulate).wait()
 
 

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import (_global, ceil_log2, check_agreement, check_cost_args, chunk_bounds, ring_geometry,
+from commlab.collectives._common import (ceil_log2, check_cost_args, chunk_bounds, global_rank, ring_geometry,
                                          work_buffer, write_back)
+from commlab.collectives.agreement import check_agreement
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -172,9 +173,9 @@ def _fold(work, rank, n, group, emulate, scratch) -> int | None:
     _, r = power_of_two_layout(n)
     if rank < 2 * r:
         if rank % 2 == 0:
-            p2p.exchange(sends=[(work, _global(group, rank + 1))], group=group, emulate=emulate).wait()
+            p2p.exchange(sends=[(work, global_rank(group, rank + 1))], group=group, emulate=emulate).wait()
         else:
-            p2p.exchange(recvs=[(scratch[:work.numel()], _global(group, rank - 1))], group=group).wait()
+            p2p.exchange(recvs=[(scratch[:work.numel()], global_rank(group, rank - 1))], group=group).wait()
             work.add_(scratch[:work.numel()])
     return virtual_rank(rank, n)
 
@@ -184,9 +185,9 @@ def _unfold(work, rank, n, group, emulate) -> None:
     _, r = power_of_two_layout(n)
     if rank < 2 * r:
         if rank % 2 == 0:
-            p2p.exchange(recvs=[(work, _global(group, rank + 1))], group=group).wait()
+            p2p.exchange(recvs=[(work, global_rank(group, rank + 1))], group=group).wait()
         else:
-            p2p.exchange(sends=[(work, _global(group, rank - 1))], group=group, emulate=emulate).wait()
+            p2p.exchange(sends=[(work, global_rank(group, rank - 1))], group=group, emulate=emulate).wait()
 
 
 def _rhd_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> None:
@@ -204,10 +205,10 @@ def _rhd_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> None:
         for partner, keep, send in halving_steps(v, p):
             mine = elems(keep)
             incoming = scratch[:mine.numel()]
-            _exchange(elems(send), incoming, _global(group, real_rank(partner, n)), group, emulate)
+            _exchange(elems(send), incoming, global_rank(group, real_rank(partner, n)), group, emulate)
             mine.add_(incoming)
         for partner, send, recv in doubling_steps(v, p):
-            _exchange(elems(send), elems(recv), _global(group, real_rank(partner, n)), group, emulate)
+            _exchange(elems(send), elems(recv), global_rank(group, real_rank(partner, n)), group, emulate)
     _unfold(work, rank, n, group, emulate)
 
 
@@ -218,7 +219,7 @@ def _doubling_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> Non
     if v is not None:
         d = 1
         while d < p:
-            _exchange(work, scratch, _global(group, real_rank(v ^ d, n)), group, emulate)
+            _exchange(work, scratch, global_rank(group, real_rank(v ^ d, n)), group, emulate)
             work.add_(scratch)
             d *= 2
     _unfold(work, rank, n, group, emulate)

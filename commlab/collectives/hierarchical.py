@@ -32,9 +32,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import (as_int64, check_agreement, check_cost_args, check_counts, chunk_bounds,
-                                         group_size_and_rank, ring_geometry, work_buffer, write_back)
-from commlab.collectives.ring import (_all_gather_phase, _reduce_scatter_phase, ring_all_reduce,
+from commlab.collectives._common import (as_int64, check_cost_args, check_counts, chunk_bounds, group_size_and_rank,
+                                         ring_geometry, work_buffer, write_back)
+from commlab.collectives.agreement import check_agreement
+from commlab.collectives.ring import (all_gather_phase, reduce_scatter_phase, ring_all_reduce,
                                       ring_all_reduce_seconds)
 from commlab.topology.emulated import EmulatedTopology
 from commlab.topology.links import Link, flows_per_nic
@@ -166,10 +167,10 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchyGroups, *, in
     work = work_buffer(tensor, inplace)
     if work.numel() > 0:
         chunks = [work[a:b] for a, b in chunk_bounds(work.numel(), intra.size)]
-        _reduce_scatter_phase(chunks, intra, groups.intra, emulate)
+        reduce_scatter_phase(chunks, intra, groups.intra, emulate)
         # The chunk is a view of ``work``, so the inter-node AllReduce writes straight into it.
         ring_all_reduce(chunks[intra.group_rank], groups.inter, inplace=True, check=False, emulate=emulate)
-        _all_gather_phase(chunks, intra, groups.intra, emulate)
+        all_gather_phase(chunks, intra, groups.intra, emulate)
     return write_back(tensor, work, inplace)
 
 

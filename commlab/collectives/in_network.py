@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from commlab import hardware
+from commlab import checks, hardware
 from commlab.collectives._common import check_cost_args
 
 __all__ = ["HDR_SWITCH_PORTS", "NDR_SWITCH_PORTS", "fat_tree_down_ports", "fat_tree_endpoints",
@@ -34,8 +34,8 @@ NDR_SWITCH_PORTS = int(hardware.value("Quantum-2-QM9700", "ports"))
 
 
 def _check_radix(radix: int) -> None:
-    if isinstance(radix, bool) or not isinstance(radix, int) or radix < 2 or radix % 2:
-        raise ValueError(f"radix (ports per switch) must be an even int >= 2, got {radix!r}")
+    if checks.integer("radix (ports per switch)", radix, least=2) % 2:
+        checks.fail("radix (ports per switch)", radix, "an even int >= 2")
 
 
 def fat_tree_down_ports(radix: int, levels: int) -> tuple[int, ...]:
@@ -49,8 +49,7 @@ def fat_tree_down_ports(radix: int, levels: int) -> tuple[int, ...]:
         ValueError: ``radix`` not an even int >= 2, or ``levels`` not an int >= 1.
     """
     _check_radix(radix)
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels must be an int >= 1, got {levels!r}")
+    checks.integer("levels", levels)
     return (radix // 2,) * (levels - 1) + (radix,)
 
 
@@ -70,8 +69,7 @@ def switch_tree_levels(n: int, radix: int = HDR_SWITCH_PORTS) -> int:
         ValueError: ``n < 1`` or ``radix`` not an even int >= 2.
     """
     _check_radix(radix)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"need an int n >= 1 endpoints, got n={n!r}")
+    checks.integer("n", n, note="endpoints")
     levels = 1
     while fat_tree_endpoints(fat_tree_down_ports(radix, levels)) < n:
         levels += 1

@@ -70,6 +70,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
 from commlab.topology.emulated import EmulatedTopology
 
@@ -227,7 +228,7 @@ def wait_all(exchanges: Sequence[Exchange], timeout_s: float | None = None) -> N
 
 
 def _check_peer(peer, me: int, group, what: str) -> None:
-    if isinstance(peer, bool) or not isinstance(peer, int):
+    if not checks.is_int(peer):
         raise ValueError(f"exchange: rank {me} was asked to {what} peer {peer!r}; a peer is a global rank (int)")
     if peer == me:
         raise ValueError(f"exchange: rank {me} was asked to {what} itself; a step exchanges with other ranks")

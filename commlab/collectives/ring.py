@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from commlab import arithmetic
 from commlab.collectives import p2p
-from commlab.collectives._common import (RingGeometry, check_agreement, check_cost_args, chunk_bounds,
-                                         group_size_and_rank, resolve_ring, ring_geometry, work_buffer,
-                                         write_back)
+from commlab.collectives._common import (RingGeometry, check_cost_args, chunk_bounds, group_size_and_rank, resolve_ring,
+                                         ring_geometry, work_buffer, write_back)
+from commlab.collectives.agreement import check_agreement
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
     "reduce_scatter_send_chunk", "reduce_scatter_recv_chunk",
     "all_gather_send_chunk", "all_gather_recv_chunk",
     "ring_reduce_scatter_seconds", "ring_all_gather_seconds", "ring_all_reduce_seconds",
-    "ring_bytes_sent_per_rank",
+    "ring_bytes_sent_per_rank", "reduce_scatter_phase", "all_gather_phase", "ring_steps",
 ]
 
 
@@ -113,7 +113,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
     work = tensor.detach().reshape(-1).clone()
     bounds = chunk_bounds(work.numel(), geom.size)
     chunks = [work[a:b] for a, b in bounds]
-    _reduce_scatter_phase(chunks, geom, group, emulate)
+    reduce_scatter_phase(chunks, geom, group, emulate)
     return chunks[geom.group_rank].clone()
 
 
@@ -138,7 +138,7 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     out = torch.empty(geom.size * m, dtype=tensor.dtype, device=tensor.device)
     chunks = [out[i * m:(i + 1) * m] for i in range(geom.size)]
     chunks[geom.group_rank].copy_(tensor.detach().reshape(-1))
-    _all_gather_phase(chunks, geom, group, emulate)
+    all_gather_phase(chunks, geom, group, emulate)
     return out
 
 
@@ -168,8 +168,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if geom.size > 1 and work.numel() > 0:
         bounds = chunk_bounds(work.numel(), geom.size)
         chunks = [work[a:b] for a, b in bounds]
-        _reduce_scatter_phase(chunks, geom, group, emulate)
-        _all_gather_phase(chunks, geom, group, emulate)
+        reduce_scatter_phase(chunks, geom, group, emulate)
+        all_gather_phase(chunks, geom, group, emulate)
     return write_back(tensor, work, inplace)
 
 
@@ -183,7 +183,9 @@ def _agreed_geometry(name: str, tensor: torch.Tensor, group, ring, check: bool) 
     return ring_geometry(group, order)
 
 
-def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
+def reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
+    """The ring ReduceScatter's N-1 steps over ``chunks`` (one per rank, summed in place): afterwards
+    ``chunks[geom.group_rank]`` holds the sum of every rank's chunk. Used by the hierarchical AllReduce too."""
     n, p = geom.size, geom.position
     if n == 1:
         return
@@ -199,20 +201,21 @@ def _reduce_scatter_phase(chunks: list[torch.Tensor], geom: RingGeometry, group,
         into = chunks[reduce_scatter_recv_chunk(p, step, n, geom.order)]
         return chunks[reduce_scatter_send_chunk(p, step, n, geom.order)], scratch[:into.numel()], into
 
-    _ring_steps(n, geom, group, emulate, buffers)
+    ring_steps(n, geom, group, emulate, buffers)
 
 
-def _all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
+def all_gather_phase(chunks: list[torch.Tensor], geom: RingGeometry, group, emulate=None) -> None:
+    """The ring AllGather's N-1 steps over ``chunks``: each rank's own chunk reaches every rank."""
     n, p = geom.size, geom.position
     if n == 1:
         return
     # What arrives in one step is what this rank forwards in the next.
-    _ring_steps(n, geom, group, emulate, lambda step: (
+    ring_steps(n, geom, group, emulate, lambda step: (
         chunks[all_gather_send_chunk(p, step, n, geom.order)],
         chunks[all_gather_recv_chunk(p, step, n, geom.order)], None))
 
 
-def _ring_steps(n: int, geom: RingGeometry, group, emulate, step_buffers) -> None:
+def ring_steps(n: int, geom: RingGeometry, group, emulate, step_buffers) -> None:
     """The N-1 steps of a ring phase, one grouped exchange each.
 
     ``step_buffers(step)`` gives ``(send, receive into, add into)`` (``add into`` None: store only). A

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import (_global, as_int64, ceil_log2, check_agreement, check_cost_args, ring_geometry, work_buffer,
+from commlab.collectives._common import (as_int64, ceil_log2, check_cost_args, global_rank, ring_geometry, work_buffer,
                                          write_back)
+from commlab.collectives.agreement import check_agreement
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = [
@@ -99,13 +100,13 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         if children:
             scratch = torch.empty_like(work)
             for child in children:
-                p2p.exchange(recvs=[(scratch, _global(group, child))], group=group).wait()
+                p2p.exchange(recvs=[(scratch, global_rank(group, child))], group=group).wait()
                 work.add_(scratch)
         if parent is not None:
-            p2p.exchange(sends=[(work, _global(group, parent))], group=group, emulate=emulate).wait()
-            p2p.exchange(recvs=[(work, _global(group, parent))], group=group).wait()
+            p2p.exchange(sends=[(work, global_rank(group, parent))], group=group, emulate=emulate).wait()
+            p2p.exchange(recvs=[(work, global_rank(group, parent))], group=group).wait()
         if children:
-            p2p.exchange(sends=[(work, _global(group, child)) for child in reversed(children)], group=group,
+            p2p.exchange(sends=[(work, global_rank(group, child)) for child in reversed(children)], group=group,
                          emulate=emulate).wait()
     return write_back(tensor, work, inplace)
 

@@ -9,9 +9,8 @@ ranks at once. :func:`commlab.compress.aggregate.aggregate` (every path), the tw
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from commlab.collectives._common import CollectiveMismatchError, all_gather_single, group_size_and_rank
+from commlab.collectives.agreement import agree, gather
 from commlab.compress.base import Payload, all_finite
 
 __all__ = ["agree_finite", "agree_payloads", "describe_payload"]
@@ -34,21 +33,22 @@ def agree_payloads(payload: Payload, compressor_name: str, group, size: int, wha
         payload: this rank's payload. compressor_name: its compressor's name. group, size: the process group
         and its size (1: nothing to check). what: the caller, for the message.
     """
-    mine = describe_payload(payload, compressor_name)
     if size == 1:
         return
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
-    if len(set(everyone)) > 1:
+
+    def differ(everyone: list) -> str | None:
+        if len(set(everyone)) == 1:
+            return None
         lines = "; ".join(
             f"rank {r}: {d[0]} of shape {list(d[1])} {d[2]}, payload "
             + ", ".join(f"{name}={numel}x{dt}" for name, numel, dt in d[3])
             + (f", meta {{{', '.join(f'{k}: {v}' for k, v in d[4])}}}" if d[4] else "")
             for r, d in enumerate(everyone))
-        raise CollectiveMismatchError(
-            f"{what}: the ranks' payloads differ ({lines}). Every rank must compress a tensor of the same "
-            "shape and dtype with the same compressor settings (and, for Random-K, call it the same number "
-            "of times); payloads whose sizes depend on the data (topk_global) cannot be aggregated this way")
+        return (f"the ranks' payloads differ ({lines}). Every rank must compress a tensor of the same shape and "
+                "dtype with the same compressor settings (and, for Random-K, call it the same number of times); "
+                "payloads whose sizes depend on the data (topk_global) cannot be aggregated this way")
+
+    agree(what, describe_payload(payload, compressor_name), group, differ=differ)
 
 
 def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
@@ -58,15 +58,7 @@ def agree_finite(tensor: torch.Tensor, group, what: str) -> None:
     its peers wait in the next collective, or, if the caller skips the step there only, the ranks drift
     one step apart and sum different steps' gradients without any error.
     """
-    size, _ = group_size_and_rank(group)
-    bad = int(not all_finite(tensor))
-    if size == 1:
-        flags = [bad]
-    else:
-        mine = torch.tensor([bad], dtype=torch.int64, device=tensor.device)
-        everyone = torch.empty(size, dtype=torch.int64, device=tensor.device)
-        all_gather_single(everyone, mine, group=group)
-        flags = everyone.tolist()
+    flags = [row[0] for row in gather([int(not all_finite(tensor))], group, ints=True)]
     if any(flags):
         ranks = [r for r, f in enumerate(flags) if f]
         raise FloatingPointError(f"{what}: rank(s) {ranks} hold NaN or infinite gradient values; nothing was "

@@ -60,8 +60,8 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from commlab.collectives._common import (all_gather_single, check_same_layout, group_size_and_rank,
-                                         reduce_scatter_single)
+from commlab.collectives._common import all_gather_single, group_size_and_rank, reduce_scatter_single
+from commlab.collectives.agreement import agree, first_difference
 from commlab.launch.device import group_device
 
 __all__ = ["ShardedDataParallel", "ShardedStepStats", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
@@ -195,9 +195,9 @@ class ShardedDataParallel(nn.Module):
         # others waiting in the agreement: every rank raises (its own error if all agree, else the mismatch).
         layout = [("invalid arguments", str(problem))] if problem is not None else self._layout()
         advice = "build the same model, with the same units and stage, on every rank"
-        check_same_layout("ShardedDataParallel", layout, shard_group, advice=advice)
-        if replicate_group is not None:
-            check_same_layout("ShardedDataParallel", layout, replicate_group, advice=advice)
+        for group in (shard_group, replicate_group) if replicate_group is not None else (shard_group,):
+            agree("ShardedDataParallel", [tuple(r) for r in layout], group,
+                  differ=lambda everyone: first_difference(everyone, "layouts", advice))
         if problem is not None:
             raise problem
         if broadcast_from_rank0:

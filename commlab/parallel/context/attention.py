@@ -14,7 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import check_agreement, group_size_and_rank
+from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.agreement import check_agreement
 from commlab.parallel.context.communications import all_gather_sequence
 from commlab.parallel.context.layout import positions
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import p2p
-from commlab.collectives._common import _ALL_DTYPES, _DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
+from commlab.collectives._common import ALL_DTYPES, DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
 from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
 from commlab.parallel.pipeline.schedules import SCHEDULES
 
@@ -328,7 +328,7 @@ def agree_chunk_boundaries(chunks: Sequence[nn.Module], microbatch_shape: Sequen
             values = header.cpu().tolist()
             upstream_ok, ndim = bool(values[0]), values[1]
             in_shape = tuple(values[2:2 + ndim])
-            in_dtype = _ALL_DTYPES[values[-1]] if upstream_ok else dtype
+            in_dtype = ALL_DTYPES[values[-1]] if upstream_ok else dtype
         skipped = skipped or not upstream_ok
         out_shape, out_dtype = (), in_dtype
         if upstream_ok and failure is None:
@@ -350,7 +350,7 @@ def agree_chunk_boundaries(chunks: Sequence[nn.Module], microbatch_shape: Sequen
             header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
             if ok:
                 header[:2 + len(out_shape)] = torch.tensor([1, len(out_shape), *out_shape], dtype=torch.int64)
-                header[-1] = _DTYPE_CODE[out_dtype]
+                header[-1] = DTYPE_CODE[out_dtype]
             p2p.exchange(sends=[(header, stage_rank(group, (vs + 1) % p))], group=group).wait()
         boundaries.append(Boundary(in_shape, in_dtype, out_shape, out_dtype))
     # 0: failed here, 1: fine, 2: skipped because a stage before failed.
