@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab import RankError, launch
 from commlab.compress import CastCompressor, CompressionHookState, PowerSGDState, compression_hook, powersgd_hook
-from commlab.overlap import (BucketedDataParallel, LayoutMismatchError, UnusedParametersError, assign_buckets,
+from commlab.collectives import CollectiveMismatchError
+from commlab.overlap import (BucketedDataParallel, UnusedParametersError, assign_buckets,
                              train_step)
 from commlab.overlap.profile import (extract_timeline, intersection_length, make_mlp, overlap_from_step,
                                      profile_overlap, random_batch, union_length)
@@ -321,7 +322,7 @@ def _mismatch():
 def test_different_parameter_shapes_raise_on_every_rank():
     with pytest.raises(RankError) as info:
         launch(_mismatch, 2, timeout=30)
-    assert info.value.exc_type == LayoutMismatchError.__name__
+    assert info.value.exc_type == CollectiveMismatchError.__name__
     assert "rank 1 has 0.weight [25, 12]" in str(info.value) and "rank 0 has 0.weight [24, 12]" in str(info.value)
 
 
@@ -339,7 +340,7 @@ def test_bucket_key_separates_parameters_and_must_agree_across_ranks():
         assert sorted(map(sorted, buckets)) == [["0.bias", "2.bias"], ["0.weight", "2.weight"]]
     with pytest.raises(RankError) as info:
         launch(_keyed, 2, True, timeout=30)
-    assert info.value.exc_type == LayoutMismatchError.__name__
+    assert info.value.exc_type == CollectiveMismatchError.__name__
     assert "rank 1's bucket_key gives" in str(info.value)
 
 

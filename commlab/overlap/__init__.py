@@ -10,10 +10,10 @@
 """
 
 from commlab.overlap.bucketed import (DEFAULT_BUCKET_CAP_BYTES, AllReduceFnState, Bucket, BucketedDataParallel,
-                                      BucketSpec, BucketTiming, LayoutMismatchError, StepRecord, StepTimes,
+                                      BucketSpec, BucketTiming, StepRecord, StepTimes,
                                       UnusedParametersError, all_reduce_fn_hook, assign_buckets, completed_future,
                                       data_parallel_of, train_step)
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "AllReduceFnState", "Bucket", "BucketedDataParallel", "BucketSpec",
-           "BucketTiming", "LayoutMismatchError", "StepRecord", "StepTimes", "UnusedParametersError",
+           "BucketTiming", "StepRecord", "StepTimes", "UnusedParametersError",
            "all_reduce_fn_hook", "assign_buckets", "completed_future", "data_parallel_of", "train_step"]

@@ -47,8 +47,9 @@ Policies (each tested in ``tests/test_overlap.py``):
   step everywhere. A comm hook may choose otherwise (``commlab.compress.compression_hook`` raises on every
   rank).
 * **Layout agreement.** The constructor all-gathers every rank's parameter names, shapes and dtypes and
-  ``bucket_cap_bytes`` (one ``all_gather_object``) and raises the same :class:`LayoutMismatchError` on every
-  rank if they differ: a mismatch would otherwise hang or pair buffers of different sizes.
+  ``bucket_cap_bytes`` (:func:`commlab.collectives.agree`) and raises the same
+  :class:`~commlab.collectives.CollectiveMismatchError` on every rank if they differ: a mismatch would
+  otherwise hang or pair buffers of different sizes.
 * **No sync.** Inside :meth:`BucketedDataParallel.no_sync` a forward/backward only accumulates into
   ``.grad``; the next synced backward all-reduces the accumulated sum (DDP's ``no_sync``; like DDP, the
   decision is taken at forward time). When every backward of a step has to run inside it (a pipeline
@@ -87,11 +88,13 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.agreement import agree
 from commlab.launch.device import Clock, Mark, group_device
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "assign_buckets", "BucketSpec", "Bucket", "BucketTiming", "StepRecord",
-           "BucketedDataParallel", "UnusedParametersError", "LayoutMismatchError", "train_step", "StepTimes",
+           "BucketedDataParallel", "UnusedParametersError", "train_step", "StepTimes",
            "AllReduceFnState", "all_reduce_fn_hook", "completed_future", "data_parallel_of"]
 
 #: DDP's default bucket cap: 25 MiB (``bucket_cap_mb=25``).
@@ -122,10 +125,6 @@ class UnusedParametersError(RuntimeError):
             "were all-reduced with zeros so that no peer waits, but this step's gradients are not what the model "
             "computes. Use every parameter in forward, set requires_grad=False on the ones you do not train, or "
             "pass find_unused_parameters=True")
-
-
-class LayoutMismatchError(ValueError):
-    """Ranks built the wrapper with different parameters or bucket caps (raised on every rank alike)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +241,7 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: int,
     open_: dict[Any, tuple[list[int], int]] = {}
     done: list[list[int]] = []
     for i, (nbytes, key) in enumerate(zip(sizes_bytes, keys)):
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"sizes_bytes[{i}] must be an int >= 0, got {nbytes!r}")
+        checks.integer(f"sizes_bytes[{i}]", nbytes, least=0)
         members, total = open_.get(key, ([], 0))
         members.append(i)
         total += nbytes
@@ -257,9 +255,8 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: int,
 
 
 def _check_cap(bucket_cap_bytes) -> None:
-    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
-        raise ValueError(f"bucket_cap_bytes must be an int >= 1 (bytes; DDP's default is 25 MiB = {DEFAULT_BUCKET_CAP_BYTES}, "
-                         f"one bucket for everything is e.g. 2**62), got {bucket_cap_bytes!r}")
+    checks.integer("bucket_cap_bytes", bucket_cap_bytes, note=f"bytes; DDP's default is 25 MiB = "
+                   f"{DEFAULT_BUCKET_CAP_BYTES}, one bucket for everything is e.g. 2**62")
 
 
 class Bucket:
@@ -458,7 +455,7 @@ class BucketedDataParallel(nn.Module):
     Raises:
         ValueError: a bad ``bucket_cap_bytes``; no parameter requires a gradient; sparse parameters; under
             NCCL, parameters that are not on the group's device; a ``process_group`` that is not a group.
-        LayoutMismatchError: ranks disagree on parameter names/shapes/dtypes or on ``bucket_cap_bytes``
+        CollectiveMismatchError: ranks disagree on parameter names/shapes/dtypes or on ``bucket_cap_bytes``
             (every rank raises it).
         RuntimeError: torch.distributed is not initialised, or this rank is not a member of ``process_group``.
     """
@@ -473,8 +470,7 @@ class BucketedDataParallel(nn.Module):
         _check_cap(bucket_cap_bytes)
         for name, flag in (("find_unused_parameters", find_unused_parameters),
                            ("finish_in_backward", finish_in_backward), ("broadcast_from_rank0", broadcast_from_rank0)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+            checks.flag(name, flag)
         self.world_size, self.rank = group_size_and_rank(process_group, "BucketedDataParallel")
         self.module = module
         self.process_group = process_group
@@ -553,27 +549,32 @@ class BucketedDataParallel(nn.Module):
         a mismatch."""
         mine = ([(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named], self.bucket_cap_bytes,
                 [repr(k) for k in keys])
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._group)
-        ref_params, ref_cap, ref_keys = everyone[0]
-        problems = []
-        for r, (params, cap, ks) in enumerate(everyone[1:], start=1):
-            if cap != ref_cap:
-                problems.append(f"rank {r} has bucket_cap_bytes={cap}, rank 0 has {ref_cap}")
-            if params == ref_params and ks != ref_keys:
-                k = next(i for i, (a, b) in enumerate(zip(ref_keys, ks)) if a != b)
-                problems.append(f"rank {r}'s bucket_key gives {params[k][0]} the key {ks[k]}, rank 0's {ref_keys[k]}")
-            if params != ref_params:
-                if len(params) != len(ref_params):
-                    problems.append(f"rank {r} has {len(params)} parameters requiring grad, rank 0 has {len(ref_params)}")
-                for (n0, s0, d0), (n1, s1, d1) in zip(ref_params, params):
-                    if (n0, s0, d0) != (n1, s1, d1):
-                        problems.append(f"rank {r} has {n1} {list(s1)} {d1} where rank 0 has {n0} {list(s0)} {d0}")
-                        break
-        if problems:
-            raise LayoutMismatchError("BucketedDataParallel: ranks built different layouts (" + "; ".join(problems) +
-                                      "). Every rank must wrap the same model with the same bucket_cap_bytes; "
-                                      "their buckets would otherwise pair buffers of different sizes or hang")
+
+        def differ(everyone: list) -> str | None:
+            ref_params, ref_cap, ref_keys = everyone[0]
+            problems = []
+            for r, (params, cap, ks) in enumerate(everyone[1:], start=1):
+                if cap != ref_cap:
+                    problems.append(f"rank {r} has bucket_cap_bytes={cap}, rank 0 has {ref_cap}")
+                if params == ref_params and ks != ref_keys:
+                    k = next(i for i, (a, b) in enumerate(zip(ref_keys, ks)) if a != b)
+                    problems.append(f"rank {r}'s bucket_key gives {params[k][0]} the key {ks[k]}, "
+                                    f"rank 0's {ref_keys[k]}")
+                if params != ref_params:
+                    if len(params) != len(ref_params):
+                        problems.append(f"rank {r} has {len(params)} parameters requiring grad, "
+                                        f"rank 0 has {len(ref_params)}")
+                    for (n0, s0, d0), (n1, s1, d1) in zip(ref_params, params):
+                        if (n0, s0, d0) != (n1, s1, d1):
+                            problems.append(f"rank {r} has {n1} {list(s1)} {d1} where rank 0 has {n0} {list(s0)} {d0}")
+                            break
+            if not problems:
+                return None
+            return ("ranks built different layouts (" + "; ".join(problems) + "). Every rank must wrap the same "
+                    "model with the same bucket_cap_bytes; their buckets would otherwise pair buffers of different "
+                    "sizes or hang")
+
+        agree("BucketedDataParallel", mine, self._group, differ=differ)
 
     def _broadcast_state(self) -> None:
         src = dist.get_global_rank(self._group, 0) if self._group is not dist.group.WORLD else 0

@@ -53,11 +53,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from commlab import checks
 from commlab.overlap.bucketed import (RANGE_BACKWARD, RANGE_DONE, RANGE_FORWARD, RANGE_LAUNCH, RANGE_OPTIMIZER,
                                       RANGE_READY, RANGE_WAIT, BucketedDataParallel, train_step)
 
 __all__ = ["Interval", "OverlapProfile", "union_length", "intersection_length", "MEASURE_WIDTHS", "make_mlp",
-           "random_batch", "profile_overlap", "extract_timeline", "measure_overlap", "overlap_from_step", "RANGE_STEP"]
+           "random_batch", "profile_overlap", "extract_timeline", "measure_overlap", "overlap_from_step", "RANGE_STEP",
+           "all_threads_config", "profiler_events"]
 
 RANGE_STEP = "overlap::step"
 
@@ -158,8 +160,8 @@ def make_mlp(widths: Sequence[int] = MEASURE_WIDTHS, seed: int = 0) -> nn.Sequen
         ValueError: fewer than two widths, or a width that is not an int >= 1.
     """
     widths = list(widths)
-    if len(widths) < 2 or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
-        raise ValueError(f"widths must be at least two ints >= 1, got {widths!r}")
+    if len(widths) < 2 or not all(checks.is_int(w) and w >= 1 for w in widths):
+        checks.fail("widths", widths, "at least two ints >= 1")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         layers: list[nn.Module] = []
@@ -170,9 +172,13 @@ def make_mlp(widths: Sequence[int] = MEASURE_WIDTHS, seed: int = 0) -> nn.Sequen
         return nn.Sequential(*layers)
 
 
-def _all_threads_config():
-    """Kineto records ranges only on threads the profiler was enabled on unless told to profile all threads; the
-    done-callbacks run on gloo's worker threads."""
+def all_threads_config():
+    """The profiler option that records ranges on every thread (Kineto records only the threads it was enabled
+    on unless told otherwise; the done-callbacks run on gloo's worker threads).
+
+    Raises:
+        RuntimeError: this torch's profiler lacks the option (torch < 2.7).
+    """
     try:
         return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError as e:  # an older torch without the option
@@ -181,7 +187,8 @@ def _all_threads_config():
                            "needs torch >= 2.7") from e
 
 
-def _events(prof) -> list[tuple[str, int, float, float]]:
+def profiler_events(prof) -> list[tuple[str, int, float, float]]:
+    """Every event of a finished ``torch.profiler.profile`` as ``(name, thread, start_s, end_s)``."""
     out = []
     for e in prof.events():
         out.append((e.name, e.thread, e.time_range.start * 1e-6, e.time_range.end * 1e-6))
@@ -276,10 +283,8 @@ def profile_overlap(model: nn.Module, bucket_cap_bytes: int, batch: Sequence[tor
     Raises:
         ValueError: bad ``steps``/``warmup``, or anything :class:`BucketedDataParallel` raises.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    checks.integer("steps", steps)
+    checks.integer("warmup", warmup, least=0)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     wrapped = BucketedDataParallel(model, bucket_cap_bytes=bucket_cap_bytes, process_group=process_group)
     if hook is not None:
@@ -288,11 +293,11 @@ def profile_overlap(model: nn.Module, bucket_cap_bytes: int, batch: Sequence[tor
     for _ in range(warmup):
         train_step(wrapped, opt, loss_fn, *batch)
     dist.barrier(group=process_group)
-    with profile(activities=[ProfilerActivity.CPU], experimental_config=_all_threads_config()) as prof:
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
         for _ in range(steps):
             with record_function(RANGE_STEP):
                 train_step(wrapped, opt, loss_fn, *batch)
-    per_step = extract_timeline(_events(prof))
+    per_step = extract_timeline(profiler_events(prof))
     hidden = total = 0.0
     step_s, fwd_s, bwd_s, wait_s, opt_s, comm_s, exposed_s = [], [], [], [], [], [], []
     for st in per_step:

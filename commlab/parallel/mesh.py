@@ -25,13 +25,13 @@ TP groups are strided instead of consecutive and cross nodes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
-import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import all_gather_single, as_int64
+from commlab import checks
+from commlab.collectives._common import as_int64
+from commlab.collectives.agreement import agree
 from commlab.launch.device import group_device
 
 __all__ = ["MESH_DIMS", "ParallelLayout", "check_order", "check_layout", "build_mesh", "mesh_groups",
@@ -39,11 +39,6 @@ __all__ = ["MESH_DIMS", "ParallelLayout", "check_order", "check_layout", "build_
 
 #: The dimension names a mesh may use, and the default order (outermost first, TP innermost).
 MESH_DIMS: tuple[str, str, str] = ("dp", "pp", "tp")
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def check_order(order: Sequence[str]) -> tuple[str, str, str]:
@@ -100,7 +95,7 @@ class ParallelLayout:
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp", "devices_per_node"):
-            _check_positive_int(name, getattr(self, name))
+            checks.integer(name, getattr(self, name))
         if self.devices_per_node % self.tp:
             raise ValueError(
                 f"tp={self.tp} does not divide devices_per_node={self.devices_per_node}: some tensor-parallel "
@@ -156,8 +151,7 @@ class ParallelLayout:
         rank = 0
         for dim in order:
             c, n = coord[dim], self.size(dim)
-            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n:
-                raise ValueError(f"{dim} coordinate must be an int in 0..{n - 1} (the {dim} size is {n}), got {c!r}")
+            checks.integer(f"{dim} coordinate", c, 0, n - 1, note=f"the {dim} size is {n}")
             rank = rank * n + c
         return rank
 
@@ -198,9 +192,8 @@ class ParallelLayout:
         return rank // self.devices_per_node
 
     def _check_rank(self, rank) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in 0..{self.world_size - 1} (world size {self.world_size} = "
-                             f"dp {self.dp} x pp {self.pp} x tp {self.tp}), got {rank!r}")
+        checks.integer("rank", rank, 0, self.world_size - 1,
+                       note=f"world size {self.world_size} = dp {self.dp} x pp {self.pp} x tp {self.tp}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -261,7 +254,7 @@ def check_layout(layout: ParallelLayout, world_size: int, order: Sequence[str] =
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
     order = check_order(order)
-    _check_positive_int("world_size", world_size)
+    checks.integer("world_size", world_size)
     if layout.world_size != world_size:
         raise ValueError(f"the layout needs dp {layout.dp} x pp {layout.pp} x tp {layout.tp} = {layout.world_size} "
                          f"ranks but the world has {world_size}; choose sizes whose product is {world_size}")
@@ -331,30 +324,24 @@ def _agree(layout, order, problem: Exception | None) -> None:
     names = list(order) if not isinstance(order, str) else [order]
     codes = [(MESH_DIMS.index(d) if d in MESH_DIMS else -1) for d in names[:3]]
     codes += [-1] * (3 - len(codes)) + [len(names)]
-    n = dist.get_world_size()
-    if n == 1:
-        if problem is not None:
-            raise problem
-        return
-    # On the world group's device: the rank's own GPU under NCCL (not a bare .cuda(), which is GPU 0 for
-    # every rank unless the device was bound), the CPU under gloo.
-    mine = torch.tensor(sizes + codes + [int(problem is None)], dtype=torch.int64, device=group_device(None))
-    everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
-    all_gather_single(everyone, mine)
-    rows = everyone.view(n, -1).cpu().tolist()
-    if len({tuple(r[:-1]) for r in rows}) == 1 and len({r[-1] for r in rows}) > 1:
-        # Same layout and order everywhere, but some ranks rejected their own world_size argument.
-        bad = [i for i, r in enumerate(rows) if not r[-1]]
-        raise ValueError(f"build_mesh: ranks {bad} rejected their arguments (a world_size that is not the "
-                         "process group's size) while the others accepted theirs; pass the same arguments on "
-                         "every rank")
-    if len({tuple(r) for r in rows}) > 1:
-        def describe(r):
-            dims = tuple(MESH_DIMS[c] if c >= 0 else "?" for c in r[4:7])
-            return f"(dp={r[0]}, pp={r[1]}, tp={r[2]}, devices_per_node={r[3]}, order={dims})"
-        who = "; ".join(f"rank {i}: {describe(r)}" for i, r in enumerate(rows))
-        raise ValueError(f"build_mesh: ranks passed different layouts or orders ({who}); every rank must pass "
-                         "the same layout and order")
+
+    def differ(rows: list[list[int]]) -> str | None:
+        if len({tuple(r[:-1]) for r in rows}) == 1 and len({r[-1] for r in rows}) > 1:
+            # Same layout and order everywhere, but some ranks rejected their own world_size argument.
+            bad = [i for i, r in enumerate(rows) if not r[-1]]
+            return (f"ranks {bad} rejected their arguments (a world_size that is not the process group's size) "
+                    "while the others accepted theirs; pass the same arguments on every rank")
+        if len({tuple(r) for r in rows}) > 1:
+            def describe(r):
+                dims = tuple(MESH_DIMS[c] if c >= 0 else "?" for c in r[4:7])
+                return f"(dp={r[0]}, pp={r[1]}, tp={r[2]}, devices_per_node={r[3]}, order={dims})"
+            who = "; ".join(f"rank {i}: {describe(r)}" for i, r in enumerate(rows))
+            return f"ranks passed different layouts or orders ({who}); every rank must pass the same layout and order"
+        return None
+
+    # The rank's own verdict travels as the row's last entry, so that a valid rank does not wait for one that
+    # gave up; with the same inputs everywhere, every rank raises its own (identical) problem below.
+    agree("build_mesh", sizes + codes + [int(problem is None)], None, ints=True, differ=differ)
     if problem is not None:  # the same inputs everywhere, so the same problem everywhere
         raise problem
 

@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from commlab.overlap.profile import Interval, _all_threads_config, _events, union_length
+from commlab import checks
+from commlab.overlap.profile import Interval, all_threads_config, profiler_events, union_length
 from commlab.parallel.sharded import (RANGE_ALL_GATHER, RANGE_ALL_REDUCE, RANGE_REDUCE_SCATTER, RANGE_WAIT_GATHER,
                                       RANGE_WAIT_REDUCE, ShardedDataParallel)
 
@@ -199,10 +200,8 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
     Raises:
         ValueError: bad ``steps``/``warmup``; a profile whose launches and gloo events do not match.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    checks.integer("steps", steps)
+    checks.integer("warmup", warmup, least=0)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     def one_step():
@@ -234,14 +233,14 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
     handles = [h for i, m in enumerate(sdp.units)
                for h in (m.register_forward_pre_hook(enter(i)), m.register_forward_hook(leave(i)))]
     try:
-        with profile(activities=[ProfilerActivity.CPU], experimental_config=_all_threads_config()) as prof:
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
             for _ in range(steps):
                 with record_function(RANGE_STEP):
                     one_step()
     finally:
         for h in handles:
             h.remove()
-    per_step = _measure(_events(prof))
+    per_step = _measure(profiler_events(prof))
     med = statistics.median
     total = sum(s["comm"] for s in per_step)
     return ShardedProfile(rank=dist.get_rank(), stage=sdp.stage, steps=steps,
