@@ -1,26 +1,14 @@
 """Summing compressed tensors over ranks, the way each compressor allows, with exact byte accounting.
 
-* **Linear** compressors (``compressor.linear``: a cast, Random-K with a shared seed): a sum of payloads is
-  the payload of the sum, so each payload tensor rides commlab's ring AllReduce
-  (:func:`commlab.collectives.ring_all_reduce`, which adds it hop by hop) and is decompressed once.
-  Bytes sent per rank: ``2 (N-1)/N * payload bytes``.
-* **Non-linear** ones (Top-K, QSGD, INT8/INT4, sign): payloads cannot be added (different indices,
-  different scales). Two ways to sum them, chosen with ``path``:
+:func:`aggregate` returns an :class:`Aggregated` (the sum, the payload bytes, the bytes each rank sends) by
+one of three paths: ``"all_reduce"`` for linear compressors (payloads ride commlab's ring AllReduce,
+``2 (N-1)/N × payload`` bytes per rank); ``"all_gather"`` for the others (``(N-1) × payload``, growing with
+N, as torch's prototype ``quantization_pertensor_hook``); ``"two_phase"`` for any
+(:mod:`commlab.compress.two_phase`, about ``2 (N-1)/N × payload``). :func:`sparse_ring_fill_in`,
+:func:`expected_union_support` and :func:`union_support_sizes` count why Top-K payloads cannot be added
+inside a ring, as the source article does: each hop's partial sum covers the union of more index sets.
 
-  - ``"all_gather"`` (the default for them): every rank all-gathers the N payloads, decompresses them all
-    and sums. Bytes sent per rank in a ring AllGather: ``(N-1) * payload bytes``, which grows with N:
-    compression that wins at 8 ranks can lose to a dense AllReduce at 512. This is what torch's prototype
-    ``quantization_pertensor_hook`` does.
-  - ``"two_phase"`` (:mod:`commlab.compress.two_phase`): an all-to-all of compressed chunks, each chunk's
-    owner decompresses, sums and recompresses it (with its own server-side error feedback), and the owners'
-    chunks are all-gathered: about ``2 (N-1)/N * payload bytes``, flat in N, as practised by 1-bit SGD,
-    signSGD with majority vote, DeepSpeed's 1-bit Adam and ZeRO++. The price: a second compression, whose
-    error the owner's error feedback carries over.
-
-The source article passes a dict to ``all_reduce`` and lets Top-K payloads be added inside a ring;
-:func:`sparse_ring_fill_in` and :func:`union_support_sizes` put numbers on why that cannot work: every
-hop of a ring adds another rank's index set to the partial sum, whose support (and so its sparse size)
-grows towards dense.
+Book: chapter 4, §4.3 (the three paths) and §4.4 (the sparse ring).
 """
 
 from __future__ import annotations
@@ -217,11 +205,9 @@ class SparseRingFillIn:
 
 
 def expected_union_support(numel: int, k: int, m: int) -> float:
-    """Expected size of the union of m independent uniformly random k-subsets of ``numel`` positions.
-
-    A position misses one subset with probability ``1 - k/numel`` and all m with ``(1 - k/numel)**m``, so
-    ``E|union| = numel * (1 - (1 - k/numel)**m)`` (exact in expectation, not an approximation). It
-    starts at k for m = 1, grows by almost k per subset while the union is sparse, and approaches numel.
+    """Expected size of the union of m independent uniformly random k-subsets of ``numel`` positions:
+    ``numel · (1 - (1 - k/numel)**m)`` (exact in expectation; a position misses each subset with probability
+    ``1 - k/numel``).
     """
     if numel == 0:
         return 0.0
@@ -229,19 +215,12 @@ def expected_union_support(numel: int, k: int, m: int) -> float:
 
 
 def sparse_ring_fill_in(numel: int, k: int, n: int, value_bytes: int = 4, index_bytes: int = 4) -> SparseRingFillIn:
-    """Why a Top-K payload cannot simply ride a ring: the partial sums fill in, hop by hop.
+    """Expected message sizes of a ring AllReduce whose partial sums stay sparse (book §4.4).
 
-    In a ring AllReduce (ReduceScatter, then AllGather; chunks of numel/n elements) the chunk sent at
-    ReduceScatter hop j holds the sum of j ranks' contributions. If each rank's k entries sit at
-    independent random positions, the support of that sum is the union of j index sets, and a sparse
-    message for it (values + indices) grows from about ``k/n`` entries at hop 1 towards dense; the
-    AllGather then forwards chunks that hold all n contributions. Adding sparse payloads element-wise
-    (as the source article does) is simply wrong, since indices differ; doing it right means growing
-    messages, as computed here.
-
-    Random supports are the pessimistic-but-simple model: real Top-K sets of different ranks overlap
-    (the large gradient entries are often the same ones), so their unions grow more slowly; measure that
-    with :func:`union_support_sizes` on real payloads.
+    The chunk sent at ReduceScatter hop j holds j ranks' contributions; with each rank's k entries at
+    independent random positions its support is the union of j index sets
+    (:func:`expected_union_support`), growing towards dense, and the AllGather forwards chunks of all n.
+    Random supports are the pessimistic model: real Top-K sets overlap (:func:`union_support_sizes`).
 
     Args:
         numel: elements of the tensor; k: entries per rank (1..numel); n: ranks (>= 1).

@@ -1,27 +1,15 @@
-"""The one small protocol every compressor follows (chapters 4-7).
+"""The one small protocol every compressor follows.
 
 ``compress(tensor) -> Payload`` and ``decompress(payload) -> tensor`` of the original shape and dtype. A
-:class:`Payload` holds exactly the tensors that would travel on the wire (values, indices, packed bits,
-low-rank factors, scales), so its :attr:`~Payload.nbytes` is the true message size, and
-``compression ratio = dense bytes / payload bytes``.
+:class:`Payload` holds exactly the tensors that would travel on the wire, so :attr:`~Payload.nbytes` is the
+true message size and ``compression ratio = dense bytes / payload bytes``. ``linear`` says whether
+payloads can be summed element-wise (they ride an AllReduce) or must be all-gathered
+(:mod:`commlab.compress.aggregate`). NaN/Inf policy: :func:`check_finite` raises ``FloatingPointError``
+naming the tensor before anything is compressed; :func:`float32_scale` and :func:`check_finite_output`
+do the same for a scale or an output that overflows. Across ranks, :mod:`commlab.compress.agreement`
+makes every rank raise together.
 
-Two properties decide how a compressor's payloads can be aggregated across ranks
-(:mod:`commlab.compress.aggregate`):
-
-* ``linear``: adding payloads element-wise and then decompressing gives the sum of the decompressed
-  tensors (casting to fp16; Random-K with indices shared by all ranks). Such payloads can ride an
-  AllReduce, including a ring, which adds them hop by hop.
-* otherwise (Top-K, quantizers with per-rank scales, sign): a sum of payloads means nothing (two ranks'
-  Top-K indices differ; two int8 codes with different scales cannot be added), so payloads are
-  all-gathered and each rank decompresses and sums them.
-
-NaN/Inf policy (all compressors): :func:`check_finite` raises ``FloatingPointError`` naming the tensor
-when its input holds a NaN or an infinity, before anything is compressed. A silently compressed NaN
-would otherwise be hidden by a scale or a selection and corrupt every rank's model. Across ranks,
-:func:`commlab.compress.aggregate.aggregate` and the DDP ``compression_hook`` first agree on finiteness, so
-every rank raises together and training code can skip the step on all ranks at once (as AMP's grad
-scaler does). A scale that float32 cannot hold, or a decompressed value that overflows the tensor's dtype,
-raises the same error (:func:`float32_scale`, :func:`check_finite_output`).
+Book: chapter 4, §4.2 (the protocol), §4.3 (linear and non-linear), §4.7 (NaN and Inf).
 """
 
 from __future__ import annotations
@@ -83,10 +71,8 @@ class Compressor(Protocol):
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether a floating-point tensor holds no NaN and no infinity (True for other dtypes and empty tensors).
 
-    A NaN or an infinity makes the sum of the tensor non-finite (nothing brings a sum back from NaN or inf),
-    so a finite sum clears the tensor in one reading pass without a mask, where ``isfinite(t).all()`` builds
-    a boolean tensor (and, for floats, an ``abs`` copy first). Only a non-finite sum, which finite values
-    that overflow the sum can also give, is settled by that exact test.
+    One reading pass: a finite sum clears the tensor (NaN or inf make any sum non-finite); only a non-finite
+    sum, which an overflowing sum of finite values can also give, falls back to ``isfinite(t).all()``.
     """
     if not tensor.is_floating_point() or tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
         return True
@@ -148,16 +134,11 @@ FLOAT64_CHUNK = 1 << 14
 def float64_pieces(flat: torch.Tensor, multiple: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, flat[start:start + k] in float64)`` for consecutive pieces of a 1-D tensor.
 
-    The compressors compute their norms and means in float64 (no overflow of squares, no float32 rounding in
-    the sum). On a CPU, converting a large tensor whole would allocate 8 bytes per element at once, and fresh
-    pages cost more than the arithmetic; instead each piece of at most ``max(FLOAT64_CHUNK, multiple)``
-    elements is converted into one small buffer, reused for every piece (see :data:`FLOAT64_CHUNK` for its
-    size): a piece is valid until the next one is yielded, and the caller may overwrite it. (On a GPU the
-    caching allocator reuses memory anyway, and one kernel beats one per piece: the tensor is one piece.)
-    Every piece but the last holds a multiple of ``multiple`` elements (whole buckets), and a tensor that
-    fits in one piece is one piece, so its result is that of ``flat.to(torch.float64)``. A sum over several
-    pieces adds the piece sums, a different order of float64 additions than one reduction (which itself
-    depends on torch's thread count); what is sent is that sum rounded to float32.
+    For the compressors' float64 norms and means without converting a large CPU tensor whole: each piece of at
+    most ``max(FLOAT64_CHUNK, multiple)`` elements is converted into one reused buffer (valid until the next
+    piece is yielded; the caller may overwrite it). Every piece but the last holds a multiple of ``multiple``
+    elements; a tensor that fits in one piece (always, on a GPU) gives the result of
+    ``flat.to(torch.float64)``. Sums over several pieces add in a different order than one reduction.
     """
     n = flat.numel()
     step = max(n, 1) if flat.device.type != "cpu" else max(1, FLOAT64_CHUNK // multiple) * multiple

@@ -1,24 +1,16 @@
 """Packing small codes into bytes, so that a 1-bit or 4-bit code really costs 1 or 4 bits on the wire.
 
-The source article's INT4 quantizer keeps each 4-bit code in a whole ``int8`` (8 bits: no saving over
-INT8 at all), and its sign compressor would send one byte per sign. Here the codes are packed:
+:func:`pack_bits` puts 8 one-bit values in a byte (element ``8i + j`` in bit ``j``, least significant
+first, as ``numpy.packbits(..., bitorder="little")``); :func:`pack_nibbles` puts 2 four-bit values in a
+byte (element ``2i`` in the low nibble). The last byte is zero-padded, and the unpacking side is told the
+element count. Any shape and layout in (read row-major), 1-D tensors out, on the input's device.
+Unpacking goes through a 256-row table (:func:`bit_table`, :func:`nibble_table`, :func:`decode_bytes`) that
+a compressor maps to its decoded values, so a byte becomes its floats in one gather; packing reads 8 (or
+4) codes as one little-endian word (a plain weighted sum on a big-endian host).
+``python -m commlab bench --compressors`` measures the codecs.
 
-* :func:`pack_bits`: 8 one-bit values per byte. Element ``8*i + j`` goes to bit ``j`` of byte ``i``,
-  least significant bit first (the order of ``numpy.packbits(..., bitorder="little")``).
-* :func:`pack_nibbles`: 2 four-bit values per byte. Element ``2*i`` goes to the low nibble (bits 0-3)
-  of byte ``i``, element ``2*i + 1`` to the high nibble (bits 4-7).
-
-Counts that do not fill the last byte are padded with zeros; the unpacking side must be told the
-element count (a compressor knows it from the tensor's shape, which is not sent). All functions accept
-any shape and any memory layout (the input is read in row-major order, as ``reshape(-1)`` does) and
-return 1-D tensors on the input's device.
-
-How it is fast (the codecs' speed is measured by ``python -m commlab bench --compressors``): packing reads
-8 (or 4) input bytes as one little-endian int64 (int32) word and gathers their bits with one multiply (one
-shift and one or) per word, instead of a sum over a dimension of 8; unpacking looks every byte up in a
-256-row table (:func:`bit_table`, :func:`nibble_table`, :func:`decode_bytes`), which a compressor fills
-with its decoded values, so that a byte goes straight to its floats in one gather. On a big-endian host
-the word trick does not apply and a plain weighted sum packs the same bytes.
+Book: chapter 6, §6.2 and §6.4 (INT4 and sign at their true size; the source article stores a 4-bit code
+in a whole byte).
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""Casting to a 16-bit float: the simplest compressor, and PyTorch's ``fp16_compress_hook`` (chapter 4).
+"""Casting to a 16-bit float: the simplest compressor, and PyTorch's ``fp16_compress_hook``.
 
-The payload is the tensor cast to ``float16`` or ``bfloat16``: 2 bytes per element instead of 4 for
-float32, so the ratio is exactly 2 (4 for float64 input). Decompression casts back to the original dtype.
+:class:`CastCompressor`: the payload is the tensor cast to ``float16`` or ``bfloat16`` (IEEE 754-2008
+binary16; bfloat16, Kalamkar et al. 2019, arXiv:1905.12322), ratio exactly 2 for float32 input (4 for
+float64); decompression casts back. Each element is rounded to nearest-even once. A float16 overflow
+(magnitude at or above 65520) raises ``FloatingPointError`` (:func:`commlab.compress.base.check_finite`)
+instead of sending an infinity; underflow is silent rounding. ``linear = True``: payloads ride an
+AllReduce, summed in the 16-bit dtype, so the hooks divide by N before casting, as PyTorch's does
+(:func:`commlab.compress.hooks.compression_hook`).
 
-Range and precision (IEEE 754-2008 binary16; Google's bfloat16, Kalamkar et al. 2019, "A Study of
-BFLOAT16 for Deep Learning Training", arXiv:1905.12322):
-
-========== ============ ================ ====================== =========================
-dtype      mantissa     largest finite   smallest normal        smallest subnormal
-========== ============ ================ ====================== =========================
-float16    10 bits      65504            6.1e-05                6.0e-08
-bfloat16   7 bits       3.4e38           1.2e-38                9.2e-41
-========== ============ ================ ====================== =========================
-
-* **Overflow** (float16 only, in practice): a value of magnitude above 65504 (more exactly, at or above
-  65520, which rounds up) becomes ``inf``. Following the package's NaN/Inf policy
-  (:func:`commlab.compress.base.check_finite`), :meth:`CastCompressor.compress` raises
-  ``FloatingPointError`` instead of sending an infinity that would poison every rank's model. The cure is
-  to scale the gradient down first (AMP's loss scaling in reverse) or to use bfloat16, which has float32's
-  exponent range.
-* **Underflow** is silent: values below half the smallest subnormal become 0 and small values lose
-  relative precision (float16 keeps only absolute precision of 6e-8 below 6.1e-5). Mixed-precision
-  training scales the loss up for this reason (Micikevicius et al. 2018, "Mixed Precision Training",
-  ICLR). Nothing is raised: losing a tiny gradient component is rounding, not corruption.
-* **Rounding**: each element is rounded to nearest-even once (relative error up to 2^-11 for float16,
-  2^-8 for bfloat16).
-
-``linear = True``: casts of several ranks can be summed element-wise and the sum decompressed, so the
-payload rides an ordinary AllReduce. The sum itself is then computed in the 16-bit dtype, so each of the
-N-1 additions of a ring rounds again, and a sum of N float16 values can overflow even when each value
-fits; hooks therefore divide by N *before* casting (as PyTorch's ``fp16_compress_hook`` divides before
-summing), see :func:`commlab.compress.hooks.compression_hook`.
+Book: chapter 6, §6.5 (range, precision and the fp16 hook); chapter 4, §4.7 (NaN and Inf).
 """
 
 from __future__ import annotations
@@ -49,8 +27,8 @@ class CastCompressor:
 
     Args:
         dtype: ``torch.float16`` (default: the dtype of PyTorch's ``fp16_compress_hook``, supported by
-            every GPU's and CPU's kernels; beware its small range, see the module docstring) or
-            ``torch.bfloat16`` (float32's range, 3 fewer mantissa bits).
+            every GPU's and CPU's kernels; largest finite 65504) or ``torch.bfloat16`` (float32's range, 3
+            fewer mantissa bits).
 
     Raises:
         ValueError: another dtype.

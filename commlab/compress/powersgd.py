@@ -1,56 +1,19 @@
-"""PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces (chapter 7).
+"""PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces.
 
 Source: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithm 1 (the compressor) and Algorithm 2 (error
-feedback), sections 3-4. PyTorch ships the same algorithm as a DDP communication hook
-(``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``); :func:`commlab.compress.hooks.powersgd_hook`
-is ours, tested against it.
+Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithms 1 and 2. PyTorch ships the same algorithm as
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``; ours (:func:`commlab.compress.hooks.powersgd_hook`)
+is tested against it. Entry points: :func:`powersgd_all_reduce` (average a list of tensors),
+:class:`PowerSGDState` (settings, residuals, warm-start Q), :func:`orthogonalize_`, :func:`powersgd_nbytes`.
 
-For each gradient tensor viewed as a matrix ``M`` (m x n; a conv weight (out_channels, in, kh, kw) is
-viewed as (out_channels, in*kh*kw)) with a shared, orthonormal ``Q`` (n x r):
+Each gradient is viewed as a matrix M (m x n; a conv weight as (out, in·kh·kw)); P = (M + E) Q and then
+Q = Mᵀ P̂ are all-reduced, so the update is the projection of the averaged M (P̂ orthonormalised in
+float32). Tensors of at most one dimension, and matrices that compression would not shrink by
+``min_compression_rate``, travel uncompressed, float32 ones in the same all-reduce as P. Each rank keeps
+its own error as residual; NaN or inf raise ``FloatingPointError`` on every rank at the same point.
 
-1. ``M = G + E``: add the error-feedback residual ``E`` of this rank (Algorithm 2, line 5).
-2. ``P = M Q``, then **all-reduce P** (sum over ranks). This step makes every rank hold the same
-   ``P = (sum_w M_w) Q``; without it (as in the course's source article, which orthogonalizes a local P),
-   each rank would build its approximation on a different basis, the Q's of different ranks could not be
-   added, and the averaged result would not be a low-rank approximation of the averaged gradient at all.
-3. ``P_hat = orthogonalize(P)`` (columns orthonormal), computed in float32.
-4. ``Q = M^T P_hat`` locally, then **all-reduce Q**: every rank now holds ``sum_w M_w^T P_hat``.
-5. The update is ``P_hat Q^T / N``: the projection of the *averaged* ``M`` onto span(P_hat), exactly, because
-   both all-reduced quantities are linear in ``M``.
-6. Residual (Algorithm 2, line 7, "memorize local errors"): ``E = M - P_hat Q_local^T`` with this rank's own
-   ``Q_local = M^T P_hat`` from before the all-reduce: what *this rank's* compression lost.
-   PyTorch's hook instead stores ``M - P_hat Q_avg^T`` (the local matrix minus the averaged approximation).
-   The two differ rank by rank but have the same sum over ranks, and steps 2-5 depend on the residuals only
-   through that sum, so both give the same updates in exact arithmetic (our tests measure the rounding).
-7. Warm start (section 4.2): ``Q`` (already identical on all ranks) is kept for the next step, which makes
-   one power-iteration step per SGD step converge over time like a full power iteration.
-
-Tensors of at most one dimension (biases, norms' scales), and matrices where compression would not save
-at least a factor ``min_compression_rate`` (``(m + n) r * min_compression_rate >= m n``), are sent
-uncompressed: concatenated (per dtype) into one buffer, divided by N, all-reduced. Float32 uncompressed
-values share one all-reduce with the P matrices, so a call makes two all-reduces when the gradients are
-float32 (three or more when some are float16/bfloat16), PyTorch's hook three.
-
-Numerics:
-
-* The rank is clipped to ``min(m, n)`` for each matrix: a rank-``min(m, n)`` approximation is already
-  exact, and orthonormal P (m x r) or Q (n x r) with r above m or n does not exist.
-* Everything is computed in float32 (P, Q, the residuals, the products); bfloat16/float16 gradients are
-  returned in their own dtype, and their uncompressed part travels in that dtype. P and Q travel in
-  float32: they are small, and a 16-bit sum over ranks would lose the precision the low rank keeps.
-* Orthogonalization: Gram-Schmidt with re-orthogonalization for r <= 2 (a few vector ops), Householder
-  QR (``torch.linalg.qr``) above, the split PyTorch's hook makes. Plain Gram-Schmidt (PyTorch's) returns
-  columns far from orthogonal for a rank-deficient P, and then P_hat Q^T is not a projection of M. Rank-deficient and all-zero matrices give no NaN: a column
-  with zero norm after projection stays zero (with ``orthogonalization_epsilon = 0``) instead of being
-  divided by zero (PyTorch's hook would produce NaN there); such a column carries no direction of ``M``,
-  so its product with ``Q`` contributes nothing. A warm-start ``Q`` column that became zero (an all-zero
-  gradient) is redrawn at random, identically on all ranks, so that the matrix can recover.
-* NaN/Inf (the package's policy, :func:`commlab.compress.base.check_finite`): checked once, on the
-  all-reduced first buffer, where any rank's NaN or inf shows up (``nan * q`` is NaN, ``inf * 0`` too).
-  Every rank therefore raises the same ``FloatingPointError`` at the same point, no rank is left waiting
-  in the next collective, and no residual or warm-start matrix is updated. It costs a pass over the small
-  buffer, not over the gradients.
+Book: chapter 7 (§7.2 the algorithm, §7.3 why P is all-reduced, §7.4 orthogonalisation, §7.5 warm start and
+error feedback, §7.6 what stays uncompressed, §7.8 the differences from PyTorch's hook).
 """
 
 from __future__ import annotations
@@ -69,7 +32,7 @@ from commlab.collectives._common import group_size_and_rank
 __all__ = ["PowerSGDState", "PowerSGDBytes", "powersgd_all_reduce", "powersgd_nbytes", "orthogonalize_",
            "compressed_shape"]
 
-# Element size of P and Q on the wire: they are computed and sent in float32 (see the module docstring).
+# Element size of P and Q on the wire: they are computed and sent in float32 (book §7.4).
 _PQ_DTYPE = torch.float32
 
 

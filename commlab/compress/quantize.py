@@ -68,13 +68,9 @@ def _per_bucket(x: torch.Tensor, d: int, values: torch.Tensor, op) -> None:
 def qsgd_variance_bound(numel: int, levels: int, bucket_size: int | None = QSGD_BUCKET_SIZE) -> float:
     """QSGD's variance bound, relative to ``||v||^2``: ``min(d / s^2, sqrt(d) / s)`` for buckets of d entries.
 
-    Alistarh et al. 2017, "QSGD: Communication-efficient SGD via gradient quantization and encoding"
-    (NeurIPS), Lemma 3.1 (ii): ``E ||Q_s(v) - v||_2^2 <= min(n/s^2, sqrt(n)/s) ||v||_2^2`` for a vector of
-    n elements quantized with s levels. Quantized in buckets, each with its own norm (§3, as
-    :class:`QSGD` does), the errors of the buckets are independent and add:
-    ``E ||Q(v) - v||^2 = sum_b E ||Q_s(v_b) - v_b||^2 <= sum_b min(d_b/s^2, sqrt(d_b)/s) ||v_b||^2``, and
-    since every bucket holds ``d_b <= d`` entries and the bound grows with d, this is at most
-    ``min(d/s^2, sqrt(d)/s) ||v||^2``: n is replaced by the bucket size. A shorter last bucket only lowers it.
+    Alistarh et al. 2017 (NeurIPS), Lemma 3.1 (ii), with the tensor's n replaced by the bucket size d: each
+    bucket has its own norm, their errors are independent and add, and the bound grows with d (book §6.3). A
+    shorter last bucket only lowers it.
 
     Args:
         numel: n, entries of the tensor (>= 0).

@@ -1,23 +1,13 @@
 """Sparsification: send k of a tensor's numel entries (Top-K by magnitude, or Random-K).
 
-Top-K (Aji & Heafield 2017, "Sparse communication for distributed gradient descent", EMNLP, §2;
-Lin et al. 2018, "Deep Gradient Compression", ICLR, §3) keeps the k entries of largest magnitude and
-sends them as (values, indices). Each rank picks *its own* indices, so two ranks' payloads cannot be
-added element-wise: Top-K is not linear, and its payloads are all-gathered or reduced in two phases, the
-owner of each chunk re-selecting from the sum (:mod:`commlab.compress.aggregate`,
-:mod:`commlab.compress.two_phase`; :func:`commlab.compress.aggregate.sparse_ring_fill_in` shows what
-happens to a sparse message inside a ring). Without error feedback the entries never sent are lost;
-with it (:class:`commlab.compress.error_feedback.ErrorFeedback`) they are sent later.
+:class:`TopK` (Aji & Heafield 2017, EMNLP, §2; Lin et al. 2018, Deep Gradient Compression, ICLR, §3) sends
+the k largest magnitudes as (values, indices); each rank picks its own indices, so it is not linear and its
+payloads are all-gathered or reduced in two phases (:mod:`commlab.compress.aggregate`). :func:`topk_global`
+selects over several tensors at once. :class:`RandomK` (Stich et al. 2018, NeurIPS, §2; Wangni et al. 2018,
+NeurIPS, §3) draws the same indices on every rank from a shared seed, sends no indices, and is linear.
+Indices are int32 when ``numel < 2**31`` (the same on every rank), else int64.
 
-Random-K (Stich, Cordonnier & Jaggi 2018, "Sparsified SGD with memory", NeurIPS, §2, the "rand_k"
-operator; Wangni et al. 2018, "Gradient sparsification for communication-efficient distributed
-optimization", NeurIPS) keeps k entries at indices drawn at random. Here every rank draws the *same*
-indices at the same step from a shared seed, so the indices need not be sent and the payloads of
-different ranks can be summed: Random-K with a shared seed is linear and rides an AllReduce.
-
-Wire format of both: ``values`` in the input dtype (k elements); Top-K adds ``indices``, int32 when
-``numel < 2**31`` (every index then fits in int32, and the message is 4 bytes smaller per entry than with
-int64), else int64. The index dtype depends on the shape only, so it is the same on every rank.
+Book: chapter 5 (§5.2 layer-wise or global, §5.3 bias and variance, §5.5 byte accounting); chapter 4, §4.4.
 """
 
 from __future__ import annotations
@@ -154,17 +144,10 @@ def _scatter(payload: Payload, scale: float | None = None) -> torch.Tensor:
 def topk_global(tensors: Sequence[torch.Tensor], ratio: float | None = None, k: int | None = None) -> list[Payload]:
     """Top-K over the concatenation of several tensors; one :class:`TopK`-format payload per tensor.
 
-    Layer-wise selection (``TopK`` on each tensor) keeps the same fraction of every layer. Global
-    selection keeps the k largest magnitudes of the whole model, so a layer whose gradients are large
-    gets more of the budget and a layer with small gradients may send a single entry or none. That follows
-    the gradient better for the same total bytes, but the per-tensor counts now change from step to step
-    and from rank to rank: payload sizes differ across ranks, so they cannot be all-gathered as fixed-size
-    tensors (:func:`commlab.compress.aggregate.aggregate` refuses them) and a real implementation sends
-    the counts too (one int per tensor), or the whole selection as one message with global indices.
-
-    Magnitudes are compared in the promoted dtype of all tensors (at least float32), so tensors of
-    different dtypes compete fairly. Ties go to the lower position in the concatenation (tensor order,
-    then row-major order).
+    The k largest magnitudes of the whole model (book §5.2): per-tensor counts then change from step to step
+    and from rank to rank, so these payloads cannot be all-gathered as fixed-size tensors
+    (:func:`commlab.compress.aggregate.aggregate` refuses them). Magnitudes are compared in the promoted dtype
+    of all tensors (at least float32); ties go to the lower position in the concatenation.
 
     Args:
         tensors: the tensors, any shapes and floating dtypes.

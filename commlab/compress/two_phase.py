@@ -1,53 +1,19 @@
 """The two-phase compressed AllReduce: non-linear payloads summed at 2(N-1)/N of their bytes, not N-1 times.
 
-A non-linear compressor's payloads cannot be added on the way (two ranks' Top-K indices differ, their
-scales differ), and all-gathering them costs each rank ``(N-1) × payload`` bytes, which grows with N.
-Systems that send sign, quantised or sparse gradients therefore split the sum the way a ReduceScatter +
-AllGather does, and decompress in the middle:
+Phase 1, an all-to-all: each rank cuts its flat gradient into N chunks, compresses each
+(:class:`ChunkedCompressor`) and sends chunk j to rank j, its owner. The owner decompresses and sums the N
+payloads, adds its server-side error-feedback residual and compresses the sum again. Phase 2, an
+all-gather of the owners' payloads, gives every rank the same sum. Each rank sends ``(N-1)(c_w + c_s)``
+bytes (:func:`two_phase_bytes_sent_per_rank`), flat in N like a ring AllReduce.
 
-1. **Phase 1, an all-to-all.** Each rank cuts its flat (error-feedback corrected) gradient into N equal
-   chunks, compresses each chunk on its own, and sends compressed chunk j to rank j, the chunk's *owner*.
-2. **The owner's step.** Owner j decompresses the N payloads of chunk j, sums them, adds its own
-   *server-side* error-feedback residual and compresses the sum again; what that loses becomes the
-   owner's new residual.
-3. **Phase 2, an all-gather** of the owners' payloads. Every rank decompresses the N chunks and joins
-   them: the same sum on every rank.
+Entry point: :class:`TwoPhaseCall`, used by :func:`commlab.compress.aggregate.aggregate`
+(``path="two_phase"``) and the DDP hooks. Sources: Seide et al. 2014 (1-bit SGD), Bernstein et al. 2019
+(signSGD with majority vote), Tang et al. 2021 (DeepSpeed's 1-bit Adam, ``NcclBackend.compressed_allreduce``),
+Wang et al. 2023 (ZeRO++'s qgZ). Unlike DeepSpeed, each chunk carries its own scale, any
+:class:`~commlab.compress.base.Compressor` works, and the owner compresses the sum, not the mean.
 
-Each rank sends ``(N-1)/N`` of its own payload and ``(N-1)/N`` of the owners' payloads together, about
-``2(N-1)/N × payload``, flat in N like a ring AllReduce: sign compression keeps its ~32x at any N.
-
-Sources. Seide et al. 2014 ("1-bit stochastic gradient descent and its application to data-parallel
-distributed training of speech DNNs", Interspeech) aggregate the 1-bit gradients by stripes, one node per
-stripe, and quantise the aggregate again with error feedback before sending it back. Bernstein et al. 2019
-("signSGD with majority vote is communication efficient and fault tolerant", ICLR) send signs to a server
-that returns the sign of their sum. DeepSpeed's 1-bit Adam (Tang et al. 2021, "1-bit Adam: communication
-efficient large-scale training with Adam's convergence speed", ICML) runs exactly phases 1-3 for signs
-(``deepspeed/runtime/comm/nccl.py``, ``NcclBackend.compressed_allreduce``: an ``all_to_all_single`` of the
-packed signs and an all-gather of the scales, the server error added before the server's sign is taken, an
-all-gather of the server signs and scales). ZeRO++'s qgZ (Wang et al. 2023, arXiv:2306.10209) replaces
-ZeRO's gradient ReduceScatter by phase 1 with blockwise-quantised gradients.
-
-What differs here from DeepSpeed's: each chunk is compressed as a tensor of its own, so it carries its own
-scale (norm, k) and any :class:`~commlab.compress.base.Compressor` works unchanged; and the owner compresses
-the *sum* (DeepSpeed: the mean), since :func:`commlab.compress.aggregate.aggregate` returns sums.
-
-**Padding.** A flat tensor of ``n`` elements is cut into N chunks of ``m = ceil(n / N)`` elements
-(:func:`chunk_numel`); the positions past ``n`` are filled with zeros before compressing (fewer than N of
-them, or whole chunks when ``n < N``). A zero changes nothing for Top-K (it is never kept before a non-zero
-entry, and sends 0 when it is), INT8/INT4 (the max-abs scale is unchanged, 0 is exact) or QSGD (the norm is
-unchanged); for sign it lowers the padded chunk's scale ``mean |g|`` by ``valid/m`` (error feedback carries
-the difference over). The owner sets the padded positions of its sum to zero before compressing it, so that
-nothing accumulates there, and the padding never reaches the result. Every payload is that of an ``m``
-element chunk, padding included, and counted so in the bytes.
-
-**Bytes** (:func:`two_phase_bytes_sent_per_rank`), with ``c_w`` the bytes of one rank's payload of one chunk
-and ``c_s`` those of one owner's payload: phase 1 sends N-1 chunk payloads, phase 2 (an AllGather of N
-payloads of ``c_s``) forwards N-1 of them, so each rank sends exactly ``(N-1) (c_w + c_s)`` bytes,
-``(N-1)/N · (P_w + P_s)`` with ``P_w = N c_w`` this rank's payload of the whole tensor and ``P_s = N c_s``
-the owners' together. For the compressors here ``c_s = c_w`` (one chunk, one compressor), so it is
-``2 (N-1)/N · P_w``; ``P_w`` is a little above the payload of the tensor compressed whole: N scales instead
-of one, and each chunk's bit packing rounded up on its own (sign: ``N (ceil(m/8) + 4)`` bytes against
-``ceil(n/8) + 4``).
+Book: chapter 4, §4.3 (the paths) and §4.6 (the server-side residual); chapter 8, §8.3 (what the second
+compression costs).
 """
 
 from __future__ import annotations
@@ -117,9 +83,13 @@ def _layout(payload: Payload) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
 
 class ChunkedCompressor:
     """A compressor applied chunk by chunk: the tensor, flattened, is padded with zeros to ``parts × m``
-    elements (``m = ceil(numel / parts)``, see the module docstring) and each chunk of ``m`` is compressed on
-    its own. A :class:`~commlab.compress.base.Compressor` itself, so that error feedback can wrap it
+    elements (``m = ceil(numel / parts)``) and each chunk of ``m`` is compressed on its own. A
+    :class:`~commlab.compress.base.Compressor` itself, so that error feedback can wrap it
     (:meth:`ErrorFeedback.through`): the residual is what the chunked payload did not send.
+
+    Zero padding changes nothing for Top-K, INT8/INT4 or QSGD; for sign it lowers the padded chunk's scale
+    ``mean |g|`` by ``valid/m`` (error feedback carries the difference). The padding is counted in the bytes
+    and never reaches the result (the owner zeroes it in its sum).
 
     Args:
         compressor: any :class:`~commlab.compress.base.Compressor` whose payload layout (tensor names, shapes,
