@@ -27,6 +27,7 @@ __all__ = [
     "GB",
     "GiB",
     "TB",
+    "ADAM_STATE_BYTES_PER_PARAM",
     "MIXED_PRECISION_ADAM_BYTES_PER_PARAM",
     "gbit_per_s_to_bytes_per_s",
     "per_direction_bytes_per_s",
@@ -56,10 +57,14 @@ GiB = float(2**30)
 #: One terabyte: 10**12 bytes.
 TB = 1e12
 
-#: Bytes of model and optimizer state per parameter for mixed-precision Adam: BF16/FP16 weights (2)
-#: and gradients (2), plus FP32 master weights, momentum and variance (4 + 4 + 4). This is the
-#: "16 Psi" of Rajbhandari et al. (2020, ZeRO); activations and workspace come on top.
-MIXED_PRECISION_ADAM_BYTES_PER_PARAM = 16
+#: Bytes of Adam's optimizer state per parameter in mixed precision: FP32 master weights, momentum and
+#: variance, 4 + 4 + 4 (the K = 12 of Rajbhandari et al. 2020, ZeRO, section 3.1).
+ADAM_STATE_BYTES_PER_PARAM = 12
+
+#: Bytes of model and optimizer state per parameter for mixed-precision Adam: BF16/FP16 weights (2) and
+#: gradients (2) plus :data:`ADAM_STATE_BYTES_PER_PARAM`. This is the "16 Psi" of Rajbhandari et al.
+#: (2020, ZeRO); activations and workspace come on top.
+MIXED_PRECISION_ADAM_BYTES_PER_PARAM = 2 + 2 + ADAM_STATE_BYTES_PER_PARAM
 
 
 # --------------------------------------------------------------------------- input checks

@@ -24,6 +24,7 @@ import math
 from functools import lru_cache
 from typing import Callable
 
+from commlab.arithmetic import ADAM_STATE_BYTES_PER_PARAM, MIXED_PRECISION_ADAM_BYTES_PER_PARAM
 from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, Layout, load_model, memory_breakdown, step_time
 from commlab.parallel.planner.search import make_cluster
@@ -52,12 +53,13 @@ def planner_cases():
 
 def _memory_slips(p: float, tp: int, dp: int, zero1: bool, act: float) -> dict[str, float]:
     shard = p / tp
-    opt = 12 / (dp if zero1 else 1)
+    opt = ADAM_STATE_BYTES_PER_PARAM / (dp if zero1 else 1)
     return {
         "the parameters were not split by tp: each GPU holds 1/tp of its stage's": (4 + opt) * p + act,
         "ZeRO-1 shards only the 12 bytes of optimizer state, not the weights and gradients":
-            (16 / (dp if zero1 else 1)) * shard + act,
-        "ZeRO-1 was ignored: it divides the optimizer's 12 bytes by dp": 16 * shard + act,
+            (MIXED_PRECISION_ADAM_BYTES_PER_PARAM / (dp if zero1 else 1)) * shard + act,
+        "ZeRO-1 was ignored: it divides the optimizer's 12 bytes by dp":
+            MIXED_PRECISION_ADAM_BYTES_PER_PARAM * shard + act,
         "the gradients (2 bytes per parameter) are missing": (2 + opt) * shard + act,
         "the activations are missing": (4 + opt) * shard,
         "the weights were counted in fp32 (4 bytes); mixed precision keeps bf16 weights and an fp32 copy in the "

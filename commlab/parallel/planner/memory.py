@@ -45,6 +45,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+from commlab.arithmetic import ADAM_STATE_BYTES_PER_PARAM
 from commlab.parallel.planner.software import (OPTIMIZER_DTYPES, OptimizerDtypes, check_recompute_policy,
                                                check_zero_stage, optimizer_dtypes)
 from commlab.parallel.planner.tables import read_table
@@ -57,9 +58,6 @@ __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STAT
 
 #: The model table: the repository's ``data/models.json``.
 MODELS_PATH = Path(__file__).resolve().parents[3] / "data" / "models.json"
-
-#: fp32 master weights + Adam momentum + variance: 4 + 4 + 4 bytes per parameter (ZeRO, §3.1).
-ADAM_STATE_BYTES_PER_PARAM = 12
 
 #: Share of device memory kept free by default for what the model does not count (CUDA context, NCCL
 #: buffers, allocator fragmentation, workspaces): a documented default, not measured or cited -- no source
