@@ -1,76 +1,18 @@
 """Data parallelism with gradient buckets whose AllReduce overlaps the backward pass, built from primitives.
 
-This is what ``torch.nn.parallel.DistributedDataParallel`` (DDP) does for the gradients, written in Python so
-that each step can be read (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", PVLDB 13(12); see its design sections on gradient bucketing, overlapping computation with
-communication and gradient accumulation; PyTorch's ``torch/nn/parallel/distributed.py`` and
-``torch/csrc/distributed/c10d/reducer.cpp`` are the implementation it mirrors):
+What ``torch.nn.parallel.DistributedDataParallel`` does for the gradients, in Python (Li et al. 2020,
+"PyTorch Distributed", PVLDB 13(12); ``torch/csrc/distributed/c10d/reducer.cpp``).
+:class:`BucketedDataParallel` groups the parameters in reverse order into buckets of at least
+``bucket_cap_bytes`` (:func:`assign_buckets`); a post-accumulate-grad hook copies each gradient into its
+bucket; a full bucket is launched (``dist.all_reduce(async_op=True)`` or a comm hook on a :class:`Bucket`)
+strictly in index order, so every rank pairs the same collectives; its ``finish``, queued as an autograd
+engine callback, waits for all and writes the averages back into ``.grad``. It also handles ``no_sync``
+and ``sync_gradients`` (gradient accumulation, pipelines), unused parameters, NaN propagation, layout
+agreement across ranks and the hooks' results. :func:`train_step` runs one step and returns its
+:class:`StepTimes`, marked with a :class:`commlab.launch.Clock` (CUDA events on a GPU) and read lazily.
 
-1. **Buckets.** At construction the parameters that require a gradient are grouped, in *reverse*
-   registration order, into buckets of at least ``bucket_cap_bytes`` (a bucket is closed as soon as it holds
-   that many bytes, so it may exceed the cap by its last parameter; a parameter is never split). Backward
-   produces gradients roughly from the last layer to the first, so the first bucket fills first. Each bucket
-   owns one flat buffer.
-2. **Ready marks.** ``Tensor.register_post_accumulate_grad_hook`` runs after a parameter's ``.grad`` has been
-   accumulated for this backward; the hook copies the gradient into its bucket's buffer (scaled by 1/N,
-   as DDP does when no comm hook is registered) and counts the bucket down.
-3. **Launch in bucket order.** When bucket ``i`` is full *and every bucket before it has been launched*, its
-   AllReduce is launched asynchronously (``dist.all_reduce(buf, async_op=True)``), or, with a comm hook,
-   ``hook(state, bucket)`` is called and returns a future. Launching strictly in index order is what makes
-   every rank issue the same collectives in the same order even when gradients arrive in a different order
-   on different ranks; gloo and NCCL match collectives by their order, so anything else can pair one rank's
-   bucket 3 with another's bucket 4 (DDP's reducer does the same, ``next_bucket_``).
-4. **Wait, then write back.** :meth:`BucketedDataParallel.finish` waits for *every* future, then copies
-   each bucket's averaged buffer back into the parameters' ``.grad``. By default it runs as an autograd
-   engine callback queued by the first ready mark of the backward (``queue_callback``, as DDP's reducer
-   does), so that ``loss.backward()`` returns with averaged gradients and code that reads them right after
-   (``clip_grad_norm_``, the optimizer) is correct without a second call. ``finish()`` is public and
-   idempotent; :func:`train_step` calls it again before ``optimizer.step()``, where it costs nothing.
-
-What the source article's ``CommunicationEfficientTrainer`` (§5.3) does instead: it launches
-``dist.all_reduce(grad, async_op=True)`` from a per-tensor hook and drops the handle, so nothing waits before
-clipping and the optimizer step read the gradients (they read whatever the reduction has or has not written
-yet), and it all-reduces the dict that ``compress`` returns, which ``all_reduce`` rejects.
-
-Policies (each tested in ``tests/test_overlap.py``):
-
-* **Unused parameters.** A parameter that receives no gradient in a synced backward never marks its bucket
-  ready. ``finish`` then fills its slot with zeros and launches the remaining buckets in order, so every rank
-  still issues the same collectives and no peer is left inside one. With ``find_unused_parameters=False``
-  (the default, as DDP) it then raises :class:`UnusedParametersError` naming the parameters; with ``True``
-  it all-reduces a small "used here" count (one extra collective per step, as DDP's flag costs) and, like
-  DDP, gives a parameter used on some ranks the average of their gradients and leaves a parameter used on no
-  rank untouched. Unlike DDP, buckets behind the unused parameter's are launched only at ``finish``, not
-  during backward (DDP searches the autograd graph after forward to mark them ready early).
-* **NaN / Inf.** Propagated, as DDP does: a non-finite gradient on one rank makes that entry non-finite on
-  every rank after the AllReduce, so every rank sees the same thing and AMP's ``GradScaler`` can skip the
-  step everywhere. A comm hook may choose otherwise (``commlab.compress.compression_hook`` raises on every
-  rank).
-* **Layout agreement.** The constructor all-gathers every rank's parameter names, shapes and dtypes and
-  ``bucket_cap_bytes`` (:func:`commlab.collectives.agree`) and raises the same
-  :class:`~commlab.collectives.CollectiveMismatchError` on every rank if they differ: a mismatch would
-  otherwise hang or pair buffers of different sizes.
-* **No sync.** Inside :meth:`BucketedDataParallel.no_sync` a forward/backward only accumulates into
-  ``.grad``; the next synced backward all-reduces the accumulated sum (DDP's ``no_sync``; like DDP, the
-  decision is taken at forward time). When every backward of a step has to run inside it (a pipeline
-  schedule runs all of its micro-batches' backward passes itself), :meth:`BucketedDataParallel.sync_gradients`
-  averages what accumulated, explicitly, after the pipeline's flush: the same buckets, launched in the same
-  order, through the same comm hook.
-* **Comm hook results.** A hook's future must yield a tensor with the bucket's element count, on the
-  bucket's device, in the bucket's dtype or in the dtype of the buffer the hook put in with
-  :meth:`Bucket.set_buffer` (which *replaces* the buffer, as ``GradBucket.set_buffer`` does; PyTorch's
-  ``fp16_compress_wrapper`` relies on it to send 16 bits). Anything else is refused with a ValueError naming
-  the hook, after every bucket's future has been waited for: a silent cast back would hide a hook that forgot
-  to decompress, or one that moved the gradient to another device.
-* **Devices.** Buckets live on the parameters' device; under NCCL that must be the group's device
-  (:func:`commlab.launch.group_device`: the rank's own GPU), which the constructor checks.
-
-Timing. Every mark (a gradient ready, a launch, a completion, the wait) is taken with the wrapper's
-:class:`commlab.launch.Clock` on the parameters' device: ``time.perf_counter()`` on the CPU, a CUDA event on a
-GPU. On a GPU the host clock would time kernel *launches*; an event completes when the device reaches it. The
-completion mark is taken in the future's done-callback, which for NCCL runs with the collective's stream
-current, so its event completes with the collective. Marks are only turned into seconds when a time is read
-(:class:`StepRecord`, :class:`StepTimes`), so no step pays a host synchronisation for its own timing.
+Book: chapter 9 (§9.2 buckets, §9.3 waiting, §9.4 comm hooks, §9.5 accumulation and unused parameters,
+§9.7 against DDP); §9.1 for what the source article's trainer does instead.
 """
 
 from __future__ import annotations
@@ -435,7 +377,10 @@ class BucketedDataParallel(nn.Module):
         bucket_cap_bytes: bucket size in bytes (default 25 MiB, DDP's); ``1`` gives one bucket per
             parameter, anything >= the model's gradient bytes one bucket for all.
         process_group: the group to average over (None: the world).
-        find_unused_parameters: see the module docstring (default False: raise :class:`UnusedParametersError`).
+        find_unused_parameters: False (default, as DDP): a parameter that gets no gradient in a synced
+            backward raises :class:`UnusedParametersError` (after every bucket has been launched, with zeros in
+            its slot); True: one extra collective per step counts where each parameter was used, and a
+            parameter used on no rank is left untouched.
         finish_in_backward: queue :meth:`finish` as an autograd engine callback so that ``backward()`` returns
             with averaged gradients (default True, as DDP). False: the caller must call :meth:`finish` before
             reading gradients; :func:`train_step` does.

@@ -1,42 +1,17 @@
 """How much of the gradient AllReduce hides behind backward: measured with ``torch.profiler``.
 
-Inside a rank, :func:`profile_overlap` runs a few :func:`commlab.overlap.train_step` steps of a
-:class:`commlab.overlap.BucketedDataParallel` model under ``torch.profiler.profile`` and reads back the
-``record_function`` ranges the trainer opens:
+:func:`profile_overlap` runs a few :func:`commlab.overlap.train_step` steps under ``torch.profiler`` and
+:func:`extract_timeline` reads back the trainer's ``record_function`` ranges (``overlap::step``,
+``::forward``, ``::backward``, ``::optimizer``, ``::wait``, and per bucket ``::ready``, ``::launch`` and
+``::done``); :func:`overlap_from_step` computes the same from the trainer's own clock, without the profiler.
+Per step, in seconds: U = union of the buckets' [launch start, done]; overlap fraction = |U ∩ B| / |U| with
+B = [backward start, last gradient's arrival]; exposed = last gradient's arrival to the end of the wait.
 
-* ``overlap::step`` (opened here) around each step; ``overlap::forward``, ``overlap::backward``,
-  ``overlap::optimizer`` around the phases;
-* ``overlap::launch::bucket<i>`` around the launch of bucket *i* on the autograd thread (the
-  ``c10d::allreduce_`` call that enqueues the work, or the comm hook);
-* ``overlap::done::bucket<i>``, an instant range opened in the future's done-callback, on the gloo thread
-  that completed the work;
-* ``overlap::wait`` around :meth:`~commlab.overlap.BucketedDataParallel.finish` (nested at the end of
-  ``overlap::backward`` when it runs as the autograd engine callback, the default).
-
-What the profiler itself gives for a gloo ``all_reduce(async_op=True)`` on CPU (torch 2.13), and why those
-events are not used for the intervals: ``c10d::allreduce_`` on the calling thread covers only the enqueue
-(tens of microseconds after the first call); ``gloo:all_reduce`` on one of gloo's worker threads (two per
-process group by default, so two buckets can be reduced at once) covers the algorithm's execution from the
-moment a worker picks the work up, not the time it waited in the queue, and carries nothing that says which
-bucket it belongs to. A range entered on one thread and exited on another (a ``record_function`` opened at
-launch and closed in the callback) is not recorded with its real end, and a range opened on a gloo thread is
-recorded only with ``_ExperimentalConfig(profile_all_threads=True)`` (without it Kineto listens only on the
-threads it was started from). Hence the two markers above, both recorded on the profiler's clock, with all
-threads profiled: a bucket's communication interval is [start of its launch range, its done
-marker], which is what the training step experiences (queueing included). The ``gloo:all_reduce`` events are
-kept in the timeline as kind ``"gloo"`` for inspection.
-
-Definitions, per step (seconds):
-
-* backward compute interval B = [start of ``overlap::backward``, the last gradient's arrival] (marked by
-  ``overlap::ready::bucket<i>``, an instant range when bucket *i*'s last gradient is copied in; launching the
-  last bucket, which can take milliseconds for a large one, comes after it and is not compute);
-* U = the union of the buckets' communication intervals, ``comm_s`` = |U|;
-* **overlap fraction** = |U ∩ B| / |U|, in [0, 1];
-* **exposed communication** = from the last gradient's arrival to the end of ``overlap::wait``: what the
-  step spends on communication after backward's compute (launching the last buckets, waiting for all of
-  them, copying the averages into ``.grad``);
-* step time = duration of ``overlap::step``.
+Why our own markers: for a gloo ``all_reduce(async_op=True)`` on CPU (torch 2.13), ``c10d::allreduce_``
+covers only the enqueue, and ``gloo:all_reduce`` on a worker thread starts when a worker picks the work up
+and names no bucket; a range closed on another thread loses its end, and ranges on gloo's threads are
+recorded only with ``_ExperimentalConfig(profile_all_threads=True)``, which is used here. The gloo events
+stay in the timeline as kind ``"gloo"``. Book: chapter 9, §9.6.
 """
 
 from __future__ import annotations
