@@ -88,7 +88,7 @@ def test_bubble_numbers():
     f = bubble_time_ratio(4, 8)
     assert f / (1 + f) == pytest.approx(bubble_fraction(4, 8))
     assert bubble_fraction(1, 5) == 0.0
-    with pytest.raises(ValueError, match="p >= 1"):
+    with pytest.raises(ValueError, match=r"p must be an int >= 1 \(pipeline stages\), got 0"):
         bubble_fraction(0, 3)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         make_schedule("interleaved", 2, 2)
@@ -249,14 +249,15 @@ def _bad_pipeline(kind):
 @pytest.mark.parametrize("kind, error, words", [
     # Before, the first hung until the launch timeout; the next two failed inside a computation with torch's
     # own size mismatch.
-    ("different schedules", "ValueError", "every stage must be called with the same schedule, m and batch size "
-     "(stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule 'gpipe', m=2, batch 8)"),
-    ("different m", "ValueError", "stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule '1f1b', m=4, batch 8"),
-    ("different batch", "ValueError", "stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule '1f1b', m=2, "
-     "batch 12"),
+    ("different schedules", "CollectiveMismatchError", "every stage must be called with the same schedule, m and "
+     "batch size (stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule 'gpipe', m=2, batch 8)"),
+    ("different m", "CollectiveMismatchError", "stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule '1f1b', "
+     "m=4, batch 8"),
+    ("different batch", "CollectiveMismatchError", "stage 0: schedule '1f1b', m=2, batch 8; stage 1: schedule "
+     "'1f1b', m=2, batch 12"),
     # A problem only one stage sees is raised on both (before, the other stage waited at a barrier).
-    ("m invalid on one stage", "ValueError", "pipeline_step: stage 1: m=3 micro-batches must be a positive "
-     "integer dividing the batch size 8"),
+    ("m invalid on one stage", "CollectiveMismatchError", "pipeline_step: stage 1: m=3 micro-batches must be a "
+     "positive integer dividing the batch size 8"),
 ])
 def test_stages_called_differently_raise_the_same_error_on_every_stage(kind, error, words):
     out = launch(_bad_pipeline, 2, kind, timeout=30)

@@ -176,7 +176,7 @@ def test_split_interleaved_deals_virtual_stage_c_p_plus_s_to_rank_s():
     assert torch.equal(nn.Sequential(*[chunks[k % 2][k // 2] for k in range(4)])(x), model(x))
     with pytest.raises(ValueError, match="non-empty stages"):
         split_interleaved(model, 4, 3)
-    with pytest.raises(ValueError, match="needs v >= 1"):
+    with pytest.raises(ValueError, match="split_interleaved: v must be an int >= 1, got 0"):
         split_interleaved(model, 2, 0)
 
 
@@ -223,7 +223,7 @@ def test_one_group_per_computation_deadlocks_where_megatrons_steps_do_not():
 
 
 def test_the_plan_refuses_a_schedule_it_cannot_group():
-    with pytest.raises(ValueError, match="v >= 1"):
+    with pytest.raises(ValueError, match=r"v must be an int >= 1 \(model chunks per stage\), got 0"):
         communication_plan(one_f_one_b_schedule(2, 4), 0)
     with pytest.raises(ValueError, match="groups the steps of interleaved_schedule"):
         communication_plan([list(reversed(ops)) for ops in interleaved_schedule(2, 4, 2)], 2)

@@ -179,7 +179,7 @@ def test_bad_input_names_the_value():
         interleaved_schedule(4, 1, 2)
     with pytest.raises(ValueError, match="v=0"):
         make_timeline_schedule(None, 2, 4, 0)
-    with pytest.raises(ValueError, match="v=0"):
+    with pytest.raises(ValueError, match="v must be an int >= 1"):
         interleaved_schedule(2, 4, 0)
     with pytest.raises(ValueError, match="'zero-bubble'"):
         make_timeline_schedule("zero-bubble", 2, 4)

@@ -60,6 +60,7 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
+from commlab import checks
 from commlab.collectives._common import all_gather_single, group_size_and_rank, reduce_scatter_single
 from commlab.collectives.agreement import agree, first_difference
 from commlab.launch.device import group_device
@@ -127,10 +128,8 @@ class _Unit:
 
 
 def _check_stage(stage) -> int:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES} (2: gradients and optimizer state sharded; 3: parameters "
-                         f"too; stage 1 is ZeroOneOptimizer), got {stage!r}")
-    return stage
+    return checks.one_of("stage", stage, STAGES, note="2: gradients and optimizer state sharded; 3: parameters "
+                         "too; stage 1 is ZeroOneOptimizer")
 
 
 def _ranks(group) -> list[int]:
@@ -568,15 +567,11 @@ def zero_memory_bytes(stage: int, numel: int, n: int, param_bytes: float = 2, gr
         ValueError: a stage outside 0-3, ``numel`` not an int >= 0, ``n`` not an int >= 1, or a byte count that
             is not a finite number >= 0.
     """
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO stage), got {stage!r}")
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be an int >= 0 (parameters), got {numel!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1 (data-parallel ranks), got {n!r}")
+    checks.one_of("stage", stage, (0, 1, 2, 3), note="ZeRO stage")
+    checks.integer("numel", numel, least=0, note="parameters")
+    checks.integer("n", n, note="data-parallel ranks")
     for name, v in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes), ("optimizer_bytes", optimizer_bytes)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0 (bytes per parameter), got {v!r}")
+        checks.number(name, v, least=0, note="bytes per parameter")
     params = param_bytes * numel / (n if stage >= 3 else 1)
     grads = grad_bytes * numel / (n if stage >= 2 else 1)
     optimizer = optimizer_bytes * numel / (n if stage >= 1 else 1)

@@ -34,15 +34,16 @@ import dataclasses
 
 import torch
 
+from commlab import checks
+
 __all__ = ["BlockPlan", "block_plan", "chunk_indices", "covered_pairs", "positions", "shard_sequence",
            "unshard_sequence"]
 
 
 def _check_n_rank(n: int, rank: int | None = None) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (the context-parallel group size) must be an int >= 1, got {n!r}")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n):
-        raise ValueError(f"rank must be an int in 0..{n - 1}, got {rank!r}")
+    checks.integer("n", n, note="the context-parallel group size")
+    if rank is not None:
+        checks.integer("rank", rank, 0, n - 1)
 
 
 def chunk_indices(rank: int, n: int, load_balance: bool) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ def chunk_indices(rank: int, n: int, load_balance: bool) -> tuple[int, ...]:
 def _check_seq(seq: int, n: int, load_balance: bool) -> int:
     """Tokens per chunk, or ValueError when ``seq`` does not split evenly."""
     parts = 2 * n if load_balance else n
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1 or seq % parts:
+    if not checks.is_int(seq) or seq < 1 or seq % parts:
         how = f"2N = {parts} chunks (load_balance=True: rank i holds chunks i and 2N-1-i)" if load_balance \
             else f"N = {parts} blocks"
         raise ValueError(f"the sequence length ({seq}) must be a positive multiple of {how}; pad the sequence "

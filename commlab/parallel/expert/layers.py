@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.parallel.expert.communications import AllToAllCounter, all_to_all_autograd
@@ -53,8 +54,7 @@ def check_ep_size(num_experts: int, ep: int) -> int:
     Raises:
         ValueError: ``ep`` not an int >= 1, or ``num_experts`` not divisible by it.
     """
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"the expert-parallel size must be an int >= 1, got {ep!r}")
+    checks.integer("ep", ep, note="the expert-parallel size")
     if num_experts % ep:
         fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep}), so that "

@@ -40,6 +40,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
 from commlab.launch.device import group_device
 
@@ -54,15 +55,11 @@ def check_moe_sizes(num_experts: int, k: int, capacity_factor: float) -> None:
         ValueError: ``num_experts`` not an int >= 1; ``k`` not an int in 1..num_experts; ``capacity_factor``
             not a finite number > 0.
     """
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
-        raise ValueError(f"k (experts per token) must be an int in 1..num_experts={num_experts}, got {k!r}; "
-                         "a token cannot choose more experts than there are")
-    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
-            or not math.isfinite(capacity_factor) or capacity_factor <= 0):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r} (1.0: each expert "
-                         "has room for exactly its even share of tokens x k; Switch Transformer used 1.0-2.0)")
+    checks.integer("num_experts", num_experts)
+    checks.integer("k (experts per token)", k, 1, num_experts,
+                   note=f"num_experts={num_experts}: a token cannot choose more experts than there are")
+    checks.number("capacity_factor", capacity_factor, above=0, note="1.0: each expert has room for exactly its even "
+                  "share of tokens x k; Switch Transformer used 1.0-2.0")
 
 
 def expert_capacity(tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
@@ -73,8 +70,7 @@ def expert_capacity(tokens: int, num_experts: int, k: int, capacity_factor: floa
         ValueError: as :func:`check_moe_sizes`; ``tokens`` not an int >= 0.
     """
     check_moe_sizes(num_experts, k, capacity_factor)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+    checks.integer("tokens", tokens, least=0)
     # In exact decimal arithmetic (the factor as written, e.g. 1.1), so that 1.1 * 10 / 11 is exactly 1, where the
     # binary float product is 1.0000000000000002 and its ceiling 2.
     return math.ceil(Fraction(repr(float(capacity_factor))) * tokens * k / num_experts)
@@ -158,8 +154,8 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float, *, normalize: bo
                          "overflow upstream)")
     if capacity is None:
         capacity = expert_capacity(tokens, num_experts, k, capacity_factor)
-    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(f"capacity must be an int >= 0 (slots per expert), got {capacity!r}")
+    else:
+        checks.integer("capacity", capacity, least=0, note="slots per expert")
     work = torch.float64 if logits.dtype == torch.float64 else torch.float32
     probs = torch.softmax(logits.to(work), dim=-1)
     weight, expert = torch.topk(probs, k, dim=-1)
@@ -230,8 +226,7 @@ def skewed_load_imbalance(tokens: int, num_experts: int, k: int, capacity_factor
     Raises:
         ValueError: as :func:`route`; ``bias`` not finite.
     """
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-        raise ValueError(f"bias must be a finite number, got {bias!r}")
+    checks.number("bias", bias)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
     w = torch.randn(num_experts, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import p2p
-from commlab.collectives._common import ALL_DTYPES, DTYPE_CODE, all_gather_single, as_int64, group_size_and_rank
+from commlab.collectives._common import ALL_DTYPES, DTYPE_CODE, as_int64, group_size_and_rank
+from commlab.collectives.agreement import agree, gather
 from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
 from commlab.parallel.pipeline.schedules import SCHEDULES
 
@@ -198,12 +199,12 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def agree_step(schedule, m, batch: int, problem: str | None, group: dist.ProcessGroup | None,
-               device: torch.device | str = "cpu", v: int = 1) -> None:
+def agree_step(schedule, m, batch: int, problem: str | None, group: dist.ProcessGroup | None, v: int = 1) -> None:
     """Make every stage agree on (schedule, m, batch size, model chunks v), or raise the same error on every
     stage.
 
-    One all-gather of 5 int64 per stage over the pipeline group (one latency). It is also the collective
+    One :func:`~commlab.collectives.agree`: an all-gather of 5 int64 per stage over the pipeline group, on
+    its device (one latency). It is also the collective
     over the whole group that NCCL needs before the group's first point-to-point message (torch's
     ``batch_isend_irecv`` docstring). Without it, stages running different schedules wait for messages
     that never come until the timeout, and a different m or batch size fails inside a computation.
@@ -215,39 +216,30 @@ def agree_step(schedule, m, batch: int, problem: str | None, group: dist.Process
         problem: this stage's own verdict on its arguments (None if valid), e.g. "m=3 does not divide the
             batch size 8"; a stage with a problem makes every stage raise.
         group: the pipeline group; group rank = stage.
-        device: the group's device.
         v: this stage's number of model chunks (1 unless interleaved).
 
     Raises:
-        ValueError: some stage's arguments are invalid (the message gives each such stage's ``problem``), or
-            the stages disagree (it lists every stage's schedule, m and batch size, and v where some
-            stage's is not 1); the same message on every stage.
+        CollectiveMismatchError (a ValueError): some stage's arguments are invalid (the message gives each such
+            stage's ``problem``), or the stages disagree (it lists every stage's schedule, m and batch size, and
+            v where some stage's is not 1); the same message on every stage.
     """
     names = list(ENGINE_SCHEDULES)
     code = names.index(schedule) if isinstance(schedule, str) and schedule in names else -1
-    mine = torch.tensor([code, as_int64(m), as_int64(batch), int(problem is None), as_int64(v)],
-                        dtype=torch.int64, device=device)
-    p = dist.get_world_size(group)
-    everyone = torch.empty(p * 5, dtype=torch.int64, device=mine.device)
-    all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(p, 5).cpu().tolist()
-    invalid = [s for s, row in enumerate(rows) if not row[3]]
-    if not invalid and len({(row[0], row[1], row[2], row[4]) for row in rows}) == 1:
-        return
-    if invalid:
-        # Only the failure path pays for this second collective: every stage learns every stage's own
-        # verdict, so that all raise the same message (and whichever error a launcher reports says it).
-        problems: list = [None] * p
-        dist.all_gather_object(problems, problem, group=group)
-        if len(set(problems)) == 1:
-            raise ValueError(f"pipeline_step: {problem} (on every stage)")
-        raise ValueError("pipeline_step: " + "; ".join(f"stage {s}: {problems[s]}" for s in invalid))
-    chunked = any(row[4] != 1 for row in rows)
-    described = "; ".join(
-        f"stage {s}: schedule {names[c]!r}, m={mm}, batch {b}" + (f", v={vv}" if chunked else "")
-        for s, (c, mm, b, _, vv) in enumerate(rows))
-    what = "schedule, m, batch size and number of model chunks v" if chunked else "schedule, m and batch size"
-    raise ValueError(f"pipeline_step: every stage must be called with the same {what} ({described})")
+
+    def differ(rows: list[list[int]]) -> str | None:
+        if len({tuple(row) for row in rows}) == 1:
+            return None
+        chunked = any(row[3] != 1 for row in rows)
+        described = "; ".join(
+            f"stage {s}: schedule {names[c]!r}, m={mm}, batch {b}" + (f", v={vv}" if chunked else "")
+            for s, (c, mm, b, vv) in enumerate(rows))
+        what = "schedule, m, batch size and number of model chunks v" if chunked else "schedule, m and batch size"
+        return f"every stage must be called with the same {what} ({described})"
+
+    # The stages' own verdicts travel only on the failure path (a second, object all-gather), so that every
+    # stage raises the same message, and whichever error a launcher reports says it.
+    agree("pipeline_step", [code, as_int64(m), as_int64(batch), as_int64(v)], group, ints=True, problem=problem,
+          differ=differ, rank_word="stage")
 
 
 # Shape messages carry at most this many dimensions (a fixed-size int64 buffer, so the receiver can
@@ -354,17 +346,12 @@ def agree_chunk_boundaries(chunks: Sequence[nn.Module], microbatch_shape: Sequen
             p2p.exchange(sends=[(header, stage_rank(group, (vs + 1) % p))], group=group).wait()
         boundaries.append(Boundary(in_shape, in_dtype, out_shape, out_dtype))
     # 0: failed here, 1: fine, 2: skipped because a stage before failed.
-    status = torch.tensor([0 if failure is not None else (2 if skipped else 1)], dtype=torch.int64,
-                          device=device)
-    everyone = torch.empty(p, dtype=torch.int64, device=status.device)
-    all_gather_single(everyone, status, group=group)
-    failed = [s for s, v in enumerate(everyone.cpu().tolist()) if v == 0]
+    status = [0 if failure is not None else (2 if skipped else 1)]
+    failed = [s for s, row in enumerate(gather(status, group, ints=True)) if row[0] == 0]
     if failed:
         # The failure path only: every stage learns the failing stage's error, so that whichever error a
         # launcher reports names the cause.
-        errors: list = [None] * p
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        dist.all_gather_object(errors, mine, group=group)
+        errors = gather(None if failure is None else f"{type(failure).__name__}: {failure}", group)
         if failure is not None:
             raise failure
         raise RuntimeError("pipeline_step: " + "; ".join(f"stage {s} failed while the stages agreed on their "

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commlab import checks
 from commlab.launch.device import Clock, group_device
 from commlab.parallel.pipeline.communications import (ENGINE_SCHEDULES, PendingSends, agree_chunk_boundaries,
                                                       agree_step, communicate, stage_of, stage_rank)
@@ -114,9 +115,8 @@ def split_interleaved(model: nn.Sequential, p: int, v: int,
         ValueError: p or v not an int >= 1, ``p·v`` above the number of children, or bad ``sizes`` (see
             :func:`split_sequential`).
     """
-    for name, value in (("p", p), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"split_interleaved needs {name} >= 1 (an int), got {name}={value!r}")
+    checks.integer("p", p, where="split_interleaved")
+    checks.integer("v", v, where="split_interleaved")
     pieces = split_sequential(model, p * v, sizes)
     return [[pieces[c * p + s] for c in range(v)] for s in range(p)]
 
@@ -204,7 +204,7 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.T
     v = len(chunks)
     if schedule not in ENGINE_SCHEDULES:
         problem = f"unknown pipeline schedule {schedule!r}; choose one of {sorted(ENGINE_SCHEDULES)}"
-    elif isinstance(m, bool) or not isinstance(m, int) or m < 1 or batch % m != 0:
+    elif not checks.is_int(m) or m < 1 or batch % m != 0:
         problem = f"m={m!r} micro-batches must be a positive integer dividing the batch size {batch}"
     elif interleaved and p < 2:
         problem = f"interleaved 1F1B needs p >= 2 pipeline stages, got p={p}; with one stage use '1f1b'"
@@ -217,7 +217,7 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.T
     # A collective over the whole pipeline group before its first point-to-point message: on NCCL the first
     # batch_isend_irecv on a communicator must involve every rank of the group (torch's docstring), and the
     # shape agreement's first message involves stages 0 and 1 only.
-    agree_step(schedule, m, batch, problem, group, device, v=v)
+    agree_step(schedule, m, batch, problem, group, v=v)
     n_virtual = p * v
     mb_shape = (batch // m,) + tuple(inputs.shape[1:])
     ops = interleaved_schedule(p, m, v) if interleaved else make_schedule(schedule, p, m)

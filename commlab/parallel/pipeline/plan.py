@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
+from commlab import checks
 from commlab.collectives.rendezvous import RendezvousDeadlock, simulate_rendezvous
 from commlab.parallel.pipeline.schedules import BACKWARD, FORWARD, Op, interleaved_schedule, interleaved_warmup
 
@@ -157,8 +158,7 @@ def communication_plan(schedule: Sequence[Sequence[Op]], v: int = 1) -> list[lis
         ValueError: v not an int >= 1; with v > 1, a schedule that is not ``interleaved_schedule(p, m, v)``
             (the steps are those of its warm-up, steady state and drain).
     """
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"communication_plan needs v >= 1 model chunks per stage (an int), got v={v!r}")
+    checks.integer("v", v, note="model chunks per stage", where="communication_plan")
     p = len(schedule)
     if v == 1:
         steps = [[[op] for op in ops] for ops in schedule]

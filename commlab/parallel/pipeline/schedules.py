@@ -49,6 +49,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from commlab import checks
+
 __all__ = ["Op", "TimedOp", "FORWARD", "BACKWARD", "WEIGHT", "SCHEDULES", "gpipe_schedule", "one_f_one_b_schedule",
            "interleaved_schedule", "interleaved_warmup", "zb_h1_schedule", "make_schedule", "check_schedule",
            "in_flight", "max_in_flight", "ideal_timeline", "bubble_fraction", "bubble_time_ratio",
@@ -97,8 +99,8 @@ class TimedOp:
 
 
 def _check_pm(p: int, m: int) -> None:
-    if not isinstance(p, int) or not isinstance(m, int) or p < 1 or m < 1:
-        raise ValueError(f"a pipeline needs p >= 1 stages and m >= 1 micro-batches (integers), got p={p!r}, m={m!r}")
+    checks.integer("p", p, note="pipeline stages")
+    checks.integer("m", m, note="micro-batches")
 
 
 def gpipe_schedule(p: int, m: int) -> list[list[Op]]:
@@ -172,8 +174,7 @@ def interleaved_schedule(p: int, m: int, v: int) -> list[list[Op]]:
             the value.
     """
     _check_pm(p, m)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"interleaving needs v >= 1 model chunks per stage (an int), got v={v!r}")
+    checks.integer("v", v, note="model chunks per stage")
     if p < 2:
         raise ValueError(f"interleaving needs p >= 2 pipeline stages, got p={p!r}")
     if m % p:
@@ -464,8 +465,7 @@ def interleaved_bubble_time_ratio(p: int, m: int, v: int) -> float:
         ValueError: p < 1, m < 1 or v < 1.
     """
     _check_pm(p, m)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"interleaving needs v >= 1 model chunks per stage (an int), got v={v!r}")
+    checks.integer("v", v, note="model chunks per stage")
     return (p - 1) / (v * m)
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+from commlab import checks
 from commlab.parallel.tensor.communications import (f, g, gather_last_dim, gather_sequence, group_rank, group_size,
                                                     reduce_scatter_sequence, split_last_dim)
 
@@ -57,8 +58,7 @@ def block_allreduce_nbytes(batch: int, seq: int, hidden: int, element_nbytes: in
         ``2 (tp - 1) / tp`` times it per rank.
     """
     for name, v in (("batch", batch), ("seq", seq), ("hidden", hidden), ("element_nbytes", element_nbytes), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        checks.integer(name, v)
     nbytes = batch * seq * hidden * element_nbytes if tp > 1 else 0
     return {"forward": nbytes, "backward": nbytes}
 
@@ -172,8 +172,7 @@ class ColumnParallelLinear(nn.Module):
                  fused: int = 1, sequence_parallel: bool = False):
         super().__init__()
         t, r = group_size(group), group_rank(group)
-        if isinstance(fused, bool) or not isinstance(fused, int) or fused < 1:
-            raise ValueError(f"fused must be an int >= 1, got {fused!r}")
+        checks.integer("fused", fused)
         if linear.out_features % (fused * t):
             raise ValueError(f"out_features ({linear.out_features}) must be divisible by fused ({fused}) x the "
                              f"tensor-parallel size ({t}) = {fused * t}, so that each of the {fused} stacked "
