@@ -10,9 +10,9 @@ import torch.distributed as dist
 from commlab import launch
 from commlab.experiments.corpus import load_corpus
 from commlab.parallel.pipeline import pipeline_step
-from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages
+from labs.capstone.model import GPTConfig, apply_tp, build_gpt, check_layout, lm_loss, pipeline_stages
 
-CONFIG = GPTConfig(block=16, layers=4, hidden=32, heads=4, ffn=64)
+CONFIG = GPTConfig(seq=16, layers=4, hidden=32, heads=4, ffn=64)
 SEED = 3
 TOL = 1e-10  # float64: only the order of the sums differs between the layouts
 
@@ -59,12 +59,12 @@ def test_a_good_layout_passes_and_bad_configs_are_refused():
         GPTConfig(hidden=30, heads=4)
     with pytest.raises(ValueError, match="GPTConfig.layers must be an int >= 1"):
         GPTConfig(layers=0)
-    with pytest.raises(ValueError, match="longer than the model's block"):
-        build_gpt(GPTConfig(block=4), 0)(torch.zeros(1, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="longer than the model's seq"):
+        build_gpt(GPTConfig(seq=4), 0)(torch.zeros(1, 5, dtype=torch.int64))
 
 
 def _tensor_parallel():
-    model = parallelize(build_gpt(CONFIG, SEED, torch.float64), None)
+    model = apply_tp(build_gpt(CONFIG, SEED, torch.float64), None)
     x, y = _batch()
     loss = lm_loss(model(x), y)
     loss.backward()
@@ -88,7 +88,7 @@ def _tp_times_pp(schedule):
     stage, tp_rank = divmod(rank, 2)                         # ranks 0, 1: stage 0; ranks 2, 3: stage 1
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    model = parallelize(build_gpt(CONFIG, SEED, torch.float64), tp_groups[stage])
+    model = apply_tp(build_gpt(CONFIG, SEED, torch.float64), tp_groups[stage])
     stages = pipeline_stages(model, 2)
     x, y = _batch()
     result = pipeline_step(stages[stage], x, y, lm_loss, 2, pp_groups[tp_rank], schedule)

@@ -18,7 +18,7 @@ def test_one_rank_is_predicted_as_its_compute_at_the_measured_rate():
     opts = Options(micro_batch=2, micro_batches=2)
     one = predict.Calibration(0.0, 0.0, 20e9, 1, 1)
     t = predict.predict(opts, predict.measured_cluster(one, opts.dtype, torch.device("cpu")))
-    tokens = opts.global_batch * opts.model.block
+    tokens = opts.global_batch * opts.model.seq
     assert t.total_s == pytest.approx(executed_flops_per_token(opts.model.planner_config(), False, flash_attention=False)
                                     * tokens / 20e9)
     assert t.tp_s == t.pp_s == t.bubble_s == t.dp_exposed_s == 0

@@ -72,8 +72,8 @@ def test_flags_read_at_a_glance():
     assert dataclasses.replace(opts) == Options(tp=2, pp=2, dp=2, micro_batch=4, micro_batches=8, schedule="gpipe",
                                                 steps=7, dtype="float64")
     assert opts.global_batch == 64
-    sized = parse_args(["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--block", "16"])
-    assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, block=16)
+    sized = parse_args(["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq", "16"])
+    assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, seq=16)
 
 
 def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
@@ -175,11 +175,11 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     (["--profile", "{file}"], "is a file, not a directory"),
     (["--log-file", "{dir}"], "is a directory; give a file name"),
     (["--log-file", "{dir}/no/such/run.jsonl"], "does not exist or is not writable"),
-    (["--block", "100000"], "is longer than the held-out split allows"),
+    (["--seq", "100000"], "is longer than the held-out split allows"),
     (["--dp", "2"], "the world has 1 rank but tp x pp x dp = 1 x 1 x 2 = 2 (start it with torchrun "
                     "--nproc-per-node 2"),
     (["--fail-at-step", "1", "--fail-rank", "3"], "--fail-rank 3 is not a rank of this world of 1"),
-], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "block", "world", "fail-rank"])
+], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "seq", "world", "fail-rank"])
 def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -1,22 +1,15 @@
-"""The capstone's GPT: one readable decoder-only transformer, and the two ways it is cut for 3D parallelism.
+"""The capstone's GPT: one readable decoder-only transformer, and the two cuts 3D parallelism makes of it.
 
-The model is GPT-2's layout at toy size (Radford et al. 2019, "Language Models are Unsupervised Multitask
-Learners", §2.3: pre-norm blocks, a final LayerNorm, learned positions), trained on characters of the course's
-offline corpus (:mod:`commlab.experiments.corpus`). Its attention and MLP are commlab's own blocks
-(:class:`commlab.parallel.tensor.SelfAttention`, :class:`~commlab.parallel.tensor.MLP`), so that
+GPT-2's layout at toy size (Radford et al. 2019, §2.3: pre-norm blocks, a final LayerNorm, learned positions),
+on characters of the course's corpus. Its attention and MLP are commlab's own blocks, so that :func:`apply_tp`
+swaps them for Megatron's tensor-parallel layers (Shoeybi et al. 2019, §3: heads and ``ffn`` split; the
+embeddings, LayerNorms and head stay replicated) and :func:`pipeline_stages` cuts the blocks into ``pp``
+stages for :func:`commlab.parallel.pipeline.pipeline_step`. Every rank builds the whole model from one seed
+and keeps its shard, so the parallel model is checkable against the single-process one.
 
-* **TP** is real: :func:`parallelize` swaps each block's attention and MLP for the tensor-parallel layers built
-  from them (Megatron-LM, Shoeybi et al. 2019, §3: heads split across the group, column-parallel ``qkv``/``fc1``,
-  row-parallel ``proj``/``fc2``; one AllReduce forward and one backward per block). The embeddings, LayerNorms
-  and the output head stay replicated on the TP group (no vocabulary-parallel embedding: at this vocabulary
-  size it would only add communication). Their gradients are equal on every TP rank, because their inputs are.
-* **PP** is real: :func:`pipeline_stages` cuts the block list into ``pp`` consecutive stages, the embedding in
-  the first and the final LayerNorm and head in the last, for :func:`commlab.parallel.pipeline.pipeline_step`.
-
-Every rank builds the whole model from the same seed and then keeps its shard: the parallel model is then
-checkable against the single-process one (the tests compare losses and gradients in float64).
-
-Shapes: token ids ``(batch, seq)`` int64 -> logits ``(batch, seq, vocab)``; ``seq <= config.block``.
+Entry points: :class:`GPTConfig`, :func:`build_gpt`, :func:`check_layout`, :func:`apply_tp`,
+:func:`pipeline_stages`, :func:`lm_loss`; chapter 14 §14.1 explains them. Shapes: token ids ``(batch, seq)``
+int64 -> logits ``(batch, seq, vocab)``.
 """
 
 from __future__ import annotations
@@ -31,17 +24,24 @@ import torch.nn.functional as Fn
 from commlab.experiments.corpus import VOCAB
 from commlab.parallel.tensor import MLP, ParallelMLP, ParallelSelfAttention, SelfAttention
 
-__all__ = ["GPTConfig", "GPT", "Block", "Embedding", "Head", "build_gpt", "check_layout", "parallelize",
-           "pipeline_stages", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Block", "Embedding", "Head", "PARAM_DTYPE", "MATMUL_DTYPE", "build_gpt",
+           "check_layout", "apply_tp", "pipeline_stages", "lm_loss"]
+
+#: ``--dtype`` -> the dtype of the parameters, their gradients and Adam's moments. ``bfloat16`` is mixed
+#: precision: float32 parameters, the passes under bfloat16 autocast, as large runs train.
+PARAM_DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+#: ``--dtype`` -> the dtype the matrix multiplications run in (TP's activations travel in it too).
+MATMUL_DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the capstone GPT.
+    """Sizes of the capstone GPT, named as the planner's :class:`~commlab.parallel.planner.ModelConfig` names them.
 
     Attributes:
         vocab: tokens in the vocabulary (default: the corpus's characters).
-        block: the longest sequence (positions learned).
+        seq: the longest sequence (positions learned).
         layers: transformer blocks.
         hidden: the model width; ``hidden % heads == 0``.
         heads: attention heads.
@@ -49,14 +49,14 @@ class GPTConfig:
     """
 
     vocab: int = len(VOCAB)
-    block: int = 32
+    seq: int = 32
     layers: int = 4
     hidden: int = 64
     heads: int = 4
     ffn: int = 256
 
     def __post_init__(self):
-        for name in ("vocab", "block", "layers", "hidden", "heads", "ffn"):
+        for name in ("vocab", "seq", "layers", "hidden", "heads", "ffn"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be an int >= 1, got {value!r}")
@@ -68,7 +68,7 @@ class GPTConfig:
         FLOP, memory and step-time formulas: GPT-style (biases, LayerNorm, learned positions), untied head."""
         from commlab.parallel.planner import ModelConfig
         return ModelConfig(name="capstone", layers=self.layers, hidden=self.hidden, heads=self.heads, ffn=self.ffn,
-                           vocab=self.vocab, seq=self.block, tied_embeddings=False, source="labs/capstone/model.py")
+                           vocab=self.vocab, seq=self.seq, tied_embeddings=False, source="labs/capstone/model.py")
 
     @property
     def params(self) -> int:
@@ -76,6 +76,11 @@ class GPTConfig:
         (:func:`commlab.parallel.planner.parameter_count`), so the two cannot drift apart."""
         from commlab.parallel.planner import parameter_count
         return parameter_count(self.planner_config())
+
+    @property
+    def block(self) -> int:
+        """The former name of :attr:`seq`, read by chapter 14's notebook until it says ``seq``."""
+        return self.seq
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int | None = None) -> None:
@@ -111,14 +116,14 @@ class Embedding(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.block = config.block
+        self.seq = config.seq
         self.tok = nn.Embedding(config.vocab, config.hidden)
-        self.pos = nn.Embedding(config.block, config.hidden)
+        self.pos = nn.Embedding(config.seq, config.hidden)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[-1]
-        if seq > self.block:
-            raise ValueError(f"sequence of {seq} tokens is longer than the model's block ({self.block})")
+        if seq > self.seq:
+            raise ValueError(f"sequence of {seq} tokens is longer than the model's seq ({self.seq})")
         return self.tok(idx) + self.pos(torch.arange(seq, device=idx.device))
 
 
@@ -174,11 +179,13 @@ def build_gpt(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) 
     return model.to(dtype)
 
 
-def parallelize(model: GPT, tp_group: dist.ProcessGroup | None) -> GPT:
+def apply_tp(model: GPT, tp_group: dist.ProcessGroup | None) -> GPT:
     """Shard every block's attention and MLP over ``tp_group``, in place; returns ``model``.
 
     Each rank of the group must hold the same full model (:func:`build_gpt` with one seed). With a group of one
     rank the layers are swapped all the same (and communicate nothing), so every layout runs the same code.
+    The embeddings, LayerNorms and head stay replicated (a vocabulary-parallel embedding would only add
+    communication at this vocabulary's size); their gradients are equal on every TP rank, as their inputs are.
 
     Raises:
         ValueError: heads or ffn not divisible by the group's size (from the TP layers).

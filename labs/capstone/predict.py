@@ -1,30 +1,15 @@
 """The planner beside the measurement: what chapter 11's planner predicts for the capstone's own run.
 
-After training, ``train.py`` (unless ``--no-plan``) calibrates a cluster on the spot, on every rank at once:
+After training (unless ``--no-plan``) every rank calibrates a cluster on the spot (:func:`calibrate_here`):
+the slowest rank's GEMM rate at the model's largest matrix product (MFU's denominator, the planner's peak at
+an achievable fraction of 1) and α-β of one ring step with every rank busy
+(:func:`commlab.bench.calibrate.ring_exchange_here`), for every link. Rank 0 then prints (:func:`report`) the
+planner's step for the layout that ran (:func:`predict`) beside the measured mean, and the layout its search
+recommends among those the capstone can run (:func:`recommend`).
 
-* the matrix-multiply rate at the model's largest GEMM (:func:`train.measure_gemm_flops` at
-  :func:`train.gemm_shape`), the slowest rank's, measured once at start-up (``StepStats.gemm_flop_per_s``, so
-  the same number as MFU's denominator): the planner's peak FLOP/s, with an achievable fraction of 1 since it
-  was measured at the model's own shape;
-* α and β of one ring step with every rank busy (:func:`commlab.bench.calibrate.ring_exchange_here` at
-  :data:`SIZES`, fitted by :func:`commlab.bench.calibrate.fit_alpha_beta`), used for every link: on one
-  machine the ranks share one transport, and across nodes the ring's slowest link sets its pace.
-
-It then prints the planner's predicted step (:func:`commlab.parallel.planner.step_time`) for the layout that
-ran, beside the measured median and their ratio, and the layout the planner's search
-(:func:`commlab.parallel.planner.search`) recommends for the same model, world and global batch among those
-the capstone can run (heads and ffn divisible by tp, layers by pp, no interleaving or recomputation).
-
-The two bubbles are not quite the same quantity: the planner's is ``(pp - 1) / m`` of the compute, TP and PP
-time of the step, the measured one ``(pp - 1) / m`` of the stage's busy time (compute and TP), the PP waits
-being counted apart.
-
-The planner prices TP and PP messages at 2 bytes per activation element (bfloat16, what large runs send); a
-float32 run sends twice that, so there its TP and PP terms are low by up to half.
-
-What the planner does not model, and the measurement shows, is said in chapter 14: Python and framework
-overhead per operator (at this model's size it is most of the compute), and the scheduling of more ranks than
-cores, which turns each blocking collective into a wait for a descheduled peer.
+The planner's bubble is ``(pp - 1) / m`` of the compute, TP and PP time, the measured one of the stage's busy
+time; it prices TP and PP messages at 2 bytes per element (bfloat16), half a float32 run's. What it does not
+model (per-operator overhead, more ranks than cores) is in chapter 14 §14.7.
 """
 
 from __future__ import annotations
@@ -39,8 +24,10 @@ from commlab.bench.calibrate import fit_alpha_beta, ring_exchange_here
 from commlab.parallel.planner import Layout, TimeBreakdown, divisors, search, step_time
 from commlab.topology import Cluster, Link
 
+from labs.capstone.model import PARAM_DTYPE
+
 __all__ = ["SIZES", "Calibration", "calibrate_here", "measured_cluster", "layout_of", "predict", "recommend",
-           "report"]
+           "report", "calibrate_and_report"]
 
 #: Message sizes (bytes) of the α-β calibration: 4 KiB to 2 MiB, which covers the capstone's TP and PP
 #: activations (16 KiB at the default config) and its DP gradient buckets.
@@ -104,8 +91,8 @@ def layout_of(opts) -> Layout:
 
 
 def _itemsize(opts) -> int:
-    from labs.capstone.train import DTYPES
-    return torch.empty((), dtype=DTYPES[opts.dtype]).element_size()
+    """Bytes of one gradient element (the parameters' dtype)."""
+    return PARAM_DTYPE[opts.dtype].itemsize
 
 
 def predict(opts, cluster: Cluster) -> TimeBreakdown:

@@ -12,7 +12,7 @@ One step, on every rank (the pieces are the course's own):
 1. every rank draws the same global batch of ``micro_batch * micro_batches * dp`` windows of the corpus (seeded
    by ``--seed`` and the step) and keeps its DP share;
 2. the mesh (:func:`commlab.parallel.mesh.build_mesh`, TP innermost) gives the rank its TP, PP and DP groups;
-   the model is built whole from the seed, sharded over TP (:func:`model.parallelize`) and cut into PP stages
+   the model is built whole from the seed, sharded over TP (:func:`model.apply_tp`) and cut into PP stages
    (:func:`model.pipeline_stages`); this rank keeps its stage;
 3. the stage runs the pipeline schedule (:func:`commlab.parallel.pipeline.pipeline_step`, GPipe or 1F1B) inside
    the data-parallel wrapper's ``no_sync`` (:class:`commlab.overlap.BucketedDataParallel` over the DP group),
@@ -53,18 +53,11 @@ from commlab.parallel.tensor.communications import CommTimer, timed  # noqa: E40
 from tqdm import tqdm  # noqa: E402
 
 from labs.capstone import checkpoint  # noqa: E402
-from labs.capstone.model import GPTConfig, build_gpt, check_layout, lm_loss, parallelize, pipeline_stages  # noqa: E402
+from labs.capstone.model import (MATMUL_DTYPE, PARAM_DTYPE, GPTConfig, apply_tp, build_gpt, check_layout,  # noqa: E402
+                                 lm_loss, pipeline_stages)
 
 __all__ = ["Options", "StepStats", "parse_args", "Trainer", "global_batch", "measure_gemm_flops", "gemm_shape",
            "steady_means", "SPLIT", "train", "main"]
-
-#: ``--dtype``: the parameters' (and gradients', and Adam's) dtype. ``bfloat16`` is mixed precision: float32
-#: parameters, the forward and backward passes under ``torch.autocast`` in bfloat16 (matrix multiplications,
-#: hence TP's activations, in bfloat16; the loss and LayerNorm in float32), as large runs train.
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
-
-#: The dtype the matrix multiplications run in, for the GEMM rate (MFU's denominator and the planner's peak).
-COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +133,8 @@ def _check_run_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--log-file {args.log}: its directory {parent} does not exist or is not writable")
     corpus = load_corpus()
     longest = min(len(corpus.train), len(corpus.val)) - 2
-    if args.block > longest:
-        p.error(f"--block {args.block} is longer than the held-out split allows ({longest} tokens)")
+    if args.seq > longest:
+        p.error(f"--seq {args.seq} is longer than the held-out split allows ({longest} tokens)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -170,10 +163,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
                         "randomk:RATIO, int:8, int:4, qsgd:BITS, sign, cast:bf16, cast:fp16")
     p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                    help="compress without error feedback (default: with it, for every compressor but the casts)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(PARAM_DTYPE), default="float32")
     size = GPTConfig()
     for name, what in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
-                       ("ffn", "the MLP's inner width"), ("block", "sequence length")):
+                       ("ffn", "the MLP's inner width"), ("seq", "sequence length")):
         p.add_argument(f"--{name}", type=int, default=getattr(size, name),
                        help=f"{what} (default {getattr(size, name)}: the tiny model CI trains)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
@@ -210,7 +203,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     args.compressor = COMPRESSOR_ALIASES.get(args.compressor, args.compressor)
     _check_run_args(p, args)
     try:
-        model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, block=args.block)
+        model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, seq=args.seq)
     except ValueError as e:
         p.error(str(e))
     opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if f.name != "model"},
@@ -223,20 +216,20 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
 
 
 def global_batch(step: int, opts: Options, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's global batch, the same on every rank: ``(global_batch, block)`` int64 inputs and next-token targets."""
-    block = opts.model.block
+    """The step's global batch, the same on every rank: ``(global_batch, seq)`` int64 inputs and next-token targets."""
+    seq = opts.model.seq
     g = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
-    starts = torch.randint(len(ids) - block - 1, (opts.global_batch,), generator=g)
-    x = torch.stack([ids[s:s + block] for s in starts.tolist()])
-    y = torch.stack([ids[s + 1:s + block + 1] for s in starts.tolist()])
+    starts = torch.randint(len(ids) - seq - 1, (opts.global_batch,), generator=g)
+    x = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+    y = torch.stack([ids[s + 1:s + seq + 1] for s in starts.tolist()])
     return x, y
 
 
 def gemm_shape(opts: Options) -> tuple[int, int, int]:
     """``(m, k, n)`` of the model's largest matrix multiplication on one rank: a micro-batch's tokens times the
-    MLP's first layer, ``(micro_batch * block, hidden) @ (hidden, ffn / tp)``."""
+    MLP's first layer, ``(micro_batch * seq, hidden) @ (hidden, ffn / tp)``."""
     c = opts.model
-    return opts.micro_batch * c.block, c.hidden, c.ffn // opts.tp
+    return opts.micro_batch * c.seq, c.hidden, c.ffn // opts.tp
 
 
 def measure_gemm_flops(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] = (256, 256, 256),
@@ -347,9 +340,9 @@ class Trainer:
         self.device = group_device(self.groups["dp"])
         self.dp_rank = dist.get_rank(self.groups["dp"])
         self.stage = dist.get_rank(self.groups["pp"])
-        model = build_gpt(opts.model, opts.seed, DTYPES[opts.dtype]).to(self.device)
+        model = build_gpt(opts.model, opts.seed, PARAM_DTYPE[opts.dtype]).to(self.device)
         self.full_shapes = {name: p.shape for name, p in model.named_parameters()}
-        self.model = parallelize(model, self.groups["tp"])
+        self.model = apply_tp(model, self.groups["tp"])
         self.module = pipeline_stages(model, opts.pp)[self.stage]
         if opts.dp_impl == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -378,7 +371,7 @@ class Trainer:
         self.model_flops_per_token = model_flops_per_token(opts.model.planner_config())
         dist.barrier()
         # The slowest rank's rate, the same on every rank: MFU's denominator and the planner's peak (predict.py).
-        rate = torch.tensor([measure_gemm_flops(self.device, COMPUTE_DTYPES[opts.dtype], gemm_shape(opts))],
+        rate = torch.tensor([measure_gemm_flops(self.device, MATMUL_DTYPE[opts.dtype], gemm_shape(opts))],
                             dtype=torch.float64, device=self.device)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
         self.gemm_flops = float(rate.item())
@@ -432,7 +425,7 @@ class Trainer:
         step_s = float(step_s.item())
         pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = (parts / dist.get_world_size()).tolist()
         other_s = max(0.0, step_s - (compute_s + tp_s + bubble_s + pp_s + dp_s + opt_s))
-        tokens = opts.global_batch * opts.model.block
+        tokens = opts.global_batch * opts.model.seq
         achieved = self.model_flops_per_token * tokens / step_s
         return StepStats(step, float(loss.item()) / opts.dp, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s,
                          dp_s, exposed_s, opt_s, other_s, tokens / step_s,
