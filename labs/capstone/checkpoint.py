@@ -1,37 +1,17 @@
 """Checkpoints of the capstone in ``torch.distributed.checkpoint`` (DCP), readable under any TP x PP x DP layout.
 
 What is stored is the *unsharded* model: every parameter and its Adam moments under the full model's name
-(``blocks.2.attn.qkv.weight``, its ``.exp_avg``, ``.exp_avg_sq``, ``.step``), whole. Saving, each rank
-reassembles the tensors of its stage over its TP group (:meth:`ColumnParallelLinear.gather_full` and the row
-version); the ranks that then hold the same key (a TP group's ranks, the DP replicas) write it once, because
-DCP's planner keeps one copy of a key that several ranks save. Loading, each rank reads the full tensors of
-*its* stage and keeps its TP shard (``take_shard``), so a checkpoint saved as 2x2x2 loads as 1x2x4 or 2x2x1:
-the layout is not part of the checkpoint. The price is that a rank briefly holds its stage's full tensors (a
-production system would save DTensor shards and let DCP reshard them; at the capstone's size the copy is
-small, and the format stays DCP's).
+(``blocks.2.attn.qkv.weight``, ``.exp_avg``, ``.exp_avg_sq``, ``.step``). Saving, each rank gathers its stage's
+tensors over TP (and ZeRO-1's moments over DP first); DCP writes a key that several ranks hold once. Loading,
+each rank reads its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x2x4 (a
+production system would save DTensor shards and let DCP reshard them; at this size the copy is small).
 
-ZeRO-1 (``--zero1``) keeps the same format: saving, :meth:`ZeroOneOptimizer.full_state` gathers each
-parameter's moments over the DP group (one AllGather per parameter group and moment) before the TP gather;
-loading, :meth:`ZeroOneOptimizer.load_full_state` keeps this rank's DP shard of the TP shard. A run saved with
-``--zero1`` therefore resumes with or without it, under any layout, and one saved without it resumes with it.
+The DP compressor's state (:class:`DPSync`: PowerSGD's residuals and Q matrices, error-feedback residuals)
+is stored per rank under its place in the mesh, and restored only into a run of the same setting (layout,
+compressor, bucket cap): then resuming is the uninterrupted run, bitwise. Otherwise the compressor starts
+afresh with a warning (see :func:`load`). Batches are drawn from ``(seed, step)``, so data needs no state.
 
-The DP compressor's state (:class:`DPSync`) is stored too, per rank, under the rank's place in the mesh
-(``dp_sync.pp<s>.tp<t>.dp<d>/...``): PowerSGD's error-feedback residuals, warm-start Q matrices, step count,
-the keys it has met and its seed stream (:meth:`PowerSGDState.state_dict`); ``compression_hook``'s residuals
-per bucket and the compressor's own counters (:meth:`CompressionHookState.state_dict`). With the same layout,
-compressor and bucket cap, resuming is the uninterrupted run, bitwise. The state is that of each rank's flat
-buckets, and those cannot be mapped one-to-one under another layout: a residual is one DP rank's own error
-(another DP size has other ranks), and a bucket holds the TP shards of one stage's parameters (another TP or
-PP split has other buckets; PowerSGD's Q matrices are those of the shards' shapes). So when the saved setting
-(:attr:`DPSync.setting`: layout, compressor, error feedback, bucket cap) differs from the run's, or the
-checkpoint holds no compressor state, the model and optimizer are still resharded exactly, and the compressor
-*starts afresh* (zero residuals, Q drawn anew from the seed, Random-K's and QSGD's streams from the start;
-PowerSGD's step count is set to the steps done, so compression goes on from the same step): rank 0 prints a
-warning naming both settings. A restart of error feedback drops at most one step's compression error per
-rank: the part of past gradients that error feedback had withheld is never applied, and training goes on as
-from the start of a compressed run, which converges (an elastic restart on fewer nodes must be able to go on,
-so a refusal would cost more than it protects). A checkpoint's compressor state is ignored by a run without a
-compressor. The data order needs nothing, since batches are drawn from ``(seed, step)``.
+Entry points: :func:`save`, :func:`load`, :func:`latest_step`; lab 14, part 3, resumes under another layout.
 """
 
 from __future__ import annotations
@@ -146,8 +126,15 @@ def _dp_sync_entries(sync: DPSync) -> dict[str, Any]:
 
 def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: int, device: torch.device) -> None:
     """Load this rank's compressor state from ``path`` if it was saved with ``sync``'s setting, else start it
-    afresh with a warning (see the module docstring). Collective (a DCP load) when the settings agree, which
-    they do on every rank or on none, since the setting is the same on every rank."""
+    afresh with a warning on rank 0. Collective (a DCP load) when the settings agree, which they do on every
+    rank or on none, since the setting is the same on every rank.
+
+    Why afresh rather than refuse: the state is that of each rank's flat buckets, which do not map across
+    layouts (a residual is one DP rank's own error; a bucket holds one stage's TP shards). Starting afresh
+    (zero residuals, Q drawn anew; PowerSGD's step count carried over) drops at most one step's compression
+    error per rank, and training goes on as a compressed run from its start does; an elastic restart on
+    fewer nodes must be able to go on.
+    """
     if saved_setting != sync.setting:
         # The state is as new (load runs before the first step): only PowerSGD's step count is carried over.
         if isinstance(sync.state, PowerSGDState):
@@ -231,8 +218,8 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
 
     Every rank of the world must call it. The layout it was saved under does not matter for the model and
     the optimizer (Adam or :class:`ZeroOneOptimizer`, whichever saved it); the compressor state is restored
-    when it was saved with ``dp_sync.setting``, and started afresh with a warning on rank 0 otherwise (see
-    the module docstring). Call it before the first step: a state that is not restored is taken as new.
+    when it was saved with ``dp_sync.setting``, and started afresh with a warning on rank 0 otherwise (why:
+    ``_restore_dp_sync``). Call it before the first step: a state that is not restored is taken as new.
 
     Args:
         full_shapes: the unsharded model's parameter shapes by name (from a model built whole).
