@@ -4,6 +4,7 @@ layout that does not divide, and runs under torchrun."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,14 @@ def test_flags_read_at_a_glance():
     assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, seq=16)
 
 
-def _torchrun(tmp_path, *flags, restarts=0, nproc=4, timeout=240):
-    return run_standalone([str(ROOT / "labs/capstone/train.py"), *flags], nproc, timeout_s=timeout, cwd=str(tmp_path),
+TRAIN = [str(ROOT / "labs/capstone/train.py")]
+#: train.py whose rank --fail-rank exits before step --fail-at-step on the first attempt (tests/jobs/).
+CRASH = ["-m", "tests.jobs.capstone_crash_job"]
+
+
+def _torchrun(tmp_path, *flags, job=TRAIN, restarts=0, nproc=4, timeout=240):
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)   # for -m tests.jobs...
+    return run_standalone([*job, *flags], nproc, timeout_s=timeout, cwd=str(tmp_path), env={"PYTHONPATH": path},
                           torchrun_args=["--max-restarts", str(restarts)])
 
 
@@ -154,7 +161,8 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     assert _torchrun(tmp_path, *common, "--log-file", str(whole), nproc=2).returncode == 0
     log = tmp_path / "restarted.jsonl"
     proc = _torchrun(tmp_path, *common, "--log-file", str(log), "--ckpt-dir", str(tmp_path / "ckpt"),
-                     "--ckpt-every", "4", "--resume", "--fail-at-step", "5", "--fail-rank", "1", restarts=1, nproc=2)
+                     "--ckpt-every", "4", "--resume", "--fail-at-step", "5", "--fail-rank", "1", job=CRASH,
+                     restarts=1, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1: exiting before step 5" in proc.stderr
     assert "resume: from the checkpoint of step 3" in proc.stderr
@@ -178,8 +186,7 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     (["--seq", "100000"], "is longer than the held-out split allows"),
     (["--dp", "2"], "the world has 1 rank but tp x pp x dp = 1 x 1 x 2 = 2 (start it with torchrun "
                     "--nproc-per-node 2"),
-    (["--fail-at-step", "1", "--fail-rank", "3"], "--fail-rank 3 is not a rank of this world of 1"),
-], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "seq", "world", "fail-rank"])
+], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "seq", "world"])
 def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -188,8 +195,15 @@ def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message, ca
     assert code == 2 and message in err, err
 
 
+def test_the_crash_job_refuses_a_rank_outside_the_world(capsys):
+    from tests.jobs.capstone_crash_job import main
+    code, err = exit_status(main, ["--fail-at-step", "1", "--fail-rank", "3", "--steps", "1"], capsys)
+    assert code == 2 and "--fail-rank 3 is not a rank of this world of 1" in err, err
+
+
 def test_a_killed_rank_without_restarts_fails_the_job_naming_it(tmp_path):
-    proc = _torchrun(tmp_path, "--dp", "2", "--steps", "6", "--fail-at-step", "2", "--fail-rank", "1", nproc=2)
+    proc = _torchrun(tmp_path, "--dp", "2", "--steps", "6", "--fail-at-step", "2", "--fail-rank", "1", job=CRASH,
+                     nproc=2)
     assert proc.returncode != 0
     assert "rank 1: exiting before step 2" in proc.stderr
     assert "exitcode  : 13" in proc.stderr and "rank      : 1" in proc.stderr
@@ -227,9 +241,9 @@ def _replicated_gap(spec):
     trainer = Trainer(Options(tp=2, dp=2, steps=3, compressor=spec))
     for step in range(3):
         trainer.step(step)
-    sharded = tp_sharded_parameters(trainer.module)
+    sharded = tp_sharded_parameters(trainer.stage)
     gap = 0.0
-    for name, p in trainer.module.named_parameters():
+    for name, p in trainer.stage.named_parameters():
         if name not in sharded:
             other = p.detach().clone()
             dist.broadcast(other, src=dist.get_global_rank(trainer.groups["tp"], 0), group=trainer.groups["tp"])

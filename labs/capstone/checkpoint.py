@@ -38,7 +38,7 @@ def _dcp():
     import torch.distributed.checkpoint as dcp
     return dcp
 
-__all__ = ["DPSync", "save", "load", "latest_step"]
+__all__ = ["DPSync", "dp_sync_of", "save", "load", "latest_step", "resume"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -60,6 +60,19 @@ class DPSync:
     wrapper: BucketedDataParallel
     rank_key: str
     setting: str
+
+
+def dp_sync_of(hook_state: PowerSGDState | CompressionHookState | None, wrapper: BucketedDataParallel, mesh,
+               opts) -> DPSync | None:
+    """This rank's DP compressor state as checkpoints store it (None without one): under the rank's place in
+    ``mesh``, with the setting of ``opts`` it is valid for."""
+    if hook_state is None:
+        return None
+    rank_key = "pp{}.tp{}.dp{}".format(*(mesh.get_local_rank(dim) for dim in ("pp", "tp", "dp")))
+    setting = (f"tp={opts.tp} pp={opts.pp} dp={opts.dp}, {opts.compressor} with error feedback "
+               f"{'on' if opts.error_feedback else 'off'}, {opts.dtype}, seed {opts.seed}, "
+               f"bucket cap {wrapper.bucket_cap_bytes} B")
+    return DPSync(hook_state, wrapper, rank_key, setting)
 
 
 def _owners(model: nn.Module, stage: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Module | None, str]]:
@@ -269,3 +282,17 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
         saved = everything["dp_sync"]["setting"] if "dp_sync" in everything else None
         _restore_dp_sync(dp_sync, path, saved, step, next(stage.parameters()).device)
     return step
+
+
+def resume(directory: str, steps: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
+           full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None) -> int:
+    """:func:`load` the newest checkpoint of ``directory`` if there is one (every rank calls it); the step to
+    start from (0 without a checkpoint). Rank 0 says which, and when it already reaches ``steps``."""
+    start = 0 if latest_step(directory) is None else 1 + load(directory, model, stage, optimizer, full_shapes,
+                                                              dp_sync)
+    if dist.get_rank() == 0:
+        print(f"resume: no checkpoint in {directory!r}, starting at step 0" if start == 0 else
+              f"resume: from the checkpoint of step {start - 1} in {directory!r}" +
+              (f"; it already reaches --steps {steps}: nothing to do" if start >= steps else ""),
+              file=sys.stderr, flush=True)
+    return start

@@ -5,7 +5,7 @@ the slowest rank's GEMM rate at the model's largest matrix product (MFU's denomi
 an achievable fraction of 1) and α-β of one ring step with every rank busy
 (:func:`commlab.bench.calibrate.ring_exchange_here`), for every link. Rank 0 then prints (:func:`report`) the
 planner's step for the layout that ran (:func:`predict`) beside the measured mean, and the layout its search
-recommends among those the capstone can run (:func:`recommend`).
+recommends among those the capstone can run (:func:`recommend`). Entry point: :func:`calibrate_and_report`.
 
 The planner's bubble is ``(pp - 1) / m`` of the compute, TP and PP time, the measured one of the stage's busy
 time; it prices TP and PP messages at 2 bytes per element (bfloat16), half a float32 run's. What it does not
@@ -147,3 +147,14 @@ def report(opts, cal: Calibration, measured_s: float, predicted: TimeBreakdown, 
                      f"{L.short()} (predicted {ms(best.step_s)} ms): --tp {L.tp} --pp {L.pp} --dp {L.dp} "
                      f"--micro-batch {L.micro_batch} --micro-batches {m}")
     return "\n".join(lines)
+
+
+def calibrate_and_report(opts, measured_s: float, flop_per_s: float, local_world_size: int,
+                         device: torch.device) -> str | None:
+    """Calibrate here (collective: call it on every rank) and return :func:`report`'s lines on rank 0, None on
+    the others; ``measured_s``: the run's mean step (s), ``flop_per_s``: the GEMM rate the run measured."""
+    cal = calibrate_here(device, flop_per_s, local_world_size)
+    if dist.get_rank() != 0:
+        return None
+    cluster = measured_cluster(cal, opts.dtype, device)
+    return report(opts, cal, measured_s, predict(opts, cluster), recommend(opts, cluster))

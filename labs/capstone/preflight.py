@@ -1,0 +1,82 @@
+"""The capstone's command line, checked before anything runs: what would fail later is a usage error now.
+
+A layout that does not fit the model, a compressor with no replica to send to, a log file in a missing
+directory: ``train.py`` refuses them at once (exit 2), naming the flag and the numbers, rather than after a
+process group, a training run or a profile. Entry points: :func:`check` (the options alone) and
+:func:`check_world` (against the launcher's world, before any process group exists).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from commlab.experiments.corpus import load_corpus
+from commlab.experiments.methods import parse_spec
+
+from labs.capstone.model import check_layout
+
+__all__ = ["check", "check_world"]
+
+
+def check(opts) -> None:
+    """Raise ValueError, naming the flag, for what would fail later in a run of ``opts`` (train.Options)."""
+    for name, least in (("micro_batch", 1), ("micro_batches", 1), ("steps", 1), ("eval_every", 0),
+                        ("ckpt_every", 0)):
+        if getattr(opts, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(opts, name)}")
+    if not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
+    if (opts.ckpt_every or opts.resume) and not opts.ckpt_dir:
+        raise ValueError("--ckpt-every and --resume need --ckpt-dir")
+    if opts.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA GPUs and torch sees none here; use --backend gloo (the "
+                         "default without CUDA)")
+    parse_spec(opts.compressor)
+    if opts.compressor != "dense" and opts.dp < 2:
+        raise ValueError(f"--compressor {opts.compressor} compresses the DP dimension, and --dp {opts.dp} has no "
+                         "other replica to send to; use --dp 2 or more, or --compressor dense")
+    if opts.dp_impl == "ddp" and (opts.pp != 1 or opts.compressor != "dense"):
+        raise ValueError("--dp-impl ddp runs with --pp 1 and --compressor dense only (DDP's backward cannot be "
+                         "driven by a pipeline schedule, and the compressors are commlab's hooks)")
+    _check_paths(opts)
+    corpus = load_corpus()
+    longest = min(len(corpus.train), len(corpus.val)) - 2
+    if opts.model.seq > longest:
+        raise ValueError(f"--seq {opts.model.seq} is longer than the held-out split allows ({longest} tokens)")
+    check_layout(opts.model, opts.tp, opts.pp, opts.dp)
+
+
+def _check_paths(opts) -> None:
+    """The directories and the file the run writes: each must be (or become) writable."""
+    for flag, path in (("--ckpt-dir", opts.ckpt_dir), ("--profile", opts.profile)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a file, not a directory")
+    if opts.profile is not None:
+        try:
+            os.makedirs(opts.profile, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--profile {opts.profile}: cannot create it ({e.strerror})") from None
+        if not os.access(opts.profile, os.W_OK):
+            raise ValueError(f"--profile {opts.profile}: not writable")
+    if opts.log_file is not None:
+        parent = os.path.dirname(os.path.abspath(opts.log_file))
+        if os.path.isdir(opts.log_file):
+            raise ValueError(f"--log-file {opts.log_file} is a directory; give a file name such as "
+                             f"{opts.log_file}/run.jsonl")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"--log-file {opts.log_file}: its directory {parent} does not exist or is not writable")
+
+
+def check_world(opts, world_size: int) -> None:
+    """Raise ValueError if ``tp x pp x dp`` is not ``world_size``, saying how to start a run of one process
+    with the ranks it needs. Pure: call it before any process group exists, so every rank refuses at once."""
+    try:
+        check_layout(opts.model, opts.tp, opts.pp, opts.dp, world_size)
+    except ValueError as e:
+        if world_size > 1:
+            raise
+        ranks = opts.tp * opts.pp * opts.dp
+        raise ValueError(f"{e} (start it with torchrun --nproc-per-node {ranks}, or under srun)") from None
