@@ -1,34 +1,17 @@
 """AllToAll and AllToAllV by pairwise exchange: block j of every rank's tensor goes to rank j, in one grouped
 exchange.
 
-* :func:`all_to_all` (equal blocks): each rank passes a tensor whose first dimension has N rows (N = group
-  size); row j is the block meant for group rank j. Each rank gets back a tensor of the same shape whose row
-  j is the block rank j meant for it (row i of rank j's input, for this rank i). That is
-  ``dist.all_to_all_single(out, inp)`` with equal splits.
-* :func:`all_to_all_v` (uneven blocks, MPI's ``MPI_Alltoallv``): the tensor's first dimension is cut into N
-  consecutive blocks of ``input_split_sizes[j]`` rows, block j going to rank j; the result stacks the
-  blocks received, ``output_split_sizes[j]`` rows from rank j, in rank order. That is
-  ``dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes)``, which expert parallelism's
-  token dispatch and combine use (each rank sends each expert's rank however many tokens were routed there).
+:func:`all_to_all` (equal blocks: row j of an ``[N, ...]`` tensor goes to rank j) and :func:`all_to_all_v`
+(MPI's ``MPI_Alltoallv``: ``input_split_sizes[j]`` rows to rank j, ``output_split_sizes[j]`` back from
+it) compute what ``dist.all_to_all_single`` computes (tested against it). A rank's N-1 sends and receives
+are posted as one group (:func:`commlab.collectives.p2p.exchange`, as NCCL's user guide writes an
+all-to-all), in the pairwise order: at step s rank i sends to i+s and receives from i-s. Being built from
+point-to-point messages, they can be delayed by an :class:`~commlab.topology.EmulatedTopology` (the
+two-phase compressed AllReduce's first phase uses that). Costs: :func:`all_to_all_seconds`,
+:func:`all_to_all_v_seconds` (Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), the pairwise-exchange
+Alltoall); busbw factor (n-1)/n.
 
-The tests check both against ``dist.all_to_all_single``.
-
-All N-1 sends and N-1 receives of a rank are posted as one group (:func:`commlab.collectives.p2p.exchange`),
-the way NCCL's user guide writes an all-to-all from ``ncclSend``/``ncclRecv`` (one ``ncclGroupStart`` /
-``ncclGroupEnd`` around a send and a receive per peer, "Point-to-point communication"): grouped, the
-messages progress together and cannot deadlock. Rank i sends to i+1, i+2, ... and receives from i-1,
-i-2, ... in that order (the pairwise schedule: at step s, s = 1..N-1, rank i sends to i+s and receives from
-i-s, so that every rank has one partner each way per step and the ranks do not all start on the same peer).
-
-Cost (:func:`all_to_all_seconds`, :func:`all_to_all_v_seconds`): the pairwise schedule's N-1 steps, each
-paying α and the β-time of its largest message (Thakur, Rabenseifner & Gropp 2005, "Optimization of
-Collective Communication Operations in MPICH", IJHPCA 19(1), the pairwise-exchange Alltoall for long
-messages). busbw: nccl-tests' factor (n-1)/n (:data:`commlab.bench.metrics.BUSBW_FACTORS`).
-
-Why here: the two-phase compressed AllReduce (:mod:`commlab.compress.two_phase`) moves its first phase with
-an all-to-all. Built from point-to-point messages, an :class:`~commlab.topology.EmulatedTopology` can delay
-them (each send that crosses emulated nodes waits its turn on the node's NIC before the group is posted),
-as it delays the ring's; with no emulation, callers use ``dist.all_to_all_single`` directly.
+Book: chapter 3, §3.10 (AllToAll and AllToAllV); chapter 13, §13.3 (expert parallelism's dispatch).
 """
 
 from __future__ import annotations
@@ -205,8 +188,7 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
     received, ``output_split_sizes[j]`` of them from rank j, in rank order.
 
     The semantics of ``dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group)``
-    (the same argument order), the output allocated here unless ``out`` is given. The pairwise schedule and
-    its cost: the module's docstring and :func:`all_to_all_v_seconds`.
+    (the same argument order), the output allocated here unless ``out`` is given.
 
     Args:
         tensor: shape ``[R, ...]``, one of :data:`~commlab.collectives.SUPPORTED_DTYPES`, the same dtype and
@@ -219,8 +201,7 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
         group: process group (None: the world).
         out: where to receive (torch's ``output``): a contiguous tensor of shape
             ``[sum(output_split_sizes), *tensor.shape[1:]]``, ``tensor``'s dtype and device, not overlapping
-            ``tensor``; None: a new one. Reusing one avoids allocating (and, on the CPU, first touching) the
-            output on every call.
+            ``tensor``; None: a new one (reusing one avoids an allocation per call).
         emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays each send that
             crosses emulated nodes.
         check: first make every rank agree (one small all-gather of ``17 + 2N`` int64 per rank; every rank
@@ -285,18 +266,12 @@ def all_to_all_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: f
 def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float, beta_s_per_byte: float) -> float:
     """α-β time of a pairwise-exchange AllToAllV: ``Σ_{s=1}^{N-1} (α + β · max_i split_nbytes[i][(i+s) mod N])``.
 
-    The model: the pairwise schedule runs N-1 steps (the pairwise-exchange Alltoall of Thakur, Rabenseifner &
-    Gropp 2005, IJHPCA 19(1), priced there with equal blocks); at step s every rank i sends its block for
-    rank i+s (and receives from i-s), each message paying α and β per byte. For uneven blocks this course
-    assumes that a step ends when its largest message has arrived, so that each step is as slow as its
-    slowest pair. A rank's own block does not move. A step whose messages are
-    all empty still pays α (the schedule does not know it may skip it). With equal blocks of
-    ``nbytes/N`` this is :func:`all_to_all_seconds`; uneven splits pay for their skew, which is why a
-    skewed expert-parallel routing is slower than its average message suggests.
-
-    commlab's :func:`all_to_all_v` posts all N-1 steps as one group, so its messages overlap where the
-    transport allows; the model is then an upper bound for a rank whose link is not the bottleneck. A lower
-    bound is ``(N-1)·α + β · max_i max(bytes sent by i, bytes received by i)`` (one port per rank).
+    At step s every rank i sends its block for rank i+s; the model assumes a step ends when its largest
+    message has arrived (Thakur, Rabenseifner & Gropp 2005 price the schedule with equal blocks). A rank's own
+    block does not move; an all-empty step still pays α. Equal blocks give :func:`all_to_all_seconds`. Since
+    :func:`all_to_all_v` posts all steps as one group, this is an upper bound where the transport overlaps
+    them; a lower bound is ``(N-1)·α + β · max_i max(bytes sent by i, bytes received by i)`` (one port per
+    rank). Book §3.10.
 
     Args:
         split_nbytes: an N x N matrix (N >= 1): ``split_nbytes[i][j]`` bytes rank i sends to rank j

@@ -1,18 +1,13 @@
-"""Every AllReduce cost model side by side (chapter 3): predict, compare, find crossovers.
+"""Every AllReduce cost model side by side: predict, compare, find crossovers.
 
 Each algorithm's formula lives beside its code (``ring.py``, ``halving_doubling.py``, ``tree.py``,
-``hierarchical.py``, ``in_network.py``); this module only gathers them behind two calls:
+``hierarchical.py``, ``in_network.py``); this module gathers them behind :func:`predict_flat` (all ranks on
+one link: ring, recursive doubling, halving-doubling, binomial tree, double binary tree),
+:func:`predict_on_cluster` (nodes of several devices: rings in topology and round-robin order,
+hierarchical, in-network) and :func:`fastest`. One (α, β) per link; NCCL's per-protocol model is
+:mod:`commlab.collectives.nccl_model`. Times in seconds, sizes in bytes, α in s, β and γ in s/byte.
 
-* :func:`predict_flat` -- all ranks joined by one kind of link (α, β): ring, recursive doubling,
-  Rabenseifner's halving-doubling, binomial tree, pipelined double binary tree;
-* :func:`predict_on_cluster` -- nodes of several devices: a ring in topology order (split over channels,
-  one per NIC by default, as NCCL does on a rail-optimised node), a ring whose order ignores the topology,
-  the hierarchical algorithm, and in-network reduction between nodes.
-
-Both use one (α, β) per link. NCCL's own model gives every (algorithm, protocol) pair its own latency and
-bandwidth; :mod:`commlab.collectives.nccl_model` re-states it.
-
-Times are seconds, sizes bytes, α in s, β and γ in s/byte.
+Book: chapter 3, §3.3-3.4 (flat), §3.7 (on a cluster), §3.9 (the calculator).
 """
 
 from __future__ import annotations

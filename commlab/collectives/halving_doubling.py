@@ -1,35 +1,17 @@
 """Recursive halving-doubling (Rabenseifner) and recursive doubling AllReduce, from point-to-point exchanges.
 
-Both algorithms pair ranks across the bits of their rank: in a step with distance ``d`` (a power of two)
-rank ``v`` talks to rank ``v XOR d``, both directions in one grouped exchange
-(:func:`commlab.collectives.p2p.exchange`). Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of
-collective communication operations in MPICH", IJHPCA 19(1), section 4.4 (AllReduce); Rabenseifner 2004,
-"Optimization of collective reduction operations", ICCS 2004, LNCS 3036.
+In a step at distance ``d`` (a power of two) rank ``v`` exchanges with ``v XOR d`` in one grouped exchange
+(:func:`commlab.collectives.p2p.exchange`). :func:`recursive_doubling_all_reduce`: ``log2 N`` whole-vector
+exchanges (latency-optimal, ``log2 N · n`` bytes per rank). :func:`rhd_all_reduce`: a ReduceScatter by
+recursive halving, then an AllGather by recursive doubling, ``2·log2 N`` messages and ``2(N-1)/N · n``
+bytes per rank. For N not a power of two a pre-step folds ``r = N - p`` ranks into partners and a
+post-step returns the result (:func:`power_of_two_layout`, :func:`virtual_rank`). The vector is cut into
+``p`` blocks by :func:`chunk_bounds`; empty blocks are skipped. Partial sums travel and are rounded in the
+input dtype, as in :mod:`commlab.collectives.ring`. :func:`rhd_all_reduce_seconds` and
+:func:`recursive_doubling_all_reduce_seconds` give the α-β-γ times.
 
-* **Recursive doubling** (latency-optimal): ``log2 N`` steps, each exchanging the *whole* vector with the
-  partner and adding it. Few messages, but every rank sends ``log2 N · n`` bytes.
-* **Rabenseifner's algorithm** (halving-doubling): a ReduceScatter by *recursive halving* -- in each of
-  ``log2 N`` steps a rank keeps one half of its current range and sends the other half to its partner,
-  which keeps the opposite half, so the range halves each step -- then an AllGather by *recursive doubling*,
-  the same steps in reverse, in which the ranges double again. ``2·log2 N`` messages and ``2(N-1)/N · n``
-  bytes per rank: the ring's bandwidth with a logarithmic instead of linear number of latencies.
-
-Non-power-of-two N (Thakur et al. 2005, section 4.4): with ``p = 2^floor(log2 N)`` and ``r = N - p``,
-a pre-step folds the first ``2r`` ranks in pairs: each even rank ``2i`` sends its whole vector to the
-odd rank ``2i+1``, which adds it, and the even ranks then sit out. The remaining ``p`` ranks take the
-*virtual ranks* ``0..p-1`` (odd rank ``2i+1`` becomes ``i``; rank ``g >= 2r`` becomes ``g - r``) and run
-the power-of-two algorithm. A post-step sends the result from each odd rank back to its even partner.
-
-How uneven lengths are split: the vector is cut into ``p`` *blocks* by :func:`chunk_bounds` (the
-``torch.tensor_split`` rule: the first ``numel % p`` blocks hold one element more). Halving always
-splits a rank's current *range of blocks* into two halves of equally many blocks (p is a power of two),
-so a halving step may move a few elements more in one direction than the other, and at the end virtual
-rank ``v`` owns exactly block ``v``. Blocks are empty when ``numel < p``; empty messages are skipped by
-:mod:`commlab.collectives.p2p` on both sides, which compute the same sizes.
-
-Low precision: as in :mod:`commlab.collectives.ring`, partial sums travel in the input dtype and each
-addition is rounded back to it, so results are allclose to, not bit-equal with, ``dist.all_reduce`` for
-bfloat16/float16 and random float data. Integer-valued data is summed exactly.
+Source: Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), §4.4; Rabenseifner 2004, ICCS, LNCS 3036.
+Book: chapter 3, §3.3 (the table) and §3.6 (running them).
 """
 
 from __future__ import annotations
@@ -229,18 +211,15 @@ def _doubling_core(work: torch.Tensor, rank: int, n: int, group, emulate) -> Non
 
 def rhd_all_reduce_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: float,
                            gamma_s_per_byte: float = 0.0) -> float:
-    """α-β-γ time of Rabenseifner's AllReduce (:func:`rhd_all_reduce`) on ``nbytes`` bytes over ``n`` ranks.
+    """α-β-γ time (seconds) of Rabenseifner's AllReduce (:func:`rhd_all_reduce`) on ``nbytes`` bytes over ``n`` ranks.
 
     With ``p = 2^floor(log2 n)``::
 
         T = 2·ceil(log2 n)·α + 2(p-1)/p · nbytes·β + (p-1)/p · nbytes·γ
             + [n != p] · (2·nbytes·β + nbytes·γ)
 
-    The halving and the doubling take ``log2 p`` steps each, moving ``(p-1)/p`` of the vector in total;
-    for ``n != p`` the pre-step (whole vector, one addition) and the post-step (whole vector) add two
-    latencies -- ``2·log2 p + 2 = 2·ceil(log2 n)`` -- and ``2·nbytes·β + nbytes·γ``. For a power of two
-    this is Thakur, Rabenseifner & Gropp 2005 (IJHPCA 19(1)), section 4.4; the non-power-of-two terms
-    follow from the pre/post-step described there.
+    Thakur, Rabenseifner & Gropp 2005 (IJHPCA 19(1)), §4.4; the last term is the pre-step (whole vector,
+    one addition) and post-step (whole vector) for ``n`` not a power of two.
 
     Args:
         nbytes: bytes of the vector on each rank. n: ranks (>= 1).

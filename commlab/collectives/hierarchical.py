@@ -1,27 +1,15 @@
 """Hierarchical (two-level) AllReduce: rings inside each node, a ring between nodes on 1/d of the data.
 
-With ``nodes`` nodes of ``d`` ranks each; the ReduceScatter -> AllReduce -> AllGather structure is the
-2D-torus AllReduce of Mikami et al. 2018, "Massively distributed SGD: ImageNet/ResNet-50 training in a
-flash", arXiv:1811.05233, section 3 (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` does the same with
-NCCL inside the node and MPI between nodes):
+:func:`hierarchical_all_reduce` on ``nodes`` nodes of ``d`` ranks: ReduceScatter inside each node, then
+d concurrent inter-node ring AllReduces (one per local index, each on 1/d of the vector), then AllGather
+inside each node: the 2D-torus AllReduce of Mikami et al. 2018 (arXiv:1811.05233, §3), as Horovod's
+``HOROVOD_HIERARCHICAL_ALLREDUCE``. Only the middle step crosses nodes: ``2(nodes-1)/nodes · n`` bytes per
+node in ``2(nodes-1)`` latencies, with the intra-node steps before and after it, not overlapped.
+:func:`make_hierarchy_groups` creates the process groups (every rank, same placement).
+:func:`hierarchical_all_reduce_seconds` prices it; :func:`ring_all_reduce_seconds_on` prices a flat,
+pipelined ring over placed ranks, split over NCCL-style channels, for comparison.
 
-1. ReduceScatter inside each node (ring over the node's d ranks): the rank with local index j holds the
-   node's partial sum of chunk j (``chunk_bounds(numel, d)[j]``).
-2. AllReduce of that chunk between nodes (ring over the ranks with local index j, one per node): d such
-   rings run at once, one per local index, each carrying 1/d of the vector.
-3. AllGather inside each node (ring): every rank gets every chunk.
-
-Only step 2 crosses nodes: each rank sends ``2(nodes-1)/nodes · n/d`` bytes there, so a node's NICs,
-shared by its d rings, carry ``2(nodes-1)/nodes · n`` bytes in all, in ``2(nodes-1)`` latencies; steps 1
-and 3 add ``2(d-1)/d · n`` bytes on the intra-node link *before and after*, not overlapped with it. A flat
-ring over all ``N = nodes·d`` ranks in topology order sends ``2(N-1)/N · n`` bytes out of each node, a
-little more, but pipelines the intra-node and network hops; with one channel it leaves each node through
-one NIC, with one channel per NIC (NCCL's multi-rail rings) through all of them
-(:func:`ring_all_reduce_seconds_on`). When its order alternates nodes every hop crosses, ``d`` times the
-network bytes.
-
-The process groups must exist on every rank before the collective runs: :func:`make_hierarchy_groups`
-creates them (every rank calls it with the same placement, as ``dist.new_group`` requires).
+Book: chapter 3, §3.7 (topology: nodes, NICs and the hierarchical algorithm).
 """
 
 from __future__ import annotations
@@ -210,28 +198,19 @@ def hierarchical_all_reduce_seconds(nbytes: float, nodes: int, devices_per_node:
 def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: Sequence[int], intra: Link,
                                inter: Link, nics_per_node: int = 1, channels: int = 1) -> float:
     """α-β time of a flat ring AllReduce whose ring ``order`` runs over ranks placed on nodes, split over
-    ``channels`` concurrent rings (NCCL's channels).
+    ``channels`` concurrent rings (NCCL's channels; book §3.7).
 
-    Each channel runs the ring ``order`` on ``nbytes/channels`` bytes, all at once; as NCCL lays its
-    channels out on a rail-optimised node, each channel leaves a node through its own NIC while there are
-    NICs enough. The ring is pipelined, so latency adds up along the path and bandwidth is that of the
+    Each channel runs ``order`` on ``nbytes/channels`` bytes, leaving a node through its own NIC while there
+    are NICs enough. The ring is pipelined, so latency adds up along the path and bandwidth is that of the
     busiest link::
 
         T = (2(N-1) - s)·α_intra + s·α_inter + 2(N-1) · max(m·β_intra,  m/C · β_inter · q_u  over nodes u)
         m = nbytes/N,  s = 2(h-1) (0 on one node),  q_u = max(1, C·c_u / nics_per_node)
 
-    where ``h`` is the number of hops of the ring that cross nodes and ``c_u`` the number that leave node u.
-    The latency term is NCCL's (``src/graph/tuning.cc``, v2.30.7-1, lines 404-412): of the ring's ``2(N-1)``
-    steps only ``2(nodes-1)`` pay the network latency when the ring visits each node once (``h = nodes``),
-    all of them when every hop crosses (``h = N``). The bandwidth term: a GPU sends at most one chunk ``m``
-    per step over its intra-node link (all its channels together, an upper bound, as chapter 1's
-    :func:`commlab.arithmetic.data_parallel_sync`), and each NIC carries ``q_u`` channels' chunks of ``m/C``.
-    A topology-aware order has ``c_u = 1``; one that alternates nodes ``c_u = d``. With ``C = nics_per_node``
-    channels the ring uses every rail: the node's whole network bandwidth, as chapter 1 assumes. Ingress
-    contention is not modelled, as in :class:`~commlab.topology.EmulatedTopology`.
-
-    commlab's own ring (one grouped exchange per step, one channel) waits for its slowest hop at every step,
-    so it pays the network latency closer to ``2(N-1)`` times; the difference is in the latency term only.
+    with ``h`` the hops of the ring that cross nodes and ``c_u`` those that leave node u (1 in topology order,
+    d when the order alternates nodes). The latency term is NCCL's (``src/graph/tuning.cc``, v2.30.7-1, lines
+    404-412). Ingress contention is not modelled. commlab's own ring (one grouped exchange per step) pays the
+    network latency closer to ``2(N-1)`` times.
 
     Args:
         nbytes: bytes of the vector on each rank.

@@ -1,20 +1,14 @@
 """In-network reduction (InfiniBand SHARP): a cost model only, since no laptop has such a switch.
 
-With SHARP the switches add the buffers as they pass: each node sends its buffer up a tree of
-switches once and receives the reduced result once (Graham et al. 2016, "Scalable Hierarchical
-Aggregation Protocol (SHArP): A Hardware Architecture for Efficient Data Reduction", COMHPC workshop at
-SC16, §3). Compared with a ring AllReduce:
+With SHARP the switches add the buffers as they pass: each node sends its buffer up a tree of switches once
+and receives the result once (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol (SHArP)",
+COMHPC at SC16, §3): ``nbytes`` per direction instead of the ring's ``2(N-1)/N·nbytes``
+(:func:`in_network_speedup_limit`, at most 2x), and a latency that grows with the switch tree's height.
+:func:`in_network_all_reduce_seconds` prices it on a non-blocking fat tree of ``radix``-port switches
+(:func:`switch_tree_levels`, :func:`fat_tree_down_ports`: half the ports down below the top level, all at
+the top; 40-port HDR switches join 40, 800 and 16,000 endpoints in one, two and three levels).
 
-* bandwidth term: each node's link carries ``nbytes`` in each direction instead of ``2(N-1)/N·nbytes``,
-  so at most about 2x faster for large messages (the factor approaches 2 as N grows);
-* latency term: the reduction climbs and descends the switch tree, whose height grows with the cluster,
-  one switch level at a time: much flatter than the ring's 2(N-1) steps, but not O(1).
-
-The tree is a non-blocking fat tree of switches with ``radix`` ports each. A switch below the top level
-faces half its ports down (towards the endpoints) and half up; a top-level switch faces all of them down.
-So one level joins ``radix`` endpoints and L levels ``(radix/2)^(L-1)·radix``: with NVIDIA's 40-port HDR
-switch (Quantum QM8700: 40 ports of 200 Gb/s, ``data/hardware.json``) 40, 800 and 16,000 endpoints for
-one, two and three levels; with the 64-port NDR switch (Quantum-2 QM9700) 64, 2,048 and 65,536.
+Book: chapter 3, §3.8.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """NCCL's own cost model of an AllReduce: every (algorithm, protocol) pair has its own latency and bandwidth.
 
-NCCL does not have one α and one β. When a communicator is created, its tuner fills two tables, a latency
-and a bandwidth for each algorithm (Ring, Tree, ...) and each protocol, and for every call it predicts
-``latency + bytes / bandwidth`` for each enabled pair and runs the cheapest. The three protocols trade one
-against the other:
-
-* **LL** (low latency): every 8-byte line carries 4 bytes of data and a 4-byte flag, so a receiver can poll
-  the data itself instead of waiting for a fence. Lowest latency, at most half the bandwidth, and capped.
-* **LL128**: the same idea on 128-byte lines, 120 bytes of data; about 92 % of the bandwidth, where the
-  hardware allows it (NVLink inside the node).
-* **Simple**: plain transfers with fences: the full bandwidth, and the largest latency per step.
-
-This module re-states that model from its constants (``data/nccl_tuning.json``, typed from NVIDIA/nccl
-``src/graph/tuning.cc`` at tag v2.30.7-1, commit 73cf112295c33aee2b895f329f592f2a9b4b0f97; the line
-numbers below are that file's) for the two classic AllReduce algorithms, Ring and Tree. For ``n`` bytes
-per rank on ``nodes`` nodes of ``ppn`` GPUs (``N = nodes·ppn`` ranks), ``C`` channels of per-channel
-bandwidth ``B`` (NCCL's ``nChannels`` and per-channel ``bw``; on a multi-node DGX one channel per rail,
-each at the NIC's speed):
+NCCL's tuner fills a latency and a bandwidth for each algorithm and protocol (LL, LL128, Simple) and runs
+the pair with the smallest ``latency + bytes / bandwidth``. This module re-states that model for Ring and
+Tree from its constants (``data/nccl_tuning.json``, from NVIDIA/nccl ``src/graph/tuning.cc`` at tag
+v2.30.7-1; the line numbers below are that file's). Entry points: :class:`NcclSystem` (nodes, GPUs per
+node ``ppn``, ``C`` channels of bandwidth ``B``), :func:`pair_model`, :func:`all_reduce_seconds`,
+:func:`all_reduce_table` and :func:`best`. For ``n`` bytes per rank on ``N = nodes·ppn`` ranks:
 
 * **bus bandwidth** ``C·B``, then per pair (lines 326-340): Ring LL ``min(llMax, 0.5·C·B)``; Ring LL128
   ``min(0.92·C·B, C·ll128Max)``; Ring Simple ``C·B``; Tree ``min(0.92·C·B, C·treeMax)`` and then LL
@@ -32,13 +21,9 @@ each at the NIC's speed):
   Ampere and later (1.9 before) once each channel's share per rank reaches 64 bytes, and the Tree's
   bandwidth multiplied by a size-dependent correction between 0.4 and 1.
 
-Left out: NCCL's topology search, which picks the channel count and quantises the per-channel speed (the
-caller gives both); the extra network latency a graph may carry (``latencyInter``, 0 here); the 0.85 of
-an unbalanced tree pattern; aggregated calls (one call at a time); CollNet, NVLS, NVLSTree and PAT; any
-tuner plugin (NCCL 2.19.1 and later can load one with ``NCCL_TUNER_PLUGIN`` and let it pick the pair, for
-instance from measured tables). This is NCCL's *prediction*, not a measurement: what a job gets can be
-lower (protocol overhead, congestion) and the busbw nccl-tests reports on a DGX H100 is well below the
-datasheet's NVLink figure (chapter 3, §3.5).
+Left out: the topology search (the caller gives channels and their speed), ``latencyInter``, unbalanced
+trees, aggregated calls, CollNet/NVLS/NVLSTree/PAT and tuner plugins. A prediction, not a measurement.
+Book: chapter 3, §3.5.
 """
 
 from __future__ import annotations

@@ -1,65 +1,17 @@
 """The one point-to-point primitive every hand-written collective and the pipeline use: a grouped exchange.
 
 :func:`exchange` posts the sends and receives of one *step* together, as one
-``torch.distributed.batch_isend_irecv`` call, and returns an :class:`Exchange` to wait on.
+``torch.distributed.batch_isend_irecv`` call (NCCL's ``ncclGroupStart``/``ncclGroupEnd``), and returns an
+:class:`Exchange` to wait on. NCCL only promises that a send and a receive progress together inside one
+group (NCCL user guide, "Point-to-point communication"; NVIDIA/nccl issue #479; pytorch/pytorch #43995).
+Every caller follows three rules, which :mod:`commlab.collectives.rendezvous` checks on replayed plans:
+(1) one group per step, holding the step's sends and the receives they must progress with; (2) never a
+receive posted in a group ahead of the send it depends on; (3) messages between one pair, in one
+direction, match in the order they were posted. Empty tensors are left out on both sides; with an
+:class:`~commlab.topology.EmulatedTopology` the rank waits as long as its sends would take on the emulated
+link before posting them.
 
-Why grouped, and not ``dist.isend`` / ``dist.irecv`` one by one:
-
-* **NCCL only promises progress inside a group.** ``ncclSend`` and ``ncclRecv`` block the GPU stream
-  they run on until the peer's matching call runs; several of them progress concurrently only when they
-  are fused between ``ncclGroupStart`` and ``ncclGroupEnd`` (NCCL user guide, "Point-to-point
-  communication" and the ``ncclSend``/``ncclRecv`` API pages). Two ranks that each send to the other and
-  then receive, ungrouped, can wait on each other forever; the NCCL developers' answer is to put the send
-  and the receive in one group (NVIDIA/nccl issue #479).
-* **``batch_isend_irecv`` is torch's group.** PyTorch added it for exactly this (pytorch/pytorch
-  issue #43995, the RFC "Batch point-to-point communication"): on NCCL it issues the list inside one
-  ``ncclGroupStart``/``ncclGroupEnd`` (torch 2.13, ``torch/distributed/distributed_c10d.py``, which
-  coalesces the list when the backend supports coalescing); its docstring says the order of sends and
-  receives inside the list does not matter and cannot deadlock. Gloo does not coalesce: it posts each
-  op of the list as an ordinary ``isend``/``irecv``, so on a laptop the grouped form computes exactly
-  what the ungrouped one did. What it can cost there is the latency an ungrouped ring hid by posting its
-  next receive early, which rule 2 below forbids: gloo moves a message only once its receive is posted.
-
-The rule every caller follows:
-
-1. **One group per step.** A step's sends and the receives they must progress with go into one
-   :func:`exchange` call (a ring step: send to the successor *and* receive from the predecessor).
-2. **Never a receive posted in a group ahead of the send it depends on.** NCCL runs a rank's groups in
-   order on one stream, so a group holding only a receive for step s+1, posted before the group that
-   sends step s+1, blocks that send until the receive completes -- and the receive completes only after
-   the peer's step-s+1 send, which waits the same way. Post the next step's receive with the next step's
-   send, not before it.
-
-   How strict this is on torch depends on the communicator torch picks. For an ungrouped ``isend``/``irecv``
-   PyTorch's ``ProcessGroupNCCL`` keys the communicator and its stream by the peer pair (``"low:high"``;
-   ``pointToPoint`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``, and a maintainer's answer in
-   pytorch/pytorch issue #132852): ungrouped operations to *different* peers then run on different streams
-   and do not queue behind each other, so a bare 3-rank ring would probably not hang there. Operations to
-   the same peer always share a stream, so the hazards that remain are the same-pair ones -- a 2-rank
-   ring, where successor and predecessor are one rank, and 1F1B's activation and gradient between the
-   same two stages -- and the order of the groups themselves. A group created with its device (as
-   commlab's launchers do) may use the group's own communicator for point-to-point in recent torch
-   versions, which brings the one-stream picture back; the rule holds in every case.
-3. **Messages between one pair, in one direction, match in the order they were posted**, within a group
-   and across groups (no tags are needed when both sides follow the same schedule).
-
-:mod:`commlab.collectives.rendezvous` replays plans of groups under these rules and tells whether they can
-deadlock; the tests run the pipeline's plans and the ring's through it.
-
-What else the primitive does, so that no caller has to:
-
-* **Empty tensors are skipped** on both sides: both neighbours compute the same empty size from the same
-  chunk arithmetic and leave the message out together. A step with nothing left to send or receive posts
-  nothing (an :class:`Exchange` with no requests).
-* **Emulated links**: with an :class:`~commlab.topology.EmulatedTopology`, the rank waits before posting
-  the group for as long as each of its sends would take on the emulated link (the sends one after the
-  other, as they leave through one NIC); the messages themselves then use the real transport.
-
-On NCCL, torch requires that a ``batch_isend_irecv`` that is the *first* operation on a communicator
-involve every rank of the group (its docstring). commlab's collectives start with their agreement check, a
-collective over the whole group, unless called with ``check=False``; a process group initialised with its
-device (``init_process_group(device_id=...)``) creates its NCCL communicator eagerly, which satisfies the
-rule from the start.
+Book: chapter 2, §2.6 (why a step's send and receive go in one group).
 """
 
 from __future__ import annotations
@@ -83,12 +35,10 @@ _Message = tuple[torch.Tensor, int]
 class Exchange:
     """The requests of one posted group, and the tensors they read from or write into.
 
-    Keep it until :meth:`wait` has returned: until then a sent tensor must not be modified and a
-    received tensor must not be read (on a GPU the tensors must also stay alive, which holding this
-    object guarantees). The requests themselves are released only when this object is: on gloo,
-    releasing a receive request right after waiting for it made each ring step about twice as slow in our
-    measurements on a 2-core machine (4 ranks, 256 KiB messages), so a caller that drops the exchange of
-    step s only after posting step s+1 (as the ring does) keeps that cost off its critical path.
+    Keep it until :meth:`wait` has returned: until then a sent tensor must not be modified and a received
+    tensor must not be read (on a GPU the tensors must also stay alive, which holding this object
+    guarantees). The requests are released only when this object is: on gloo, releasing a receive request
+    right after waiting for it slows a ring step, so the ring drops step s's exchange only after posting s+1.
 
     Attributes:
         nbytes_sent: payload bytes of the group's sends (``numel * element_size``; headers not counted).

@@ -1,34 +1,17 @@
 """A model of NCCL's point-to-point rendezvous, and a simulator that tells whether a plan can deadlock.
 
-A *plan* lists, for every rank, the groups of messages it posts, in order; each group is what one
-:func:`commlab.collectives.p2p.exchange` posts. The simulator replays the plan under the rules NCCL states
-for ``ncclSend``/``ncclRecv`` (NCCL user guide, "Point-to-point communication" and the API pages):
+A *plan* lists, for every rank, the groups of messages it posts, in order (each group what one
+:func:`commlab.collectives.p2p.exchange` posts). :func:`simulate_rendezvous` replays it under NCCL's rules
+for ``ncclSend``/``ncclRecv`` (NCCL user guide, "Point-to-point communication"): (1) a rank runs its groups
+in order; (2) a send and a receive meet only while both ranks are at the groups that hold them; (3) messages
+between a pair match in order, in one direction; (4) a group completes once all its messages have met. If
+no rank can move while some have groups left it raises :class:`RendezvousDeadlock`, naming where each rank
+is stuck. This is the strict model: gloo completes every plan that passes here; PyTorch's NCCL backend
+keys ungrouped operations by peer pair, so rule 1 holds per pair there. Messages are any objects with
+``src`` and ``dst``; groups any objects with ``sends`` and ``recvs``. The pipeline's plans are checked
+with it (:mod:`commlab.parallel.pipeline.plan`).
 
-1. a rank runs its groups one after another, in order (they share one stream), and computes between
-   them without waiting for anyone;
-2. a send and a receive meet only while both ranks are at the groups that hold them (a send blocks
-   until the matching receive runs, and the other way round); inside a group the messages progress
-   independently of each other;
-3. the k-th message from rank a to rank b meets the k-th receive on b from a (messages between a pair
-   match in order, in one direction);
-4. a group completes once all of its messages have met; its rank then moves on.
-
-If no rank can move while some have groups left, the plan deadlocks, and the simulator names the group
-each unfinished rank is stuck at. This is the strict model: gloo, whose ``isend``/``irecv`` progress on
-their own, completes every plan that passes here, and a plan that deadlocks here can hang on NCCL. It is
-stricter than torch may be: for ungrouped operations PyTorch's ``ProcessGroupNCCL`` uses one communicator
-and stream per peer pair (pytorch/pytorch issue #132852; ``getKeySendRecv`` in
-``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``), so rule 1 holds per pair there rather than per
-rank, and the hangs that certainly remain are between one pair (a 2-rank ring, 1F1B between two stages)
-or come from the order of groups (see :mod:`commlab.collectives.p2p`, rule 2).
-
-Two plans show the point of grouping (:mod:`commlab.collectives.p2p`): two ranks that each send to the
-other and then receive, every message a group of its own, deadlock (each send waits for a receive that
-sits behind the other rank's send; NVIDIA/nccl issue #479); the same messages in one group per rank
-complete. The pipeline's plans are checked the same way (:mod:`commlab.parallel.pipeline.plan`).
-
-Messages are any objects with ``src`` and ``dst`` (ranks) that compare equal when they describe the same
-message; groups are any objects with ``sends`` and ``recvs`` (sequences of messages).
+Book: chapter 2, §2.6.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Ring ReduceScatter, AllGather and AllReduce, built from point-to-point exchanges alone.
 
-The algorithm (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations", J. Parallel Distrib. Comput. 69(2), section 3; the same ring NCCL runs): the ranks
-form a ring; the tensor is cut into N chunks; in each of N-1 steps every rank sends one chunk to its
-successor and receives one from its predecessor. Each step is one grouped exchange
-(:func:`commlab.collectives.p2p.exchange`, i.e. ``batch_isend_irecv``), so that the same code cannot
-deadlock on NCCL, where a send and a receive only progress together inside one group.
+The ring of Patarasuk & Yuan 2009 (J. Parallel Distrib. Comput. 69(2), §3; the ring NCCL runs): the
+tensor is cut into N chunks (the ``torch.tensor_split`` rule, :func:`chunk_bounds`; empty chunks are
+skipped); in each of N-1 steps every rank sends one chunk to its successor and receives one from its
+predecessor, in one grouped exchange (:func:`commlab.collectives.p2p.exchange`).
+:func:`ring_reduce_scatter` adds what it receives and leaves each rank its own group rank's chunk of the
+sum (``dist.reduce_scatter_tensor``); :func:`ring_all_gather` stores it; :func:`ring_all_reduce` is the two
+in turn, ``2(N-1)/N`` of the tensor's bytes per rank, the lower bound. Partial sums travel in the input
+dtype and each hop's addition is rounded back to it, as NCCL and gloo do. Every function first checks,
+with one tiny all-gather, that all ranks agree (:class:`CollectiveMismatchError` on every rank otherwise).
+Costs: :func:`ring_bytes_sent_per_rank` and the ``*_seconds`` functions.
 
-* ReduceScatter: the received chunk is added to the local copy of that chunk. After N-1 steps the
-  rank at ring position p holds the complete sum of chunk ``order[p]``, i.e. of the chunk whose index is
-  its own group rank (so the result equals ``dist.reduce_scatter_tensor``).
-* AllGather: the received chunk is stored. After N-1 steps every rank holds every chunk.
-* AllReduce = ReduceScatter then AllGather: each rank sends 2(N-1)/N of the tensor's bytes, which is
-  the lower bound for any AllReduce in which every rank must receive information from all others
-  (Patarasuk & Yuan, section 2).
-
-Chunks follow ``torch.tensor_split``: for ``numel`` elements and N ranks the first ``numel % N``
-chunks hold one element more than the rest, and some chunks are empty when ``numel < N`` (an empty
-chunk is simply not sent; both neighbours know its size, so they skip the same step).
-
-Low precision: partial sums travel in the input dtype, so bfloat16/float16 cost the same bytes on the
-wire as in torch's own collectives; each hop's addition is computed in float32 and rounded back to the
-input dtype (what PyTorch's CPU ``add_`` does for these dtypes), so the result carries up to N-1
-roundings, as a reduction in NCCL or gloo does.
-
-Every function checks first, with one tiny all-gather, that all ranks passed the same element count,
-dtype and ring order; if not, every rank raises the same :class:`CollectiveMismatchError`.
+Book: chapter 2 (§2.1 the ring step by step, §2.2 uneven chunks, §2.3 why 2(N-1)/N, §2.4 on real processes).
 """
 
 from __future__ import annotations
