@@ -7,6 +7,8 @@ N, as torch's prototype ``quantization_pertensor_hook``); ``"two_phase"`` for an
 (:mod:`commlab.compress.two_phase`, about ``2 (N-1)/N × payload``). :func:`sparse_ring_fill_in`,
 :func:`expected_union_support` and :func:`union_support_sizes` count why Top-K payloads cannot be added
 inside a ring, as the source article does: each hop's partial sum covers the union of more index sets.
+The DDP hook :func:`commlab.compress.compression_hook` takes the same path: both run an
+:class:`AggregateCall` (compress, agree, launch; then decompress and sum), the hook returning in between.
 
 Book: chapter 4, §4.3 (the three paths) and §4.4 (the sparse ring).
 """
@@ -22,14 +24,15 @@ import torch.distributed as dist
 
 from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.collectives._common import SUPPORTED_DTYPES, group_size_and_rank
+from commlab.collectives.agreement import gather
 from commlab.compress.agreement import agree_finite, agree_payloads
 from commlab.compress.base import Compressor, Payload
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.two_phase import TwoPhaseCall
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["Aggregated", "aggregate", "PATHS", "SparseRingFillIn", "sparse_ring_fill_in", "expected_union_support",
-           "union_support_sizes", "agree_finite"]
+__all__ = ["Aggregated", "aggregate", "AggregateCall", "PATHS", "SparseRingFillIn", "sparse_ring_fill_in",
+           "expected_union_support", "union_support_sizes", "agree_finite"]
 
 #: The values of ``aggregate(path=...)``: "auto" is the compressor's own (ring AllReduce if linear, else all-gather).
 PATHS = ("auto", "all_reduce", "all_gather", "two_phase")
@@ -101,69 +104,195 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
             before anything is sent, so that all ranks can skip the step together; in the two-phase path also
             a chunk owner's sum that overflows when recompressed (on every rank, naming the owner).
     """
-    size, _ = group_size_and_rank(group)
-    name = getattr(compressor, "name", type(compressor).__name__)
-    if path not in PATHS:
-        raise ValueError(f"aggregate: path must be one of {PATHS}, got {path!r}")
-    if path == "all_reduce" and not compressor.linear:
-        raise ValueError(f"aggregate: path='all_reduce' adds payloads on the way, which {name} (not linear) does not "
-                         "allow; use 'all_gather' or 'two_phase'")
-    if server_error_feedback is not None and path != "two_phase":
-        raise ValueError("aggregate: server_error_feedback is the chunk owners' error feedback of path='two_phase'; "
-                         f"path={path!r} has no owners")
-    if path == "auto":
-        path = "all_reduce" if compressor.linear else "all_gather"
-    agree_finite(tensor, group, "aggregate")
-    if path == "two_phase":
-        call = TwoPhaseCall(tensor, compressor, group, error_feedback=error_feedback,
-                            server_error_feedback=server_error_feedback, key=key, emulate=emulate)
-        call.start()
-        call.middle()
-        total = call.finish()
-        return Aggregated(total, call.payload_nbytes, call.bytes_sent_per_rank, "two_phase", call.server_payload_nbytes)
-    if error_feedback is not None:
-        if key is None:
-            raise ValueError("aggregate: error_feedback needs a key naming this tensor's residual (e.g. the "
-                             "parameter's name)")
-        if error_feedback.compressor is not compressor:
-            raise ValueError(f"aggregate: error_feedback wraps {error_feedback.name!r}, not the compressor "
-                             f"passed ({getattr(compressor, 'name', type(compressor).__name__)!r}); pass "
-                             "the same compressor object to both")
-        payload = error_feedback.compress(tensor, key)
-    else:
-        payload = compressor.compress(tensor)
-    agree_payloads(payload, name, group, size)
-    nbytes = payload.nbytes
+    call = AggregateCall(tensor, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate,
+                         path=path, server_error_feedback=server_error_feedback)
+    call.start()
+    total = call.finish()
+    return Aggregated(total, call.payload_nbytes, call.bytes_sent_per_rank, call.path, call.server_payload_nbytes)
 
-    if path == "all_reduce":
-        summed = {}
-        for tname, t in payload.tensors.items():
-            if t.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"aggregate: payload tensor {tname!r} of {name} has dtype {t.dtype}, which the "
-                                "ring cannot add; a linear compressor must send an addable dtype")
-            # Agreement was checked above for all payload tensors at once, so the ring skips its own check.
-            summed[tname] = ring_all_reduce(t, group, check=False, emulate=emulate)
-        result = compressor.decompress(Payload(summed, payload.shape, payload.dtype, payload.meta))
-        return Aggregated(result, nbytes, ring_bytes_sent_per_rank(nbytes, size, "all_reduce"), "all_reduce")
 
-    gathered: list[dict[str, torch.Tensor]] = [dict() for _ in range(size)]
-    for tname, t in payload.tensors.items():
-        if size == 1 or t.numel() == 0:
-            parts = [t] * size  # nothing to move (equal sizes were agreed, so every rank skips alike)
-        elif emulate is not None:
-            parts = list(ring_all_gather(t, group, emulate=emulate).view(size, *t.shape).unbind(0))
+class AggregateCall:
+    """One compressed sum (or mean) over a group in two stages, so that a DDP hook can return while the payloads
+    travel: :meth:`start` compresses (through error feedback), agrees and launches the collectives;
+    :meth:`finish` decompresses and sums. :func:`aggregate` runs both at once, the comm hook
+    :func:`commlab.compress.compression_hook` returns between them: one path under both.
+
+    Args:
+        tensor, compressor, group, error_feedback, key, emulate, path, server_error_feedback: as
+            :func:`aggregate`.
+        mean: return the mean over ranks, not the sum. A linear payload is then divided by N *before* it is
+            summed (as PyTorch's ``fp16_compress_hook`` does, so that a float16 sum cannot overflow), which
+            needs floating-point payload tensors and a compressor linear in the full sense,
+            ``decompress(a p + b q) = a decompress(p) + b decompress(q)`` (casts, Random-K with shared
+            indices); the other paths divide their sum.
+        overlap: linear payloads go through torch's asynchronous ``dist.all_reduce``, whose futures
+            :meth:`start` returns, as a DDP hook needs; False (default): through commlab's ring AllReduce,
+            synchronously, which ``emulate`` can delay. Payloads that are gathered always travel
+            asynchronously (``dist.all_gather``) unless emulated.
+        ragged: the payload tensors may differ in size by rank (a threshold sparsifier, which DDP hooks
+            allow): their shapes are exchanged (two tiny all-gathers) instead of agreed, and each is
+            all-gathered padded to the longest; the bytes count this rank's payload. Default False: every
+            rank's payload must have the same layout (:func:`~commlab.compress.agreement.agree_payloads`).
+        what: the caller, for messages.
+
+    Attributes (after :meth:`start`):
+        path: the path taken. payload: this rank's payload. payload_nbytes, bytes_sent_per_rank,
+        server_payload_nbytes: as in :class:`Aggregated`.
+
+    Raises:
+        ValueError: as :func:`aggregate`; ``overlap`` with ``emulate``.
+        TypeError: a linear payload tensor the sum cannot take (``mean``: not floating point; the ring: a dtype
+            it cannot add), raised before anything is sent.
+        CollectiveMismatchError, FloatingPointError: as :func:`aggregate`.
+    """
+
+    def __init__(self, tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,
+                 error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
+                 emulate: EmulatedTopology | None = None, path: str = "auto",
+                 server_error_feedback: ErrorFeedback | None = None, mean: bool = False, overlap: bool = False,
+                 ragged: bool = False, what: str = "aggregate"):
+        self.size, _ = group_size_and_rank(group, what)
+        self.name = getattr(compressor, "name", type(compressor).__name__)
+        if path not in PATHS:
+            raise ValueError(f"{what}: path must be one of {PATHS}, got {path!r}")
+        if path == "all_reduce" and not compressor.linear:
+            raise ValueError(f"{what}: path='all_reduce' adds payloads on the way, which {self.name} (not linear) "
+                             "does not allow; use 'all_gather' or 'two_phase'")
+        if server_error_feedback is not None and path != "two_phase":
+            raise ValueError(f"{what}: server_error_feedback is the chunk owners' error feedback of "
+                             f"path='two_phase'; path={path!r} has no owners")
+        if overlap and emulate is not None:
+            raise ValueError(f"{what}: overlap launches torch's collectives, which an EmulatedTopology cannot "
+                             "delay; pass emulate without overlap")
+        if error_feedback is not None and path != "two_phase":  # TwoPhaseCall checks its own
+            if key is None:
+                raise ValueError(f"{what}: error_feedback needs a key naming this tensor's residual (e.g. the "
+                                 "parameter's name)")
+            if error_feedback.compressor is not compressor:
+                raise ValueError(f"{what}: error_feedback wraps {error_feedback.name!r}, not the compressor "
+                                 f"passed ({self.name!r}); pass the same compressor object to both")
+        self.path = ("all_reduce" if compressor.linear else "all_gather") if path == "auto" else path
+        self.tensor, self.compressor, self.group, self.key, self.emulate = tensor, compressor, group, key, emulate
+        self.error_feedback, self.server_error_feedback = error_feedback, server_error_feedback
+        self.mean, self.overlap, self.ragged, self.what = mean, overlap, ragged, what
+        self.payload: Payload | None = None
+        self.payload_nbytes = self.server_payload_nbytes = 0
+        self.bytes_sent_per_rank = 0.0
+        self._two_phase: TwoPhaseCall | None = None
+        self._works: list = []
+        self._summed: dict[str, torch.Tensor] = {}          # "all_reduce": the payload's tensors, summed
+        self._gathered: list[dict[str, torch.Tensor]] = []  # "all_gather": every rank's payload tensors
+
+    def start(self) -> list[torch.futures.Future]:
+        """Agree on finiteness, compress, launch the collectives; return the futures still in flight (empty when
+        everything ran synchronously)."""
+        agree_finite(self.tensor, self.group, self.what)
+        if self.path == "two_phase":
+            self._two_phase = call = TwoPhaseCall(
+                self.tensor, self.compressor, self.group, error_feedback=self.error_feedback,
+                server_error_feedback=self.server_error_feedback, key=self.key, emulate=self.emulate,
+                what=self.what)
+            self.payload = call.start()
+            # Phase 1 is waited for on this thread and phase 2 launched from it: a collective issued from a
+            # future's callback would race with the next bucket's (see powersgd_hook).
+            futures = call.middle()
+            self.payload_nbytes, self.server_payload_nbytes = call.payload_nbytes, call.server_payload_nbytes
+            self.bytes_sent_per_rank = call.bytes_sent_per_rank
+            return futures
+        if self.error_feedback is not None:
+            self.payload = self.error_feedback.compress(self.tensor, self.key)
         else:
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-        for r in range(size):
-            gathered[r][tname] = parts[r]
-    acc = torch.promote_types(payload.dtype, torch.float32)
-    total = torch.zeros(payload.shape, dtype=acc, device=tensor.device)
-    for r in range(size):
-        total += compressor.decompress(Payload(gathered[r], payload.shape, payload.dtype, payload.meta)).to(acc)
-    # A ring AllGather of N payloads: each rank forwards N-1 of them.
-    sent = ring_bytes_sent_per_rank(size * nbytes, size, "all_gather")
-    return Aggregated(total.to(payload.dtype), nbytes, sent, "all_gather")
+            self.payload = self.compressor.compress(self.tensor)
+        if not self.ragged:
+            agree_payloads(self.payload, self.name, self.group, self.size, self.what)
+        self.payload_nbytes = self.payload.nbytes
+        if self.path == "all_reduce":
+            self._start_all_reduce()
+        else:
+            self._start_all_gather()
+        return [w.get_future() for w in self._works]
+
+    def _start_all_reduce(self) -> None:
+        tensors = self.payload.tensors
+        bad = {k: t.dtype for k, t in tensors.items()
+               if (not t.is_floating_point() if self.mean else t.dtype not in SUPPORTED_DTYPES)}
+        if bad:
+            why = ("a linear payload is scaled by 1/N before the sum, which integer codes do not allow" if self.mean
+                   else "the ring cannot add these dtypes; a linear compressor must send an addable dtype")
+            raise TypeError(f"{self.what}: {self.name} is marked linear but its payload tensors {bad} cannot be "
+                            f"summed: {why}")
+        for name, t in tensors.items():
+            if self.mean:
+                t = t.div(self.size)  # a fresh tensor: a payload may share memory with the input (a same-dtype cast)
+            if self.overlap:
+                self._works.append(dist.all_reduce(t, group=self.group, async_op=True))
+                self._summed[name] = t
+            else:
+                # The payloads' agreement was checked above, so the ring skips its own check.
+                self._summed[name] = ring_all_reduce(t, self.group, check=False, emulate=self.emulate)
+        self.bytes_sent_per_rank = ring_bytes_sent_per_rank(self.payload_nbytes, self.size, "all_reduce")
+
+    def _start_all_gather(self) -> None:
+        local = self.payload.tensors
+        if self.ragged:
+            shapes = _payload_shapes(self.payload, self.group)
+        else:
+            shapes = [[t.shape for t in local.values()]] * self.size
+        self._gathered = [dict() for _ in range(self.size)]
+        for j, (name, t) in enumerate(local.items()):
+            numels = [math.prod(shapes[r][j]) for r in range(self.size)]
+            longest = max(numels)
+            flat = t.reshape(-1)
+            if flat.numel() < longest:  # ragged: padded to the longest
+                flat = torch.cat([flat, flat.new_zeros(longest - flat.numel())])
+            if self.size == 1 or longest == 0:
+                parts = [flat] * self.size  # nothing to move (every rank knows the sizes, so all skip alike)
+            elif self.emulate is not None:
+                parts = list(ring_all_gather(flat, self.group, emulate=self.emulate).view(self.size, -1).unbind(0))
+            else:
+                parts = [torch.empty_like(flat) for _ in range(self.size)]
+                self._works.append(dist.all_gather(parts, flat.contiguous(), group=self.group, async_op=True))
+            for r in range(self.size):
+                self._gathered[r][name] = parts[r][:numels[r]].view(shapes[r][j])
+        # A ring AllGather of N payloads: each rank forwards N-1 of them.
+        self.bytes_sent_per_rank = ring_bytes_sent_per_rank(self.size * self.payload_nbytes, self.size, "all_gather")
+
+    def sent(self) -> torch.Tensor:
+        """This rank's payload decompressed: what its peers receive from it (the input's shape and dtype).
+        ``tensor - sent()`` is what compression lost, the residual an error feedback keeps."""
+        payload = self.payload
+        decompress = self._two_phase.chunked.decompress if self._two_phase is not None else self.compressor.decompress
+        return decompress(payload).reshape(self.tensor.shape).to(self.tensor.dtype)
+
+    def finish(self, wait: bool = True) -> torch.Tensor:
+        """Wait for the collectives (``wait=False`` inside a callback of :meth:`start`'s futures: they have
+        completed), decompress and sum; returns the sum (the mean with ``mean``) in the input's shape and dtype,
+        the same on every rank."""
+        if self._two_phase is not None:
+            total = self._two_phase.finish(wait=wait)
+            return total.div_(self.size) if self.mean else total
+        if wait:
+            for w in self._works:
+                w.wait()
+        self._works = []
+        payload = self.payload
+        if self.path == "all_reduce":
+            return self.compressor.decompress(Payload(self._summed, payload.shape, payload.dtype, payload.meta))
+        acc = torch.promote_types(payload.dtype, torch.float32)
+        total = torch.zeros(payload.shape, dtype=acc, device=self.tensor.device)
+        for r in range(self.size):  # rank order, so that every rank adds the same way
+            total += self.compressor.decompress(Payload(self._gathered[r], payload.shape, payload.dtype,
+                                                        payload.meta)).to(acc)
+        if self.mean:
+            total.div_(self.size)
+        return total.to(payload.dtype)
+
+
+def _payload_shapes(payload: Payload, group: dist.ProcessGroup | None) -> list[list[torch.Size]]:
+    """Every rank's payload tensor shapes, ``shapes[rank][j]`` for the payload's j-th tensor (one small
+    all-gather through :func:`commlab.collectives.agreement.gather`), for payloads whose sizes depend on the data."""
+    everyone = gather([tuple(t.shape) for t in payload.tensors.values()], group)
+    return [[torch.Size(s) for s in shapes] for shapes in everyone]
 
 
 # ------------------------------------------------------------------- why Top-K cannot ride a ring

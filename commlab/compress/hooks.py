@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives._common import group_size_and_rank
-from commlab.compress.agreement import agree_finite
-from commlab.compress.base import Compressor, Payload
+from commlab.compress.aggregate import AggregateCall
+from commlab.compress.base import Compressor
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.powersgd import PowerSGDState, _Call, _group
-from commlab.compress.two_phase import TwoPhaseCall, server_key
+from commlab.compress.two_phase import server_key
 
 #: The values of ``CompressionHookState(aggregation=...)``.
 AGGREGATIONS = ("auto", "two_phase")
@@ -241,29 +241,16 @@ class CompressionHookState:
 
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a bucket with ``state.compressor``: all-reduce for linear payloads, all-gather otherwise, or the
-    two-phase compressed AllReduce (``state.aggregation == "two_phase"``).
+    """Average a bucket with ``state.compressor``, through the path :func:`commlab.compress.aggregate` takes
+    (:class:`commlab.compress.aggregate.AggregateCall`): linear payloads all-reduced, others all-gathered, or
+    the two-phase compressed AllReduce (``state.aggregation == "two_phase"``).
 
-    Each rank compresses ``x`` = its gradient (+ its residual, with error feedback).
-
-    * ``compressor.linear``: the payload's tensors are divided by N, summed with an asynchronous
-      ``dist.all_reduce`` and the sum decompressed once: that is the average. Dividing the payload before
-      the sum (as PyTorch's ``fp16_compress_hook`` does) keeps a float16 sum from overflowing; it relies on
-      the compressor being linear in the full sense, ``decompress(a p + b q) = a decompress(p) +
-      b decompress(q)`` (true of casts and of Random-K with shared indices), so its payload tensors must be
-      floating point. For ``CastCompressor(torch.float16)`` the arithmetic is then exactly PyTorch's.
-    * otherwise: one small all-gather exchanges the payload tensors' shapes (they may differ by rank, e.g.
-      a threshold sparsifier), then each payload tensor is all-gathered (padded to the longest), and the N
-      payloads are decompressed, summed and divided by N on every rank.
-
-    * ``"two_phase"`` (:class:`commlab.compress.two_phase.TwoPhaseCall`): ``x`` is cut into N chunks, each
-      compressed; an all-to-all sends chunk j to rank j, which waits for it here (the hook's thread), sums
-      and recompresses it (with the owner's residual when ``state.server_error_feedback``), and launches
-      the all-gather of the owners' chunks; the future decompresses them, joins and divides by N.
-
-    With error feedback the residual is ``x - decompress(compress(x))`` (for two-phase, of this rank's
-    chunked payload), computed locally before sending. All collectives are issued from the calling thread,
-    in bucket order.
+    Each rank compresses ``x`` = its gradient (+ its residual, with error feedback; the new residual is
+    ``x - decompress(compress(x))``, kept per bucket). As a DDP hook it averages with torch's asynchronous
+    collectives (``overlap``), divides a linear payload by N before the sum as PyTorch's
+    ``fp16_compress_hook`` does (for ``CastCompressor(torch.float16)`` the arithmetic is exactly PyTorch's),
+    and lets payload sizes differ by rank (``ragged``: a threshold sparsifier). All collectives are issued
+    from the calling thread, in bucket order.
 
     Returns:
         A future of the bucket buffer, holding the average.
@@ -275,95 +262,19 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         CollectiveMismatchError: two-phase, the ranks' chunk payloads differ (on every rank).
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    x = buffer
-    if state.error_feedback:
-        x = buffer + state._residual(bucket, buffer)
-    comp = state.compressor
-    agree_finite(x, group, "compression_hook")  # every rank raises together, none waits for a lost peer
-    if state.aggregation == "two_phase":
-        return _two_phase(state, bucket, group, world, buffer, x)
-    payload = comp.compress(x)
-    state.last_payload_nbytes = payload.nbytes
-    state.last_bytes_sent_per_rank = (2 * (world - 1) / world if comp.linear else world - 1) * payload.nbytes
-    if state.error_feedback:
-        state._store(bucket, x - comp.decompress(payload).reshape(x.shape).to(x.dtype))
-    names = list(payload.tensors)
-
-    if comp.linear:
-        bad = [k for k in names if not payload.tensors[k].is_floating_point()]
-        if bad:
-            raise TypeError(f"{comp.name} is marked linear but its payload tensors {bad} are not floating point; "
-                            "a linear payload is scaled by 1/N and summed, which integer codes do not allow")
-        # A fresh tensor to scale in place: a payload may share memory with the bucket (a cast to the same dtype).
-        tensors = [payload.tensors[k].div(world) for k in names]
-        futs = [dist.all_reduce(t, group=group, async_op=True).get_future() for t in tensors]
-
-        def done_linear(_):
-            summed = Payload(dict(zip(names, tensors)), payload.shape, payload.dtype, payload.meta)
-            buffer.copy_(comp.decompress(summed).reshape(buffer.shape))
-            return buffer
-
-        return torch.futures.collect_all(futs).then(done_linear)
-
-    # Non-linear: first learn every rank's payload shapes (one tiny all-gather), then gather the payloads.
-    local = [payload.tensors[k] for k in names]
-    dims = torch.tensor([len(t.shape) for t in local] + [d for t in local for d in t.shape],
-                        dtype=torch.int64, device=buffer.device)
-    n_dims = torch.tensor([dims.numel()], dtype=torch.int64, device=buffer.device)
-    all_n = [torch.empty_like(n_dims) for _ in range(world)]
-    dist.all_gather(all_n, n_dims, group=group)
-    longest = int(max(int(t) for t in all_n))
-    padded = torch.zeros(longest, dtype=torch.int64, device=buffer.device)
-    padded[:dims.numel()] = dims
-    all_dims = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(all_dims, padded, group=group)
-    shapes = []  # shapes[r][j]: shape of payload tensor j on rank r
-    for r in range(world):
-        d = all_dims[r].tolist()
-        ndims, pos, per = d[:len(local)], len(local), []
-        for nd in ndims:
-            per.append(tuple(d[pos:pos + nd]))
-            pos += nd
-        shapes.append(per)
-    gathered, futs = [], []
-    for j, t in enumerate(local):
-        size = max(int(torch.Size(shapes[r][j]).numel()) for r in range(world))
-        flat = torch.zeros(size, dtype=t.dtype, device=t.device)
-        flat[:t.numel()] = t.reshape(-1)
-        outs = [torch.empty_like(flat) for _ in range(world)]
-        futs.append(dist.all_gather(outs, flat, group=group, async_op=True).get_future())
-        gathered.append(outs)
-
-    def done_gather(_):
-        total = torch.zeros(payload.shape, dtype=payload.dtype, device=buffer.device)
-        for r in range(world):
-            tensors = {k: gathered[j][r][:torch.Size(shapes[r][j]).numel()].view(shapes[r][j])
-                       for j, k in enumerate(names)}
-            total += comp.decompress(Payload(tensors, payload.shape, payload.dtype, payload.meta))
-        buffer.copy_(total.div_(world).reshape(buffer.shape))
-        return buffer
-
-    return torch.futures.collect_all(futs).then(done_gather)
-
-
-def _two_phase(state: CompressionHookState, bucket, group, world: int, buffer: torch.Tensor,
-               x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The two-phase branch of :func:`compression_hook`: phase 1 and the owner's step here, phase 2 in flight."""
-    call = TwoPhaseCall(x, state.compressor, group, key=bucket.index(), what="compression_hook",
-                        server_error_feedback=state._server_feedback(bucket, dist.get_rank(group)))
-    payload = call.start()
-    state.last_payload_nbytes = payload.nbytes
-    if state.error_feedback:
-        state._store(bucket, x - call.chunked.decompress(payload).reshape(x.shape).to(x.dtype))
-    # Phase 1 is waited for on this thread, and phase 2 launched from it: a collective issued from a future's
-    # callback would race with the next bucket's (see powersgd_hook).
-    futures = call.middle()
+    x = buffer + state._residual(bucket, buffer) if state.error_feedback else buffer
+    call = AggregateCall(x, state.compressor, group, key=bucket.index(), path=state.aggregation,
+                         server_error_feedback=state._server_feedback(bucket, dist.get_rank(group)),
+                         mean=True, overlap=True, ragged=True, what="compression_hook")
+    futures = call.start()
+    state.last_payload_nbytes = call.payload_nbytes
     state.last_bytes_sent_per_rank = call.bytes_sent_per_rank
+    if state.error_feedback:
+        state._store(bucket, x - call.sent())
 
     def done(_=None):
-        buffer.copy_(call.finish(wait=False).div_(world).reshape(buffer.shape))
+        buffer.copy_(call.finish(wait=False).reshape(buffer.shape))
         return buffer
 
     if not futures:  # nothing in flight (one rank, or an empty bucket)
