@@ -122,17 +122,21 @@ def main(argv: list[str] | None = None) -> int:
                       help="share of device memory kept free for what the model does not count (CUDA context, NCCL "
                            "buffers, fragmentation), in [0, 1); default 0.1. Plans within 5 %% of the rest are "
                            "marked fragile (!)")
-    exp = sub.add_parser("experiments", help="chapter 8: train with every compressor, record to data/experiments/")
+    exp = sub.add_parser("experiments", help="chapter 8: train with every compressor, record to "
+                                             "commlab/data/experiments/ (in a checkout) or --out")
     exp_sub = exp.add_subparsers(dest="action", required=True)
     exp_run = exp_sub.add_parser("run", help="run a grid (resumes: runs already recorded are skipped)")
     exp_run.add_argument("--grid", default="full", choices=["full", "quick"], help="which grid (default full)")
-    exp_run.add_argument("--out", default=None, help="JSON-lines file (default data/experiments/<grid>.jsonl)")
+    exp_run.add_argument("--out", default=None, help="JSON-lines file (default in a checkout: "
+                         "commlab/data/experiments/<grid>.jsonl)")
     exp_run.add_argument("--fresh", action="store_true", help="discard the recorded runs and start over")
     exp_val = exp_sub.add_parser("slow-link", help="measure step times on an emulated slow link beside the "
-                                                   "time model's prediction (data/experiments/slow_link.json)")
-    exp_val.add_argument("--out", default=None, help="JSON file (default data/experiments/slow_link.json)")
+                                                   "time model's prediction (commlab/data/experiments/slow_link.json)")
+    exp_val.add_argument("--out", default=None, help="JSON file (default in a checkout: "
+                         "commlab/data/experiments/slow_link.json)")
     exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
-    exp_tab.add_argument("--records", default=None, help="JSON-lines file (default data/experiments/full.jsonl)")
+    exp_tab.add_argument("--records", default=None, help="JSON-lines file (default: the recorded "
+                         "commlab/data/experiments/full.jsonl)")
     args = parser.parse_args(argv)
     if args.command == "experiments":
         return _experiments(args)
@@ -523,10 +527,11 @@ def _experiments(args) -> int:
 
 
 def _experiments_action(args) -> int:
+    from commlab import data
     from commlab.experiments import grid
 
     if args.action == "run":
-        path = args.out or grid.default_path(args.grid)
+        path = args.out or data.record_path(f"experiments/{args.grid}.jsonl")
         records = grid.run_grid(grid.grid_configs(args.grid), path, fresh=args.fresh)
         print(f"{len(records)} runs recorded in {path}")
         return 0

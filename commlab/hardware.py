@@ -1,4 +1,4 @@
-"""Vendor figures for devices and links, read from ``data/hardware.json``.
+"""Vendor figures for devices and links, read from the package data ``hardware.json`` (:mod:`commlab.data`).
 
 The file is a flat JSON object: device or link name -> figure name -> ``{"value", "unit", "source"}``.
 Keys that start with ``_`` are notes for the reader and are skipped. Values are in the units the
@@ -12,15 +12,15 @@ datasheet it comes from, so that a number in the book can be traced back.
 
 from __future__ import annotations
 
-import json
 import math
-from functools import lru_cache
 from pathlib import Path
+
+from commlab import data
 
 __all__ = ["DEFAULT_PATH", "UNITS", "load", "figure", "value", "devices"]
 
-#: Where the figures live: the repository's ``data/`` folder, next to the package.
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "hardware.json"
+#: Where the figures live: ``hardware.json`` of the package data (a Traversable; see :mod:`commlab.data`).
+DEFAULT_PATH = data.path("hardware.json")
 
 #: Units a figure may carry; anything else is refused so that a typo cannot pass silently.
 UNITS = frozenset({"FLOP/s", "bytes", "bytes/s", "bit/s", "count"})
@@ -57,17 +57,11 @@ def _validate(table: dict, where: str) -> dict:
     return devices
 
 
-@lru_cache(maxsize=8)
-def _load_cached(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return _validate(json.load(f), Path(path).name)
-
-
 def load(path: str | Path | None = None) -> dict:
     """Read and check the hardware table; returns ``{device: {figure: {"value", "unit", "source"}}}``.
 
     Args:
-        path: a JSON file in the format above; default :data:`DEFAULT_PATH`.
+        path: a JSON file in the format above; default (None) :data:`DEFAULT_PATH`.
 
     Raises:
         FileNotFoundError: if the file does not exist.
@@ -75,7 +69,7 @@ def load(path: str | Path | None = None) -> dict:
             value or an unknown unit.
     """
     # A copy, so that a caller who edits the result does not change what the next caller reads.
-    table = _load_cached(str(Path(path or DEFAULT_PATH).resolve()))
+    table = data.load_json(path, "hardware.json", _validate)
     return {device: {name: dict(entry) for name, entry in figs.items()} for device, figs in table.items()}
 
 

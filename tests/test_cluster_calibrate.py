@@ -1,4 +1,4 @@
-"""Cluster presets (data/clusters.json) and the α-β calibration (commlab.bench.calibrate).
+"""Cluster presets (commlab/data/clusters.json) and the α-β calibration (commlab.bench.calibrate).
 
 The calibration tests run real ranks on tiny sizes and check only the shape and sign of what comes back:
 this machine is shared, so no timing threshold is asserted.

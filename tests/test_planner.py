@@ -202,7 +202,7 @@ def test_search_16k_gpus_is_fast():
 
 # ----------------------------------------------------------------------------------------- published layouts
 
-#: Every run the validation models (data/published_layouts.json without context parallelism), Table 1's ten
+#: Every run the validation models (commlab/data/published_layouts.json without context parallelism), Table 1's ten
 #: first: with the default compute model (the kernel model) each lands within ±25 % of its reported per-GPU
 #: throughput (test_prediction_within_25_percent).
 HOLDS = [k for k, e in load_published().items() if e.get("cp", 1) == 1]
@@ -364,7 +364,7 @@ def test_the_loss_is_priced_at_memory_bandwidth_and_only_where_it_is_known():
     assert (f, b) == pytest.approx((38 * logits * tokens / 3.35e12, 14 * logits * tokens / 3.35e12))
     t = step_time(m, lay, make_cluster("dgx-h100-ndr", 8), 16)
     assert t.loss_s == pytest.approx(t.micro_batches * (f + b))
-    # A100 PCIe has no memory bandwidth in data/hardware.json: no loss term, rather than a guessed one
+    # A100 PCIe has no memory bandwidth in commlab/data/hardware.json: no loss term, rather than a guessed one
     assert loss_seconds(m, 2, 2, "A100-PCIe") == (0.0, 0.0)
     assert step_time(m, lay, make_cluster("pcie-gen4-node", 8), 16).loss_s == 0.0
     with pytest.raises(ValueError, match="tp must be"):

@@ -3,11 +3,10 @@ time model run with it (``achievable_fraction="kernels"``). Each term against a 
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-from commlab import hardware
+from commlab import data, hardware
 from commlab.__main__ import main
 from commlab.parallel.planner import KERNELS, Layout, load_model, load_software, search, stage_params, step_time
 from commlab.collectives.ring import ring_all_reduce_seconds
@@ -19,8 +18,8 @@ from commlab.parallel.planner.time_model import executed_flops_per_token
 from commlab.topology import load_preset
 from tests.helpers import exit_status
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "gemm_efficiency.json"
-LAYER_TIMES = Path(__file__).resolve().parent.parent / "data" / "published_layer_times.json"
+DATA = data.path("gemm_efficiency.json")
+LAYER_TIMES = data.path("published_layer_times.json")
 H100_PEAK = 989e12
 
 
@@ -230,7 +229,7 @@ def test_the_stacks_share_of_the_microbenchmark_rates_by_hand():
 
 
 def _layer_file(tmp_path, name, change):
-    table = json.loads(Path(LAYER_TIMES).read_text())
+    table = json.loads(LAYER_TIMES.read_text())
     change(table)
     path = tmp_path / name  # a new path each time: the tables are read once per path
     path.write_text(json.dumps(table))

@@ -243,7 +243,7 @@ def test_two_phase_ddp_hook_equals_ddp_averaging_and_its_state_dict_restores():
 
 def test_two_phase_in_chapter_8s_run_keys_labels_and_time_model():
     auto = RunConfig("charlm", "sign", True)
-    # The default keeps the keys of the recorded runs (data/experiments/full.jsonl).
+    # The default keeps the keys of the recorded runs (commlab/data/experiments/full.jsonl).
     assert auto.key == "charlm|sign|ef=1|warmup=0|seed=0|n=4|steps=300|bs=16|lr=0.003|eval=25"
     two = RunConfig("charlm", "sign", True, aggregation="two_phase")
     assert two.key == "charlm|sign|ef=1|warmup=0|agg=two_phase|seed=0|n=4|steps=300|bs=16|lr=0.003|eval=25"

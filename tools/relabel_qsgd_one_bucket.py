@@ -13,7 +13,7 @@ which no bucketed run of more than 512 entries has; running it twice, or after t
 recorded, changes nothing more.
 
 Usage: ``python tools/relabel_qsgd_one_bucket.py [FILE.jsonl ...]`` (default:
-``data/experiments/full.jsonl``). Prints how many lines of each file it rewrote.
+``commlab/data/experiments/full.jsonl``, in a checkout). Prints how many lines of each file it rewrote.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import json
 import pathlib
 import sys
 
+from commlab.data import record_path
 from commlab.experiments import describe
-from commlab.experiments.grid import default_path
 
 
 def one_bucket_nbytes(numel: int, bits: int) -> int:
@@ -61,7 +61,7 @@ def relabel_file(path: pathlib.Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    paths = [pathlib.Path(a) for a in argv] or [default_path("full")]
+    paths = [pathlib.Path(a) for a in argv] or [record_path("experiments/full.jsonl")]
     for path in paths:
         print(f"{path}: {relabel_file(path)} line(s) relabelled")
     return 0

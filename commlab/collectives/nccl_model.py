@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
-from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
+
+from commlab import data
 
 __all__ = ["DEFAULT_PATH", "PROTOCOLS", "ALGORITHMS", "GPUS", "CPUS", "INTRA_LINKS", "load_tuning", "NcclSystem",
            "PairModel", "pair_model", "all_reduce_seconds", "all_reduce_table", "best", "protocol_switches"]
 
-#: The constants: the repository's ``data/`` folder, next to the package.
-DEFAULT_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "nccl_tuning.json"
+#: The constants: ``nccl_tuning.json`` of the package data (a Traversable; see :mod:`commlab.data`).
+DEFAULT_PATH = data.path("nccl_tuning.json")
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 ALGORITHMS = ("Ring", "Tree")
@@ -52,15 +52,9 @@ CPUS = ("Intel", "AMD")
 INTRA_LINKS = ("NVLink", "PCI")
 
 
-@lru_cache(maxsize=4)
-def _read(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _pinned(path: str | Path | None) -> dict:
     # The cached tables themselves (read-only here): the model runs in loops over message sizes.
-    return _read(str(Path(path or DEFAULT_PATH).resolve()))["pinned"]
+    return data.load_json(path, "nccl_tuning.json")["pinned"]
 
 
 def load_tuning(path: str | Path | None = None) -> dict:
@@ -70,7 +64,7 @@ def load_tuning(path: str | Path | None = None) -> dict:
     Raises:
         FileNotFoundError: no such file.
     """
-    return copy.deepcopy(_read(str(Path(path or DEFAULT_PATH).resolve())))
+    return copy.deepcopy(data.load_json(path, "nccl_tuning.json"))
 
 
 def _check_choice(name: str, value, allowed: Sequence[str]) -> None:

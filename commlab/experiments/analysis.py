@@ -9,20 +9,22 @@ for accuracy it is in percentage points.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
-import json
 import math
 import pathlib
 import statistics
 import unicodedata
 from typing import Sequence
 
+from commlab import data
 from commlab.experiments.harness import RunConfig, RunRecord
 
 __all__ = ["run_group", "SummaryRow", "summarize", "format_summary", "ArticleRow", "article_table", "format_article_table",
            "load_article_claims", "dense_target", "group_runs"]
 
-ARTICLE_CLAIMS = pathlib.Path(__file__).resolve().parents[2] / "data" / "article_claims.json"
+#: The source article's claims: ``article_claims.json`` of the package data (:mod:`commlab.data`).
+ARTICLE_CLAIMS = data.path("article_claims.json")
 
 
 def run_group(rec: RunRecord) -> str:
@@ -179,10 +181,9 @@ def format_summary(rows: Sequence[SummaryRow]) -> str:
     return "\n".join(lines)
 
 
-def load_article_claims(path: str | pathlib.Path = ARTICLE_CLAIMS) -> dict:
-    """The source article's §5.2 table as recorded in ``data/article_claims.json``."""
-    with open(path) as f:
-        return json.load(f)
+def load_article_claims(path: str | pathlib.Path | None = None) -> dict:
+    """The source article's §5.2 table as recorded in :data:`ARTICLE_CLAIMS` (or the file at ``path``); a copy."""
+    return copy.deepcopy(data.load_json(path, "article_claims.json"))
 
 
 @dataclasses.dataclass(frozen=True)

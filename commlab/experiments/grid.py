@@ -1,10 +1,10 @@
-"""The experiment grids of chapter 8 and the command that runs them into ``data/experiments/``.
+"""The experiment grids of chapter 8 and the command that runs them into ``commlab/data/experiments/``.
 
 ``python -m commlab experiments run --grid full`` trains every method of :data:`FULL_METHODS` on both
 tasks for :data:`FULL_SEEDS`, and :data:`SGD_CONTRAST_METHODS` on the character LM with SGD instead of Adam,
 then the same for the two-phase rows (:data:`TWO_PHASE_METHODS`, :data:`TWO_PHASE_SGD_CONTRAST_METHODS`),
 appending one JSON line per finished run (its whole :class:`RunRecord`,
-config included) to ``data/experiments/full.jsonl``; runs already in the file are skipped, so an
+config included) to ``commlab/data/experiments/full.jsonl``; runs already in the file are skipped, so an
 interrupted grid resumes where it stopped (``--fresh`` starts over). ``--grid quick`` is the lab's short
 version. Progress: a tqdm bar over runs and one line per finished run.
 """
@@ -19,12 +19,14 @@ import sys
 import time
 from typing import Iterable
 
+from commlab import data as package_data
 from commlab.experiments.harness import RunConfig, RunRecord, run
 
 __all__ = ["FULL_METHODS", "SGD_CONTRAST_METHODS", "TWO_PHASE_METHODS", "TWO_PHASE_SGD_CONTRAST_METHODS", "FULL_SEEDS",
            "QUICK_METHODS", "grid_configs", "run_grid", "load_records", "default_path", "DATA_DIR"]
 
-DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "experiments"
+#: The recorded grids: ``experiments/`` of the package data (a Traversable; see :mod:`commlab.data`).
+DATA_DIR = package_data.path("experiments")
 
 #: (spec, error feedback, dense warm-up steps as a share of the run) of the full grid.
 FULL_METHODS: list[tuple[str, bool, float]] = [
@@ -103,24 +105,28 @@ def grid_configs(name: str) -> list[RunConfig]:
     raise ValueError(f"unknown grid {name!r}; choose 'full' or 'quick'")
 
 
-def default_path(name: str) -> pathlib.Path:
-    """Where grid ``name`` is recorded: ``data/experiments/<name>.jsonl``."""
-    return DATA_DIR / f"{name}.jsonl"
+def default_path(name: str):
+    """Where grid ``name`` is recorded: ``experiments/<name>.jsonl`` of the package data, a Traversable
+    (:func:`commlab.data.record_path` says where a recorder may write it)."""
+    return package_data.path(f"experiments/{name}.jsonl")
 
 
-def load_records(path: str | os.PathLike) -> list[RunRecord]:
+def load_records(path) -> list[RunRecord]:
     """Every :class:`RunRecord` of a JSON-lines file written by :func:`run_grid`, in file order.
+
+    ``path``: a file path, or a Traversable such as :func:`default_path`.
 
     Raises:
         FileNotFoundError: no such file (the message says how to create it).
     """
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments run`")
+    if isinstance(path, (str, os.PathLike)):
+        path = pathlib.Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a .jsonl file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments run`")
     records = []
-    with open(path) as f:
+    with path.open(encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -26,8 +26,8 @@ import pathlib
 import statistics
 import time
 
+from commlab import data
 from commlab.experiments.analysis import dense_target
-from commlab.experiments.grid import DATA_DIR
 from commlab.experiments.harness import RunConfig, RunRecord, run
 from commlab.experiments.time_to_accuracy import (StepCosts, break_even, comm_coefficients, costs_from_record,
                                                   steps_to_target)
@@ -119,13 +119,21 @@ def measure(task: str = "charlm", world_size: int = 4, steps: int = 120, seed: i
                 records=[dict(bytes_per_s=k[2], record=r.to_json()) for k, r in records.items()])
 
 
+_NAME = "experiments/slow_link.json"  # the recorded result, in the package data
+
+
 def _finite(x):
     return None if isinstance(x, float) and math.isinf(x) else x
 
 
 def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Write :func:`measure`'s result as JSON (default ``data/experiments/slow_link.json``); inf becomes null."""
-    path = pathlib.Path(path) if path else DATA_DIR / "slow_link.json"
+    """Write :func:`measure`'s result as JSON (default: ``experiments/slow_link.json`` of the package data, where
+    :func:`commlab.data.record_path` allows it: a checkout); inf becomes null.
+
+    Raises:
+        ValueError: no ``path`` and commlab installed from a wheel (see :func:`commlab.data.record_path`).
+    """
+    path = pathlib.Path(path) if path else data.record_path(_NAME)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = dict(result, rows=[{k: _finite(v) for k, v in r.items()} for r in result["rows"]])
     path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
@@ -138,10 +146,10 @@ def load(path: str | pathlib.Path | None = None) -> dict:
     Raises:
         FileNotFoundError: with the command that records it.
     """
-    path = pathlib.Path(path) if path else DATA_DIR / "slow_link.json"
-    if not path.exists():
+    path = pathlib.Path(path) if path else data.path(_NAME)
+    if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments slow-link`")
-    result = json.loads(path.read_text())
+    result = json.loads(path.read_text(encoding="utf-8"))
     for r in result["rows"]:
         for k in ("predicted_tta_s", "measured_tta_s"):
             if r[k] is None:

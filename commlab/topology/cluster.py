@@ -20,19 +20,17 @@ seconds, β = 1/bandwidth in s/byte, memory in bytes (1 GB = 1e9 bytes), FLOP/s 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from commlab import hardware
+from commlab import data, hardware
 from commlab.topology.links import Link
 
 __all__ = ["Cluster", "DEFAULT_PATH", "load_preset", "list_presets"]
 
-#: The presets file: the repository's ``data/`` folder, next to the package.
-DEFAULT_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "clusters.json"
+#: The presets file: ``clusters.json`` of the package data (a Traversable; see :mod:`commlab.data`).
+DEFAULT_PATH = data.path("clusters.json")
 
 # Which unit each field wants, and which units of data/hardware.json can be converted to it.
 _CONVERT = {
@@ -122,18 +120,8 @@ def _check_positive(name: str, field: str, v: Any) -> None:
 
 # ----------------------------------------------------------------------------------------- the file
 
-@lru_cache(maxsize=8)
-def _read(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        table = json.load(f)
-    if not isinstance(table, dict):
-        raise ValueError(f"{Path(path).name}: the top level must be a JSON object keyed by preset name")
-    return table
-
-
 def _table(path: str | Path | None) -> dict:
-    table = _read(str(Path(path or DEFAULT_PATH).resolve()))
-    return {k: v for k, v in table.items() if not k.startswith("_")}
+    return data.load_table(path, "clusters.json")
 
 
 def list_presets(path: str | Path | None = None) -> list[str]:

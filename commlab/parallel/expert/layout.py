@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from commlab import data
 from commlab.collectives._common import check_counts
 from commlab.parallel.expert.layers import check_ep_size
-from commlab.parallel.planner.tables import read_table
 
 __all__ = ["ep_groups", "DEEPSEEK_V3_PATH", "deepseek_v3_figures", "deepseek_v3_layout",
            "deepseek_v3_alltoall_nbytes_per_token"]
 
-DEEPSEEK_V3_PATH = Path(__file__).resolve().parents[3] / "data" / "deepseek_v3.json"
+DEEPSEEK_V3_PATH = data.path("deepseek_v3.json")
 
 
 def ep_groups(dp: int, ep: int) -> dict[str, list[list[int]]]:
@@ -51,7 +51,7 @@ def ep_groups(dp: int, ep: int) -> dict[str, list[list[int]]]:
 def deepseek_v3_figures(path: str | Path | None = None) -> dict:
     """DeepSeek-V3's published figures, ``{name: value}``, from ``data/deepseek_v3.json`` (each entry there
     gives its section of arXiv:2412.19437 and the sentence it comes from)."""
-    table = read_table(path, DEEPSEEK_V3_PATH)
+    table = data.load_table(path, "deepseek_v3.json")
     return {name: entry["value"] for name, entry in table["figures"].items()}
 
 

@@ -21,6 +21,7 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
+from commlab import data
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
@@ -29,10 +30,11 @@ __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seco
            "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times", "InStackShare", "in_stack_share",
            "kernel_model_gap"]
 
-_DATA = Path(__file__).resolve().parents[3] / "data" / "gemm_efficiency.json"
-_ATTENTION = Path(__file__).resolve().parents[3] / "data" / "attention_speed.json"
-#: Measured per-layer times (:func:`validate_layer_times`): the repository's ``data/published_layer_times.json``.
-LAYER_TIMES_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layer_times.json"
+_GEMM = "gemm_efficiency.json"  # files of the package data (commlab.data)
+_ATTENTION = "attention_speed.json"
+_LAYER_TIMES = "published_layer_times.json"
+#: Measured per-layer times (:func:`validate_layer_times`): ``published_layer_times.json`` of the package data.
+LAYER_TIMES_PATH = data.path(_LAYER_TIMES)
 _TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
 
 #: HBM bytes per logit (one token, one vocabulary entry of this tp rank) that the loss moves in the forward
@@ -89,8 +91,7 @@ def load_gemm_table(device: str, path: str | None = None) -> GemmTable:
     Raises:
         ValueError: the file has no table for ``device`` (the message lists the devices it has).
     """
-    from commlab.parallel.planner.tables import read_table
-    table = read_table(path, _DATA)
+    table = data.load_table(path, _GEMM)
     if device not in table:
         raise ValueError(f"no GEMM efficiency table for device {device!r}; the table has {sorted(table)}")
     e = table[device]
@@ -164,11 +165,10 @@ def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path 
         ValueError: no measurement for ``device`` (the message lists the devices there are); head_dim or
             seq not a positive int.
     """
-    from commlab.parallel.planner.tables import read_table
     for name, v in (("head_dim", head_dim), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    table = read_table(path, _ATTENTION)
+    table = data.load_table(path, _ATTENTION)
     if device not in table:
         raise ValueError(f"no FlashAttention measurement for device {device!r}; the table has {sorted(table)}")
     e = table[device]
@@ -393,12 +393,8 @@ def _layer_time_entries(path: str | Path | None) -> dict:
     """
     from commlab.parallel.planner.memory import load_model
     from commlab.parallel.planner.software import load_software
-    from commlab.parallel.planner.tables import read_table
     from commlab.topology import load_preset
-    try:
-        table = read_table(path, LAYER_TIMES_PATH)
-    except AttributeError:
-        raise ValueError(f"layer-time file {path}: the top level must be a JSON object of entries") from None
+    table = data.load_table(path, _LAYER_TIMES)  # a top level that is not an object: ValueError
     out = {}
     for key, e in table.items():
         try:
@@ -515,18 +511,17 @@ def in_stack_share(device: str, path: str | None = None) -> InStackShare:
             what :func:`validate_layer_times` raises for a malformed entry anywhere in the file (every entry
             is checked, whichever GPU it is on).
     """
-    from commlab.parallel.planner.tables import read_table
     rows = validate_layer_times(path, device)
     if rows:
         return _measured_share(device, rows, path)
-    entry = read_table(None, _DATA).get(device)
+    entry = data.load_table(None, _GEMM).get(device)
     other = (entry or {}).get("in_stack_share_from")
     where = (f"no GEMM table for {device!r}" if entry is None
-             else f"its entry in {_DATA.name} names no 'in_stack_share_from'")
+             else f"its entry in {_GEMM} names no 'in_stack_share_from'")
     if other is None or other == device:
         raise ValueError(f"no measured layer times on {device!r} and {where}: the kernel model has no share of "
                          f"the microbenchmark rates for it (add a measured layer to "
-                         f"{Path(path or LAYER_TIMES_PATH).name}, or name a GPU with one in 'in_stack_share_from')")
+                         f"{(Path(path) if path else LAYER_TIMES_PATH).name}, or name a GPU with one in 'in_stack_share_from')")
     rows = validate_layer_times(path, other)
     if not rows:
         raise ValueError(f"{device!r} takes its share from {other!r} ('in_stack_share_from'), which has no "
@@ -538,7 +533,6 @@ def in_stack_share(device: str, path: str | None = None) -> InStackShare:
 
 def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> InStackShare:
     """:func:`in_stack_share` from the measured layers ``rows`` on ``device`` (see there; same errors)."""
-    from commlab.parallel.planner.tables import read_table
     kernel, measured, ratios = 0.0, 0.0, []
     for r in rows:
         for pred, rep, tp in ((r.predicted_forward_ms, r.reported_forward_ms, r.tp_forward_ms),
@@ -553,7 +547,7 @@ def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> 
     if share > 1:
         raise ValueError(f"the measured layers on {device!r} give a share of {share:.3f} of the microbenchmark "
                          f"rates, outside (0, 1]: the kernel model would run the stack faster than its microbenchmarks")
-    entries = read_table(path, LAYER_TIMES_PATH)
+    entries = data.load_table(path, _LAYER_TIMES)
     sources = "; ".join(sorted({entries[k].get("source", k) for k in {r.entry for r in rows}}))
     return InStackShare(device, share, device, tuple(ratios), sources)
 
@@ -566,16 +560,15 @@ def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
     the stack's share of its microbenchmark rates (:func:`in_stack_share`). The planner's default compute
     model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
     from commlab import hardware
-    from commlab.parallel.planner.tables import read_table
-    tables = read_table(None, _DATA)
+    tables = data.load_table(None, _GEMM)
     entry = tables.get(device)
     if entry is None:
-        return f"no GEMM table for {device!r} in {_DATA.name}"
+        return f"no GEMM table for {device!r} in {_GEMM}"
     base = entry if "entries" in entry else tables.get(entry.get("shape_curve_from"), {})
     if base.get("dtype") != dtype:
         return f"the GEMM table of {device!r} is in {base.get('dtype')}, not {dtype}"
-    if device not in read_table(None, _ATTENTION):
-        return f"no FlashAttention measurement for {device!r} in {_ATTENTION.name}"
+    if device not in data.load_table(None, _ATTENTION):
+        return f"no FlashAttention measurement for {device!r} in {_ATTENTION}"
     try:
         hardware.value(device, "hbm_bytes_per_s")
     except (KeyError, ValueError):

@@ -45,10 +45,10 @@ import dataclasses
 import math
 from pathlib import Path
 
+from commlab import data
 from commlab.arithmetic import ADAM_STATE_BYTES_PER_PARAM
 from commlab.parallel.planner.software import (OPTIMIZER_DTYPES, OptimizerDtypes, check_recompute_policy,
                                                check_zero_stage, optimizer_dtypes)
-from commlab.parallel.planner.tables import read_table
 
 __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STATE_BYTES_PER_PARAM",
            "DEFAULT_MEMORY_RESERVE", "DEFAULT_FRAGILE_MARGIN", "OPTIMIZER_DTYPES", "load_model", "list_models",
@@ -56,8 +56,8 @@ __all__ = ["ModelConfig", "Layout", "MemoryBreakdown", "MODELS_PATH", "ADAM_STAT
            "interleave_memory_factor", "model_state_bytes_per_param", "usable_memory_bytes", "is_fragile",
            "memory_breakdown"]
 
-#: The model table: the repository's ``data/models.json``.
-MODELS_PATH = Path(__file__).resolve().parents[3] / "data" / "models.json"
+#: The model table: ``models.json`` of the package data (:mod:`commlab.data`).
+MODELS_PATH = data.path("models.json")
 
 #: Share of device memory kept free by default for what the model does not count (CUDA context, NCCL
 #: buffers, allocator fragmentation, workspaces): a documented default, not measured or cited -- no source
@@ -280,7 +280,7 @@ class MemoryBreakdown:
 
 def list_models(path: str | Path | None = None) -> list[str]:
     """Names of the models in ``path`` (default :data:`MODELS_PATH`), sorted."""
-    return sorted(read_table(path, MODELS_PATH))
+    return sorted(data.load_table(path, "models.json"))
 
 
 def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
@@ -290,7 +290,7 @@ def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
         KeyError: unknown name; the message lists the known ones.
         ValueError: a malformed entry (the message names the model and the field).
     """
-    table = read_table(path, MODELS_PATH)
+    table = data.load_table(path, "models.json")
     if name not in table:
         raise KeyError(f"no model {name!r}; known models: {sorted(table)}")
     entry = dict(table[name])

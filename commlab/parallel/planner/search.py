@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from commlab import data
 from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE, Layout,
                                              MemoryBreakdown, ModelConfig, is_fragile, load_model,
                                              memory_breakdown, usable_memory_bytes)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
-from commlab.parallel.planner.tables import read_table
 from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, compute_model,
                                                  model_flops_per_step,
                                                  step_time)
@@ -36,8 +36,8 @@ __all__ = ["Plan", "Rejected", "SearchResult", "ValidationRow", "PUBLISHED_PATH"
            "make_cluster",
            "search", "load_published", "validate_published", "validation_table", "validation_summary", "WITHIN_PCT"]
 
-#: Published layouts and throughputs: the repository's ``data/published_layouts.json``.
-PUBLISHED_PATH = Path(__file__).resolve().parents[3] / "data" / "published_layouts.json"
+#: Published layouts and throughputs: ``published_layouts.json`` of the package data (:mod:`commlab.data`).
+PUBLISHED_PATH = data.path("published_layouts.json")
 
 #: How many places of :func:`search`'s ranking come from replayed step timelines: 10, twice the "top 5" in
 #: which the validation looks for published layouts, because the sum of terms and the replay disagree by a
@@ -299,8 +299,8 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
 
 def load_published(path: str | Path | None = None) -> dict[str, dict]:
     """The entries of ``data/published_layouts.json`` (keys starting with ``_`` dropped), read once per path
-    like the planner's other tables (:func:`~commlab.parallel.planner.tables.read_table`): do not change them."""
-    return read_table(path, PUBLISHED_PATH)
+    like the planner's other tables (:func:`commlab.data.load_table`): do not change them."""
+    return data.load_table(path, "published_layouts.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,14 +15,14 @@ import dataclasses
 from pathlib import Path
 from typing import Mapping
 
-from commlab.parallel.planner.tables import read_table
+from commlab import data
 
 __all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGES", "DEFAULT_SOFTWARE",
            "OptimizerDtypes", "OPTIMIZER_DTYPES", "load_software", "list_software", "check_recompute_policy",
            "check_zero_stage", "optimizer_dtypes"]
 
-#: The profile table: the repository's ``data/software.json``.
-SOFTWARE_PATH = Path(__file__).resolve().parents[3] / "data" / "software.json"
+#: The profile table: ``software.json`` of the package data (:mod:`commlab.data`).
+SOFTWARE_PATH = data.path("software.json")
 
 #: Activation-recomputation policies: none; ``selective`` = only the attention core (the s²-terms: QKᵀ,
 #: softmax, dropout, attention over V; Korthikanti et al. 2022, §5); ``full`` = every layer's forward;
@@ -268,7 +268,7 @@ class SoftwareProfile:
 
 def list_software(path: str | Path | None = None) -> list[str]:
     """Names of the profiles in ``path`` (default :data:`SOFTWARE_PATH`), sorted."""
-    return sorted(read_table(path, SOFTWARE_PATH))
+    return sorted(data.load_table(path, "software.json"))
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SoftwareProfile) if f.name not in ("name", "description",
@@ -289,7 +289,7 @@ def load_software(name: str | SoftwareProfile | None = None, path: str | Path | 
     if isinstance(name, SoftwareProfile):
         return name
     name = DEFAULT_SOFTWARE if name is None else name
-    table = read_table(path, SOFTWARE_PATH)
+    table = data.load_table(path, "software.json")
     if name not in table:
         raise ValueError(f"unknown software profile {name!r}; known profiles: {sorted(table)}")
     entry = dict(table[name])
