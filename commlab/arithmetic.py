@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from numbers import Real
+
+from commlab import checks
 
 __all__ = [
     "GB",
@@ -67,41 +68,6 @@ ADAM_STATE_BYTES_PER_PARAM = 12
 MIXED_PRECISION_ADAM_BYTES_PER_PARAM = 2 + 2 + ADAM_STATE_BYTES_PER_PARAM
 
 
-# --------------------------------------------------------------------------- input checks
-
-
-def _number(name: str, value) -> float:
-    # bool is a subclass of int; accepting True as "1 GPU" would hide a caller's bug.
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise ValueError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
-def _non_negative(name: str, value) -> float:
-    value = _number(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def _positive(name: str, value) -> float:
-    value = _number(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return value
-
-
-def _count(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 # --------------------------------------------------------------------------- units
 
 
@@ -114,7 +80,7 @@ def gbit_per_s_to_bytes_per_s(gbit_per_s: float) -> float:
     Raises:
         ValueError: if ``gbit_per_s`` is negative or not a finite number.
     """
-    return _non_negative("gbit_per_s", gbit_per_s) * 1e9 / 8
+    return checks.number("gbit_per_s", gbit_per_s, least=0) * 1e9 / 8
 
 
 def per_direction_bytes_per_s(bidirectional_total_bytes_per_s: float) -> float:
@@ -127,17 +93,17 @@ def per_direction_bytes_per_s(bidirectional_total_bytes_per_s: float) -> float:
     Raises:
         ValueError: if the bandwidth is negative or not a finite number.
     """
-    return _non_negative("bidirectional_total_bytes_per_s", bidirectional_total_bytes_per_s) / 2
+    return checks.number("bidirectional_total_bytes_per_s", bidirectional_total_bytes_per_s, least=0) / 2
 
 
 def bytes_to_gb(nbytes: float) -> float:
     """Bytes to gigabytes (10**9 bytes), the unit of datasheets and of this course's prose."""
-    return _number("nbytes", nbytes) / GB
+    return checks.number("nbytes", nbytes) / GB
 
 
 def bytes_to_gib(nbytes: float) -> float:
     """Bytes to gibibytes (2**30 bytes), the unit ``nvidia-smi`` and PyTorch's allocator print."""
-    return _number("nbytes", nbytes) / GiB
+    return checks.number("nbytes", nbytes) / GiB
 
 
 # --------------------------------------------------------------------------- ring collectives
@@ -157,8 +123,8 @@ def ring_reduce_scatter_bytes_per_rank(nbytes: float, n: int) -> float:
     Raises:
         ValueError: if ``nbytes`` is negative or ``n`` < 1.
     """
-    nbytes = _non_negative("nbytes", nbytes)
-    n = _count("n", n)
+    nbytes = checks.number("nbytes", nbytes, least=0)
+    n = checks.integer("n", n)
     return (n - 1) / n * nbytes
 
 
@@ -202,9 +168,9 @@ def transfer_seconds(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) 
     Raises:
         ValueError: on negative sizes or latency, or a bandwidth that is not > 0.
     """
-    nbytes = _non_negative("nbytes", nbytes)
-    bytes_per_s = _positive("bytes_per_s", bytes_per_s)
-    latency_s = _non_negative("latency_s", latency_s)
+    nbytes = checks.number("nbytes", nbytes, least=0)
+    bytes_per_s = checks.number("bytes_per_s", bytes_per_s, above=0)
+    latency_s = checks.number("latency_s", latency_s, least=0)
     return latency_s + nbytes / bytes_per_s
 
 
@@ -225,7 +191,7 @@ def gradient_sync_seconds(grad_bytes: float, n: int, bytes_per_s: float, latency
         ValueError: if ``grad_bytes`` < 0, ``n`` < 1, ``bytes_per_s`` <= 0 or ``latency_s`` < 0.
     """
     sent = ring_allreduce_bytes_per_rank(grad_bytes, n)
-    latency_s = _non_negative("latency_s", latency_s)
+    latency_s = checks.number("latency_s", latency_s, least=0)
     return 2 * (n - 1) * latency_s + transfer_seconds(sent, bytes_per_s)
 
 
@@ -242,7 +208,7 @@ def training_flops(params: float, tokens: float) -> float:
     Raises:
         ValueError: if ``params`` or ``tokens`` is negative.
     """
-    return 6 * _non_negative("params", params) * _non_negative("tokens", tokens)
+    return 6 * checks.number("params", params, least=0) * checks.number("tokens", tokens, least=0)
 
 
 def compute_seconds(flops: float, peak_flop_per_s: float, mfu: float) -> float:
@@ -257,11 +223,9 @@ def compute_seconds(flops: float, peak_flop_per_s: float, mfu: float) -> float:
     Raises:
         ValueError: if ``flops`` < 0, ``peak_flop_per_s`` <= 0, or ``mfu`` is outside (0, 1].
     """
-    flops = _non_negative("flops", flops)
-    peak_flop_per_s = _positive("peak_flop_per_s", peak_flop_per_s)
-    mfu = _number("mfu", mfu)
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu is a fraction of peak and must be in (0, 1], got {mfu!r}")
+    flops = checks.number("flops", flops, least=0)
+    peak_flop_per_s = checks.number("peak_flop_per_s", peak_flop_per_s, above=0)
+    mfu = checks.number("mfu", mfu, above=0, most=1, note="a fraction of peak")
     return flops / (peak_flop_per_s * mfu)
 
 
@@ -276,8 +240,8 @@ def break_even_tokens_per_gpu(comm_seconds: float, params: float, peak_flop_per_
         ValueError: if ``comm_seconds`` < 0, ``params`` <= 0, ``peak_flop_per_s`` <= 0, or ``mfu``
             is outside (0, 1].
     """
-    comm_seconds = _non_negative("comm_seconds", comm_seconds)
-    params = _positive("params", params)
+    comm_seconds = checks.number("comm_seconds", comm_seconds, least=0)
+    params = checks.number("params", params, above=0)
     seconds_per_token = compute_seconds(training_flops(params, 1), peak_flop_per_s, mfu)
     return comm_seconds / seconds_per_token
 
@@ -293,11 +257,9 @@ def exposed_comm_fraction(compute_s: float, comm_s: float, overlap: float = 0.0)
     Raises:
         ValueError: on negative times, or ``overlap`` outside [0, 1].
     """
-    compute_s = _non_negative("compute_s", compute_s)
-    comm_s = _non_negative("comm_s", comm_s)
-    overlap = _number("overlap", overlap)
-    if not 0 <= overlap <= 1:
-        raise ValueError(f"overlap is a fraction of the communication and must be in [0, 1], got {overlap!r}")
+    compute_s = checks.number("compute_s", compute_s, least=0)
+    comm_s = checks.number("comm_s", comm_s, least=0)
+    overlap = checks.share("overlap", overlap, note="a fraction of the communication")
     exposed = comm_s - min(overlap * comm_s, compute_s)
     step = compute_s + exposed
     return 0.0 if step == 0 else exposed / step
@@ -312,7 +274,7 @@ def weight_bytes(params: float, bytes_per_param: float) -> float:
     Raises:
         ValueError: if either argument is negative.
     """
-    return _non_negative("params", params) * _non_negative("bytes_per_param", bytes_per_param)
+    return checks.number("params", params, least=0) * checks.number("bytes_per_param", bytes_per_param, least=0)
 
 
 def gpus_to_hold(nbytes: float, gpu_memory_bytes: float) -> int:
@@ -324,8 +286,8 @@ def gpus_to_hold(nbytes: float, gpu_memory_bytes: float) -> int:
     Raises:
         ValueError: if ``nbytes`` < 0 or ``gpu_memory_bytes`` <= 0.
     """
-    nbytes = _non_negative("nbytes", nbytes)
-    gpu_memory_bytes = _positive("gpu_memory_bytes", gpu_memory_bytes)
+    nbytes = checks.number("nbytes", nbytes, least=0)
+    gpu_memory_bytes = checks.number("gpu_memory_bytes", gpu_memory_bytes, above=0)
     return math.ceil(nbytes / gpu_memory_bytes)
 
 
@@ -417,21 +379,20 @@ def data_parallel_sync(
         ValueError: on a count < 1, a ``tp`` that does not divide ``gpus_per_node``, a negative
             size, a bandwidth that is not > 0, or a ``zero_stage`` outside 0-3.
     """
-    params = _non_negative("params", params)
-    nodes = _count("nodes", nodes)
-    gpus_per_node = _count("gpus_per_node", gpus_per_node)
-    tp = _count("tp", tp)
-    nics_per_node = _count("nics_per_node", nics_per_node)
-    nic_bytes_per_s = _positive("nic_bytes_per_s", nic_bytes_per_s)
-    nvlink_bytes_per_s = _positive("nvlink_bytes_per_s", nvlink_bytes_per_s)
-    bytes_per_grad = _non_negative("bytes_per_grad", bytes_per_grad)
+    params = checks.number("params", params, least=0)
+    nodes = checks.integer("nodes", nodes)
+    gpus_per_node = checks.integer("gpus_per_node", gpus_per_node)
+    tp = checks.integer("tp", tp)
+    nics_per_node = checks.integer("nics_per_node", nics_per_node)
+    nic_bytes_per_s = checks.number("nic_bytes_per_s", nic_bytes_per_s, above=0)
+    nvlink_bytes_per_s = checks.number("nvlink_bytes_per_s", nvlink_bytes_per_s, above=0)
+    bytes_per_grad = checks.number("bytes_per_grad", bytes_per_grad, least=0)
     if gpus_per_node % tp:
         raise ValueError(
             f"tp={tp} must divide gpus_per_node={gpus_per_node}: this model keeps tensor parallelism "
             f"inside a node; choose tp among {[d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]}"
         )
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    checks.one_of("zero_stage", zero_stage, (0, 1, 2, 3))
 
     dp = nodes * gpus_per_node // tp
     grad_bytes_per_gpu = params * bytes_per_grad / tp

@@ -17,7 +17,7 @@ def test_link_arithmetic_and_validation():
     assert link.seconds(25e9) == pytest.approx(1 + 2e-6)
     with pytest.raises(ValueError, match="beta_s_per_byte"):
         Link(1e-6, -1.0)
-    with pytest.raises(ValueError, match="bytes_per_s must be > 0"):
+    with pytest.raises(ValueError, match="bytes_per_s must be a number > 0, got 0"):
         Link.from_bandwidth(0, 1e-6)
 
 

@@ -131,7 +131,7 @@ def test_compressed_paths_bytes_are_the_formulas():
 
 
 def test_bad_rank_counts_are_refused():
-    with pytest.raises(ValueError, match="N >= 2"):
+    with pytest.raises(ValueError, match=r"n must be an int >= 2 \(the number of ranks N\), got 1"):
         ring_transfers(1)
     with pytest.raises(ValueError, match="same number of ranks"):
         hierarchical_transfers([0, 0, 1])

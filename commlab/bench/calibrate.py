@@ -41,10 +41,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.bench.timing import calls_per_round, slowest_rank
 from commlab.collectives import p2p
 from commlab.collectives._common import ring_geometry
-from commlab.collectives.ring import ring_steps, ring_all_reduce, ring_all_reduce_seconds
+from commlab.collectives.ring import ring_all_reduce, ring_all_reduce_seconds, ring_steps
 from commlab.launch import launch
 from commlab.topology.links import Link
 
@@ -75,10 +76,8 @@ def _check_sizes(sizes: Iterable[int], least: int = 1) -> list[int]:
 
 
 def _check_common(world_size: int, rounds: int, least_ranks: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < least_ranks:
-        raise ValueError(f"world_size must be an int >= {least_ranks}, got {world_size!r}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    checks.integer("world_size", world_size, least_ranks)
+    checks.integer("rounds", rounds)
 
 
 def _progress_line(what: str, nbytes: int, rounds_s: Sequence[float]) -> str:
@@ -260,8 +259,7 @@ def ring_exchange_here(sizes: Iterable[int], rounds: int = 3, device: torch.devi
     sizes = _check_sizes(sizes)
     if dist.get_world_size() < 2:
         raise ValueError("ring_exchange_here needs a process group of >= 2 ranks (one rank sends nothing)")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    checks.integer("rounds", rounds)
     # The same rounds as ring_exchange's launches (every size once per round), in the group that runs.
     times = [_one_round([("exchange", n) for n in sizes], device) for _ in range(rounds)]
     return [statistics.median(t[i] for t in times) for i in range(len(sizes))]

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.bench.timing import count_wrong, time_calls
 from commlab.launch import launch
 
@@ -115,11 +116,9 @@ def bench_ring_attention(world_size: int = 2, seqs: Sequence[int] = DEFAULT_SEQS
         ValueError: ``world_size < 2``, ``rounds < 1``, a sequence length not a positive multiple of
             ``2 * world_size``, or ``heads`` not a multiple of ``world_size`` (Ulysses).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2 (one rank passes nothing round a ring), got {world_size!r}")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    bad = [s for s in seqs if isinstance(s, bool) or not isinstance(s, int) or s < 1 or s % (2 * world_size)]
+    checks.integer("world_size", world_size, 2, note="one rank passes nothing round a ring")
+    checks.integer("rounds", rounds)
+    bad = [s for s in seqs if not checks.is_int(s) or s < 1 or s % (2 * world_size)]
     if not seqs or bad:
         raise ValueError(f"sequence lengths must be positive multiples of 2N = {2 * world_size} (the load-balanced "
                          f"layout's chunks), got {list(seqs)}")

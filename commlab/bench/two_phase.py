@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.bench.timing import time_calls
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.compress.aggregate import aggregate
@@ -106,10 +107,12 @@ def bench_two_phase(world_sizes: Sequence[int] = (2, 4, 8), numel: int = 2 ** 20
     Raises:
         ValueError: a world size below 2, ``numel`` or ``rounds`` below 1, or a bad spec.
     """
-    if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in world_sizes):
-        raise ValueError(f"world sizes must be ints >= 2 (a single rank sends nothing), got {list(world_sizes)}")
-    if numel < 1 or rounds < 1:
-        raise ValueError(f"need numel >= 1 and rounds >= 1, got numel={numel}, rounds={rounds}")
+    if not world_sizes:
+        checks.fail("world_sizes", list(world_sizes), "at least one int >= 2")
+    for w in world_sizes:
+        checks.integer("world size", w, 2, note="a single rank sends nothing")
+    checks.integer("numel", numel)
+    checks.integer("rounds", rounds)
     for spec in specs:
         if compressor_for(spec) is None:
             raise ValueError(f"{spec!r} is no compressor; give specs such as {', '.join(DEFAULT_SPECS)}")

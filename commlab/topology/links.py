@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from commlab import checks
+
 __all__ = ["Link", "flows_per_nic"]
 
 
@@ -32,9 +34,7 @@ class Link:
 
     def __post_init__(self):
         for field in ("alpha_s", "beta_s_per_byte"):
-            v = getattr(self, field)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"Link {self.name or ''}: {field} must be a finite number >= 0, got {v!r}")
+            checks.number(field, getattr(self, field), least=0, where=f"Link {self.name}".rstrip())
 
     @classmethod
     def from_bandwidth(cls, bytes_per_s: float, alpha_s: float, name: str = "") -> "Link":
@@ -43,8 +43,7 @@ class Link:
         Raises:
             ValueError: ``bytes_per_s <= 0``.
         """
-        if not bytes_per_s > 0:
-            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s!r}")
+        checks.number("bytes_per_s", bytes_per_s, above=0, finite=False)
         return cls(alpha_s=alpha_s, beta_s_per_byte=1.0 / bytes_per_s, name=name)
 
     @property

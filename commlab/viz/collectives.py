@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from commlab import checks
 from commlab.collectives.halving_doubling import doubling_steps, halving_steps, power_of_two_layout, real_rank
 from commlab.collectives.hierarchical import hierarchy_layout
 from commlab.collectives.ring import all_gather_send_chunk, reduce_scatter_send_chunk
@@ -24,8 +25,7 @@ Step = tuple[str, list[tuple[int, int, str]]]
 
 
 def _check_n(n: int, least: int = 1) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < least:
-        raise ValueError(f"need an int number of ranks N >= {least}, got {n!r}")
+    checks.integer("n", n, least, note="the number of ranks N")
 
 
 def ring_transfers(n: int) -> list[Step]:

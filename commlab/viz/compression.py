@@ -10,6 +10,7 @@ The byte counts in the labels come from the functions the aggregation itself rep
 
 from __future__ import annotations
 
+from commlab import checks
 from commlab.collectives.ring import ring_bytes_sent_per_rank
 from commlab.compress.two_phase import two_phase_bytes_sent_per_rank
 from commlab.viz.collectives import Step, circle_positions, plot_transfers
@@ -48,8 +49,7 @@ def compressed_path_transfers(n: int, payload_nbytes: float,
       arrows; the size is in the panel's title);
     * two-phase, phase 2 (ring AllGather of the owners' payloads): p to p+1, ``N-1`` messages of ``c_s``.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ValueError(f"need an int number of ranks N >= 2, got {n!r}")
+    checks.integer("n", n, 2, note="the number of ranks N")
     ps = payload_nbytes if server_payload_nbytes is None else server_payload_nbytes
     per = compressed_bytes_per_rank(n, payload_nbytes, ps)
     ring = [(p, (p + 1) % n) for p in range(n)]

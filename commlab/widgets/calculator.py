@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from commlab import checks
 from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
 from commlab.collectives.cost import FLAT_ALGORITHMS, predict_flat, predict_on_cluster
 from commlab.collectives.in_network import HDR_SWITCH_PORTS
@@ -72,8 +73,7 @@ class Row:
 
 def _check(nbytes: float, nodes: int, devices_per_node: int, nics_per_node: int) -> int:
     for name, v in (("nodes", nodes), ("devices_per_node", devices_per_node), ("nics_per_node", nics_per_node)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        checks.integer(name, v)
     world = int(nodes) * int(devices_per_node)
     if world < 2:
         raise ValueError(f"an AllReduce needs at least 2 ranks, got nodes={nodes} x "

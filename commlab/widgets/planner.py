@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
+from commlab import checks
 from commlab.parallel.planner import AUTO, DEFAULT_ACHIEVABLE_FRACTION, list_models, load_model, search
 from commlab.topology import list_presets
 
@@ -46,8 +47,7 @@ def plan_rows(model: str = "llama3-405b", preset: str = "dgx-h100-ndr", gpus: in
         KeyError: unknown model or preset. ValueError: ``gpus`` not a multiple of devices per node,
             ``top_k < 1``, a bad batch.
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    checks.integer("top_k", top_k)
     m = load_model(model)
     result = search(m, preset, gpus, global_batch, achievable_fraction=achievable_fraction)
     summary = {"candidates": result.candidates, "fit": len(result.plans),
