@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from commlab.bench.allreduce import DEFAULT_SIZES, BenchRow, _format_row, _header
+from commlab.bench.allreduce import DEFAULT_SIZES, BenchRow, table_header, table_row
 from commlab.bench.timing import calls_per_round, count_wrong, time_calls
 from commlab.collectives.all_to_all import all_to_all_v
 from commlab.launch import launch
@@ -96,12 +96,12 @@ def bench_all_to_all(world_size: int = 4, sizes: Iterable[int] = DEFAULT_SIZES, 
         print(f"# note: {world_size} ranks share {cores} CPU cores, so every message also waits for the "
               "scheduler: small-message times measure that more than the algorithm", flush=True)
     if progress:
-        print(_header(world_size, backend, check, collective="all_to_all"), flush=True)
+        print(table_header(world_size, backend, check, collective="all_to_all"), flush=True)
     rows = []
     for nbytes in sizes:
         row = launch(_measure_one_size, world_size, nbytes, rounds, check, backend=backend, timeout=timeout,
                      print_output=True)[0]
         rows.append(row)
         if progress:
-            print(_format_row(row), flush=True)
+            print(table_row(row), flush=True)
     return rows

@@ -143,14 +143,14 @@ def bench_all_reduce(world_size: int = 4, sizes: Iterable[int] = DEFAULT_SIZES, 
         print(f"# note: {world_size} ranks share {cores} CPU cores, so every message also waits for the "
               "scheduler: small-message times measure that more than the algorithm", flush=True)
     if progress:
-        print(_header(world_size, backend, check if ours in (_ring_inplace, _ring_inplace_unchecked) else None),
+        print(table_header(world_size, backend, check if ours in (_ring_inplace, _ring_inplace_unchecked) else None),
               flush=True)
     for nbytes in sizes:
         row = launch(_measure_one_size, world_size, nbytes, rounds, ours, backend=backend,
                      timeout=timeout, print_output=True)[0]
         rows.append(row)
         if progress:
-            print(_format_row(row), flush=True)
+            print(table_row(row), flush=True)
             sys.stdout.flush()
     return rows
 
@@ -160,7 +160,8 @@ TITLES = {"all_reduce": ("AllReduce", "ring", "dist.all_reduce"),
           "all_to_all": ("AlltoAll", "pairwise AllToAllV", "dist.all_to_all_single")}
 
 
-def _header(world_size: int, backend: str, check: bool | None = None, collective: str = "all_reduce") -> str:
+def table_header(world_size: int, backend: str, check: bool | None = None, collective: str = "all_reduce") -> str:
+    """The nccl-tests-style header of a benchmark table: title, column names, units."""
     what = {None: "", True: " with check=True", False: " with check=False"}[check]
     name, ours, theirs = TITLES[collective]
     return "\n".join([
@@ -173,7 +174,8 @@ def _header(world_size: int, backend: str, check: bool | None = None, collective
     ])
 
 
-def _format_row(r: BenchRow) -> str:
+def table_row(r: BenchRow) -> str:
+    """One row of the table :func:`table_header` starts (µs, GB/s = 1e9 bytes/s)."""
     return (f" {r.nbytes:>11} {r.count:>10} {r.dtype:>7}  {r.ours_s * 1e6:>10.1f} {r.ours_algbw / 1e9:>7.3f}"
             f" {r.ours_busbw / 1e9:>7.3f} {r.wrong:>6}  {r.torch_s * 1e6:>10.1f} {r.torch_algbw / 1e9:>7.3f}"
             f" {r.torch_busbw / 1e9:>7.3f}  {r.ratio:>16.2f}")
@@ -183,5 +185,5 @@ def format_table(rows: list[BenchRow], backend: str = "gloo") -> str:
     """The nccl-tests-style table for ``rows`` (GB = 1e9 bytes, as nccl-tests prints)."""
     if not rows:
         return "(no rows)"
-    return "\n".join([_header(rows[0].world_size, backend, collective=rows[0].collective)]
-                     + [_format_row(r) for r in rows])
+    return "\n".join([table_header(rows[0].world_size, backend, collective=rows[0].collective)]
+                     + [table_row(r) for r in rows])

@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from commlab import data
+from commlab import checks, data
 
 __all__ = ["DEFAULT_PATH", "PROTOCOLS", "ALGORITHMS", "GPUS", "CPUS", "INTRA_LINKS", "load_tuning", "NcclSystem",
            "PairModel", "pair_model", "all_reduce_seconds", "all_reduce_table", "best", "protocol_switches"]
@@ -67,11 +67,6 @@ def load_tuning(path: str | Path | None = None) -> dict:
     return copy.deepcopy(data.load_json(path, "nccl_tuning.json"))
 
 
-def _check_choice(name: str, value, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class NcclSystem:
     """What NCCL's model needs to know about a communicator.
@@ -102,15 +97,11 @@ class NcclSystem:
 
     def __post_init__(self):
         for f in ("nodes", "gpus_per_node", "channels"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"NcclSystem: {f} must be an int >= 1, got {v!r}")
-        bw = self.channel_bytes_per_s
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
-            raise ValueError(f"NcclSystem: channel_bytes_per_s must be a finite number > 0, got {bw!r}")
-        _check_choice("intra_link", self.intra_link, INTRA_LINKS)
-        _check_choice("gpu", self.gpu, GPUS)
-        _check_choice("cpu", self.cpu, CPUS)
+            checks.integer(f, getattr(self, f), where="NcclSystem")
+        checks.number("channel_bytes_per_s", self.channel_bytes_per_s, above=0, where="NcclSystem")
+        checks.one_of("intra_link", self.intra_link, INTRA_LINKS)
+        checks.one_of("gpu", self.gpu, GPUS)
+        checks.one_of("cpu", self.cpu, CPUS)
 
     @property
     def ranks(self) -> int:
@@ -154,8 +145,7 @@ class NcclSystem:
         ppn = cluster.devices_per_node if gpus_per_node is None else gpus_per_node
         channels = cluster.nics_per_node if channels is None else channels
         intra = cluster.intra.bytes_per_s if intra_bytes_per_s is None else intra_bytes_per_s
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"NcclSystem: channels must be an int >= 1, got {channels!r}")
+        checks.integer("channels", channels, where="NcclSystem")
         if nodes > 1:
             # A channel leaves the node through one NIC; more channels than NICs share them.
             bus = min(min(channels, cluster.nics_per_node) * cluster.inter.bytes_per_s, intra)
@@ -203,8 +193,8 @@ def pair_model(system: NcclSystem, algorithm: str = "Ring", protocol: str = "Sim
         ValueError: an unknown algorithm or protocol, or LL128 where it is not enabled (PCI, or
             ``system.ll128`` False), or a system of one rank (NCCL models nothing there).
     """
-    _check_choice("algorithm", algorithm, ALGORITHMS)
-    _check_choice("protocol", protocol, PROTOCOLS)
+    checks.one_of("algorithm", algorithm, ALGORITHMS)
+    checks.one_of("protocol", protocol, PROTOCOLS)
     if protocol == "LL128" and not (system.ll128 and system.intra_link == "NVLink"):
         raise ValueError("LL128 is not enabled on this system: NCCL enables it only over NVLink "
                          "(tuning.cc lines 518-535), and system.ll128 is the NCCL_PROTO=^LL128 switch")
@@ -260,8 +250,7 @@ def all_reduce_seconds(nbytes: float, system: NcclSystem, algorithm: str = "Ring
     Raises:
         ValueError: ``nbytes`` negative or not finite; what :func:`pair_model` raises.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
-        raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    checks.number("nbytes", nbytes, least=0)
     if system.ranks == 1:
         return 0.0
     t = _pinned(path)
@@ -283,7 +272,7 @@ def _enabled(system: NcclSystem, protocols: Sequence[str] | None) -> list[str]:
     if protocols is None:
         return [p for p in PROTOCOLS if p != "LL128" or (system.ll128 and system.intra_link == "NVLink")]
     for p in protocols:
-        _check_choice("protocol", p, PROTOCOLS)
+        checks.one_of("protocol", p, PROTOCOLS)
     return list(protocols)
 
 
@@ -296,7 +285,7 @@ def all_reduce_table(nbytes: float, system: NcclSystem, algorithms: Sequence[str
         ValueError: as :func:`all_reduce_seconds`.
     """
     for a in algorithms:
-        _check_choice("algorithm", a, ALGORITHMS)
+        checks.one_of("algorithm", a, ALGORITHMS)
     return {(a, p): all_reduce_seconds(nbytes, system, a, p, path)
             for a in algorithms for p in _enabled(system, protocols)}
 
