@@ -1,27 +1,17 @@
-"""Parallelism on a device mesh (layer 5): the mesh and its process groups, tensor parallelism,
-pipeline schedules, data parallelism.
+"""Parallelism on a device mesh (layer 5): one module or folder per parallel dimension, every function taking
+the mesh or group it communicates over (no global process-group manager).
 
-One folder or module per parallel dimension. Nothing here keeps a global process-group manager:
-every function takes the mesh or the group it communicates over.
+* :mod:`~commlab.parallel.mesh` -- rank <-> (dp, pp, tp) arithmetic and the DeviceMesh with its groups;
+* :mod:`~commlab.parallel.tensor` -- Megatron-LM's f and g, sequence parallelism's pair, the TP layers;
+* :mod:`~commlab.parallel.context` -- ring attention, DeepSpeed-Ulysses, all-gathered K/V, their costs;
+* :mod:`~commlab.parallel.pipeline` -- schedules, their communication plans, and the engine;
+* :mod:`~commlab.parallel.expert` -- a top-k MoE with AllToAll dispatch and combine, EP carved out of DP;
+* :mod:`~commlab.parallel.data_parallel` -- DP on a DP group and ZeRO-1 (:class:`ZeroOneOptimizer`);
+* :mod:`~commlab.parallel.sharded` -- ZeRO-2/3 and HSDP (:class:`ShardedDataParallel`), measured by
+  :mod:`~commlab.parallel.sharded_profile`;
+* :mod:`~commlab.parallel.planner` -- which layout to use.
 
-* :mod:`commlab.parallel.mesh` -- :class:`ParallelLayout` (pure rank <-> (dp, pp, tp) arithmetic),
-  :func:`build_mesh` (every rank creates every group, in one fixed order), :func:`mesh_groups`,
-  :func:`cross_node_groups` and :func:`order_report` (what a different dimension order does to
-  which groups cross nodes).
-* :mod:`commlab.parallel.tensor` -- Megatron-LM's f and g operators, sequence parallelism's all-gather /
-  reduce-scatter pair, and the tensor-parallel layers built from them.
-* :mod:`commlab.parallel.context` -- context parallelism: ring attention (load-balanced or not), DeepSpeed-Ulysses,
-  all-gathered K/V, and their communication costs side by side.
-* :mod:`commlab.parallel.pipeline` -- pipeline schedules (GPipe, 1F1B) and the engine that runs them.
-* :mod:`commlab.parallel.expert` -- expert parallelism: a top-k MoE layer with AllToAll dispatch and combine
-  over an EP group, its bytes per step, and EP carved out of DP (DeepSeek-V3 as the worked example).
-* :mod:`commlab.parallel.data_parallel` -- DP inside a DP group (it is
-  :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``) and ZeRO-1's sharded
-  optimizer, :class:`ZeroOneOptimizer`.
-* :mod:`commlab.parallel.sharded` -- ZeRO-2 and ZeRO-3 / FSDP (with HSDP), :class:`ShardedDataParallel`, and
-  the model-state memory per rank of ZeRO-0..3, computed (:func:`zero_memory_bytes`) and measured
-  (:func:`held_memory_bytes`); :mod:`commlab.parallel.sharded_profile` measures a ZeRO-3 step's compute,
-  communication and overlap with ``torch.profiler``.
+Book: chapters 10 to 13.
 """
 
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,

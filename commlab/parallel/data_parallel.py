@@ -1,41 +1,21 @@
 """Data parallelism inside a DP group: gradient averaging is :class:`~commlab.overlap.BucketedDataParallel`,
 and ZeRO-1 shards the optimizer state.
 
-On a 3D mesh (TP x PP x DP) the ranks that hold the *same* parameters are the ones with the same pipeline
-stage and tensor-parallel shard: they form one DP group, and a gradient is averaged over that group
-only. Every class here takes that group explicitly (DESIGN.md, layer 5); nothing reads a global
-process-group manager. Build the groups with :mod:`commlab.parallel.mesh` or ``dist.new_group``.
-
-**Averaging gradients over the DP group** is commlab's one data-parallel path, the bucketed and overlapped
-:class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group``; compress on the DP dimension
-with a comm hook on it (:func:`commlab.compress.compression_hook`, :func:`commlab.compress.powersgd_hook`).
-A stage of a pipeline runs all of its micro-batches' backward passes inside the pipeline schedule, so it
-accumulates under ``no_sync()`` and averages once after the flush with
-:meth:`~commlab.overlap.BucketedDataParallel.sync_gradients`::
+On a TP x PP x DP mesh the ranks that hold the same parameters form one DP group, passed explicitly (build
+it with :mod:`commlab.parallel.mesh` or ``dist.new_group``). Averaging over it is commlab's one
+data-parallel path, :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group`` (a comm
+hook compresses on that dimension); a pipeline stage accumulates under ``no_sync()`` and averages once
+after the flush::
 
     dp = BucketedDataParallel(stage, process_group=dp_group)
     with dp.no_sync():
         pipeline_step(dp, x, y, loss_fn, m, pp_group)
     dp.sync_gradients()
 
-The source article's ``Hybrid3DCommunicator.sync_gradients`` (§4.3) computes ``compressed =
-compressor.compress(grad)`` and then all-reduces the uncompressed ``grad``: the compression costs time and
-saves nothing, and the error-feedback state (if any) records a residual that was never withheld. It also
-all-gathers each gradient over the TP group afterwards; a tensor-parallel parameter's gradient is already
-the gradient of the local shard, so that step would turn a shard's gradient into a full-size tensor that
-no longer matches the shard it belongs to. With a comm hook the payload is what travels, and TP is left alone.
+:class:`ZeroOneOptimizer` is ZeRO stage 1 (Rajbhandari et al. 2020, SC'20, §5.1, P_os; PyTorch's
+``ZeroRedundancyOptimizer``); stages 2 and 3 are :class:`commlab.parallel.sharded.ShardedDataParallel`.
 
-:class:`ZeroOneOptimizer` is ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory optimizations toward
-training trillion parameter models", SC'20, §5.1, P_os): each of the N ranks keeps the optimizer state
-(Adam's two moments) of 1/N of the parameters only. A step reduce-scatters the gradient (each rank gets
-the sum of its shard), updates its shard, and all-gathers the parameters: the bytes of one AllReduce,
-``2 (N-1)/N`` of the parameters' bytes, with 1/N of the optimizer memory (ZeRO §7.1 counts the same volume).
-PyTorch's own version is ``torch.distributed.optim.ZeroRedundancyOptimizer``.
-
-Stages 2 and 3 (gradients, then parameters sharded too, and HSDP) are
-:class:`commlab.parallel.sharded.ShardedDataParallel`: they cannot be an optimizer after a full-size gradient
-AllReduce, since what they save is that full-size gradient (and parameters), so they reduce-scatter each unit's
-gradient as backward produces it instead.
+Book: chapter 10, §10.11 (ZeRO-1) and §10.12 (the source article's ``Hybrid3DCommunicator``, corrected).
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The 3D device mesh: which rank holds which (data, pipeline, tensor) coordinate, and its process groups.
 
-Two halves:
+:class:`ParallelLayout` is pure arithmetic, no processes: ``coords(rank) -> (dp, pp, tp)``,
+``rank_of(dp, pp, tp)``, ``groups(dim)`` and ``node_of(rank)``; the default order puts TP innermost, so a
+TP group is consecutive ranks inside one node, where the fast links are (TP all-reduces every layer's
+activations on the critical path: Shoeybi et al. 2019, §3; Narayanan et al. 2021, §3).
+:func:`build_mesh` turns a layout into a :class:`torch.distributed.device_mesh.DeviceMesh` on every rank,
+after every rank has agreed on it; :func:`mesh_groups` returns this rank's group per dimension;
+:func:`order_report` shows what another dimension order does.
 
-* :class:`ParallelLayout` is pure arithmetic, no processes: ``coords(rank) -> (dp, pp, tp)``,
-  ``rank_of(dp, pp, tp)``, ``groups(dim)`` (every group of a dimension, as lists of global ranks) and
-  ``node_of(rank)``. The default order puts TP innermost, so the ranks of one TP group are
-  consecutive and, because ``tp`` divides ``devices_per_node``, inside one node.
-* :func:`build_mesh` turns a layout into a :class:`torch.distributed.device_mesh.DeviceMesh` on every
-  rank, after every rank has agreed on the layout; :func:`mesh_groups` returns this rank's process
-  group per dimension.
-
-Why TP stays inside a node: tensor parallelism all-reduces the activations of every layer, twice in the
-forward pass and twice in the backward pass of each transformer layer (Shoeybi et al. 2019, Megatron-LM,
-§3), on the critical path. Data parallelism all-reduces the gradients once per step and can overlap
-them with the backward pass; pipeline parallelism sends one activation per micro-batch between stages.
-The fast links are inside a node (NVLink or PCIe), so the dimension that communicates most, and
-can hide it least, gets them (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", §3).
-
-:func:`order_report` shows what a different dimension order does: with ``("tp", "pp", "dp")`` the
-TP groups are strided instead of consecutive and cross nodes.
+Book: chapter 10, §10.6 (why TP stays inside a node), §10.7 (rank mapping), §10.8 (the mesh, live).
 """
 
 from __future__ import annotations
@@ -265,15 +254,11 @@ def build_mesh(layout: ParallelLayout, world_size: int | None = None, order: Seq
                device_type: str | None = None):
     """Create the 3D device mesh of ``layout`` on this rank; every rank of the world must call it.
 
-    Every rank creates *every* group of every dimension, in one fixed order (that is what
-    :func:`torch.distributed.device_mesh.init_device_mesh` does). ``dist.new_group`` is collective over the
-    whole world: each rank must call it for every group, its own or not, in the same sequence, or the groups'
-    internal identifiers pair up wrongly and the first collective hangs or mixes ranks. The source article's
-    ``NCCLCommunicationOptimizer`` calls ``new_group`` only for the groups the calling rank belongs to (its own
-    node's TP group, its own DP stride), so ranks disagree on how many groups exist and in what order.
-    Before creating anything, the ranks also exchange their ``(layout, order)`` (one all-gather of 9 int64
-    per rank): if one rank passed something different, or something invalid, every rank raises the same
-    ValueError instead of some ranks hanging in group creation.
+    Every rank creates *every* group of every dimension, in one fixed order (as
+    :func:`torch.distributed.device_mesh.init_device_mesh` does): ``dist.new_group`` is collective over the
+    whole world, and ranks that create different groups (the source article's ``NCCLCommunicationOptimizer``,
+    book §10.13) pair them up wrongly. Before creating anything, the ranks exchange their ``(layout, order)``
+    (one all-gather of 9 int64 per rank), so a rank that passed something different makes every rank raise.
 
     Args:
         layout: the sizes; ``dp * pp * tp`` must equal the world size.

@@ -1,50 +1,17 @@
 """Sharded data parallelism: ZeRO-2 (gradients sharded), ZeRO-3 / FSDP (parameters sharded too), and HSDP.
 
-Rajbhandari et al. 2020, "ZeRO: Memory optimizations toward training trillion parameter models" (SC'20), §5:
-stage 1 (P_os) shards the optimizer state over the N data-parallel ranks (:class:`ZeroOneOptimizer`), stage 2
-(P_os+g) the gradients too, stage 3 (P_os+g+p) the parameters too. PyTorch's FSDP (Zhao et al. 2023, "PyTorch
-FSDP", VLDB 16(12), §3) is stage 3 organised per *unit*: a wrapped module whose parameters are one flat,
-zero-padded vector cut into N equal shards; group rank r owns shard r.
+Rajbhandari et al. 2020, "ZeRO" (SC'20), §5; PyTorch FSDP (Zhao et al. 2023, VLDB 16(12), §3) and FSDP2
+(``torch/distributed/fsdp/_fully_shard/``). :class:`ShardedDataParallel` shards per *unit* (a submodule whose
+parameters form one flat, zero-padded vector cut into N shards): stage 2 reduce-scatters each unit's
+gradients when backward completes them and all-gathers the updated shards after the optimizer step; stage 3
+keeps only the shard, all-gathering a unit before its forward and again before its backward (storage resized
+in place, FSDP2's trick) with the next unit prefetched; HSDP (``replicate_group``) all-reduces each shard
+across replicas. Collectives are torch's asynchronous ``all_gather_into_tensor`` / ``reduce_scatter_tensor``,
+since a prefetch needs a handle that progresses while the autograd thread computes (commlab's ring is tested
+equal to them). Stage 1 is :class:`ZeroOneOptimizer`. :func:`zero_memory_bytes` and
+:func:`held_memory_bytes` count model-state bytes.
 
-:class:`ShardedDataParallel` does both stages over the same units (one per wrapped submodule):
-
-* **stage 2** keeps every parameter whole. When backward has produced all of a unit's gradients (a
-  post-accumulate-grad hook per parameter counts them) it flattens them, launches the unit's ReduceScatter
-  and frees the full gradients (``p.grad = None``): each rank keeps only the averaged gradient of its shard, on
-  the shard parameter. The optimizer steps the shards; its step-post hook then AllGathers the parameters into
-  the model (:meth:`ShardedDataParallel.make_optimizer` registers it).
-* **stage 3** keeps only the shard. The module's parameters keep their shapes but their storage is resized to
-  0 bytes outside two windows: a forward pre-hook AllGathers the unit (the *unshard*), its forward hook frees
-  it again (FSDP2's ``reshard_after_forward=True``) and puts a hook on its outputs' gradients, which AllGathers
-  it once more before its backward; after its backward the ReduceScatter is launched and the parameters freed.
-  The storage is resized in place (FSDP2's trick, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), so
-  the tensors that autograd saved in forward see the regathered values in backward.
-* **prefetch** (stage 3): when unit i's forward starts, unit i+1's AllGather is launched, and when unit i's
-  backward starts, unit i-1's; the module computes while it travels. The units are taken in the order given
-  (by default the wrapped module's children that hold parameters, in registration order), which must be the
-  order forward runs them.
-* **HSDP** (``replicate_group``): shard inside a group (a node), replicate across groups: the ReduceScatter
-  runs over ``shard_group`` and its shard is then AllReduced over ``replicate_group`` (FSDP2's HSDP, the
-  layout torchtitan uses across nodes). Every rank of a replicate group owns the same shard.
-
-**Communication** is torch's own asynchronous collectives (``dist.all_gather_into_tensor`` and
-``dist.reduce_scatter_tensor``, through :data:`~commlab.collectives._common.all_gather_single` and
-``reduce_scatter_single``, with ``async_op=True``): the prefetch needs a work handle that progresses while the
-autograd thread computes, which a hand-written ring called on that thread cannot give. commlab's ring
-ReduceScatter and AllGather (:mod:`commlab.collectives.ring`) are the same operations, tested equal to these.
-Bytes per rank and step (ring model, padded sizes, P = a unit's parameter bytes): stage 2 sends ``(N-1)/N · P``
-in the ReduceScatter and as much in the AllGather, one AllReduce, like DDP; stage 3 AllGathers twice (forward
-and backward), ``3 (N-1)/N · P`` in all, 1.5 times DDP's (ZeRO §7.2).
-
-**Gradients** are averaged over every data-parallel rank (``shard_group`` x ``replicate_group``), as DDP does.
-Several backward passes before a step accumulate into the shards' ``.grad`` (each still communicates). A NaN
-or infinite gradient is reduced like any number, as by DDP and FSDP2: the element's shard, on every rank
-that owns it, gets the NaN, and the step writes it into that element of the parameter on every rank; nothing
-is checked or skipped (check ``torch.isfinite`` on :meth:`full_gradients` or on the shards' gradients, with an
-AllReduce of the verdict, if the training loop must skip such a step). Every rank must run the same units in
-forward and backward (the same model, no data-dependent branch around a unit), since each unit's collectives
-pair across ranks in the order they are issued. A backward that raises (on every rank alike) loses its gradients:
-the next forward waits for what it had launched and starts clean.
+Book: chapter 12 (§12.1 memory, §12.2 communication, §12.3 FSDP's per-layer schedule).
 """
 
 from __future__ import annotations
@@ -138,13 +105,19 @@ def _ranks(group) -> list[int]:
 
 
 class ShardedDataParallel(nn.Module):
-    """ZeRO-2 or ZeRO-3 / FSDP (with HSDP) around ``module``; see the module docstring for what each does.
+    """ZeRO-2 or ZeRO-3 / FSDP (with HSDP) around ``module`` (book §12.3).
 
     Build the optimizer over the shards with :meth:`make_optimizer` (any element-wise ``torch.optim`` class), then
     train as usual: ``loss = loss_fn(sdp(x), y); loss.backward(); opt.step(); opt.zero_grad()``. An optimizer over
     ``sdp.parameters()`` (the module's own) would find no gradients there, since they are freed, and change
     nothing. Read the model with :meth:`full_parameters` and :meth:`full_gradients` (collective); under stage 3
     ``state_dict()`` would read freed storage, so checkpoint the full parameters (or the shards, per rank).
+
+    Gradients are averaged over every data-parallel rank (``shard_group`` x ``replicate_group``), as DDP does;
+    several backward passes before a step accumulate into the shards' ``.grad``. NaN and inf are reduced like
+    any number (as DDP and FSDP2 do). Every rank must run the same units in forward and backward, since each
+    unit's collectives pair across ranks in the order they are issued; a backward that raises loses its
+    gradients, and the next forward waits for what it had launched and starts clean.
 
     Args:
         module: the model, on the group's device, the same (names, shapes, dtypes) on every rank, with equal
@@ -545,20 +518,14 @@ class ShardedDataParallel(nn.Module):
 
 def zero_memory_bytes(stage: int, numel: int, n: int, param_bytes: float = 2, grad_bytes: float = 2,
                       optimizer_bytes: float = 12) -> dict[str, float]:
-    """Model-state bytes per rank under ZeRO stage 0-3 (Rajbhandari et al. 2020, §5 and Figure 1).
+    """Model-state bytes per rank under ZeRO stage 0-3 (Rajbhandari et al. 2020, §5 and Figure 1; book §12.1).
 
-    With Ψ = ``numel`` parameters, N = ``n`` ranks and K = ``optimizer_bytes`` per parameter: stage 0 (plain DP)
-    holds ``(P + G + K) Ψ``; stage 1 ``(P + G) Ψ + K Ψ / N``; stage 2 ``P Ψ + (G + K) Ψ / N``; stage 3
-    ``(P + G + K) Ψ / N``. The paper's mixed-precision Adam has P = G = 2 (fp16) and K = 12 (fp32 master copy,
-    momentum, variance): ``(2 + 2 + K) Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2 + K)Ψ/N``, ``(4 + K)Ψ/N`` (the defaults).
-    K counts everything the optimizer holds per parameter, its master copy included: with one dtype and no
-    mixed precision (float64 here), ZeRO-1 and ZeRO-2 keep a master copy of the shard beside the whole model
-    (K = 8 + 16 for Adam in float64), ZeRO-3's shard *is* the parameter (K = 16). Activations and temporary
-    buffers (a unit gathered for its forward, the flat gradient before its ReduceScatter) are not counted; the
-    padding of each shard to a multiple of N is not either (exact when N divides every unit's size).
-
-    The planner's :func:`commlab.parallel.planner.memory.model_state_bytes_per_param` is the same rule per
-    parameter, for its named dtype options.
+    With Ψ = ``numel`` parameters, N = ``n`` ranks and K = ``optimizer_bytes`` per parameter: stage 0 holds
+    ``(P + G + K) Ψ``; stage 1 ``(P + G) Ψ + K Ψ / N``; stage 2 ``P Ψ + (G + K) Ψ / N``; stage 3
+    ``(P + G + K) Ψ / N``; defaults P = G = 2, K = 12 (mixed-precision Adam). K counts everything the optimizer
+    holds per parameter, a master copy included (Adam in float64: 8 + 16 under ZeRO-1/2, 16 under ZeRO-3,
+    whose shard is the parameter). Activations, temporary buffers and the shards' padding are not counted. The
+    planner's :func:`commlab.parallel.planner.memory.model_state_bytes_per_param` is the same rule per parameter.
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes (floats: Ψ/N need not be whole).

@@ -1,45 +1,19 @@
 """Step time, compute, communication and how much of it hides behind compute, for a
 :class:`~commlab.parallel.ShardedDataParallel` model: measured with ``torch.profiler``.
 
-:func:`profile_sharded` runs a few training steps under ``torch.profiler.profile`` (all threads recorded, see
-:mod:`commlab.overlap.profile` for why) and reads back the ranges :mod:`commlab.parallel.sharded` opens:
+:func:`profile_sharded` runs a few steps under the profiler (all threads recorded, as
+:mod:`commlab.overlap.profile` does) and reads back the ``sharded::`` ranges that
+:mod:`commlab.parallel.sharded` and this module open (step, phases, each unit's forward, each collective's
+launch and wait, HSDP's AllReduce). A collective's end comes from gloo's own event on its worker thread,
+matched to its launch by order; gloo runs ``reduce_scatter_tensor`` as an AllReduce of the whole flat
+gradient (torch 2.13) and gives no completion callback for it, so the bucket markers of
+:mod:`commlab.overlap.profile` do not apply. Per step, in seconds: ``comm_s`` = |C|, the union of the
+collectives' [launch, end]; ``exposed_comm_s`` = |M|, the training thread's launch, wait and AllReduce
+ranges; ``compute_s`` = step - |M|; ``overlapped_s`` = |C ∩ (step \\ M)|. The last step is kept as a
+timeline (:attr:`ShardedProfile.timeline`, drawn by :func:`commlab.viz.plot_overlap_timeline`), and
+:func:`gathers_issued_ahead` reads from its order which AllGathers were prefetched.
 
-* ``sharded::step`` (opened here) around each step (forward, backward, optimizer step, ``zero_grad``);
-  ``sharded::forward``, ``sharded::backward``, ``sharded::optimizer`` (opened here) around its phases; and
-  ``sharded::forward::unit<i>`` around unit i's forward compute (opened by hooks registered here, after the
-  model's own, so it starts once the unit is gathered and its prefetch launched);
-* ``sharded::all_gather::unit<i>`` / ``sharded::reduce_scatter::unit<i>`` around launching a unit's
-  asynchronous AllGather / ReduceScatter on the training thread;
-* ``sharded::wait_all_gather::unit<i>`` and ``sharded::wait_reduce_scatter`` around the waits for them;
-  ``sharded::all_reduce::unit<i>`` around HSDP's (synchronous) AllReduce of a shard.
-
-When each collective *ends* comes from gloo's own events on its worker threads: ``gloo:all_gather`` for an
-AllGather and ``gloo:all_reduce`` for a ReduceScatter (gloo runs ``reduce_scatter_tensor`` as an AllReduce of
-the whole flat gradient and keeps its chunk, torch 2.13; so on gloo a ReduceScatter costs an AllReduce's
-time, for FSDP2 as for us). A process group's worker threads take its work in the order it was launched, so the
-k-th launch of a kind is matched with the k-th gloo event of that kind (gloo's AllReduces of HSDP's replicate
-group, nested in their synchronous range, are left out of the matching). gloo gives no completion callback
-for a ReduceScatter (``Work::getFuture`` is not implemented for it), which is why the markers
-:mod:`commlab.overlap.profile` uses for buckets do not apply.
-
-Definitions, per step (seconds):
-
-* communication interval of a collective = [start of its launch range, end of its gloo event]; for HSDP's
-  AllReduce, its range; C = the union of them; ``comm_s`` = |C|;
-* training-thread communication M = the union of the launch, wait and AllReduce ranges; compute time is the
-  rest of the step: ``compute_s`` = step − |M| (forward, backward, optimizer step: whatever the training thread
-  does besides starting and waiting for collectives), and ``exposed_comm_s`` = |M|;
-* ``overlapped_s`` = |C ∩ (step \\ M)|: communication under way while the training thread computes;
-  **overlap fraction** = sum over steps of ``overlapped_s`` / sum of ``comm_s``, in [0, 1].
-
-The last profiled step is also kept as a timeline (:attr:`ShardedProfile.timeline`, bars of
-:class:`commlab.overlap.profile.Interval` in seconds from the step's start, drawn by
-:func:`commlab.viz.plot_overlap_timeline`): the phases (kinds ``forward``, ``backward``, ``optimizer``), each
-wait (kind ``wait``, labelled ``AG<i>`` for unit i's AllGather, ``RS`` for the ReduceScatters), each unit's
-forward compute (kind ``unit``, ``bucket`` = the unit; not drawn) and each collective's communication interval
-(kind ``comm``, ``bucket`` = the unit, labelled ``AG<i>``, ``RS<i>`` or ``AR<i>``).
-Which AllGathers were prefetched is a matter of *order* on the training thread, not of timing:
-:func:`gathers_issued_ahead` reads it from the timeline.
+Book: chapter 12, §12.3.
 """
 
 from __future__ import annotations

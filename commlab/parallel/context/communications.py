@@ -1,26 +1,14 @@
 """The communication operators of context parallelism, over an explicit context-parallel (CP) group.
 
-Named after the papers' operations, as :mod:`commlab.parallel.tensor.communications` names Megatron's f and g:
+Named after the papers' operations: :func:`ring_pass`, ring attention's step (Liu, Zaharia & Abbeel 2023,
+arXiv:2310.01889, §3), one grouped exchange to the next rank (not an autograd function:
+:mod:`commlab.parallel.context.ring` writes the backward); :class:`SeqToHeads` / :class:`HeadsToSeq`,
+DeepSpeed-Ulysses' AllToAll (Jacobs et al. 2023, arXiv:2309.14509, §3.1), each the other's backward, on
+:func:`commlab.collectives.all_to_all`; :class:`AllGatherSequence`, Llama 3's all-gathered K/V (§3.3.2),
+reduce-scattering the gradients backward. Shapes ``[..., heads, seq, head_dim]``; nothing is sent when
+N == 1; every rank calls each operator with the same shapes.
 
-* :func:`ring_pass` -- ring attention's step (Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise
-  Transformers for Near-Infinite Context", arXiv:2310.01889, §3): every rank sends its block to the next rank of
-  the ring and receives the previous rank's, all of one step's messages in one grouped exchange
-  (:func:`commlab.collectives.p2p.exchange`, so NCCL cannot deadlock on a send and a receive that must progress
-  together). Not an autograd function: :mod:`commlab.parallel.context.ring` writes its backward explicitly and
-  calls it for the gradients too.
-* :class:`SeqToHeads` / :class:`HeadsToSeq` -- DeepSpeed-Ulysses' AllToAll (Jacobs et al. 2023, "DeepSpeed
-  Ulysses: System Optimizations for Enabling Training of Extreme Long Sequence Transformer Models",
-  arXiv:2309.14509, §3.1): from a sequence shard of every head to the whole sequence of ``heads / N`` heads, and
-  back. Each is the other's backward (an AllToAll's adjoint is the inverse AllToAll). Built on the pairwise
-  AllToAll :func:`commlab.collectives.all_to_all`.
-* :class:`AllGatherSequence` -- the baseline that Llama 3's context parallelism uses (Dubey et al. 2024, §3.3.2):
-  all-gather K and V along the sequence in the forward pass, reduce-scatter (sum) their gradients in the
-  backward pass (torch's own collectives).
-
-Shapes are ``[..., heads, seq, head_dim]`` (attention's ``[batch, heads, seq, head_dim]``, with any leading
-dimensions, e.g. q, k and v stacked). ``N`` is the CP group's size. With ``N == 1`` nothing is sent.
-Every rank of the group must call each operator with the same shapes (the layers check that once per call,
-:func:`commlab.parallel.context.attention.check_inputs`).
+Book: chapter 13, §13.2.
 """
 
 from __future__ import annotations

@@ -16,20 +16,11 @@ Ulysses             ``(N-1)/N · (2Q + 2K)`` (2 AllToAlls)   the same           
                                                                                                       h/N heads
 =================== ======================================= ========================================= ===========
 
-``K'`` is the dK block in the precision it travels in (float32 for half-precision inputs; see
-:mod:`commlab.parallel.context.ring`). Ring attention and the all-gather send the same forward bytes; the ring
-spends them as N-1 point-to-point steps that overlap the blockwise arithmetic (Liu et al. 2023, §3: the transfer
-hides when a block's compute takes longer than its transfer), and holds two blocks, not the sequence. Ulysses'
-volume per rank *falls* relative to the block as N grows (``(N-1)/N`` of ``2Q + 2K``) where the ring's grows with
-N-1: ring / Ulysses = ``N · h_kv / (h + h_kv)`` -- equal at N = 2 without grouped-query attention, Ulysses ahead
-beyond; but Ulysses needs ``h_kv`` (and ``h``) divisible by N and cannot overlap its AllToAlls with attention
-(Jacobs et al. 2023, §3.1). Llama 3 (Dubey et al. 2024, §3.3.2) all-gathers K/V because with ``h_kv = 8 << h``
-K/V are small.
-
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-§4.2.2) replaces each TP all-reduce of the ``(b, s, hidden)`` activation by an all-gather and a reduce-scatter of
-it: on a ring the same ``2 (t-1)/t`` bytes and ``2 (t-1)`` messages (:func:`sequence_parallel_vs_tp`); what it
-saves is activation memory (the planner's :func:`commlab.parallel.planner.memory.activation_bytes_per_layer`).
+``K'`` is the dK block in the precision it travels in (float32 for half-precision inputs). Entry points: the
+``*_nbytes`` and ``*_seconds`` functions per method, :func:`compare_context_parallel` and
+:func:`fastest_context_parallel` (least exposed time; the ring hides each step behind its block's
+arithmetic, Liu et al. 2023, §3), and :func:`sequence_parallel_vs_tp` (Korthikanti et al. 2022, §4.2.2: the
+same bytes as TP's all-reduce). Book: chapter 13, §13.1 and §13.2 (*Which wins where*).
 """
 
 from __future__ import annotations

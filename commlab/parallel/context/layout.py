@@ -1,21 +1,11 @@
 """Where each token of the sequence lives under context parallelism, and which blocks ring attention computes.
 
-Pure arithmetic (no process group), shared by the layers, the tests and the labs.
-
-Two layouts of a sequence of ``s`` tokens over ``N`` ranks, each rank holding ``s / N`` of them:
-
-* **contiguous** (``load_balance=False``): rank ``i`` holds tokens ``[i s/N, (i+1) s/N)``. Under a causal mask
-  rank ``N-1`` attends to the whole sequence and rank 0 to its own block only, so with causal attention the
-  last rank does ``N`` times the work of the first.
-* **load-balanced** (``load_balance=True``, the "zigzag" layout): the sequence is cut into ``2N`` chunks of
-  ``c = s / (2N)`` tokens and rank ``i`` holds chunks ``i`` and ``2N-1-i`` (in that order), so that every rank
-  holds one early and one late chunk and does the same causal work. This is the layout of Llama 3's context
-  parallelism (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2) and of Megatron-Core's
-  ``context_parallel`` (``get_batch_on_this_cp_rank`` in ``megatron/training/utils.py``).
-
-Ring attention's block schedule (:func:`block_plan`): at ring step ``t`` rank ``i`` holds the K/V block of
-rank ``src = (i - t) mod N``. Under a causal mask only some (query, key) pairs of that block are needed; the
-plan names the query rows and key columns to compute and whether the block still needs an element-wise mask:
+Pure arithmetic (no process group). Two layouts of ``s`` tokens over ``N`` ranks: contiguous
+(``load_balance=False``: rank i holds ``[i s/N, (i+1) s/N)``, so under a causal mask the last rank does N
+times the first one's work) and load-balanced, the zigzag layout of Llama 3 (§3.3.2) and Megatron-Core's
+``get_batch_on_this_cp_rank`` (rank i holds chunks i and 2N-1-i of 2N): :func:`chunk_indices`,
+:func:`positions`, :func:`shard_sequence`. :func:`block_plan` says which part of the K/V block of rank
+``src = (i - t) mod N`` rank i computes at ring step t under a causal mask:
 
 ============== ===================== ========================= ===========================
 layout         ``src == i``          ``src < i``               ``src > i``
@@ -24,8 +14,7 @@ contiguous     all x all, masked     all x all                 nothing
 load-balanced  all x all, masked     all x first half of K/V   second half of Q x all
 ============== ===================== ========================= ===========================
 
-In the load-balanced layout every off-diagonal step is half a block for every rank: the balance that the
-layout is for. :func:`covered_pairs` checks a plan against the causal mask on the whole sequence.
+:func:`covered_pairs` checks a plan against the causal mask. Book: chapter 13, §13.2.
 """
 
 from __future__ import annotations

@@ -1,35 +1,19 @@
 """Ring attention: each rank keeps its queries, the K/V blocks travel round the ring, the softmax is online.
 
-Sources: Liu, Zaharia, Abbeel (2023), "Ring Attention with Blockwise Transformers for Near-Infinite Context",
-arXiv:2310.01889, §3 and Algorithm 1 (the ring of K/V blocks, overlapped with the blockwise computation); the
-online softmax with a running maximum and sum, and the backward from the saved log-sum-exp: Dao (2023),
-"FlashAttention-2", arXiv:2307.08691, Algorithms 1 and 2; causal load balancing by the "zigzag" layout:
-Dubey et al. (2024), "The Llama 3 Herd of Models", §3.3.2, and Megatron-Core's context parallelism (see
-:mod:`commlab.parallel.context.layout`).
+:func:`ring_attention`: each of the N ranks of the CP group holds ``seq/N`` tokens of q, k, v
+(``[batch, heads, seq_local, head_dim]``); at step t rank i attends to the K/V block of rank ``(i - t) mod N``
+(the part :func:`~commlab.parallel.context.layout.block_plan` names) while passing it on
+(:func:`~commlab.parallel.context.communications.ring_pass`), keeping a running maximum, sum and output per
+row, and ``lse = m + log l`` for the backward. Arithmetic and dK/dV travel in float32 for half-precision
+inputs. Sources: Liu, Zaharia & Abbeel 2023 (arXiv:2310.01889, §3, Algorithm 1); Dao 2023, FlashAttention-2
+(arXiv:2307.08691, Algorithms 1 and 2); the zigzag layout of Llama 3 (§3.3.2) and Megatron-Core.
 
-Each of the N ranks of the CP group holds ``seq_local = seq / N`` tokens of q, k and v, shaped ``[batch,
-heads, seq_local, head_dim]``. Step t (t = 0 .. N-1): rank i holds the K/V block of rank ``(i - t) mod N``,
-attends its queries to the part of the block that :func:`~commlab.parallel.context.layout.block_plan` names,
-and, during that computation, passes the block on to rank i+1 (:func:`~commlab.parallel.context.communications.
-ring_pass`, one grouped exchange per step): N-1 exchanges forward.
-
-Per query row the forward keeps the running maximum ``m``, the running sum ``l`` of ``exp(score - m)`` and the
-running un-normalised output ``acc``; a new block with row maximum ``m_b`` rescales them by ``exp(m - max(m,
-m_b))``. At the end ``out = acc / l`` and ``lse = m + log l`` (the log-sum-exp of the row's scores), which the
-backward keeps.
-
-Why an explicit backward, and not autograd through a ring pass that is itself an autograd function (forward
-sends K/V on, backward sends their gradients back): autograd would save every K/V block the rank saw for the
-backward pass, the whole sequence's K and V on every rank -- the memory of all-gathering them, which ring
-attention exists to avoid. The explicit backward saves only q, k, v, out and lse of this rank, sends the K/V
-blocks round the ring a second time and carries each block's dK/dV accumulator round with it (each rank adds
-its queries' contribution, FlashAttention-2's Algorithm 2 per block); after N steps every accumulator is back
-at its owner. So two blocks of K/V (and of dK/dV) at a time, as in the forward. The price: the backward is not
-itself differentiable (no double backward), and its N-1 K/V exchanges plus N dK/dV exchanges send two to three
-times the forward's bytes (:func:`commlab.parallel.context.cost.ring_attention_nbytes`).
-
-Arithmetic runs in float32 for half-precision inputs (float64 stays float64), and dK/dV travel in that
-precision: summed over N ranks in bf16 they would lose the small contributions.
+Why an explicit backward: autograd through a differentiable ring pass would save every K/V block the rank
+saw, the whole sequence's K and V on every rank, which ring attention exists to avoid. The explicit
+backward saves only this rank's q, k, v, out and lse, sends the K/V blocks round a second time and carries
+each block's dK/dV accumulator with it until it is back home: two blocks at a time, at the price of no
+double backward and two to three times the forward's bytes
+(:func:`commlab.parallel.context.cost.ring_attention_nbytes`). Book: chapter 13, §13.2.
 """
 
 from __future__ import annotations
@@ -187,12 +171,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
 
     Returns:
         ``[batch, heads, seq_local, head_dim]`` in q's dtype: this rank's rows of softmax(q K^T * scale) V
-        over the whole sequence.
-
-    Communication (each rank, ``e`` bytes per element, block ``B = batch * heads * seq_local * head_dim``):
-    forward N-1 grouped exchanges of K and V, ``(N-1) * 2B * e`` bytes; backward N-1 exchanges of K and V plus N
-    of dK and dV (in float32 for half-precision inputs). Memory: two K/V blocks at a time, not the whole
-    sequence's.
+        over the whole sequence. Bytes sent: :func:`commlab.parallel.context.cost.ring_attention_nbytes`.
 
     Raises:
         CollectiveMismatchError, TypeError, RuntimeError: as :func:`~commlab.parallel.context.attention.

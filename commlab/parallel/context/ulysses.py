@@ -1,21 +1,13 @@
 """DeepSpeed-Ulysses: an AllToAll turns a sequence shard of every head into the whole sequence of some heads.
 
-Source: Jacobs, Tanaka, Zhang, Zhang, Song, Rajbhandari, He (2023), "DeepSpeed Ulysses: System Optimizations for
-Enabling Training of Extreme Long Sequence Transformer Models", arXiv:2309.14509, §3.1 and Figure 2.
+Jacobs et al. 2023 (arXiv:2309.14509), §3.1 and Figure 2. :func:`ulysses_attention`: one AllToAll of q, k
+and v stacked gives each rank the whole sequence for ``heads / N`` heads, ordinary attention runs per head,
+and a second AllToAll returns the output to sequence shards (the backward runs the inverses,
+:mod:`commlab.parallel.context.communications`). Each rank sends ``4 (N-1)/N · B · e`` bytes per pass for a
+block of ``B`` elements (:mod:`commlab.parallel.context.cost`); ``heads`` (K/V heads too) must be a
+multiple of N. Contiguous layout only (the causal mask follows rank order).
 
-Each of the N ranks holds ``seq / N`` contiguous tokens of q, k and v for all ``heads`` heads. One AllToAll
-(q, k and v stacked, so one call and one latency per peer) gives each rank the whole sequence for ``heads / N``
-heads; attention is then an ordinary single-process attention per head (no communication inside it); a second
-AllToAll brings the output back to sequence sharding. The backward pass runs the two AllToAlls' inverses
-(:mod:`commlab.parallel.context.communications`).
-
-Per rank and per pass the bytes sent are ``(N-1)/N`` of the four local tensors (q, k, v, out), ``4 (N-1)/N *
-B * e`` for a block of ``B`` elements: it *falls* with N relative to the block, where ring attention's ``2 (N-1)
-B e`` grows (:mod:`commlab.parallel.context.cost`). Its limits: ``heads`` must be a multiple of N (so N is at
-most the number of heads, or of K/V heads under grouped-query attention), and every rank holds the whole
-sequence's scores for its heads.
-
-Contiguous layout only: the causal mask is applied to the gathered sequence in order, which is rank order.
+Book: chapter 13, §13.2 (*DeepSpeed-Ulysses*).
 """
 
 from __future__ import annotations

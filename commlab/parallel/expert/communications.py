@@ -1,19 +1,13 @@
 """The communication operators of expert parallelism: dispatch and combine as AllToAlls, with autograd.
 
-Source: Lepikhin et al. (2020), "GShard: Scaling Giant Models with Conditional Computation and Automatic
-Sharding", arXiv:2006.16668, §2.2 and Algorithm 2 (the dispatched tensor ``[E, C, M]`` is all-to-all'ed so
-that each device holds its own experts' slots from every device, and all-to-all'ed back after the experts);
-Fedus et al. (2021), "Switch Transformers", arXiv:2101.03961, §2.2 and Figure 3 (capacity-padded buffers make
-the exchange equal-sized).
+:func:`all_to_all_autograd` runs :func:`commlab.collectives.all_to_all` on an ``[EP, ...]`` tensor (row j to
+EP rank j); the AllToAll is its own inverse, so its backward is the AllToAll of the gradient (GShard,
+Lepikhin et al. 2020, §2.2 and Algorithm 2; Switch, Fedus et al. 2021, §2.2 and Figure 3). The MoE layer
+checks each call once, so these run with ``check=False``. With capacity-padded buffers each rank sends
+``(EP - 1) / EP`` of its tensor whatever the routing; :class:`AllToAllCounter` adds up what a layer sent,
+for comparison with :func:`commlab.parallel.expert.cost.moe_alltoall_nbytes`.
 
-Both directions are the same operation: :func:`commlab.collectives.all_to_all` on a tensor ``[EP, ...]``
-whose row j goes to EP rank j. It is its own inverse (row j of rank i's output is row i of rank j's input),
-so the backward of an AllToAll is the AllToAll of the gradient. Every call is checked once by the MoE layer
-(:mod:`commlab.parallel.expert.layers`), so the operators here run with ``check=False``.
-
-Bytes: with capacity-padded buffers every call moves the same amount whatever the routing: each rank sends
-``(EP - 1) / EP`` of its ``[EP, ...]`` tensor (its own row stays). :class:`AllToAllCounter` adds up what a
-layer actually handed to its peers, for comparison with :func:`commlab.parallel.expert.cost.moe_alltoall_nbytes`.
+Book: chapter 13, §13.3.
 """
 
 from __future__ import annotations

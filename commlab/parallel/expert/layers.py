@@ -1,33 +1,16 @@
 """A small mixture-of-experts layer, and the same layer with its experts spread over an expert-parallel group.
 
-Sources: Fedus et al. (2021), "Switch Transformers", arXiv:2101.03961, §2.1-2.2 (router, capacity, dropped
-tokens) and Figure 3 (experts on different devices, tokens exchanged in capacity-padded buffers); Lepikhin et
-al. (2020), "GShard", arXiv:2006.16668, §2.2 and Algorithm 2 (dispatch, all-to-all, experts, all-to-all back,
-combine). The routing itself is :func:`commlab.parallel.expert.router.route`.
+:class:`MoE` is the single-process reference: a linear router (:func:`commlab.parallel.expert.router.route`)
+and E experts, each a :class:`commlab.parallel.tensor.TransformerMLP`; token t's output is the weighted sum
+of its kept choices' outputs. :class:`ExpertParallelMoE` is made from a full :class:`MoE` held identically
+on every EP rank: each rank keeps the router and its ``E / EP`` experts, routes its own tokens, dispatches
+them in capacity-padded ``[EP, E/EP, C, h]`` buffers by AllToAll, runs its experts, and combines by the
+inverse AllToAll, so its output is exactly :class:`MoE` on its tokens. Every rank routes the same number of
+tokens. Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank, the backward two more
+(:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
+Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2.
 
-:class:`MoE` is the single-process reference: a linear router (no bias), ``num_experts`` experts, each a
-:class:`commlab.parallel.tensor.MLP` (``fc2(gelu(fc1(x)))``), and the output of token t is
-``sum over its kept choices j of weight[t, j] * expert[t, j](x_t)``, computed expert by expert.
-
-:class:`ExpertParallelMoE` is *made from* a full :class:`MoE` that every rank of the EP group holds identically
-(same seed), as the tensor-parallel layers are: each rank keeps the router (replicated) and its own
-``E / EP`` experts (rank r: experts ``r * E/EP .. (r+1) * E/EP - 1``). Each rank routes its own tokens (the
-attention before the MoE is data parallel: every EP rank has different tokens), then
-
-1. **dispatch**: copies each kept (token, choice) into slot ``slot`` of its expert's buffer,
-   ``[E, C, h] = [EP, E/EP, C, h]``, zeros in the unused slots, and AllToAlls it: rank r receives
-   ``[EP, E/EP, C, h]``, the slots every rank filled for r's experts;
-2. runs each local expert on its ``EP * C`` slots;
-3. **combine**: AllToAlls the outputs back (the inverse exchange) and sums ``weight * output`` per token.
-
-So a rank's output is exactly :class:`MoE` applied to that rank's tokens alone, with that rank's capacity
-``C = ceil(capacity_factor * T * k / E)`` (capacity is per routing rank, as in GShard's groups). Every rank must
-route the same number of tokens T (same C): the buffers, and so the AllToAll splits, are equal.
-
-Communication per forward, ``T`` tokens of ``h`` elements of ``e`` bytes on each rank: two AllToAlls of
-``E * C * h * e`` bytes per rank (each sends ``(EP-1)/EP`` of it); backward two more of the same size (the
-gradients go the other way through the same exchanges); plus one small agreement all-gather per forward.
-See :mod:`commlab.parallel.expert.cost`.
+Book: chapter 13, §13.3 (*Dispatch and combine*).
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Top-k routing with a capacity factor: which token goes to which expert slot, computed once, reused.
 
-Sources:
+:func:`route` takes ``[tokens, E]`` router logits: a softmax over the experts (float64 for float64 logits,
+else float32), the top k kept (Shazeer et al. 2017, §2.1); with ``normalize`` (default for k > 1) a token's k
+weights are renormalised to sum to 1 (Mixtral, arXiv:2401.04088, §2.1; GShard; DeepSeek-V3 §2.1.2), while
+k = 1 keeps the plain probability (Switch, arXiv:2101.03961, Eq. 2), since a normalised single weight is
+always 1 and gives the router no gradient. Expert e takes at most :func:`expert_capacity` (token, choice)
+pairs, ``ceil(capacity_factor · tokens · k / E)`` (Switch §2.2), filled choice-major (every first choice
+before any second, as GShard's Algorithm 1); a pair past capacity is dropped (slot -1) and the token passes
+on through its residual connection. NaN or infinite logits raise ``ValueError``. Not modelled: GShard's
+random second-choice dispatch, DeepSeek-V3's sigmoid scores, bias balancing and node-limited routing.
+:func:`skewed_load_imbalance` measures what a biased router does to the load.
 
-* Shazeer et al. (2017), "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer",
-  arXiv:1701.06538, §2.1: a softmax gate over E experts, only the top k kept.
-* Fedus, Zoph, Shazeer (2021), "Switch Transformers", arXiv:2101.03961, §2.1 (Eq. 2: the output is the
-  gate value times the expert's output, *not* renormalised, k = 1) and §2.2 (expert capacity = tokens / E x
-  capacity factor; with k choices per token, ``ceil(capacity_factor * tokens * k / E)`` here; tokens over
-  capacity are dropped: they skip the layer and pass on through the residual connection).
-* Jiang et al. (2024), "Mixtral of Experts", arXiv:2401.04088, §2.1: softmax over the top-k logits, i.e. the
-  top-k probabilities renormalised to sum to 1 (k = 2). GShard (Lepikhin et al. 2020, arXiv:2006.16668,
-  Algorithm 1) renormalises its top-2 gates the same way, ``g1 / (g1 + g2)``, and DeepSeek-V3
-  (arXiv:2412.19437, §2.1.2) normalises among the selected scores. Not modelled: GShard's random dispatch of
-  second choices, DeepSeek-V3's sigmoid scores, bias-based balancing and node-limited routing.
-
-What this module does, step by step, for ``tokens`` rows of router logits ``[tokens, E]``:
-
-1. ``probs = softmax(logits)`` over the experts (float64 if the logits are float64, else float32).
-2. ``weight, expert = topk(probs, k)``: choice j of token t is expert ``expert[t, j]`` with ``weight[t, j]``.
-3. With ``normalize`` (default for k > 1), ``weight /= weight.sum(-1)`` (Mixtral/DeepSeek); without it the
-   weights are the plain probabilities (Switch). For k = 1 normalising would make every weight 1 and give the
-   router no gradient, so the default for k = 1 is plain.
-4. Slots: expert e takes at most ``capacity`` (token, choice) pairs, in *choice-major* order: every token's
-   first choice in token order, then every token's second choice, ... (a second choice never pushes out a first
-   choice; GShard's Algorithm 1 fills second choices in a second pass, after all first ones). A pair whose
-   position at its expert is ``>= capacity`` is dropped (slot -1) and counted in ``dropped_per_expert``.
-
-Dropped pairs contribute nothing to the layer's output (a token all of whose choices are dropped gets 0 from
-the layer, as in Switch §2.2, and its residual connection carries it on). With NaN or infinite logits the
-routing is undefined: :func:`route` raises ``ValueError`` instead of routing on garbage.
+Book: chapter 13, §13.3.
 """
 
 from __future__ import annotations
@@ -131,7 +114,7 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float, *, normalize: bo
         k: experts per token, 1..E (Switch: 1; GShard, Mixtral: 2).
         capacity_factor: > 0; the capacity is :func:`expert_capacity` of T tokens.
         normalize: renormalise the k weights of a token to sum to 1 (Mixtral, DeepSeek-V3); None: True when
-            k > 1, False for k = 1 (Switch), see the module docstring.
+            k > 1, False for k = 1 (Switch; the module docstring says why).
         capacity: override the computed capacity (slots per expert, an int >= 0); the capacity factor is still
             validated.
 

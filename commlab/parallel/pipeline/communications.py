@@ -1,36 +1,16 @@
 """Messages between adjacent pipeline stages, over an explicit process group, one grouped exchange each.
 
-The pipeline group's rank *is* the stage index: stage s sends activations forward to stage s+1 and
-receives gradients back from it. Which messages a stage posts together, and when, is the plan of
-:mod:`~commlab.parallel.pipeline.plan` (data derived from the schedule); :func:`communicate` posts one
-group of that plan as one :func:`commlab.collectives.p2p.exchange` (one ``batch_isend_irecv``), so that a
-send and the receive it must progress with cannot wait on each other under NCCL.
+The pipeline group's rank is the stage index. :func:`communicate` posts one group of the plan
+(:mod:`~commlab.parallel.pipeline.plan`) as one :func:`commlab.collectives.p2p.exchange` and returns once
+its receives have arrived; its sends are waited for at the end of the step (:class:`PendingSends`).
+:func:`agree_step` makes every stage agree on (schedule, m, batch size, v) with one all-gather, and
+:func:`agree_boundary_shapes` (:func:`agree_chunk_boundaries` with v chunks) passes each boundary's shape
+and dtype down the pipeline once, from a dry run, so later messages are bare tensors checked against the
+agreed :class:`Boundary`. Messages between a pair of stages match by order (activations s -> s+1,
+gradients back; interleaved, between virtual stages, so the last stage also sends to stage 0). Buffers
+live on the group's device (:func:`commlab.launch.device.group_device`); empty tensors are not sent.
 
-Design choices, and why:
-
-* **A group's receives are waited for at once, its sends at the end of the step.** A computation needs its
-  inputs, so :func:`communicate` returns only when the group's receives have arrived. A send only has to
-  complete before the step ends (and before its tensor is modified); the :class:`PendingSends` of the
-  step keeps every exchange, with the tensors it reads, until :meth:`PendingSends.wait_all`; none is
-  dropped, so no message is lost when a rank returns.
-* **Arguments, shapes and dtypes agreed up front.** :func:`agree_step` first makes every stage agree on
-  (schedule, m, batch size) with one small all-gather, so that a stage called differently fails at once,
-  on every stage, instead of hanging or failing inside a computation. A receiver must allocate its buffer
-  before the data arrives, so it must know the shape and dtype: :func:`agree_boundary_shapes` passes them
-  down the pipeline once, before the first micro-batch: stage 0 knows the micro-batch shape and the input
-  dtype (which may be an integer type, for an embedding), runs its own module once on zeros to learn its
-  output's shape and dtype, and sends both to stage 1, and so on. After that every message is a bare
-  tensor, and the sender checks each one against the agreed :class:`Boundary` before posting it (a
-  mismatched message would make gloo abort or NCCL read garbage).
-* **Messages between a pair of stages are matched by order.** Activations only go s -> s+1 and gradients
-  only s+1 -> s, each in the order the schedule produces them, so no tags are needed. In an interleaved
-  pipeline (v model chunks per stage) they go between virtual stages k -> k+1 (on stages ``k mod p`` and
-  ``(k+1) mod p``), so the last stage also sends to stage 0; both sides still list a pair's messages in
-  one order, the plan's (:mod:`~commlab.parallel.pipeline.plan`), and the shapes are agreed per chunk.
-* **Every buffer on the group's device** (:func:`commlab.launch.device.group_device`: the CPU under gloo,
-  the rank's GPU under NCCL, which moves only CUDA tensors).
-
-Empty tensors are not sent (:mod:`commlab.collectives.p2p` skips them on both sides).
+Book: chapter 10, §10.10; chapter 2, §2.6.
 """
 
 from __future__ import annotations
@@ -254,13 +234,9 @@ def agree_boundary_shapes(module: nn.Module, microbatch_shape: Sequence[int], dt
 
     Stage 0 takes ``microbatch_shape`` and ``dtype`` as its input; every stage runs ``module`` once on zeros
     of its input shape and dtype (without autograd, in eval mode) to learn its output's shape and dtype and
-    sends both to the next stage. Costs p-1 tiny messages, one extra forward of one micro-batch per stage
-    and one all-gather of one int64 per stage at the end, which tells every stage whether each stage
-    succeeded (so a stage that fails here makes every stage raise instead of leaving its neighbours
-    waiting); the engine pays it at the start of every :func:`~commlab.parallel.pipeline.engine.pipeline_step`
-    (before the timed part), which keeps each step self-contained. A module whose output shape depends on
-    the values of its input (not only its shape) cannot be pipelined this way: :func:`communicate` refuses
-    its first message of another shape.
+    sends both to the next stage: p-1 tiny messages, one extra forward of one micro-batch per stage, and one
+    all-gather of one int64 per stage that tells every stage whether each succeeded. A module whose output
+    shape depends on its input's values cannot be pipelined this way (:func:`communicate` refuses it).
 
     Args:
         module: this stage's part of the model.

@@ -1,44 +1,18 @@
 """Run one training step of a model cut into pipeline stages, with the GPipe, 1F1B or interleaved 1F1B schedule.
 
-Each rank of the pipeline group holds one stage: a contiguous slice of an ``nn.Sequential``
-(:func:`split_sequential`); with interleaved 1F1B, v model chunks instead (:func:`split_interleaved`: the
-model cut into ``p·v`` slices, chunk c of rank s being virtual stage ``c·p + s``, Narayanan et al. 2021,
-SC'21, §2.2.2). :func:`pipeline_step` splits the batch into m equal micro-batches and runs
-the stage's operations in the order of :mod:`commlab.parallel.pipeline.schedules`:
+Each rank of the pipeline group (group rank = stage) holds one slice of an ``nn.Sequential``
+(:func:`split_sequential`) or, interleaved, v chunks (:func:`split_interleaved`: chunk c of rank s is
+virtual stage ``c·p + s``, Narayanan et al. 2021, SC'21, §2.2.2). :func:`pipeline_step` splits the batch
+into m micro-batches, runs the stage's forwards and backwards in the order of
+:mod:`~commlab.parallel.pipeline.schedules`, and between two computations posts the group of messages that
+:mod:`~commlab.parallel.pipeline.plan` gives (:mod:`~commlab.parallel.pipeline.communications`). Each
+micro-batch loss is divided by m, so the accumulated ``.grad`` is that of the whole batch (tests:
+``allclose(rtol=1e-5, atol=1e-6)`` in float32 against the unsplit model). Each op is timed from its inputs'
+arrival to the end of its computation with a :class:`commlab.launch.device.Clock` (CUDA events on a GPU),
+from a barrier at the start of the step, and returned as a :class:`PipelineResult`. The group is explicit;
+several pipelines can run side by side (:mod:`commlab.parallel.data_parallel`).
 
-* forward ``F j``: micro-batch j's activation from the previous stage (stage 0 slices the input), run the
-  stage, keep input and output for the backward, hand the output to the next send;
-* backward ``B j``: the gradient of the output from the next stage (the last stage differentiates
-  ``loss_j / m`` instead), backpropagate through the stage, hand the input's gradient to the next send,
-  drop the stored activations.
-
-Between two computations the stage posts one group of messages: what the last computation produced and
-what the next one needs, as the communication plan of :mod:`commlab.parallel.pipeline.plan` says (in the
-1F1B steady state, Megatron-LM's ``send_forward_recv_backward`` and ``send_backward_recv_forward``). The
-plan is data derived from the schedule, and a simulator of NCCL's rendezvous rules checks that it cannot
-deadlock; the engine only executes it.
-
-Gradients accumulate in ``.grad`` over the micro-batches. Each micro-batch loss is a mean over its
-rows divided by m, so with equal micro-batches the accumulated gradient is the gradient of the mean loss
-over the whole batch: the same as running the unsplit model on the batch, up to float rounding
-(tests: ``allclose(rtol=1e-5, atol=1e-6)`` in float32).
-
-Timing: every op is timed from after its inputs arrived to the end of its computation, so the wait for a
-neighbour counts as idle, the compute as busy, with a :class:`commlab.launch.device.Clock` on the group's
-device: the host clock on the CPU, CUDA events on a GPU (which complete when the GPU reaches them, so they
-time the kernels rather than their launch). Each stage measures from its own start of the step, taken right
-after a barrier of the pipeline group; the stages' clocks therefore agree to within the barrier's skew
-(microseconds on one machine), which is enough to draw the bubble.
-
-Interleaved 1F1B runs the same loop over virtual stages: each op names its chunk, messages go between
-virtual stages k and k + 1 (the last rank's chunk c feeding rank 0's chunk c + 1), and the plan groups them
-as Megatron-LM does (one group per forward-backward pair of the steady state, see
-:mod:`commlab.parallel.pipeline.plan`). Megatron-LM requires m to be a multiple of p there; so does this
-engine, with an error on every stage otherwise.
-
-The pipeline group is explicit (DESIGN.md, layer 5): pass the sub-group of the ranks that form this
-pipeline, whose group rank is the stage index. Several pipelines can run side by side in disjoint groups
-(data parallelism across them: :mod:`commlab.parallel.data_parallel`).
+Book: chapter 10, §10.10.
 """
 
 from __future__ import annotations

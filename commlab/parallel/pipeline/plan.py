@@ -1,48 +1,17 @@
 """The pipeline's communication plan, as data, and a simulator that proves it cannot deadlock on NCCL.
 
-A schedule (:mod:`~commlab.parallel.pipeline.schedules`) says in which order a stage computes; the *plan*
-says which messages it exchanges between those computations, and which of them are posted together as
-one group (one :func:`commlab.collectives.p2p.exchange`, i.e. one ``batch_isend_irecv``). Both are pure
-functions of ``(schedule, p, m)``, so the engine, the tests and the book read the same lists.
+:func:`communication_plan` turns a schedule (:mod:`~commlab.parallel.pipeline.schedules`) into, per
+stage, its computations with the groups of messages posted between them (each group one
+:func:`commlab.collectives.p2p.exchange`): between two computations, one group of what the first produced
+and what the second needs (Megatron-LM's ``send_forward_recv_backward`` and ``send_backward_recv_forward``
+in the 1F1B steady state); for interleaved 1F1B, one group between Megatron-LM's *steps* (a steady-state
+forward-backward pair is one step), as ``forward_backward_pipelining_with_interleaving`` does.
+:func:`simulate_plan` replays a plan under NCCL's rendezvous rules (:mod:`commlab.collectives.rendezvous`)
+and names the stuck groups if it deadlocks. Pure functions of ``(schedule, p, m)``, so the engine, the
+tests and the book read the same lists. Sources: Narayanan et al. 2021 (SC'21); Megatron-LM's
+``p2p_communication.py``.
 
-**Messages.** Forward ``F j`` on stage s needs micro-batch j's activation from stage s-1 and produces the
-activation that stage s+1 needs; backward ``B j`` needs the gradient of its output from stage s+1 and
-produces the gradient that stage s-1 needs. The first stage receives no activation and sends no gradient;
-the last sends no activation and receives no gradient (it differentiates the loss).
-
-**Groups.** Between two consecutive computations ``o_i`` and ``o_{i+1}`` of a stage, the stage posts one
-group: what ``o_i`` produced and what ``o_{i+1}`` needs (one step, one group). In the 1F1B steady state
-these are Megatron-LM's ``send_forward_recv_backward`` (after a forward, before a backward: activation out
-to s+1, gradient in from s+1) and ``send_backward_recv_forward`` (after a backward, before a forward:
-gradient out to s-1, activation in from s-1); Narayanan et al. 2021, SC'21, and Megatron-LM's
-``p2p_communication.py``. There the grouping is what makes the pipeline run at all: stage s sends
-micro-batch j+1's activation forward while stage s+1 sends micro-batch j's gradient back, and ungrouped,
-on NCCL, each send waits for the other's receive, which is posted behind the other's send -- the classic
-1F1B deadlock. In the warm-up, the cool-down and GPipe's two halves the send and the receive go to
-different neighbours; Megatron-LM posts them one after the other, and the simulator shows that either
-form completes, but one group lets both progress at once and keeps one rule for every boundary.
-
-**The simulator** (:func:`simulate_plan`) replays a plan under NCCL's rendezvous rules
-(:mod:`commlab.collectives.rendezvous`): each stage runs its groups one after another, in order (one
-stream); a send and a receive meet only while both stages are at the groups that hold them; a group
-completes when all of its messages have met. Computations always finish. If no stage can move and some
-have groups left, the plan deadlocks, and the simulator names the stuck groups. The tests run it for GPipe
-and 1F1B at every ``p <= 8, m <= 16``, and show that the old plan -- every send and every receive a group
-of its own -- deadlocks in the 1F1B steady state.
-
-**Interleaved 1F1B** (v model chunks per stage; chunk c of stage s is virtual stage ``k = c·p + s``): the
-messages run between virtual stages, k sending its activation to k + 1, which lives on stage
-``(k + 1) mod p`` -- the last stage's chunk c sends to stage 0's chunk c + 1 -- and its gradient to k - 1.
-The rule above, one group between any two computations, deadlocks there (the simulator shows it for every
-m > p): stage 0's chunk-0 forwards need nothing, so it posts a send alone while its neighbour waits on a
-message stage 0 produces only later. The plan follows Megatron-LM's
-``forward_backward_pipelining_with_interleaving`` instead: a *step* is one warm-up forward, one
-forward-backward pair of the steady state (run back to back) or one drain backward, and between two steps
-the stage posts one group of everything the step produced and everything the next needs
-(``send_forward_backward_recv_forward_backward`` in the steady state). It passes the simulator for every
-p <= 8, v <= 5 and m a multiple of p up to 6p. With p = 2 both neighbours are one rank, so a group can hold
-an activation and a gradient each way; both sides list them in the same order (the forward's first), as
-rule 3 of the rendezvous model needs.
+Book: chapter 10, §10.10; chapter 2, §2.6 (why one group per step).
 """
 
 from __future__ import annotations
@@ -137,12 +106,11 @@ def _needs(op: Op, p: int, v: int = 1) -> Message | None:
 def communication_plan(schedule: Sequence[Sequence[Op]], v: int = 1) -> list[list[PlanItem]]:
     """The grouped plan of a schedule: per stage, its computations with the groups between them.
 
-    Rule (see the module docstring): between ``o_i`` and ``o_{i+1}``, one group of what ``o_i`` produces
-    and what ``o_{i+1}`` needs; before the first computation, the group of what it needs; after the
-    last, the group of what it produces. A stage with nothing to exchange at a boundary posts nothing.
-    With ``v > 1`` (interleaved 1F1B) the same rule between Megatron-LM's *steps* instead of single
-    computations: a steady-state forward-backward pair is one step, its two computations run back to back,
-    and the group after it holds both their messages and both the next step's.
+    Between ``o_i`` and ``o_{i+1}``, one group of what ``o_i`` produces and what ``o_{i+1}`` needs; before the
+    first computation, the group of what it needs; after the last, the group of what it produces. A stage with
+    nothing to exchange at a boundary posts nothing. With ``v > 1`` the same rule between Megatron-LM's
+    *steps* (a steady-state forward-backward pair is one step, its group holds both their messages and both
+    the next step's).
 
     Args:
         schedule: per-stage op lists, e.g. from :func:`~commlab.parallel.pipeline.schedules.make_schedule`,

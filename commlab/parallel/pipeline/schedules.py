@@ -1,47 +1,17 @@
 """Pipeline schedules as plain data: which stage runs which forward or backward, in what order.
 
-A model cut into ``p`` contiguous stages processes a batch split into ``m`` micro-batches. A *schedule*
-says, for each stage, the order of its ``2m`` operations: ``F j`` (forward of micro-batch j) and ``B j``
-(backward of micro-batch j). The dependencies are the same for every schedule:
-
-* ``F j`` on stage s needs stage s-1's ``F j`` (its output is this stage's input);
-* ``B j`` on stage s needs stage s+1's ``B j`` (the gradient of this stage's output), and on the last
-  stage its own ``F j`` (the loss).
-
-Two schedules, both synchronous (one optimizer step after all micro-batches, so both compute exactly the
-gradient of the whole batch):
-
-* **GPipe** (Huang et al. 2019, "GPipe: Efficient training of giant neural networks using pipeline
-  parallelism", NeurIPS, §2.2): every stage runs all m forwards, then all m backwards. A stage holds the
-  activations of all m micro-batches at once.
-* **1F1B**, PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient pipeline-parallel DNN training",
-  ICML, §3; and Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using
-  Megatron-LM", SC'21, §2.2.1, Fig. 4 top): stage s runs ``min(p-s-1, m)`` warm-up forwards, then alternates
-  one forward and one backward, then drains the remaining backwards. A stage holds at most ``p - s``
-  micro-batches' activations (at most p), independent of m.
-
-With every forward taking ``t_f`` and every backward ``t_b`` and free communication, both schedules take
-``(m + p - 1)(t_f + t_b)`` per batch, of which each stage computes ``m (t_f + t_b)``; the idle part,
-the *pipeline bubble*, is the fraction
-
-    bubble_fraction(p, m) = (p - 1) / (m + p - 1)
-
-of the step (Huang et al. §2.2 give the ``O((p-1)/(m+p-1))`` overhead; Narayanan et al. SC'21 §2.2.1 write
-the same bubble as ``(p-1)/m`` of the *ideal* time ``m (t_f + t_b)``, see :func:`bubble_time_ratio`).
-1F1B does not shrink the bubble; it bounds memory. :func:`ideal_timeline` replays a schedule under that
-model, and the tests check that its idle fraction equals the formula exactly.
-
-Two more schedules refine 1F1B:
-
-* **Interleaved 1F1B** (:func:`interleaved_schedule`, Narayanan et al. SC'21 §2.2.2): v model chunks per
-  stage, so fill and drain are v times shorter: bubble ``(p-1)/(v·m)`` of the ideal time.
-* **ZB-H1** (:func:`zb_h1_schedule`, Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, §2.1):
-  the backward split into ``B`` (gradient of the input, on the critical path) and ``W`` (gradient of the
-  weights, needed by nobody downstream), W's delayed into the drain; with ``T_F = T_B = T_W`` its bubble is
-  a third of 1F1B's at 1F1B's peak memory.
-
-Everything here is pure Python (no torch.distributed), so the figures of the book and the engine in
+A model cut into ``p`` stages processes a batch of ``m`` micro-batches; a schedule lists, per stage, its
+:class:`Op` s (``F j``, ``B j``, and ``W j`` for zero-bubble). :func:`gpipe_schedule` (Huang et al. 2019,
+NeurIPS, §2.2), :func:`one_f_one_b_schedule` (PipeDream-Flush, Narayanan et al. 2021, ICML §3 and SC'21
+§2.2.1), :func:`interleaved_schedule` (v chunks per stage, SC'21 §2.2.2, Megatron-LM's order) and
+:func:`zb_h1_schedule` (Qi et al. 2024, ICLR, §2.1); :func:`make_schedule` by name. Their bubbles:
+:func:`bubble_fraction` ``(p-1)/(m+p-1)`` of the step, :func:`bubble_time_ratio` ``(p-1)/m`` of the ideal
+time (``(p-1)/(v·m)`` interleaved, a third of that for ZB-H1, :func:`compare_bubbles`);
+:func:`ideal_timeline` replays a schedule with equal stages and free communication, and the tests check
+its idle time against the formulas. Pure Python, so the book's figures and
 :mod:`commlab.parallel.pipeline.engine` use the very same lists.
+
+Book: chapter 10, §10.10 (schedules and the bubble; interleaving and zero-bubble schedules).
 """
 
 from __future__ import annotations
@@ -147,24 +117,14 @@ def one_f_one_b_schedule(p: int, m: int) -> list[list[Op]]:
 
 def interleaved_schedule(p: int, m: int, v: int) -> list[list[Op]]:
     """Interleaved 1F1B (Narayanan et al. 2021, SC'21, §2.2.2, Fig. 4 bottom): each stage holds v model
-    chunks, chunk c of stage s being virtual stage ``c·p + s`` of ``p·v``; forward and backward of one
-    micro-batch visit every virtual stage, so a stage runs ``2·m·v`` operations.
+    chunks, chunk c of stage s being virtual stage ``c·p + s`` of ``p·v``; a stage runs ``2·m·v`` operations.
 
-    The order is that of Megatron-LM's ``forward_backward_pipelining_with_interleaving``
-    (``megatron/schedules.py``, 2022; ``megatron/core/pipeline_parallel/schedules.py`` later). Stage s walks
-    ``k = 0 .. m·v - 1`` "virtual micro-batches" in groups of p: the k-th forward is on chunk
-    ``(k mod p·v) // p`` and micro-batch ``(k // (p·v))·p + k mod p``; the k-th backward on the chunk
-    ``v - 1 -`` that, same micro-batch. Stage s first runs ``w = min(2·(p - s - 1) + (v - 1)·p, m·v)``
-    warm-up forwards (all ``m·v`` of them when ``m == p``), then alternates forward ``w + k``, backward
-    ``k``, then drains the remaining backwards. Megatron requires ``m`` to be a multiple of ``p``.
-
-    Its dependencies (:func:`virtual_dependencies`) run across chunks: the forward of chunk c on stage 0
-    needs chunk c - 1's forward on stage p - 1.
-
-    The engine runs it (:func:`~commlab.parallel.pipeline.engine.pipeline_step` with
-    ``schedule="interleaved"`` and v chunks per rank), with Megatron-LM's grouping of its messages
-    (:func:`~commlab.parallel.pipeline.plan.communication_plan`); the planner's step timeline
-    (:mod:`commlab.parallel.planner.timeline`) replays it. It takes v, so it is not in :data:`SCHEDULES`.
+    The order of Megatron-LM's ``forward_backward_pipelining_with_interleaving``: stage s walks
+    ``k = 0 .. m·v - 1`` virtual micro-batches in groups of p; the k-th forward is on chunk
+    ``(k mod p·v) // p`` and micro-batch ``(k // (p·v))·p + k mod p``, the k-th backward on chunk ``v - 1 -``
+    that. :func:`interleaved_warmup` forwards first, then forward ``w + k`` / backward ``k``, then the drain.
+    Dependencies run across chunks (:func:`virtual_dependencies`). It takes v, so it is not in
+    :data:`SCHEDULES`.
 
     Returns:
         ``schedule[s]``: stage s's :class:`Op` s in order (``2·m·v`` each, ``chunk`` set).
@@ -260,7 +220,7 @@ def virtual_dependencies(op: Op, p: int, v: int) -> list[tuple[int, str, int, in
     Virtual stage ``c·p + s`` (chunk c of stage s): a forward needs the forward of the virtual stage before
     it, a backward the backward of the one after it; the last virtual stage's backward needs only its own
     forward, which comes earlier in its stage's order. With v = 1 these are the dependencies of GPipe and
-    1F1B (see the module docstring). A ``W`` waits for its own stage's ``B``, which comes earlier in the
+    1F1B. A ``W`` waits for its own stage's ``B``, which comes earlier in the
     stage's order, so it has none here either.
     """
     vs = op.chunk * p + op.stage

@@ -1,47 +1,18 @@
 """The communication operators of tensor parallelism, as autograd functions over an explicit TP group.
 
-Source: Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro (2019), "Megatron-LM: Training Multi-Billion
-Parameter Language Models Using Model Parallelism", arXiv:1909.08053, §3 and Figure 3. The paper names two
-conjugate operators:
+Megatron-LM's conjugate pair (Shoeybi et al. 2019, arXiv:1909.08053, §3, Figure 3): :func:`f` (identity
+forward, all-reduce backward) where a replicated activation enters a column-split linear, and :func:`g`
+(all-reduce forward, identity backward) where a row-split linear's partial sums leave the block.
+Sequence parallelism's pair (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2, the paper's g and ḡ, named
+here by what they do): :func:`gather_sequence` (all-gather along the sequence forward, reduce-scatter
+backward) and :func:`reduce_scatter_sequence` (the reverse), the same bytes on a ring. For layers on their
+own: :func:`gather_last_dim` and :func:`split_last_dim`. An all-reduce of a ``(batch, seq, hidden)``
+activation of ``e`` bytes per element carries ``batch·seq·hidden·e`` bytes of payload (a ring sends
+``2(t-1)/t`` of it per rank); none with one rank. Every function takes the group explicitly. Inside
+``with timed(group, timer):`` each collective on ``group`` is timed into a :class:`CommTimer` (the capstone
+reports TP communication apart from compute).
 
-* **f**: identity in the forward pass, all-reduce in the backward pass. It sits where a replicated
-  activation enters a block whose first linear layer is split by columns: each rank computes a partial
-  gradient of that input, and the true gradient is their sum.
-* **g**: all-reduce in the forward pass, identity in the backward pass. It sits where the block leaves
-  its row-split second linear layer: each rank holds a partial sum of the output, and the full output is
-  their sum; the gradient arriving at the output is already the same on every rank.
-
-Two more, for layers used on their own (not needed inside an MLP or attention block):
-
-* **gather_last_dim**: all-gather the shards of the last dimension (forward), keep this rank's slice of
-  the gradient (backward).
-* **split_last_dim**: keep this rank's slice of the last dimension (forward), all-gather the gradient
-  (backward).
-
-Sequence parallelism (Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro 2022, "Reducing
-Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.2.2 and Figure 5) keeps the
-activations outside the TP blocks split along the sequence, and replaces f and g by a conjugate pair of its own
-(its paper calls them g and ḡ; here they are named by what they do, so as not to clash with Megatron's g):
-
-* **gather_sequence** (the paper's g): all-gather along the sequence dimension forward, reduce-scatter (sum)
-  backward. It sits where a sequence-sharded activation enters a column-parallel linear layer.
-* **reduce_scatter_sequence** (the paper's ḡ): reduce-scatter (sum) along the sequence forward, all-gather
-  backward. It sits where a row-parallel layer's partial sums leave the block: each rank keeps the summed
-  output of its ``seq / t`` tokens.
-
-On a ring the pair sends the same bytes as one all-reduce (an all-reduce *is* a reduce-scatter followed by an
-all-gather), so sequence parallelism costs no extra communication; what it saves is activation memory.
-
-Cost, per call, for an activation of shape ``(batch, seq, hidden)`` with ``e`` bytes per element: the
-all-reduce of f (backward) or g (forward) carries ``batch * seq * hidden * e`` bytes of payload; a ring
-all-reduce over ``t`` ranks sends ``2 (t - 1) / t`` times that from every rank. No communication at all
-when the group has one rank.
-
-Every function takes the group explicitly; none looks up a global process-group manager.
-
-Timing: inside ``with timed(group, timer):`` every collective these operators run on ``group`` is timed
-into the :class:`CommTimer` (marks of its clock before and after, so CUDA events on a GPU): the seconds
-this rank's computation waited for TP communication, which the capstone reports apart from compute.
+Book: chapter 10, §10.2 and §10.9; chapter 13, §13.1.
 """
 
 from __future__ import annotations

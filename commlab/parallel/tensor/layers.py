@@ -1,30 +1,18 @@
 """Tensor-parallel layers (Megatron-LM style), each built from a full single-process module.
 
-Source: Shoeybi et al. (2019), "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
-Parallelism", arXiv:1909.08053, §3, Figure 3 (MLP and self-attention blocks) and the operators f and g in
-:mod:`commlab.parallel.tensor.communications`.
+Shoeybi et al. 2019 (arXiv:1909.08053), §3, Figure 3, with the operators of
+:mod:`commlab.parallel.tensor.communications`. :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+:class:`ParallelMLP` and :class:`ParallelSelfAttention` are each *made from* a full ``nn.Linear``,
+:class:`MLP` or :class:`SelfAttention` that every TP rank holds identically; each keeps only its shard, so
+outputs and gradients can be compared with the full module's, and ``full_weight()`` reassembles a
+parameter. Shapes are ``(batch, seq, hidden)``; ``t`` is the TP group's size. A block makes one all-reduce
+of ``batch·seq·hidden·e`` bytes forward (g) and one backward (f) per micro-batch
+(:func:`block_allreduce_nbytes`). With ``sequence_parallel=True`` (Korthikanti et al. 2022, §4.2.2) a
+block's input and output are ``(batch, seq / t, hidden)``, rank r holding tokens ``r·seq/t ..``, f and g
+become an all-gather and a reduce-scatter along the sequence, and the row-parallel bias's gradient is
+all-reduced (``hidden`` elements) so that the bias stays replicated.
 
-Every parallel layer is *made from* a full ``nn.Linear`` or a full block (:class:`MLP`,
-:class:`SelfAttention`) that every rank of the TP group holds identically (same seed or same checkpoint).
-Each rank keeps only its shard, so the parallel layer's output and gradients can be compared with the
-full module's in a test, and ``full_weight()`` reassembles a parameter (or its gradient) over the group.
-Building the full layer first costs memory a real system would avoid (it would create only the shard);
-here it makes the equivalence checkable.
-
-Shapes are ``(batch, seq, hidden)`` throughout (any leading dimensions work for the linear layers).
-``t`` is the size of the TP group.
-
-Communication per block and per micro-batch, with ``e`` bytes per element (4 for float32, 2 for bf16):
-forward one all-reduce (g) of ``batch * seq * hidden * e`` bytes, backward one all-reduce (f) of the same
-size; for a transformer layer (attention + MLP) that is 2 forward + 2 backward, as in the paper's §3.
-A ring all-reduce sends ``2 (t - 1) / t`` times the payload from each rank.
-
-Sequence parallelism (``sequence_parallel=True`` on the blocks; Korthikanti et al. 2022, §4.2.2): the block's
-input and output are ``(batch, seq / t, hidden)``, rank r holding tokens ``r * seq/t ..``; f becomes an
-all-gather along the sequence (``gather_sequence``) and g a reduce-scatter (``reduce_scatter_sequence``), the
-same bytes on a ring, and the row-parallel bias's gradient, summed over this rank's tokens only, is all-reduced
-over the group (one extra all-reduce of ``hidden`` elements per block backward) so that the replicated bias
-stays replicated.
+Book: chapter 10, §10.2 and §10.9; chapter 13, §13.1.
 """
 
 from __future__ import annotations
