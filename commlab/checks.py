@@ -126,12 +126,18 @@ def flag(name: str, value, *, note: str = "", where: str = "") -> bool:
 
 
 def one_of(name: str, value, choices: Iterable, *, note: str = "", where: str = ""):
-    """``value`` if it is one of ``choices`` (a bool never stands for 0 or 1).
+    """``value`` if it is one of ``choices``; an int choice is matched by integers only (not by 8.0 or True).
 
     Raises:
         ValueError: "backend must be one of ['gloo', 'nccl'], got 'mpi'".
     """
     choices = list(choices)
-    if isinstance(value, bool) and not any(isinstance(c, bool) for c in choices) or value not in choices:
+    if not any(_matches(value, c) for c in choices):
         fail(name, value, f"one of {choices}", note=note, where=where)
     return value
+
+
+def _matches(value, choice) -> bool:
+    if is_int(choice):
+        return is_int(value) and value == choice
+    return value == choice and not (is_number(choice) and isinstance(value, bool))

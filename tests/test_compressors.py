@@ -293,7 +293,7 @@ def test_randomk_is_unbiased():
 # ------------------------------------------------------------------------------------------------- QSGD
 
 @pytest.mark.parametrize("kwargs, match", [({"levels": 0}, "1..127"), ({"levels": 128}, "1..127"),
-                                           ({"bits": 5}, "4 or 8"), ({"levels": 8, "bits": 4}, "do not fit"),
+                                           ({"bits": 5}, r"bits must be one of \[4, 8\]"), ({"levels": 8, "bits": 4}, "do not fit"),
                                            ({"levels": 2.0}, "1..127"), ({"seed": -1}, "seed")])
 def test_qsgd_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -317,6 +317,7 @@ def test_qsgd_settings_and_codes():
     assert torch.equal(a.decompress(a.compress(z)), b.decompress(b.compress(z)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels", [1, 2, 7, 100])
 def test_qsgd_is_unbiased_and_its_variance_is_within_the_bound(levels):
     n, samples = 16, 4000
@@ -483,7 +484,7 @@ def test_rounding_is_biased_for_small_persistent_values():
 
 @pytest.mark.parametrize("bits", [3, 16, 8.0, True])
 def test_rounding_quantizer_rejects_bad_bits(bits):
-    with pytest.raises(ValueError, match="8 .*4"):
+    with pytest.raises(ValueError, match=r"bits must be one of \[8, 4\]"):
         RoundingQuantizer(bits)
 
 

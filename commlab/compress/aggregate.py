@@ -22,6 +22,7 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.collectives._common import SUPPORTED_DTYPES, group_size_and_rank
 from commlab.collectives.agreement import gather
@@ -362,10 +363,8 @@ def sparse_ring_fill_in(numel: int, k: int, n: int, value_bytes: int = 4, index_
         ValueError: numel < 1, k outside 1..numel, n < 1, or non-positive byte sizes.
     """
     for label, v in (("numel", numel), ("n", n), ("value_bytes", value_bytes), ("index_bytes", index_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"sparse_ring_fill_in: {label} must be an int >= 1, got {v!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= numel):
-        raise ValueError(f"sparse_ring_fill_in: k must be an int in 1..numel={numel}, got {k!r}")
+        checks.integer(label, v, where="sparse_ring_fill_in")
+    checks.integer("k", k, 1, numel, note="at most numel", where="sparse_ring_fill_in")
     chunk = numel / n
     per_entry = value_bytes + index_bytes
     rs_support = [chunk * (1.0 - (1.0 - k / numel) ** j) for j in range(1, n)]

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from commlab import checks
+
 __all__ = ["pack_bits", "pack_bits_", "unpack_bits", "pack_nibbles", "unpack_nibbles", "packed_bits_nbytes",
            "packed_nibbles_nbytes", "bit_table", "nibble_table", "decode_bytes"]
 
@@ -129,8 +131,7 @@ def _check_packed(packed: torch.Tensor, numel: int, nbytes: int, what: str) -> t
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         got = packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__
         raise TypeError(f"{what} expects the uint8 tensor its packing function returned, got {got}")
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"{what}: numel must be an int >= 0, got {numel!r}")
+    checks.integer("numel", numel, least=0, where=what)
     if packed.numel() != nbytes:
         raise ValueError(f"{what}: {numel} elements are packed in {nbytes} bytes, but {packed.numel()} bytes "
                          "were given; pass the element count the tensor was packed with")

@@ -20,11 +20,12 @@ Usage::
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
 from commlab.compress.aggregate import AggregateCall
 from commlab.compress.base import Compressor
 from commlab.compress.error_feedback import ErrorFeedback
-from commlab.compress.powersgd import PowerSGDState, _Call, _group
+from commlab.compress.powersgd import PowerSGDCall, PowerSGDState, state_group
 from commlab.compress.two_phase import server_key
 
 #: The values of ``CompressionHookState(aggregation=...)``.
@@ -78,13 +79,10 @@ class CompressionHookState:
         if missing:
             raise ValueError(f"compressor {compressor!r} lacks {missing}; it must follow "
                              "commlab.compress.base.Compressor (name, linear, compress, decompress)")
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if server_error_feedback is not None and not isinstance(server_error_feedback, bool):
-            raise ValueError(f"server_error_feedback must be True, False or None (= error_feedback), "
-                             f"got {server_error_feedback!r}")
+        checks.flag("error_feedback", error_feedback)
+        checks.one_of("aggregation", aggregation, AGGREGATIONS)
+        if server_error_feedback is not None:
+            checks.flag("server_error_feedback", server_error_feedback, note="or None: as error_feedback")
         if server_error_feedback and aggregation != "two_phase":
             raise ValueError("server_error_feedback is the chunk owners' error feedback of aggregation='two_phase'; "
                              f"aggregation={aggregation!r} has no owners")
@@ -300,7 +298,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     Returns:
         A future of the bucket buffer, holding the average.
     """
-    group = _group(state, None)
+    group = state_group(state)
     buffer = bucket.buffer()
     compress_now = state.step >= state.start_iter
     if bucket.is_last():
@@ -311,7 +309,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     grads = bucket.gradients()
     idx = bucket.index()
-    call = _Call(grads, state, group, [(idx, j) for j in range(len(grads))], out=grads)
+    call = PowerSGDCall(grads, state, group, [(idx, j) for j in range(len(grads))], out=grads)
     # Every collective is issued from this thread, in bucket order, so all ranks issue them in the same
     # order. Issuing the second all-reduce from a future's callback (as PyTorch's hook does) races with the
     # next bucket's first all-reduce issued from the autograd thread; with several buckets on gloo the ranks

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives._common import group_size_and_rank
 
 __all__ = ["PowerSGDState", "PowerSGDBytes", "powersgd_all_reduce", "powersgd_nbytes", "orthogonalize_",
-           "compressed_shape"]
+           "compressed_shape", "PowerSGDCall", "state_group"]
 
 # Element size of P and Q on the wire: they are computed and sent in float32 (book §7.4).
 _PQ_DTYPE = torch.float32
@@ -198,33 +199,20 @@ class PowerSGDState:
     def __init__(self, process_group: dist.ProcessGroup | None = None, rank: int = 1, start_iter: int = 1000,
                  min_compression_rate: float = 2, use_error_feedback: bool = True, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
-        def is_int(x):
-            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-        def is_real(x):
-            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-        if not is_int(rank) or rank < 1:
-            raise ValueError(f"rank (of the low-rank approximation) must be an int >= 1, got {rank!r}; "
-                             "1-4 is typical, larger values compress less")
-        if not is_int(start_iter) or start_iter < 0:
-            raise ValueError(f"start_iter must be an int >= 0 (steps of plain all-reduce first), got {start_iter!r}")
-        if not isinstance(use_error_feedback, bool) or not isinstance(warm_start, bool):
-            raise ValueError(f"use_error_feedback and warm_start must be True or False, got "
-                             f"{use_error_feedback!r} and {warm_start!r}")
+        checks.integer("rank", rank, note="of the low-rank approximation; 1-4 is typical, larger values compress less")
+        checks.integer("start_iter", start_iter, least=0, note="steps of plain all-reduce first")
+        checks.flag("use_error_feedback", use_error_feedback)
+        checks.flag("warm_start", warm_start)
         if (use_error_feedback or warm_start) and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 when use_error_feedback or warm_start is on, got "
                              f"{start_iter}: DDP rebuilds its buckets after the first iteration, so residuals "
                              "and warm-start matrices remembered before that would belong to other tensors. "
                              "Pass start_iter=2 or more, or turn both off")
-        if not is_real(min_compression_rate) or not 0 < min_compression_rate < math.inf:
-            raise ValueError(f"min_compression_rate must be a finite number > 0, got {min_compression_rate!r} "
-                             "(2 = compress a matrix only if that at least halves its bytes)")
-        if not is_real(orthogonalization_epsilon) or not 0 <= orthogonalization_epsilon < math.inf:
-            raise ValueError(f"orthogonalization_epsilon must be a finite number >= 0, got "
-                             f"{orthogonalization_epsilon!r} (0 is safe: zero columns are guarded; 1e-8 is typical otherwise)")
-        if not is_int(random_seed) or not 0 <= random_seed < 2 ** 32:
-            raise ValueError(f"random_seed must be an int in [0, 2**32), got {random_seed!r}")
+        checks.number("min_compression_rate", min_compression_rate, above=0,
+                      note="2 = compress a matrix only if that at least halves its bytes")
+        checks.number("orthogonalization_epsilon", orthogonalization_epsilon, least=0,
+                      note="0 is safe: zero columns are guarded; 1e-8 is typical otherwise")
+        checks.integer("random_seed", random_seed, 0, 2 ** 32 - 1)
         if process_group is not None:  # None is the world, resolved when the state is used
             group_size_and_rank(process_group, "PowerSGDState")
         self.process_group = process_group
@@ -298,7 +286,8 @@ class PowerSGDState:
         return torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
 
 
-def _group(state: PowerSGDState, group):
+def state_group(state: PowerSGDState, group=None):
+    """The group PowerSGD averages over: ``group`` if given, else the state's ``process_group``, else the world."""
     if group is not None:
         return group
     if state.process_group is not None:
@@ -306,7 +295,7 @@ def _group(state: PowerSGDState, group):
     return dist.group.WORLD
 
 
-class _Call:
+class PowerSGDCall:
     """One PowerSGD averaging of a list of tensors, in three stages around its two all-reduces.
 
     :func:`powersgd_all_reduce` runs the stages back to back; the DDP hook chains them on futures, so
@@ -491,7 +480,7 @@ def powersgd_all_reduce(tensors: Sequence[torch.Tensor], state: PowerSGDState,
         RuntimeError: this rank is not a member of the group.
     """
     keys = list(range(len(tensors))) if keys is None else list(keys)
-    call = _Call(tensors, state, _group(state, group), keys, out)
+    call = PowerSGDCall(tensors, state, state_group(state, group), keys, out)
     for fut in call.start():
         fut.wait()
     call.middle().wait()

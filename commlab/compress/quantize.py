@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from commlab import checks
 from commlab.compress.base import (Payload, check_finite, check_finite_output, float32_scale, float64_pieces,
                                    output_fits)
 from commlab.compress.bitpack import decode_bytes, nibble_table, pack_nibbles
@@ -44,10 +45,9 @@ def _one_scalar(value: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _check_bucket_size(bucket_size, what: str) -> None:
-    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
-                                    or bucket_size < 1):
-        raise ValueError(f"{what}: bucket_size must be an int >= 1 (entries per norm; the paper's is "
-                         f"{QSGD_BUCKET_SIZE}) or None (one bucket for the whole tensor), got {bucket_size!r}")
+    if bucket_size is not None:
+        checks.integer("bucket_size", bucket_size, where=what, note=f"entries per norm; the paper's is "
+                       f"{QSGD_BUCKET_SIZE}; or None: one bucket for the whole tensor")
 
 
 def _bucket_entries(bucket_size: int | None, numel: int) -> int:
@@ -81,10 +81,8 @@ def qsgd_variance_bound(numel: int, levels: int, bucket_size: int | None = QSGD_
     Raises:
         ValueError: ``numel < 0``, ``levels < 1`` or ``bucket_size < 1``.
     """
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels must be an int >= 1, got {levels!r}")
+    checks.integer("numel", numel, least=0)
+    checks.integer("levels", levels)
     _check_bucket_size(bucket_size, "qsgd_variance_bound")
     d = _bucket_entries(bucket_size, numel)
     return min(d / levels ** 2, math.sqrt(d) / levels)
@@ -134,20 +132,17 @@ class QSGD:
 
     def __init__(self, levels: int | None = None, bits: int | None = None, seed: int = 0,
                  bucket_size: int | None = QSGD_BUCKET_SIZE):
-        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits not in _MAX_LEVELS):
-            raise ValueError(f"QSGD: bits must be 4 or 8 (codes packed two per byte, or one int8 each), got {bits!r}")
+        if bits is not None:
+            checks.one_of("bits", bits, (4, 8), note="codes packed two per byte, or one int8 each", where="QSGD")
         if levels is None:
             levels = _MAX_LEVELS[bits] if bits is not None else 7
-        if isinstance(levels, bool) or not isinstance(levels, int) or not (1 <= levels <= 127):
-            raise ValueError(f"QSGD: levels (s) must be an int in 1..127 (a sign and a level 0..s must fit in "
-                             f"8 bits), got {levels!r}")
+        checks.integer("levels (s)", levels, 1, 127, note="a sign and a level 0..s must fit in 8 bits", where="QSGD")
         if bits is None:
             bits = 4 if levels <= _MAX_LEVELS[4] else 8
         elif levels > _MAX_LEVELS[bits]:
             raise ValueError(f"QSGD: {levels} levels do not fit in {bits}-bit codes (at most "
                              f"{_MAX_LEVELS[bits]}: one bit is the sign); use bits=8 or levels <= {_MAX_LEVELS[bits]}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"QSGD: seed must be an int >= 0, got {seed!r}")
+        checks.integer("seed", seed, least=0, where="QSGD")
         _check_bucket_size(bucket_size, "QSGD")
         self.levels, self.bits, self.seed, self.bucket_size = levels, bits, seed, bucket_size
         self.generator = torch.Generator().manual_seed(seed)
@@ -263,8 +258,7 @@ class RoundingQuantizer:
     linear = False
 
     def __init__(self, bits: int = 8):
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in _MAX_LEVELS:
-            raise ValueError(f"RoundingQuantizer: bits must be 8 (INT8) or 4 (INT4, two codes per byte), got {bits!r}")
+        checks.one_of("bits", bits, (8, 4), note="INT8, or INT4 with two codes per byte", where="RoundingQuantizer")
         self.bits = bits
         self.qmax = _MAX_LEVELS[bits]
         self.name = f"int{bits}"

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from commlab import checks
 from commlab.compress.base import Payload, check_finite, check_finite_output
 
 __all__ = ["TopK", "RandomK", "topk_global", "resolve_k", "index_dtype"]
@@ -37,14 +38,10 @@ def _validate_ratio_k(cls_name: str, ratio, k) -> tuple[float | None, int | None
     if ratio is not None and k is not None:
         raise ValueError(f"{cls_name}: give ratio or k, not both (got ratio={ratio!r}, k={k!r})")
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"{cls_name}: k must be an int >= 1 (it is clipped to the tensor's numel), got {k!r}")
-        return None, k
+        return None, checks.integer("k", k, note="it is clipped to the tensor's numel", where=cls_name)
     if ratio is None:
         ratio = DEFAULT_RATIO
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
-        raise ValueError(f"{cls_name}: ratio is the fraction of entries kept and must lie in (0, 1], got {ratio!r}")
-    return float(ratio), None
+    return checks.share("ratio", ratio, zero=False, note="the fraction of entries kept", where=cls_name), None
 
 
 def resolve_k(numel: int, ratio: float | None = None, k: int | None = None) -> int:
@@ -212,8 +209,7 @@ class RandomK:
 
     def __init__(self, ratio: float | None = None, k: int | None = None, seed: int = 0):
         self.ratio, self.k = _validate_ratio_k("RandomK", ratio, k)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"RandomK: seed must be an int >= 0, the same on every rank; got {seed!r}")
+        checks.integer("seed", seed, least=0, note="the same on every rank", where="RandomK")
         self.seed = seed
         self.step = 0
         self.name = f"randomk(k={self.k})" if self.k is not None else f"randomk({self.ratio:g})"

@@ -24,6 +24,7 @@ from typing import Hashable
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives._common import all_gather_single, group_size_and_rank
 from commlab.collectives.all_to_all import all_to_all
 from commlab.collectives.ring import ring_all_gather
@@ -42,9 +43,8 @@ def chunk_numel(numel: int, n: int) -> int:
     Raises:
         ValueError: ``numel < 0`` or ``n < 1``.
     """
-    for label, v, low in (("numel", numel, 0), ("n", n, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"chunk_numel: {label} must be an int >= {low}, got {v!r}")
+    checks.integer("numel", numel, least=0, where="chunk_numel")
+    checks.integer("n", n, where="chunk_numel")
     return -(-numel // n)
 
 
@@ -69,11 +69,9 @@ def two_phase_bytes_sent_per_rank(worker_chunk_nbytes: float, server_chunk_nbyte
     Raises:
         ValueError: negative bytes or ``n < 1``.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1 (ranks), got {n!r}")
-    for label, v in (("worker_chunk_nbytes", worker_chunk_nbytes), ("server_chunk_nbytes", server_chunk_nbytes)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-            raise ValueError(f"{label} must be a finite number >= 0, got {v!r}")
+    checks.integer("n", n, note="ranks")
+    checks.number("worker_chunk_nbytes", worker_chunk_nbytes, least=0)
+    checks.number("server_chunk_nbytes", server_chunk_nbytes, least=0)
     return float((n - 1) * (worker_chunk_nbytes + server_chunk_nbytes))
 
 
@@ -113,8 +111,7 @@ class ChunkedCompressor:
         if missing:
             raise ValueError(f"ChunkedCompressor needs a compressor with compress, decompress and linear "
                              f"(commlab.compress.base.Compressor); {type(compressor).__name__} lacks {missing}")
-        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-            raise ValueError(f"ChunkedCompressor: parts must be an int >= 1, got {parts!r}")
+        checks.integer("parts", parts, where="ChunkedCompressor")
         self.compressor = compressor
         self.parts = parts
         self.linear = compressor.linear

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from commlab import checks
 from commlab.collectives.all_to_all import all_to_all_v_bytes_sent, pairwise_step_nbytes
 from commlab.exercises.report import NO_ANSWER, CheckReport
 
@@ -35,7 +36,7 @@ _CASES = [
 
 def _slip(splits, row_nbytes, got) -> str:
     n = len(splits)
-    if isinstance(got, (int, float)) and not isinstance(got, bool):
+    if checks.is_number(got):
         return f"a single number ({got!r}); return a list with one entry per rank ({n} entries)"
     try:
         got = [float(v) for v in got]
@@ -80,7 +81,7 @@ def check_all_to_all_bytes(fn: Callable, slowest_step) -> CheckReport:
     n = len(LAB_SPLITS)
     if slowest_step is None:
         report.cases.append((desc, False, "not set yet: put your answer in `slowest_step`"))
-    elif isinstance(slowest_step, bool) or not isinstance(slowest_step, int) or not 1 <= slowest_step <= n - 1:
+    elif not checks.is_int(slowest_step) or not 1 <= slowest_step <= n - 1:
         report.cases.append((desc, False, f"{slowest_step!r} is not a step: give an int s in 1..{n - 1} (at step s "
                                           "rank i sends to rank (i + s) mod N)"))
     elif steps[slowest_step - 1] == max(steps):

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.exercises.report import NO_ANSWER, CheckReport
 
 __all__ = ["check_buckets", "mlp_gradient_sizes"]
@@ -86,7 +87,7 @@ def check_buckets(fn: Callable, answer, widths: Sequence[int] = (256, 1024, 1024
     best = next(k for k in range(1, 2**16) if len(_reference(mlp, k * KiB)) == 3)
     if answer is None:
         report.cases.append((desc, False, "not set yet: put your answer in `smallest_cap_kib_for_3`"))
-    elif isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+    elif not checks.is_int(answer) or answer < 1:
         report.cases.append((desc, False, f"{answer!r} is not a cap in whole KiB: give an int >= 1"))
     elif answer == best:
         report.cases.append((desc, True, ""))

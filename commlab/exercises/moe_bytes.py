@@ -16,8 +16,7 @@ import math
 from fractions import Fraction
 from typing import Callable
 
-from commlab.exercises.planner import _grade_number
-from commlab.exercises.report import CheckReport
+from commlab.exercises.report import CheckReport, grade_number
 from commlab.parallel.expert import moe_alltoall_cost
 
 __all__ = ["check_dispatch_bytes", "DISPATCH_CASES"]
@@ -56,7 +55,7 @@ def check_dispatch_bytes(fn: Callable) -> CheckReport:
     report = CheckReport(f"dispatch-bytes exercise ({getattr(fn, '__name__', 'fn')})")
     for label, args in DISPATCH_CASES:
         want = moe_alltoall_cost(*args).sent_per_alltoall_nbytes
-        _grade_number(report, label, fn, args, want, _slips(*args), lambda got: f"{got:.6g} bytes")
+        grade_number(report, label, fn, args, want, _slips(*args), lambda got: f"{got:.6g} bytes")
         if report.not_attempted:
             return report
     return report

@@ -20,12 +20,11 @@ answer is off is said, the right number is not.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Callable
 
 from commlab.arithmetic import ADAM_STATE_BYTES_PER_PARAM, MIXED_PRECISION_ADAM_BYTES_PER_PARAM
-from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
+from commlab.exercises.report import CheckReport, grade_number
 from commlab.parallel.planner import DEFAULT_ACHIEVABLE_FRACTION, Layout, load_model, memory_breakdown, step_time
 from commlab.parallel.planner.search import make_cluster
 
@@ -67,21 +66,6 @@ def _memory_slips(p: float, tp: int, dp: int, zero1: bool, act: float) -> dict[s
     }
 
 
-def _grade_number(report: CheckReport, label: str, fn: Callable, args: tuple, want: float,
-                  slips: dict[str, float], shown: Callable[[float], str]) -> None:
-    """One case of a numeric exercise: ``fn(*args)`` against ``want`` (relative 1e-9), a wrong answer named by
-    the slip it equals, if any, and shown by ``shown``; a stub or an exception as :meth:`CheckReport.call`
-    records it."""
-    got = report.call(label, fn, *args, convert=float)
-    if got is NO_ANSWER:
-        return
-    if math.isclose(got, want, rel_tol=1e-9):
-        report.cases.append((label, True, ""))
-        return
-    why = next((k for k, v in slips.items() if math.isclose(got, v, rel_tol=1e-9)), None)
-    report.cases.append((label, False, f"{shown(got)}, {how_far(got, want)}" + (f": {why}" if why else "")))
-
-
 def check_memory_per_gpu(fn: Callable) -> CheckReport:
     """Grade ``fn(stage_params, tp, dp, zero1, activation_bytes) -> bytes per GPU``."""
     report = CheckReport(f"memory exercise ({getattr(fn, '__name__', 'fn')})")
@@ -90,7 +74,7 @@ def check_memory_per_gpu(fn: Callable) -> CheckReport:
         stage = mb.params * layout.tp  # the stage's parameters before the tp split
         args = (stage, layout.tp, layout.dp, layout.zero1, mb.activations_bytes)
         slips = {**_memory_slips(*args), "that is GB; return bytes": mb.total_bytes / 1e9}
-        _grade_number(report, label, fn, args, mb.total_bytes, slips, lambda got: f"{got / 1e9:.4g} GB")
+        grade_number(report, label, fn, args, mb.total_bytes, slips, lambda got: f"{got / 1e9:.4g} GB")
         if report.not_attempted:
             return report
     return report
@@ -116,7 +100,7 @@ def check_step_seconds(fn: Callable) -> CheckReport:
     for label, model, layout, batch, cluster in planner_cases():
         t = step_time(model, layout, cluster, batch, DEFAULT_ACHIEVABLE_FRACTION)
         args = (t.compute_s + t.loss_s, t.tp_s, t.pp_s, t.dp_s, layout.pp, t.micro_batches, layout.interleave)
-        _grade_number(report, label, fn, args, t.total_s, _step_slips(*args), lambda got: f"{got:.4g} s")
+        grade_number(report, label, fn, args, t.total_s, _step_slips(*args), lambda got: f"{got:.4g} s")
         if report.not_attempted:
             return report
     return report

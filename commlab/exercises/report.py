@@ -13,8 +13,10 @@ Three outcomes, each printed so that a lab's page stays short:
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Callable
 
-__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "NO_ANSWER", "is_stub_result", "how_far"]
+__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "NO_ANSWER", "is_stub_result", "how_far", "grade_number"]
 
 #: Failures listed in a report; a mistake usually fails many cases alike, and the first ones say what it is.
 MAX_FAILURES_SHOWN = 3
@@ -99,3 +101,18 @@ class CheckReport:
 
     def _repr_pretty_(self, p, cycle):  # IPython displays the report as text, not as a dataclass repr
         p.text(str(self))
+
+
+def grade_number(report: CheckReport, label: str, fn: Callable, args: tuple, want: float,
+                 slips: dict[str, float], shown: Callable[[float], str]) -> None:
+    """One case of a numeric exercise: ``fn(*args)`` against ``want`` (relative 1e-9), a wrong answer named by
+    the slip it equals, if any, and shown by ``shown``; a stub or an exception as :meth:`CheckReport.call`
+    records it."""
+    got = report.call(label, fn, *args, convert=float)
+    if got is NO_ANSWER:
+        return
+    if math.isclose(got, want, rel_tol=1e-9):
+        report.cases.append((label, True, ""))
+        return
+    why = next((k for k, v in slips.items() if math.isclose(got, v, rel_tol=1e-9)), None)
+    report.cases.append((label, False, f"{shown(got)}, {how_far(got, want)}" + (f": {why}" if why else "")))

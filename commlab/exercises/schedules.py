@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from commlab.exercises.planner import _grade_number
-from commlab.exercises.report import CheckReport
+from commlab.exercises.report import CheckReport, grade_number
 from commlab.parallel.pipeline import compare_bubbles
 
 __all__ = ["check_schedule_bubbles", "BUBBLE_CASES"]
@@ -45,7 +44,7 @@ def check_schedule_bubbles(fn: Callable) -> CheckReport:
         rows = compare_bubbles(p, m, v)
         for schedule, i in _NAMES.items():
             label = f"{schedule}, p = {p}, m = {m}" + (f", v = {v}" if schedule == "interleaved" else "")
-            _grade_number(report, label, fn, (schedule, p, m, v), rows[i]["bubble_time_ratio"],
+            grade_number(report, label, fn, (schedule, p, m, v), rows[i]["bubble_time_ratio"],
                           _slips(schedule, p, m, v), lambda got: f"{got:.6g}")
             if report.not_attempted:
                 return report

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commlab import checks
 from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 
 __all__ = ["check_zero3_bytes", "check_prefetch", "lab_model", "memory_model", "ZERO3_CASES", "MEMORY_WIDTHS"]
@@ -163,7 +164,7 @@ def check_prefetch(wrap: Callable, prefetched_per_step) -> CheckReport:
     desc = "prefetched_per_step: AllGathers of one step launched ahead"
     if prefetched_per_step is None:
         report.cases.append((desc, False, "not set yet: put your answer in `prefetched_per_step`"))
-    elif isinstance(prefetched_per_step, bool) or not isinstance(prefetched_per_step, int):
+    elif not checks.is_int(prefetched_per_step):
         report.cases.append((desc, False, f"{prefetched_per_step!r} is not a count: give an int"))
     else:
         ok = prefetched_per_step == prefetched

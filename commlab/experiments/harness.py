@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from commlab import checks
 from commlab.experiments.methods import check_aggregation, describe, make_method, method_hook, parse_spec
 from commlab.experiments.tasks import OPTIMIZERS, TASKS, get_task, make_optimizer
 from commlab.launch.device import group_device
@@ -77,27 +78,21 @@ class RunConfig:
         _task_class(self.task)
         parse_spec(self.method)
         check_aggregation(self.method, self.aggregation)
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"RunConfig.error_feedback must be True or False, got {self.error_feedback!r}")
+        checks.flag("RunConfig.error_feedback", self.error_feedback)
         if self.method == "dense" and (self.error_feedback or self.warmup_steps):
             raise ValueError("RunConfig: dense has no compressor, so error_feedback and warmup_steps must be off")
         for name in ("warmup_steps", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"RunConfig.{name} must be an int >= 0, got {v!r}")
+            checks.integer(f"RunConfig.{name}", getattr(self, name), least=0)
         for name in ("world_size", "steps", "batch_size", "eval_every"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"RunConfig.{name} must be an int >= 1 (or None for the task's default), got {v!r}")
-        if self.lr is not None and (isinstance(self.lr, bool) or not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf)):
-            raise ValueError(f"RunConfig.lr must be a finite number > 0, got {self.lr!r}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"RunConfig.optimizer must be one of {OPTIMIZERS} or None, got {self.optimizer!r}")
-        if self.link_bytes_per_s is not None and (isinstance(self.link_bytes_per_s, bool) or not isinstance(
-                self.link_bytes_per_s, (int, float)) or not 0 < self.link_bytes_per_s < math.inf):
-            raise ValueError(f"RunConfig.link_bytes_per_s must be a finite number > 0 (bytes/s), got {self.link_bytes_per_s!r}")
-        if isinstance(self.link_alpha_s, bool) or not isinstance(self.link_alpha_s, (int, float)) or not 0 <= self.link_alpha_s < math.inf:
-            raise ValueError(f"RunConfig.link_alpha_s must be a finite number >= 0 (seconds), got {self.link_alpha_s!r}")
+            if getattr(self, name) is not None:
+                checks.integer(f"RunConfig.{name}", getattr(self, name), note="or None for the task's default")
+        if self.lr is not None:
+            checks.number("RunConfig.lr", self.lr, above=0)
+        if self.optimizer is not None:
+            checks.one_of("RunConfig.optimizer", self.optimizer, OPTIMIZERS, note="or None")
+        if self.link_bytes_per_s is not None:
+            checks.number("RunConfig.link_bytes_per_s", self.link_bytes_per_s, above=0, note="bytes/s")
+        checks.seconds("RunConfig.link_alpha_s", self.link_alpha_s)
         if self.link_bytes_per_s is None and self.link_alpha_s:
             raise ValueError("RunConfig.link_alpha_s needs link_bytes_per_s (there is no emulated link without it)")
         steps = self.steps or _task_class(self.task).defaults.steps

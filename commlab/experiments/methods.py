@@ -1,29 +1,17 @@
 """Gradient-averaging methods named by short specs, each timing its encode/decode and its communication.
 
-A *spec* names a method: ``dense`` (commlab's ring AllReduce of the gradient), ``cast:fp16``,
-``cast:bf16``, ``int:8``, ``int:4`` (:class:`~commlab.compress.quantize.RoundingQuantizer`), ``qsgd:4``
-(QSGD with 4-bit codes in buckets of 512 entries, the paper's), ``qsgd:4:all`` (one bucket for the whole
-gradient, the contrast) or ``qsgd:4:D`` (buckets of D), ``sign``, ``topk:0.01``, ``randomk:0.01`` (share
-kept) and ``powersgd:R`` (rank R).
-Beside the spec, ``aggregation`` says how a non-linear compressor's payloads are summed (:data:`AGGREGATIONS`):
-``"auto"`` all-gathers them (:func:`commlab.compress.aggregate`'s default), ``"two_phase"`` runs the two-phase
-compressed AllReduce (:mod:`commlab.compress.two_phase`), with the chunk owners' error feedback on whenever
-the method's error feedback is. A :class:`Method` averages one rank's gradients over the group and reports the
-payload bytes, the bytes sent per rank, and the seconds inside the compressor:
+A spec names a method (:func:`parse_spec`): ``dense``, ``cast:fp16``, ``cast:bf16``, ``int:8``, ``int:4``,
+``qsgd:4`` (buckets of 512), ``qsgd:4:all`` (one bucket), ``qsgd:4:D``, ``sign``, ``topk:0.01``,
+``randomk:0.01`` and ``powersgd:R``; ``aggregation`` (:data:`AGGREGATIONS`) is ``"auto"`` or ``"two_phase"``.
+:func:`make_method` builds a :class:`Method`, the comm hook (:func:`method_hook`) of a
+:class:`commlab.overlap.BucketedDataParallel` that averages each bucket and records per bucket the payload
+bytes, the bytes sent per rank, ``codec_s`` (inside compress and decompress; PowerSGD's products and
+orthogonalisation) and ``comm_s`` (the rest: collectives, agreement, error-feedback bookkeeping), timed with
+a :class:`commlab.launch.Clock`. The experiments put the whole gradient in one bucket (Top-K is then a global
+selection); PowerSGD sees each parameter's gradient, as its DDP hook does. :meth:`Method.average` does the
+same for a list of tensors. :func:`compressor_for` gives the compressor of a spec.
 
-* ``codec_s``: seconds inside the compressor's ``compress`` and ``decompress`` (for PowerSGD, the matrix
-  products, orthogonalisation and error-feedback arithmetic between its two AllReduces),
-* ``comm_s``: the rest of the averaging: the collectives (and, for the compressors that
-  :func:`commlab.compress.aggregate` handles, its two small agreement collectives and the error-feedback
-  bookkeeping).
-
-In training a method is the comm hook of commlab's data-parallel path (:func:`method_hook` on a
-:class:`commlab.overlap.BucketedDataParallel`): it averages each gradient bucket as it is launched. The
-experiments put the whole gradient in one bucket (reverse registration order, as DDP's buckets), so the
-compressors of :func:`commlab.compress.aggregate` see it as one tensor (Top-K is a global selection, as in
-chapter 5); PowerSGD sees each parameter's gradient in the bucket (``bucket.gradients()``), as its DDP hook
-does (matrices compressed, vectors sent whole). :meth:`Method.average` does the same for a list of tensors
-outside training. Times are marks of a :class:`commlab.launch.Clock` (CUDA events on a GPU), read when asked.
+Book: chapter 8, §8.2 (the experiment).
 """
 
 from __future__ import annotations
@@ -34,12 +22,13 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.compress.aggregate import aggregate, agree_finite
 from commlab.compress.cast import CastCompressor
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.hooks import AGGREGATIONS  # how payloads are summed: the hook's choices, one list
-from commlab.compress.powersgd import PowerSGDState, _Call
+from commlab.compress.powersgd import PowerSGDCall, PowerSGDState
 from commlab.compress.quantize import QSGD, QSGD_BUCKET_SIZE, RoundingQuantizer
 from commlab.compress.sign import SignCompressor
 from commlab.compress.sparse import RandomK, TopK
@@ -361,7 +350,7 @@ class Method:
         # The three stages of a PowerSGD call, marked apart: what runs between the collectives is encode/decode.
         clock = self.clock
         t0 = clock.mark()
-        call = _Call(grads, self.powersgd, dist.group.WORLD, keys, out)
+        call = PowerSGDCall(grads, self.powersgd, dist.group.WORLD, keys, out)
         futs = call.start()
         t1 = clock.mark()
         for f in futs:
@@ -390,7 +379,7 @@ def method_hook(method: Method, bucket: Bucket) -> torch.futures.Future:
 def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, seed: int = 0,
                 emulate: EmulatedTopology | None = None, clock: Clock | None = None,
                 aggregation: str = "auto") -> Method:
-    """A :class:`Method` for ``spec`` (see the module docstring).
+    """A :class:`Method` for ``spec`` (the specs: :func:`parse_spec`).
 
     Args:
         spec: e.g. ``"topk:0.01"``.
@@ -406,7 +395,6 @@ def make_method(spec: str, error_feedback: bool = False, warmup_steps: int = 0, 
         ValueError: a bad spec, a negative ``warmup_steps``, PowerSGD with ``emulate``, or an aggregation that
             does not apply to the spec.
     """
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    checks.integer("warmup_steps", warmup_steps, least=0)
     kind, _ = parse_spec(spec)
     return Method(spec, bool(error_feedback) and kind != "dense", warmup_steps, seed, emulate, clock, aggregation)

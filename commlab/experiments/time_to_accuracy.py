@@ -1,29 +1,15 @@
-"""Time per step, time to a target quality, and the break-even bandwidth of a compressor (chapter 8).
+"""Time per step, time to a target quality, and the break-even bandwidth of a compressor.
 
-The model. One data-parallel step of a method costs
+One data-parallel step costs ``T_step = compute + codec + a·α + b·β`` (seconds; α in s, β in s/byte), with
+``(a, b)`` from :func:`comm_coefficients`: the ring collectives of the method's payload over ``n`` ranks
+(:mod:`commlab.collectives.ring`): AllReduce ``2(n-1), 2(n-1)/n·P``; AllGather ``n-1, (n-1)·P``; two-phase
+as the AllReduce; PowerSGD's two AllReduces ``4(n-1), 2(n-1)/n·P``; ``a`` times the payload tensors. A
+method needing ``s`` steps takes ``s·T_step`` (:func:`time_to_target`), and :func:`break_even` gives the
+one β* at which compressed and dense take the same time:
+``β* = [s_c (C_c + a_c α) - s_d (C_d + a_d α)] / (s_d b_d - s_c b_c)``, ``C = compute + codec``.
+Overlap with backward (chapter 9) is left out.
 
-    T_step(link) = compute + codec + a·α + b·β
-
-where ``compute`` is forward + backward (seconds), ``codec`` the compressor's encode + decode (seconds),
-and the last two terms are the ring collectives of its payload over ``n`` ranks on a link of latency α
-(s) and inverse bandwidth β (s/byte), from :mod:`commlab.collectives.ring`:
-
-* AllReduce of a ``P``-byte payload (linear compressors, dense): a = 2(n-1), b = 2(n-1)/n · P;
-* AllGather of ``n`` payloads (non-linear compressors): a = n-1, b = (n-1) · P;
-* the two-phase AllReduce of a non-linear compressor (:mod:`commlab.compress.two_phase`): an all-to-all and
-  an AllGather, a = 2(n-1), b = 2(n-1)/n · P, the AllReduce's (exact when the chunk owners' payloads have
-  the workers' size, as they do for every compressor here);
-* PowerSGD's two AllReduces (P, then Q): a = 4(n-1), b = 2(n-1)/n · P (P = all bytes of both).
-
-``a`` is multiplied by the number of payload tensors (each is its own collective). A method that needs
-``s`` steps to reach a target quality takes ``s · T_step``. Compression pays when that is less than the
-dense run's; since both are linear in β, the break-even is one β* (:func:`break_even`):
-
-    β* = [s_c (C_c + a_c α) - s_d (C_d + a_d α)] / (s_d b_d - s_c b_c),   C = compute + codec,
-
-and compression pays on links slower than 1/β* bytes/s. The model leaves out overlap of communication
-with backward (chapter 9), which shrinks the dense run's exposed communication and so lowers the
-break-even bandwidth further.
+Book: chapter 8, §8.6.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ import math
 import statistics
 from typing import Sequence
 
+from commlab import checks
 from commlab.experiments.methods import payload_tensors
 from commlab.collectives.all_to_all import all_to_all_seconds
 from commlab.collectives.ring import ring_all_gather_seconds, ring_all_reduce_seconds
@@ -70,18 +57,14 @@ class StepCosts:
         if self.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
         for name in ("compute_s", "codec_s", "payload_nbytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"StepCosts {self.label!r}: {name} must be a finite number >= 0, got {v!r}")
+            checks.number(name, getattr(self, name), least=0, where=f"StepCosts {self.label!r}")
         for name in ("world_size", "collectives"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"StepCosts {self.label!r}: {name} must be an int >= 1, got {v!r}")
+            checks.integer(name, getattr(self, name), where=f"StepCosts {self.label!r}")
 
 
 def _check_steps(name: str, steps) -> None:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
-        raise ValueError(f"{name} must be an int >= 0 or None (never reached), got {steps!r}")
+    if steps is not None:
+        checks.integer(name, steps, least=0, note="or None: never reached")
 
 
 def comm_coefficients(costs: StepCosts) -> tuple[float, float]:
@@ -120,10 +103,9 @@ def costs_from_record(record, skip: int = 5, collectives: int | None = None) -> 
     Raises:
         ValueError: fewer than ``skip + 1`` steps.
     """
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise ValueError(f"skip must be an int >= 0, got {skip!r}")
-    if collectives is not None and (isinstance(collectives, bool) or not isinstance(collectives, int) or collectives < 1):
-        raise ValueError(f"collectives must be an int >= 1 or None (the method's payload tensors), got {collectives!r}")
+    checks.integer("skip", skip, least=0)
+    if collectives is not None:
+        checks.integer("collectives", collectives, note="or None: the method's payload tensors")
     start = max(skip, record.config.get("warmup_steps", 0))
     if len(record.compute_s) <= start:
         raise ValueError(f"{record.label}: {len(record.compute_s)} steps, need more than {start}")
@@ -180,7 +162,7 @@ _SAME_BYTES_REL = 1e-9
 
 def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_steps: int | None,
                alpha_s: float) -> BreakEven:
-    """The bandwidth at which ``comp`` and ``dense`` reach the target in the same time (see module docstring).
+    """The bandwidth at which ``comp`` and ``dense`` reach the target in the same time (book §8.6).
 
     Args:
         dense, comp: step costs; dense_steps, comp_steps: steps each needs to reach the target (None: never).
@@ -194,8 +176,7 @@ def break_even(dense: StepCosts, dense_steps: int | None, comp: StepCosts, comp_
     """
     _check_steps("dense_steps", dense_steps)
     _check_steps("comp_steps", comp_steps)
-    if isinstance(alpha_s, bool) or not isinstance(alpha_s, (int, float)) or not 0 <= alpha_s < math.inf:
-        raise ValueError(f"alpha_s must be a finite number >= 0 (seconds), got {alpha_s!r}")
+    checks.seconds("alpha_s", alpha_s)
     if comp_steps is None:
         return BreakEven(None, "never reaches target")
     if dense_steps is None:
