@@ -105,7 +105,7 @@ def test_corpus_round_trip_and_split():
 
 
 def test_char_transformer_is_causal():
-    model = CharTransformer(CharLMConfig(block=16), seed=0)
+    model = CharTransformer(CharLMConfig(seq=16), seed=0)
     x = torch.randint(len(VOCAB), (2, 16))
     y = x.clone()
     y[:, 10:] = (y[:, 10:] + 1) % len(VOCAB)
@@ -115,7 +115,7 @@ def test_char_transformer_is_causal():
     with pytest.raises(ValueError, match="longer than the context"):
         model(torch.zeros(1, 17, dtype=torch.int64))
     with pytest.raises(ValueError, match="divisible"):
-        CharLMConfig(d_model=10, n_head=4)
+        CharLMConfig(hidden=10, heads=4)
 
 
 # ----------------------------------------------------------------------------------------- methods vs torch

@@ -21,48 +21,57 @@ __all__ = ["CharLMConfig", "CharTransformer"]
 
 @dataclasses.dataclass(frozen=True)
 class CharLMConfig:
-    """Model size. ``block`` is the context length in characters; ``d_model`` must be divisible by ``n_head``."""
+    """Model size, named as the planner's :class:`~commlab.parallel.planner.ModelConfig` names it.
 
-    vocab_size: int = 97
-    block: int = 64
-    d_model: int = 64
-    n_layer: int = 2
-    n_head: int = 4
+    Attributes:
+        vocab: characters in the vocabulary. seq: the context length in characters. layers: transformer
+        blocks. hidden: the model width, divisible by ``heads``. heads: attention heads. ffn: the MLP's inner
+        width (None: ``4 * hidden``, as GPT-2).
+    """
+
+    vocab: int = 97
+    seq: int = 64
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    ffn: int | None = None
 
     def __post_init__(self):
-        if min(self.vocab_size, self.block, self.d_model, self.n_layer, self.n_head) < 1:
+        if self.ffn is None:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        if min(self.vocab, self.seq, self.layers, self.hidden, self.heads, self.ffn) < 1:
             raise ValueError(f"every CharLMConfig field must be >= 1, got {self}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
 
 class _Block(nn.Module):
     def __init__(self, cfg: CharLMConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn)
+        self.out = nn.Linear(cfg.ffn, cfg.hidden)
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class CharTransformer(nn.Module):
-    """Causal character LM. Input ids int64 (batch, t <= block); output logits float32 (batch, t, vocab_size).
+    """Causal character LM. Input ids int64 (batch, t <= seq); output logits float32 (batch, t, vocab).
 
     Weights are drawn under ``seed`` (normal, std 0.02, as GPT-2), so every rank builds the same model.
 
     Raises:
-        ValueError: a sequence longer than ``block`` (in :meth:`forward`).
+        ValueError: a sequence longer than ``seq`` (in :meth:`forward`).
     """
 
     def __init__(self, cfg: CharLMConfig = CharLMConfig(), seed: int = 0):
@@ -70,23 +79,24 @@ class CharTransformer(nn.Module):
         self.cfg = cfg
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos = nn.Embedding(cfg.block, cfg.d_model)
-            self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
-            self.ln_f = nn.LayerNorm(cfg.d_model)
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+            self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+            self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+            self.ln_f = nn.LayerNorm(cfg.hidden)
+            self.head = nn.Linear(cfg.hidden, cfg.vocab)
             for name, p in self.named_parameters():
                 if p.dim() == 2:
-                    # Residual projections scaled by 1/sqrt(2 n_layer), as GPT-2 does, to keep the residual stream's variance flat.
-                    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                    # Residual projections scaled by 1/sqrt(2 layers), as GPT-2 does, to keep the residual
+                    # stream's variance flat.
+                    std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
                     nn.init.normal_(p, 0.0, std)
                 elif name.endswith("bias"):
                     nn.init.zeros_(p)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
-        if t > self.cfg.block:
-            raise ValueError(f"sequence of {t} characters is longer than the context ({self.cfg.block})")
+        if t > self.cfg.seq:
+            raise ValueError(f"sequence of {t} characters is longer than the context ({self.cfg.seq})")
         x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
         for block in self.blocks:
             x = block(x)

@@ -116,7 +116,7 @@ class CharLMTask:
     Args:
         config: the model's size (the default is chapter 8's model; its measured step times are in the
             grid's records, ``compute_s`` of ``data/experiments/full.jsonl``).
-        val_windows: validation windows of ``config.block`` characters scored at each evaluation (taken
+        val_windows: validation windows of ``config.seq`` characters scored at each evaluation (taken
             at a fixed stride from the start of the validation text, the same for every run).
     """
 
@@ -131,9 +131,9 @@ class CharLMTask:
     def __init__(self, config: CharLMConfig = CharLMConfig(), val_windows: int = 256):
         self.config = config
         corpus = load_corpus()
-        if config.vocab_size != corpus.vocab_size:
-            raise ValueError(f"config.vocab_size must be {corpus.vocab_size} (the corpus vocabulary), got {config.vocab_size}")
-        self.train_ids, t = corpus.train, config.block
+        if config.vocab != corpus.vocab_size:
+            raise ValueError(f"config.vocab must be {corpus.vocab_size} (the corpus vocabulary), got {config.vocab}")
+        self.train_ids, t = corpus.train, config.seq
         starts = torch.arange(0, len(corpus.val) - t - 1, t)[:val_windows]
         self.val_x = torch.stack([corpus.val[s:s + t] for s in starts])
         self.val_y = torch.stack([corpus.val[s + 1:s + t + 1] for s in starts])
@@ -142,7 +142,7 @@ class CharLMTask:
         return CharTransformer(self.config, seed=seed)
 
     def batch(self, rank, world_size, batch_size, generator):
-        t = self.config.block
+        t = self.config.seq
         starts = torch.randint(len(self.train_ids) - t - 1, (batch_size,), generator=generator)
         x = torch.stack([self.train_ids[s:s + t] for s in starts])
         y = torch.stack([self.train_ids[s + 1:s + t + 1] for s in starts])
