@@ -39,7 +39,7 @@ from commlab.launch.env import detect_launcher
 from commlab.launch.inprocess import runs_in_process
 from commlab.overlap import BucketedDataParallel
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups
-from commlab.parallel.tensor import MLP, ParallelMLP
+from commlab.parallel.tensor import ParallelMLP, TransformerMLP
 
 __all__ = ["Check", "SelftestFailed", "run_checks", "format_table", "main", "RING_SIZES", "max_over_world"]
 
@@ -121,7 +121,7 @@ def _tp_checks(tp_group, layout: ParallelLayout, device: torch.device) -> list[C
     hidden, ffn = 8, 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
-        full = MLP(hidden, ffn, dtype=torch.float64)
+        full = TransformerMLP(hidden, ffn, dtype=torch.float64)
     par = ParallelMLP(full, tp_group).to(device)
     full = full.to(device)
     dp_index = layout.coords(dist.get_rank())[0]  # the same input on every rank of one TP group

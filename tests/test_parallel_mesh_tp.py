@@ -13,7 +13,7 @@ import torch.distributed as dist
 from commlab import RankError, launch
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,
                                    cross_node_groups, mesh_groups, order_report)
-from commlab.parallel.tensor import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
+from commlab.parallel.tensor import (ColumnParallelLinear, TransformerMLP, ParallelMLP, ParallelSelfAttention,
                                      RowParallelLinear, SelfAttention, block_allreduce_nbytes, f, g)
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
@@ -188,14 +188,14 @@ def _compare_layers(dp, pp, tp, dtype):
     run(col_full, ColumnParallelLinear(col_full, group, gather_output=True), "column", [""])
     row_full = torch.nn.Linear(ffn, h, dtype=dtype)
     run(row_full, RowParallelLinear(row_full, group, input_is_parallel=False), "row", [""])
-    mlp = MLP(h, ffn, dtype=dtype)
+    mlp = TransformerMLP(h, ffn, dtype=dtype)
     run(mlp, ParallelMLP(mlp, group), "mlp", ["fc1", "fc2"])
     for causal in (True, False):
         attn = SelfAttention(h, heads, causal=causal, dtype=dtype)
         run(attn, ParallelSelfAttention(attn, group), f"attn_causal={causal}", ["qkv", "proj"])
     # from_seed builds the same shards as sharding the full layer built from that seed.
     torch.manual_seed(3)
-    ref = MLP(h, ffn, dtype=dtype)
+    ref = TransformerMLP(h, ffn, dtype=dtype)
     seeded = ParallelMLP.from_seed(h, ffn, group, seed=3, dtype=dtype)
     report["from_seed"] = {"fc1.weight": (0.0, torch.equal(seeded.fc1.full_weight(), ref.fc1.weight.detach()))}
     return report
@@ -219,7 +219,7 @@ def _indivisible_shards():
     _, group = _tp_group(1, 1, 4)
     msgs = []
     for build in (lambda: ParallelSelfAttention(SelfAttention(12, 6), group),
-                  lambda: ParallelMLP(MLP(8, 18), group),
+                  lambda: ParallelMLP(TransformerMLP(8, 18), group),
                   lambda: ColumnParallelLinear(torch.nn.Linear(8, 6), group),
                   lambda: RowParallelLinear(torch.nn.Linear(6, 8), group)):
         try:
@@ -267,7 +267,7 @@ def _timed_mlp():
     from commlab.launch import Clock
     from commlab.parallel.tensor.communications import CommTimer, timed, untimed
     _, group = _tp_group(1, 1, 2)
-    mlp = ParallelMLP(MLP(8, 16), group)
+    mlp = ParallelMLP(TransformerMLP(8, 16), group)
     timer = CommTimer(Clock())
     x = torch.randn(4, 8, requires_grad=True)
     with timed(group, timer):
@@ -327,11 +327,11 @@ def _sequence_parallel_vs_tp():
         report[name] = _maxdiff({k: (a.detach(), c.detach()) for k, (a, c) in pairs.items()}, dtype)
 
     def make_parallel(full, sp):
-        cls = ParallelMLP if isinstance(full, MLP) else ParallelSelfAttention
+        cls = ParallelMLP if isinstance(full, TransformerMLP) else ParallelSelfAttention
         return cls(full, group, sequence_parallel=sp)
 
     torch.manual_seed(0)
-    run(lambda: MLP(h, ffn, dtype=dtype), "mlp")
+    run(lambda: TransformerMLP(h, ffn, dtype=dtype), "mlp")
     for causal in (True, False):
         run(lambda: SelfAttention(h, heads, causal=causal, dtype=dtype), f"attn_causal={causal}")
     # The operators themselves, against torch's collectives.
@@ -358,14 +358,14 @@ def _sequence_parallel_vs_tp():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn(z)
         return sum(seen.values())
-    full, ln = MLP(h, ffn, dtype=dtype), torch.nn.LayerNorm(h, dtype=dtype)
+    full, ln = TransformerMLP(h, ffn, dtype=dtype), torch.nn.LayerNorm(h, dtype=dtype)
     tp_mlp, sp_mlp = ParallelMLP(full, group), ParallelMLP(full, group, sequence_parallel=True)
     x = _data((b, s, h), 9, dtype).requires_grad_()
     xs = x.detach().chunk(2, dim=1)[r].clone().requires_grad_()
     memory = {"tp layer": saved(lambda z: tp_mlp(ln(z)), x), "sp layer": saved(lambda z: sp_mlp(ln(z)), xs),
               "tp block": saved(tp_mlp, x), "sp block": saved(sp_mlp, xs)}
     timer = CommTimer(Clock())
-    mlp = ParallelMLP(MLP(h, ffn, dtype=dtype), group, sequence_parallel=True)
+    mlp = ParallelMLP(TransformerMLP(h, ffn, dtype=dtype), group, sequence_parallel=True)
     with timed(group, timer):
         mlp(_data((b, 3, h), 5, dtype).requires_grad_()).sum().backward()
     return report, ops, odd, timer.calls, memory

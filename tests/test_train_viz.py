@@ -5,7 +5,7 @@ import torch
 
 from commlab import launch
 from commlab.collectives import ring_all_reduce
-from commlab.train import MLP, flat_grad, load_digits_split, set_flat_grad, shard, train_data_parallel
+from commlab.train import DigitsMLP, flat_grad, load_digits_split, set_flat_grad, shard, train_data_parallel
 from commlab.viz import plot_bench, plot_ring_schedule, ring_states
 
 
@@ -25,7 +25,7 @@ def test_shards_cover_the_data_once():
 
 
 def test_flat_grad_round_trip():
-    model = MLP()
+    model = DigitsMLP()
     assert sum(p.numel() for p in model.parameters()) == 26122
     g = torch.arange(26122, dtype=torch.float32)
     set_flat_grad(model, g)

@@ -172,14 +172,14 @@ def _ddp_steps(hidden: int, steps: int, rank_r: int, warmup: int):
 
     from commlab.compress.hooks import powersgd_hook
     from commlab.compress.powersgd import PowerSGDState
-    from commlab.train import MLP
+    from commlab.train import DigitsMLP
 
     torch.manual_seed(dist.get_rank())
     x = torch.randn(64, 64)
     y = torch.randint(0, 10, (64,))
     runs = {}
     for name in ("ours", "torch"):
-        model = MLP(64, hidden, 10)
+        model = DigitsMLP(64, hidden, 10)
         # One bucket (an explicit cap also sets the first bucket's, 1 MB by default): PyTorch's hook aborts with
         # several buckets on gloo (see tests/test_powersgd_hooks.py).
         ddp = DDP(model, bucket_cap_mb=64)
@@ -208,7 +208,7 @@ def bench_powersgd_ddp(world_size: int = 2, hidden: int = 1024, steps: int = 20,
                        warmup: int = 4, timeout: float = 300) -> dict[str, float]:
     """Median seconds per DDP step with our ``powersgd_hook`` and with PyTorch's, on gloo ranks.
 
-    The model is :class:`commlab.train.MLP` ``64 -> hidden -> hidden -> 10`` (hidden 1024: 1.1 M
+    The model is :class:`commlab.train.DigitsMLP` ``64 -> hidden -> hidden -> 10`` (hidden 1024: 1.1 M
     parameters), batch 64; PowerSGD rank ``rank``, start_iter 2 (so ``warmup`` >= 2 steps run uncompressed
     and are not timed). Returns ``{"ours": s, "torch": s}`` from rank 0 (the slowest rank sets the pace,
     and a barrier starts every step together).

@@ -26,9 +26,9 @@ _MAX_R = 64
 
 
 def mlp_shapes() -> list[tuple[int, ...]]:
-    """The parameter shapes of the labs' digits MLP (:class:`commlab.train.MLP`), in registration order."""
-    from commlab.train import MLP
-    return [tuple(p.shape) for p in MLP(seed=0).parameters()]
+    """The parameter shapes of the labs' digits MLP (:class:`commlab.train.DigitsMLP`), in registration order."""
+    from commlab.train import DigitsMLP
+    return [tuple(p.shape) for p in DigitsMLP(seed=0).parameters()]
 
 
 def bytes_per_step_cases() -> dict[str, list[tuple[int, ...]]]:

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from commlab.experiments.charlm import CharLMConfig, CharTransformer
 from commlab.experiments.corpus import load_corpus
 from commlab.train.data import load_digits_split, shard
-from commlab.train.model import MLP
+from commlab.train.model import DigitsMLP
 
 __all__ = ["Task", "TaskDefaults", "OPTIMIZERS", "make_optimizer", "DigitsTask", "CharLMTask", "TASKS", "get_task"]
 
@@ -87,7 +87,7 @@ class DigitsTask:
         self.data = load_digits_split(seed=0)
 
     def build(self, seed: int) -> nn.Module:
-        return MLP(seed=seed)
+        return DigitsMLP(seed=seed)
 
     def batch(self, rank, world_size, batch_size, generator):
         x, y = shard(self.data.x_train, rank, world_size), shard(self.data.y_train, rank, world_size)

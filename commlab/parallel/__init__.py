@@ -16,15 +16,17 @@ Book: chapters 10 to 13.
 
 from commlab.parallel.mesh import (MESH_DIMS, ParallelLayout, build_mesh, check_layout, check_order,
                                    cross_node_groups, mesh_groups, order_report)
-from commlab.parallel.tensor import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
-                                     RowParallelLinear, SelfAttention, block_allreduce_nbytes)
+from commlab.parallel.tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
+                                     SelfAttention, TransformerMLP, block_allreduce_nbytes)
 
 __all__: list[str] = [
     "MESH_DIMS", "ParallelLayout", "build_mesh", "check_layout", "check_order", "cross_node_groups",
     "mesh_groups", "order_report",
-    "MLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
+    "TransformerMLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+    "ParallelSelfAttention",
     "block_allreduce_nbytes",
 ]
+MLP = TransformerMLP  # the former name of TransformerMLP, kept for the notebooks that import it (not exported)
 
 # Other dimensions (pipeline, data_parallel) append their own import lines here and extend __all__.
 

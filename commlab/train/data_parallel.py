@@ -19,7 +19,7 @@ from torch import nn
 from commlab.launch.device import group_device
 from commlab.overlap.bucketed import AllReduceFnState, BucketedDataParallel, all_reduce_fn_hook
 from commlab.train.data import load_digits_split, shard
-from commlab.train.model import MLP
+from commlab.train.model import DigitsMLP
 
 __all__ = ["DataParallelResult", "train_data_parallel"]
 
@@ -44,7 +44,7 @@ class DataParallelResult:
 def train_data_parallel(all_reduce_fn: Callable[[torch.Tensor], torch.Tensor], steps: int = 30,
                         batch_size: int = 32, lr: float = 0.5, seed: int = 0,
                         bucket_cap_bytes: int | None = None) -> DataParallelResult:
-    """Train :class:`MLP` on the digits for ``steps`` SGD steps on every rank of the default group.
+    """Train :class:`DigitsMLP` on the digits for ``steps`` SGD steps on every rank of the default group.
 
     Args:
         all_reduce_fn: ``fn(tensor) -> its sum over the ranks`` (e.g. ``commlab.collectives.ring_all_reduce``,
@@ -69,7 +69,7 @@ def train_data_parallel(all_reduce_fn: Callable[[torch.Tensor], torch.Tensor], s
     device = group_device()
     data = load_digits_split(seed=seed)
     x, y = shard(data.x_train, rank, n).to(device), shard(data.y_train, rank, n).to(device)
-    model = MLP(seed=seed).to(device)
+    model = DigitsMLP(seed=seed).to(device)
     grad_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     wrapped = BucketedDataParallel(model, bucket_cap_bytes=bucket_cap_bytes or max(grad_nbytes, 1))
     wrapped.register_comm_hook(AllReduceFnState(all_reduce_fn), all_reduce_fn_hook)

@@ -1,4 +1,4 @@
-"""A small multilayer perceptron and helpers to move its gradient as one flat vector."""
+"""The labs' digits classifier (a small multilayer perceptron) and helpers to move its gradient as one flat vector."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 
-class MLP(nn.Sequential):
+class DigitsMLP(nn.Sequential):
     """``in_features -> hidden -> hidden -> classes`` with ReLU; 64-128-128-10 has 26,122 parameters.
 
     Inputs (batch, in_features) float32; outputs logits (batch, classes).

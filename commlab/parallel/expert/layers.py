@@ -26,7 +26,7 @@ from commlab.collectives._common import group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.parallel.expert.communications import AllToAllCounter, all_to_all_autograd
 from commlab.parallel.expert.router import Routing, check_moe_sizes, expert_capacity, route
-from commlab.parallel.tensor.layers import MLP
+from commlab.parallel.tensor.layers import TransformerMLP
 
 __all__ = ["MoE", "ExpertParallelMoE", "check_ep_size"]
 
@@ -59,7 +59,7 @@ class MoE(nn.Module):
 
     Attributes:
         router: ``nn.Linear(hidden, num_experts, bias=False)``.
-        experts: ``nn.ModuleList`` of E :class:`~commlab.parallel.tensor.MLP`.
+        experts: ``nn.ModuleList`` of E :class:`~commlab.parallel.tensor.TransformerMLP`.
         last_routing: the :class:`Routing` of the latest forward (its dropped counts), or None.
 
     Raises:
@@ -73,7 +73,7 @@ class MoE(nn.Module):
         self.hidden, self.num_experts, self.k = hidden, num_experts, k
         self.capacity_factor, self.normalize = capacity_factor, normalize
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
-        self.experts = nn.ModuleList(MLP(hidden, ffn_hidden, dtype=dtype) for _ in range(num_experts))
+        self.experts = nn.ModuleList(TransformerMLP(hidden, ffn_hidden, dtype=dtype) for _ in range(num_experts))
         self.last_routing: Routing | None = None
 
     @classmethod

@@ -5,10 +5,14 @@ Every layer takes its TP process group explicitly."""
 
 from commlab.parallel.tensor.communications import (f, g, gather_last_dim, gather_sequence, reduce_scatter_sequence,
                                                     split_last_dim)
-from commlab.parallel.tensor.layers import (MLP, ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
-                                            RowParallelLinear, SelfAttention, block_allreduce_nbytes,
-                                            tp_sharded_parameters)
+from commlab.parallel.tensor.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
+                                            RowParallelLinear, SelfAttention, TransformerMLP,
+                                            block_allreduce_nbytes, tp_sharded_parameters)
 
-__all__ = ["f", "g", "gather_last_dim", "split_last_dim", "gather_sequence", "reduce_scatter_sequence", "MLP",
+__all__ = ["f", "g", "gather_last_dim", "split_last_dim", "gather_sequence", "reduce_scatter_sequence",
+           "TransformerMLP",
            "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes",
            "tp_sharded_parameters"]
+
+#: The former name of :class:`TransformerMLP`, kept for the notebooks and the capstone that import it (not exported).
+MLP = TransformerMLP

@@ -3,7 +3,7 @@
 Shoeybi et al. 2019 (arXiv:1909.08053), §3, Figure 3, with the operators of
 :mod:`commlab.parallel.tensor.communications`. :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
 :class:`ParallelMLP` and :class:`ParallelSelfAttention` are each *made from* a full ``nn.Linear``,
-:class:`MLP` or :class:`SelfAttention` that every TP rank holds identically; each keeps only its shard, so
+:class:`TransformerMLP` or :class:`SelfAttention` that every TP rank holds identically; each keeps only its shard, so
 outputs and gradients can be compared with the full module's, and ``full_weight()`` reassembles a
 parameter. Shapes are ``(batch, seq, hidden)``; ``t`` is the TP group's size. A block makes one all-reduce
 of ``batch·seq·hidden·e`` bytes forward (g) and one backward (f) per micro-batch
@@ -28,7 +28,7 @@ from commlab import checks
 from commlab.parallel.tensor.communications import (f, g, gather_last_dim, gather_sequence, group_rank, group_size,
                                                     reduce_scatter_sequence, split_last_dim)
 
-__all__ = ["MLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+__all__ = ["TransformerMLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ParallelSelfAttention", "block_allreduce_nbytes"]
 
 
@@ -53,7 +53,7 @@ def block_allreduce_nbytes(batch: int, seq: int, hidden: int, element_nbytes: in
 
 # -- the single-process references -------------------------------------------------------------------------
 
-class MLP(nn.Module):
+class TransformerMLP(nn.Module):
     """The transformer MLP: ``fc2(gelu(fc1(x)))``, ``(batch, seq, hidden) -> (batch, seq, hidden)``.
 
     ``fc1``: hidden -> ffn_hidden, ``fc2``: ffn_hidden -> hidden (both with bias). GeLU is the exact (erf) one.
@@ -316,7 +316,7 @@ def tp_sharded_parameters(module: nn.Module) -> set[str]:
 # -- the parallel blocks -------------------------------------------------------------------------------------
 
 class ParallelMLP(nn.Module):
-    """:class:`MLP` split across the TP group: column-parallel ``fc1``, GeLU on the shard, row-parallel ``fc2``.
+    """:class:`TransformerMLP` split across the TP group: column-parallel ``fc1``, GeLU on the shard, row-parallel ``fc2``.
 
     ``(batch, seq, hidden) -> (batch, seq, hidden)``, the input and output replicated on every rank of the group.
     f at the entry (inside ``fc1``) and g at the exit (inside ``fc2``): one all-reduce of
@@ -332,7 +332,7 @@ class ParallelMLP(nn.Module):
         ValueError: ``ffn_hidden`` not divisible by the TP size.
     """
 
-    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
+    def __init__(self, mlp: TransformerMLP, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
         super().__init__()
         t = group_size(group)
         _check_divisible("ffn_hidden", mlp.fc1.out_features, t)
@@ -345,10 +345,10 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_seed(cls, hidden: int, ffn_hidden: int, group, *, seed: int,
                   dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> "ParallelMLP":
-        """Build the full :class:`MLP` from ``seed`` (identically on every rank), then shard it."""
+        """Build the full :class:`TransformerMLP` from ``seed`` (identically on every rank), then shard it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            full = MLP(hidden, ffn_hidden, dtype=dtype)
+            full = TransformerMLP(hidden, ffn_hidden, dtype=dtype)
         return cls(full, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
