@@ -1,32 +1,16 @@
 """Calibrate the α-β model on the machine you are on, and check it against the real ring AllReduce.
 
-The α-β model says a message of n bytes takes ``t = α + n·β`` (α: latency in s, β: inverse per-direction
-bandwidth in s/byte; Hockney 1994). Its two numbers are not on any datasheet for "processes on a laptop
-talking through gloo", so we measure them:
+``t = α + n·β`` (α latency in s, β inverse per-direction bandwidth in s/byte; Hockney 1994), measured:
+:func:`pingpong` (ranks 0 and 1, one-way time = round trip / 2, as the OSU and Intel MPI PingPong) and
+:func:`ring_exchange` (one ring step with every rank sending and receiving at once, the contention a ring
+collective meets on a few shared cores; the default; :func:`ring_exchange_here` inside a running job);
+:func:`fit_alpha_beta` fits the line with standard errors, :func:`calibrate` does both, and
+:func:`ring_model_error` sets ``ring_all_reduce_seconds`` (plus a measured reduction term) beside the timed
+:func:`commlab.collectives.ring_all_reduce`. Each time is the median over ``rounds`` of the slowest rank's
+time, rounds being the outer loop so that a drifting load shifts all sizes together (after nccl-tests).
+On a shared 2-core machine rounds differ by 2 to 10 times; no function here asserts a speed.
 
-* :func:`pingpong` -- rank 0 sends n bytes to rank 1, which sends them back; one-way time = round trip / 2.
-  The classic latency/bandwidth measurement (the OSU and Intel MPI benchmarks' PingPong), but only two
-  ranks are busy.
-* :func:`ring_exchange` -- every rank sends n bytes to its successor and receives n bytes from its
-  predecessor at the same time: exactly one step of a ring collective, with every link busy. When N
-  ranks share a few cores (a laptop), this is the measurement that sees the contention a ring collective
-  will meet, which ping-pong does not. It is the default for calibration.
-* :func:`fit_alpha_beta` -- least squares of ``t = α + n·β`` over the measured sizes, with standard errors.
-* :func:`ring_model_error` -- times ``commlab.collectives.ring_all_reduce`` and compares it with
-  ``ring_all_reduce_seconds(n, N, α, β)`` plus a measured reduction term: how far the model is from the
-  machine, as a mean absolute percentage error.
-
-How each time is measured (after nccl-tests and :mod:`commlab.bench.allreduce`): ``rounds`` rounds, each
-one launch that times every size once -- a warm-up call (connection set-up and first-touch allocation
-are not the link's), a barrier, then enough back-to-back calls to carry about 2 MiB; a round's time is
-the slowest rank's (the one a collective waits for). The reported time is the median over rounds, which a
-few descheduled rounds on a shared machine do not move. Rounds are the outer loop, so that all sizes are
-measured across the same stretch of time and a drifting machine load shifts them together instead of
-bending the fitted line. With ``progress=True`` each round is announced, and each size is printed with its
-median and the range over rounds: that range is how noisy the machine was.
-
-On a 2-core machine shared with other work, rounds of the same size differed by 2 to 10 times, so a single
-calibration there is good to tens of percent; no function here asserts a speed.
+Book: lab 3 (calibrate the α-β model on your machine, and check it); chapter 3, §3.1.
 """
 
 from __future__ import annotations
@@ -319,17 +303,11 @@ class AlphaBetaFit:
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float], weighting: str = "relative") -> AlphaBetaFit:
     """Least-squares fit of ``t = α + n·β``, with standard errors from the parameter covariance matrix.
 
-    Weighting. Sizes usually span several decades (4 KiB ... 4 MiB), so times do too. Ordinary least
-    squares minimises absolute errors and is then decided by the largest messages alone: α, a few
-    microseconds, drowns in the millisecond residuals of the large sizes. The default, ``"relative"``,
-    weights each point by 1/t², i.e. minimises the *relative* errors, so that every size counts alike
-    and the fit is good where it is used (a ring on n/N-byte chunks, any n); it is also the natural
-    choice when a time's noise is proportional to the time, as on a shared machine. Weights taken from the
-    measured times bias both parameters slightly (of the order of the squared relative noise: about 0.5 %
-    for 5 % noise), far less than their standard errors. ``"uniform"`` gives plain OLS.
-
-    Standard errors: with the weighted design matrix X_w (rows √w·(1, n)) and residuals r_w, the covariance
-    is ``s²·(X_wᵀX_w)⁻¹`` with ``s² = Σ r_w² / (m - 2)``. r² is the weighted coefficient of determination.
+    ``weighting="relative"`` (default) weights each point by 1/t², minimising relative errors, so that a
+    few-microsecond α is not drowned by the large sizes' millisecond residuals and every size counts alike (the
+    bias this adds is of the order of the squared relative noise, far below the standard errors);
+    ``"uniform"`` is plain OLS. Covariance ``s²·(X_wᵀX_w)⁻¹`` with ``s² = Σ r_w² / (m - 2)``; r² is the weighted
+    coefficient of determination.
 
     Args:
         sizes: message sizes in bytes (>= 0), at least two distinct.
@@ -473,18 +451,11 @@ def ring_model_error(world_sizes: Sequence[int] = (2, 4, 8), sizes: Iterable[int
                      progress: bool = True, timeout: float = 60.0) -> RingModelReport:
     """How well ``ring_all_reduce_seconds`` predicts :func:`commlab.collectives.ring_all_reduce` here.
 
-    For each world size N and tensor size n: measure the ring AllReduce of n bytes of float32 (in place,
-    no agreement check, zeros) and predict ``2(N-1)·α + 2(N-1)/N·n·β`` plus, with ``gamma``, the
-    reduction: the N-1 additions of an n/N-byte chunk a rank does in the ReduceScatter, timed as (N-1) ×
-    one ``add_`` of that chunk with all ranks adding at once. (The γ term of Thakur, Rabenseifner & Gropp
-    2005, measured instead of assumed; on a CPU it is a memory-bound pass over three chunk-sized buffers.)
-
-    α and β come from ``fits[N]`` if given; otherwise N is calibrated with :func:`ring_exchange` *in the
-    same rounds* as the collective (each launch times every calibration size, every collective size and
-    every addition once), so that on a shared machine calibration and validation see the same load. By
-    default the calibration sizes are the messages the ring will send, the chunks n/N of each tensor
-    size, plus 4 KiB to pin down α: the line is fitted where it is used, and no time goes to sizes it is
-    not used at.
+    For each world size N and tensor size n: the measured ring AllReduce of n bytes of float32 beside
+    ``2(N-1)·α + 2(N-1)/N·n·β``, plus with ``gamma`` the measured reduction ((N-1) × one ``add_`` of an n/N-byte
+    chunk, all ranks at once: the γ term of Thakur, Rabenseifner & Gropp 2005, measured). α and β come from
+    ``fits[N]`` or are calibrated with :func:`ring_exchange` in the same rounds as the collective (so both see
+    the same load), by default at the chunk sizes n/N the ring sends plus 4 KiB.
 
     Args:
         world_sizes: numbers of ranks, each >= 2.

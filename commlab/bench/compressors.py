@@ -1,20 +1,13 @@
-"""Compressors beside the torch primitives they rest on, and our PowerSGD hook beside PyTorch's (chapters 4-7).
+"""Compressors beside the torch primitives they rest on, and our PowerSGD hook beside PyTorch's.
 
-Two measurements, printed in one run (``python -m commlab bench --compressors``):
+``python -m commlab bench --compressors`` prints two measurements: the throughput of
+``decompress(compress(x))`` on one large float32 tensor (default 16 Mi elements), in GB/s of dense input,
+for every compressor beside the bare torch operations it is built on and beside ``y.copy_(x)``, the memory
+bound (ours / torch is the price of the checks, packing and bookkeeping; median of ``repeats``, the three
+timed in turn); and the median DDP step time with ``powersgd_hook`` and PyTorch's ``powerSGD_hook``
+(:func:`bench_powersgd_ddp`, alternated on ``world_size`` gloo ranks).
 
-1. Throughput of ``decompress(compress(x))`` on one large float32 tensor (default 16 Mi elements = 64 MiB),
-   in GB/s of dense input (input bytes / seconds, 1 GB = 1e9 bytes), for every compressor commlab.compress
-   provides, beside the bare torch operations it is built on (a cast and a cast back; ``torch.topk`` and
-   a scatter; ``torch.randperm`` and ``index_select``; ``torch.sign``; a scaled round to int8; QSGD's
-   float arithmetic in buckets of 512) and beside a plain ``y.copy_(x)`` of the same tensor, the memory
-   bound: a codec reads and writes at least what a copy does. The ratio ours / torch (time) is the price
-   of the protocol's checks (NaN/Inf, overflow), packing and bookkeeping; ours / copy_ says how far from
-   the memory bound each codec is. Median of ``repeats`` runs after one warm-up, in this process, with
-   torch's current thread count; the three are timed in turn within every repeat, so that a machine whose
-   load changes slows them alike.
-2. Median time of one DDP training step (forward, backward, all-reduce through the hook, SGD) of an MLP
-   with ``powersgd_hook`` and with PyTorch's ``powerSGD_hook`` (same settings), on ``world_size`` gloo
-   ranks, alternating the two so that both see the same machine load.
+Book: chapters 4 to 7 (the codecs), chapter 7, §7.8 (the hooks).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""Ring attention beside all-gathered attention (and Ulysses), at a few sequence lengths (the context-parallel
-chapter).
+"""Ring attention beside all-gathered attention (and Ulysses), at a few sequence lengths.
 
-``python -m commlab bench --ring-attention`` runs, on N gloo ranks (default 2; ``--backend nccl``: one GPU per
-rank), causal attention over a sequence
-split across the ranks three ways: :func:`commlab.parallel.context.ring_attention` (K/V blocks round the ring,
-load-balanced layout), :func:`commlab.parallel.context.all_gather_attention` (the whole sequence's K/V gathered
-on every rank, load-balanced layout too, so that both do the same arithmetic per rank) and
-:func:`commlab.parallel.context.ulysses_attention` (heads spread by AllToAll; contiguous layout). One call is a
-forward and a backward pass; the table gives the median over rounds of the slowest rank's time, the three
-methods interleaved so that they see the same machine load, the ratio ring / all-gather, the bytes each rank
-sends (measured for the ring, from :mod:`commlab.parallel.context.cost` for the others) and ``#wrong``: elements
-where the ring's output or gradients differ from the all-gather's by more than float32 rounding (must be 0).
+``python -m commlab bench --ring-attention`` runs causal attention, forward and backward, on N gloo ranks
+(default 2; ``--backend nccl``: one GPU per rank) three ways: :func:`commlab.parallel.context.ring_attention`
+and :func:`commlab.parallel.context.all_gather_attention` (both load-balanced, the same arithmetic per rank,
+so their ratio compares the communication schemes) and :func:`commlab.parallel.context.ulysses_attention`
+(torch's fused attention, so also a faster kernel). The table: median over rounds of the slowest rank's
+time (methods interleaved), ring / all-gather, bytes sent per rank, and ``#wrong`` (ring vs all-gather
+elements beyond float32 rounding; must be 0). On a laptop the times measure mostly arithmetic and memory;
+the bytes are what a network would carry.
 
-Ring attention and the all-gather run the same plain matmul-softmax arithmetic, so their ratio compares the two
-communication schemes (and the memory they touch); Ulysses' local attention is torch's fused
-``scaled_dot_product_attention``, so its time also measures a faster kernel.
-
-On a laptop the ranks share a few cores and the "network" is memory, so the times measure mostly the
-arithmetic and the peak memory each method touches (the all-gather's scores span the whole sequence); the
-bytes are what a real network would carry.
+Book: chapter 13, §13.2.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""The two-phase compressed AllReduce beside the all-gather path and a dense ring AllReduce (chapters 4, 6, 8).
+"""The two-phase compressed AllReduce beside the all-gather path and a dense ring AllReduce.
 
-``python -m commlab bench --two-phase`` averages one gradient-sized float32 tensor (default 4 MiB) over N gloo
-ranks for N = 2, 4, 8 three ways, for sign, INT8 and Top-K 1 %:
+``python -m commlab bench --two-phase`` averages one float32 tensor (default 4 MiB) over N = 2, 4, 8 gloo
+ranks for sign, INT8 and Top-K 1 %: commlab's dense ring AllReduce, :func:`commlab.compress.aggregate` with
+``path="all_gather"``, and with ``path="two_phase"`` (:mod:`commlab.compress.two_phase`). It prints the bytes
+each rank sends (exact, from :class:`commlab.compress.Aggregated`), the time of one averaging call (slowest
+rank, median over rounds, variants interleaved), the ratios all-gather / two-phase and dense / two-phase,
+and ``#differ`` (ranks whose two-phase result is not bitwise rank 0's; must be 0). No error feedback. On a
+laptop the times mostly measure the codecs; the bytes are what a network would carry.
 
-* **dense ring**: commlab's ring AllReduce of the uncompressed tensor (chapter 8's ``dense``);
-* **all-gather**: :func:`commlab.compress.aggregate` with ``path="all_gather"``: every payload to every rank,
-  each rank decompresses N of them;
-* **two-phase**: ``path="two_phase"`` (:mod:`commlab.compress.two_phase`): an all-to-all of compressed chunks,
-  the owners recompress, an all-gather of the owners' chunks.
-
-It prints, side by side, the bytes each rank sends (exact, from :class:`commlab.compress.Aggregated`) and the
-time of one averaging call (compress, move, decompress: the slowest rank's, median over rounds, the three
-variants interleaved so that they see the same machine load), with the ratios all-gather / two-phase and
-dense / two-phase. No error feedback (it adds the same local arithmetic to both compressed paths). ``#differ``
-counts ranks whose two-phase result is not bitwise rank 0's (it must be 0).
-
-On a laptop the ranks share a few cores and "the network" is memory, so the times mostly measure the codecs
-and the number of payloads each rank decompresses; the bytes are what a real network would carry.
+Book: chapter 4, §4.3; chapter 6, §6.7; chapter 8, §8.3.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Check the time-to-accuracy model on an emulated slow link (``python -m commlab experiments slow-link``).
 
-For each method, one run without a slow link measures what the step costs on this machine (compute,
-encode/decode and the machine's own transport: ``base``); it runs behind an emulated link too fast to delay
-anything (:data:`BASE_BYTES_PER_S`), so that it takes the same code path as the slow runs (commlab's ring
-AllGather where the grid uses ``dist.all_gather``). Then the same run (same seed, so the same
-numbers and the same quality curve) is repeated with every rank behind an emulated link of bandwidth
-B and latency α (:class:`commlab.topology.EmulatedTopology`, one rank per node). The model predicts
+For each method, a base run measures the step on this machine (behind an emulated link too fast to delay
+anything, :data:`BASE_BYTES_PER_S`, so it takes the slow runs' code path); the same run (same seed) is
+repeated with every rank behind an emulated link of bandwidth B and latency α
+(:class:`commlab.topology.EmulatedTopology`, one rank per node). The model predicts
+``step(B) = base + a·α + b/B`` (:func:`commlab.experiments.time_to_accuracy.comm_coefficients`) and the time to
+target from the base run's own seconds to the target step; :func:`measure` sets them beside the emulated
+runs, at bandwidths on either side of each compressor's break-even, and :func:`save` records them.
 
-    step(B) = base + a·α + b/B        (a, b: :func:`commlab.experiments.time_to_accuracy.comm_coefficients`)
-
-and time to target = the base run's own seconds to the target step + steps × (a·α + b/B) (the first steps
-of a run are slower than the median: connections are set up); the measured values come from the
-emulated runs.
-The break-even bandwidth between each compressor and dense follows from the same model
-(:func:`~commlab.experiments.time_to_accuracy.break_even`); the emulated runs at bandwidths on either side
-of it show whether the predicted winner wins.
+Book: chapter 8, §8.7.
 """
 
 from __future__ import annotations

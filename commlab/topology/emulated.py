@@ -1,20 +1,14 @@
 """Run collectives on one machine as if the ranks sat in several nodes joined by a slow network.
 
-How the emulation works: ranks are placed on nodes (contiguous blocks by default). Before a rank sends a
-message to a rank on another node, it waits as long as the message would take through its node's NIC:
-the NIC is a resource shared by all ranks of the node (its "busy until" time lives in shared memory,
-inherited by the forked ranks), so concurrent messages leaving one node queue behind each other, and each
-message pays the inter-node latency α on top. Messages inside a node use the real transport (or an
-``intra`` link, if one is given, added on top of it). Ingress contention at the receiving NIC is not
-modelled.
+:class:`EmulatedTopology` places ranks on nodes (contiguous blocks by default). Before a rank sends to
+another node it waits as long as the message would take through its node's NIC, a resource shared by the
+node's ranks (its busy-until time in shared memory, inherited by the forked ranks), so concurrent messages
+leaving one node queue, and each pays the inter-node α. Messages inside a node use the real transport (plus
+an ``intra`` link if given); ingress contention is not modelled. Choose the emulated bandwidth well below
+the machine's own (about 1 GB/s between processes on a laptop). Create it in the parent before
+:func:`commlab.launch` (fork shares the NIC state); it is not for real clusters.
 
-This makes the two effects of topology visible in wall time: a ring ordered against the topology sends
-many messages through each NIC at once, and a hierarchical algorithm sends fewer bytes between nodes.
-Choose the emulated inter-node bandwidth well below the machine's real process-to-process bandwidth
-(about 1 GB/s between processes on a laptop), so that the emulated link dominates.
-
-Create the object in the parent *before* :func:`commlab.launch` and pass it to the ranks (fork shares the
-NIC state); it is not meant for real clusters, where the links are real.
+Book: chapter 8, §8.7; lab 3, section 6 (a slow inter-node link, on one laptop).
 """
 
 from __future__ import annotations
