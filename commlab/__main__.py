@@ -91,18 +91,21 @@ def main(argv: list[str] | None = None) -> int:
                             "(uses --world-size, capped at the cores, and 2 x --rounds timed steps)")
     plan = sub.add_parser("plan", help="rank TP x PP x DP layouts of a model on a cluster preset (memory + time model)")
     plan.add_argument("--validate", action="store_true",
-                      help="check the planner against the published runs of data/published_layouts.json: reported vs "
-                           "predicted TFLOP/s per GPU, error, rank of the published layout in the planner's own "
-                           "search, median |error| (the other options but --achievable-fraction and --kernels are not "
-                           "used)")
-    plan.add_argument("--model", help="a model of data/models.json, e.g. llama3-405b (required unless --validate)")
+                      help="check the planner against the published runs of commlab/data/published_layouts.json: "
+                           "reported vs predicted TFLOP/s per GPU, error, rank of the published layout in the "
+                           "planner's own search, median |error| (the other options but --achievable-fraction and "
+                           "--kernels are not used)")
+    plan.add_argument("--model", help="a model of commlab/data/models.json, e.g. llama3-405b (required unless "
+                                      "--validate)")
     plan.add_argument("--preset",
-                      help="a cluster preset of data/clusters.json, e.g. dgx-h100-ndr (required unless --validate)")
+                      help="a cluster preset of commlab/data/clusters.json, e.g. dgx-h100-ndr (required unless "
+                           "--validate)")
     plan.add_argument("--gpus", type=int, help="GPUs to use (a multiple of the preset's devices per node)")
     plan.add_argument("--global-batch", type=int, help="sequences per step")
     plan.add_argument("--software", default=None,
-                      help="a software profile of data/software.json (what the stack overlaps, its pipeline message "
-                           "layout, gradient bytes, recomputation), e.g. megatron-core; default generic-no-overlap")
+                      help="a software profile of commlab/data/software.json (what the stack overlaps, its pipeline "
+                           "message layout, gradient bytes, recomputation), e.g. megatron-core; default "
+                           "generic-no-overlap")
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     plan.add_argument("--achievable-fraction", type=float, default=None,
@@ -110,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                            "model (0..1; the time model's constant is 0.5)")
     plan.add_argument("--kernels", action="store_true",
                       help="the kernel model, and fail where the GPU lacks it. It is the default wherever the GPU has "
-                           "it: GEMM efficiency by shape from data/gemm_efficiency.json, memory-bound operations and "
-                           "the optimizer step at the device's memory bandwidth, the layers' kernels at the stack's "
-                           "share of those rates that measured layers give (data/published_layer_times.json; see "
-                           "planner/kernels.py); a GPU without them gets the share 0.5, and the header says so")
+                           "it: GEMM efficiency by shape from commlab/data/gemm_efficiency.json, memory-bound "
+                           "operations and the optimizer step at the device's memory bandwidth, the layers' kernels at "
+                           "the stack's share of those rates that measured layers give "
+                           "(commlab/data/published_layer_times.json; see planner/kernels.py); a GPU without them gets "
+                           "the share 0.5, and the header says so")
     plan.add_argument("--dp-overlap", type=float, default=None,
                       help="share of the DP ReduceScatter/AllGather that may hide behind compute (0..1; default: the "
                            "software profile's)")

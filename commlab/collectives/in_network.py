@@ -21,9 +21,9 @@ from commlab.collectives._common import check_cost_args
 __all__ = ["HDR_SWITCH_PORTS", "NDR_SWITCH_PORTS", "fat_tree_down_ports", "fat_tree_endpoints",
            "switch_tree_levels", "in_network_all_reduce_seconds", "in_network_speedup_limit"]
 
-#: Ports of NVIDIA's HDR InfiniBand switch (Quantum QM8700), from ``data/hardware.json``: 40.
+#: Ports of NVIDIA's HDR InfiniBand switch (Quantum QM8700), from ``commlab/data/hardware.json``: 40.
 HDR_SWITCH_PORTS = int(hardware.value("Quantum-QM8700", "ports"))
-#: Ports of NVIDIA's NDR InfiniBand switch (Quantum-2 QM9700), from ``data/hardware.json``: 64.
+#: Ports of NVIDIA's NDR InfiniBand switch (Quantum-2 QM9700), from ``commlab/data/hardware.json``: 64.
 NDR_SWITCH_PORTS = int(hardware.value("Quantum-2-QM9700", "ports"))
 
 

@@ -2,7 +2,7 @@
 
 NCCL's tuner fills a latency and a bandwidth for each algorithm and protocol (LL, LL128, Simple) and runs
 the pair with the smallest ``latency + bytes / bandwidth``. This module re-states that model for Ring and
-Tree from its constants (``data/nccl_tuning.json``, from NVIDIA/nccl ``src/graph/tuning.cc`` at tag
+Tree from its constants (``commlab/data/nccl_tuning.json``, from NVIDIA/nccl ``src/graph/tuning.cc`` at tag
 v2.30.7-1; the line numbers below are that file's). Entry points: :class:`NcclSystem` (nodes, GPUs per
 node ``ppn``, ``C`` channels of bandwidth ``B``), :func:`pair_model`, :func:`all_reduce_seconds`,
 :func:`all_reduce_table` and :func:`best`. For ``n`` bytes per rank on ``N = nodes·ppn`` ranks:
@@ -123,7 +123,7 @@ class NcclSystem:
         the bus bandwidth is ``min(channels, nics) × NIC`` -- the node's NICs together -- unless a GPU's
         intra-node link is slower than that (then the channels share it). Inside one node: ``channels`` (default: as many as the node has NICs) share the GPU's
         intra-node bandwidth. The GPU generation, CPU vendor and link kind come from the ``presets``
-        section of ``data/nccl_tuning.json``.
+        section of ``commlab/data/nccl_tuning.json``.
 
         Args:
             cluster: a Cluster (its ``name`` must be in that section). nodes, gpus_per_node: default the

@@ -115,7 +115,7 @@ class CharLMTask:
 
     Args:
         config: the model's size (the default is chapter 8's model; its measured step times are in the
-            grid's records, ``compute_s`` of ``data/experiments/full.jsonl``).
+            grid's records, ``compute_s`` of ``commlab/data/experiments/full.jsonl``).
         val_windows: validation windows of ``config.seq`` characters scored at each evaluation (taken
             at a fixed stride from the start of the validation text, the same for every run).
     """

@@ -3,7 +3,7 @@
 * :class:`Link` -- one kind of link: α (s per message) and β (s per byte, per direction).
 * :class:`EmulatedTopology` -- ranks grouped into nodes on one machine; messages that cross nodes are
   delayed as if they went through each node's slow NIC, so that a laptop can feel a cluster's topology.
-* :class:`Cluster`, :func:`load_preset`, :func:`list_presets` -- node types from ``data/clusters.json``
+* :class:`Cluster`, :func:`load_preset`, :func:`list_presets` -- node types from ``commlab/data/clusters.json``
   (DGX A100, DGX H100, a PCIe server): devices and NICs per node, intra/inter links, memory, peak FLOP/s.
 """
 

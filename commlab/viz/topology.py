@@ -2,7 +2,7 @@
 nodes, and the switch tree of an in-network (SHARP) reduction.
 
 Drawn from the same objects the cost models use: a :class:`commlab.topology.cluster.Cluster` preset
-(``data/clusters.json``) and the fat-tree model of :mod:`commlab.collectives.in_network`.
+(``commlab/data/clusters.json``) and the fat-tree model of :mod:`commlab.collectives.in_network`.
 """
 
 from __future__ import annotations

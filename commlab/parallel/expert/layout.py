@@ -10,7 +10,7 @@ group (strided: ``i, i + ep, i + 2 ep, ...``) whose members all-reduce that expe
 added: EP ranks are a subset of the DP ranks, and every GPU is in one DP group, one EP group and one
 expert-DP group. (Megatron-Core and DeepSpeed-MoE call the last one the expert-data-parallel group.)
 
-DeepSeek-V3 (arXiv:2412.19437): the figures are in ``data/deepseek_v3.json``, each with its section; this
+DeepSeek-V3 (arXiv:2412.19437): the figures are in ``commlab/data/deepseek_v3.json``, each with its section; this
 module derives the rest and marks what it derived.
 """
 
@@ -49,7 +49,7 @@ def ep_groups(dp: int, ep: int) -> dict[str, list[list[int]]]:
 
 
 def deepseek_v3_figures(path: str | Path | None = None) -> dict:
-    """DeepSeek-V3's published figures, ``{name: value}``, from ``data/deepseek_v3.json`` (each entry there
+    """DeepSeek-V3's published figures, ``{name: value}``, from ``commlab/data/deepseek_v3.json`` (each entry there
     gives its section of arXiv:2412.19437 and the sentence it comes from)."""
     table = data.load_table(path, "deepseek_v3.json")
     return {name: entry["value"] for name, entry in table["figures"].items()}
