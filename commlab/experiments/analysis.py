@@ -211,7 +211,7 @@ class ArticleRow:
 
 
 def article_table(records: Sequence[RunRecord], task: str = "charlm", claims: dict | None = None) -> list[ArticleRow]:
-    """The article's rows (``data/article_claims.json``) with our measured values for ``task``.
+    """The article's rows (``commlab/data/article_claims.json``) with our measured values for ``task``.
 
     Raises:
         ValueError: a method of the article's table missing from ``records``.

@@ -1,6 +1,6 @@
 """Cluster descriptions: devices per node, NICs, the two link types (α, β), memory and peak FLOP/s.
 
-Presets live in ``data/clusters.json``; each describes one *node type* (a DGX A100, a DGX H100, a PCIe
+Presets live in ``commlab/data/clusters.json``; each describes one *node type* (a DGX A100, a DGX H100, a PCIe
 server), and the number of nodes is chosen when it is loaded::
 
     >>> from commlab.topology import load_preset
@@ -8,7 +8,7 @@ server), and the number of nodes is chosen when it is loaded::
     >>> c.world_size, c.intra.bytes_per_s, c.inter.bytes_per_s
     (32, 450000000000.0, 50000000000.0)
 
-Every figure in the file carries a ``source``, or refers to a figure of ``data/hardware.json`` (chapter 1's
+Every figure in the file carries a ``source``, or refers to a figure of ``commlab/data/hardware.json`` (chapter 1's
 device table) with ``{"ref": "DEVICE.figure"}``, so that a number is stated once and traced to its
 datasheet. Link latencies are not on datasheets: the presets take NCCL's own per-step latency constants
 and say so (see the file's ``_latency_note``).
@@ -32,7 +32,7 @@ __all__ = ["Cluster", "DEFAULT_PATH", "load_preset", "list_presets"]
 #: The presets file: ``clusters.json`` of the package data (a Traversable; see :mod:`commlab.data`).
 DEFAULT_PATH = data.path("clusters.json")
 
-# Which unit each field wants, and which units of data/hardware.json can be converted to it.
+# Which unit each field wants, and which units of commlab/data/hardware.json can be converted to it.
 _CONVERT = {
     "bytes/s": {"bytes/s": 1.0, "bit/s": 1.0 / 8},
     "bytes": {"bytes": 1.0},
@@ -54,7 +54,7 @@ class Cluster:
         device_memory_bytes: memory of one device, bytes.
         peak_flop_per_s: dense peak FLOP/s of one device per dtype name (``"bf16"``, ``"fp16"``,
             ``"tf32"``, ``"fp8"`` where the device has it).
-        device: the device's name in ``data/hardware.json`` (empty if none).
+        device: the device's name in ``commlab/data/hardware.json`` (empty if none).
         description: one line for tables.
         sources: where each figure comes from, keyed by field (``"intra.bytes_per_s"``,
             ``"peak_flop_per_s.bf16"``, ...).

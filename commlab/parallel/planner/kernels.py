@@ -1,10 +1,10 @@
 """Compute time of one GPU from its kernels (the planner's kernel model): each GEMM at a measured efficiency
 for its shape, the memory-bound operations at the memory's bandwidth.
 
-Entry points: :func:`gemm_efficiency` (``data/gemm_efficiency.json``, interpolated by shape),
-:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``data/attention_speed.json``),
+Entry points: :func:`gemm_efficiency` (``commlab/data/gemm_efficiency.json``, interpolated by shape),
+:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``commlab/data/attention_speed.json``),
 :func:`memory_bound_bytes_per_token`, :func:`loss_bytes_per_token` and :func:`optimizer_step_bytes` (HBM
-bytes, priced at ``hbm_bytes_per_s`` of ``data/hardware.json``), :func:`layer_kernels` (one layer's GEMM
+bytes, priced at ``hbm_bytes_per_s`` of ``commlab/data/hardware.json``), :func:`layer_kernels` (one layer's GEMM
 shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the time model uses in
 place of one constant), :func:`layer_seconds` and :func:`validate_layer_times` (one layer against
 Korthikanti et al. 2022, Table 4), and :func:`in_stack_share` (the stack's share of the microbenchmark
@@ -63,7 +63,7 @@ class GemmTable:
     """Measured efficiency (share of the device's dense peak) on a grid of GEMM shapes.
 
     Attributes:
-        device: the device's name in ``data/hardware.json``.
+        device: the device's name in ``commlab/data/hardware.json``.
         grid: the sorted m (= n = k) values the table measures.
         batches: the sorted batch sizes b it measures.
         efficiency: ``{(b, m, n, k): share of peak}``.
@@ -86,7 +86,7 @@ def _peak(device: str, dtype: str) -> float:
 
 @lru_cache(maxsize=8)
 def load_gemm_table(device: str, path: str | None = None) -> GemmTable:
-    """The GEMM table of ``device`` (a key of ``data/gemm_efficiency.json``, or of the file at ``path``).
+    """The GEMM table of ``device`` (a key of ``commlab/data/gemm_efficiency.json``, or of the file at ``path``).
 
     Raises:
         ValueError: the file has no table for ``device`` (the message lists the devices it has).
@@ -154,7 +154,7 @@ def gemm_seconds(table: GemmTable, peak_flop_per_s: float, g: Gemm) -> float:
 
 def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path | None = None) -> float:
     """FLOP/s of FlashAttention-2 with the causal mask, forward and backward together, on ``device``
-    (``data/attention_speed.json``: the FlashAttention authors' own measurement at the FlashAttention-2
+    (``commlab/data/attention_speed.json``: the FlashAttention authors' own measurement at the FlashAttention-2
     release), interpolated in log2 of the sequence length and linearly in the head dimension, clamped to
     the measured range (sequences of 512 to 16384 tokens, head dimensions 64 and 128).
 
@@ -320,7 +320,7 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
     Raises:
         ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; ``share`` not in (0, 1];
             what :func:`layer_kernels`, :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a
-            device without a peak or memory bandwidth in ``data/hardware.json``.
+            device without a peak or memory bandwidth in ``commlab/data/hardware.json``.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
@@ -354,7 +354,7 @@ class LayerTimeRow:
     """One measured layer against the kernel model: milliseconds per layer and micro-batch on one GPU.
 
     Attributes:
-        entry: the key in ``data/published_layer_times.json``; experiment: the source's row label.
+        entry: the key in ``commlab/data/published_layer_times.json``; experiment: the source's row label.
         recompute, sequence_parallel: the row's policy.
         reported_forward_ms, reported_backward_ms: measured.
         predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` at the microbenchmarks' rates
@@ -422,7 +422,7 @@ def _layer_time_entries(path: str | Path | None) -> dict:
 
 
 def validate_layer_times(path: str | Path | None = None, device: str | None = None) -> list[LayerTimeRow]:
-    """The kernel model against measured single-layer times (``data/published_layer_times.json``:
+    """The kernel model against measured single-layer times (``commlab/data/published_layer_times.json``:
     Korthikanti et al. 2022, Table 4), its kernels at the microbenchmarks' own rates (``share=1`` in
     :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference).
 
@@ -476,7 +476,7 @@ class InStackShare:
     """The share of the microbenchmark rates a training stack's kernels run at on one GPU.
 
     Attributes:
-        device: the GPU it is used for (a key of ``data/gemm_efficiency.json``).
+        device: the GPU it is used for (a key of ``commlab/data/gemm_efficiency.json``).
         share: in (0, 1]: the kernel model's layer seconds are divided by it.
         measured_on: the GPU whose measured layers give it (``device`` itself, or the GPU its
             ``in_stack_share_from`` names).
@@ -500,7 +500,7 @@ def in_stack_share(device: str, path: str | None = None) -> InStackShare:
     ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over the forward and backward of
     every measured layer on the GPU (:func:`validate_layer_times` over ``path``, default
     :data:`LAYER_TIMES_PATH`), kernel seconds at ``share=1``. A GPU with none takes the share of the GPU its
-    ``data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop), with the entry's
+    ``commlab/data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop), with the entry's
     ``in_stack_assumption``. The share holds whatever the model misses on that layer; using it for other
     stacks, models or GPUs is an assumption, and the loss and the optimizer step are not divided by it.
 
@@ -556,7 +556,7 @@ def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> 
 def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
     """Why the kernel model cannot price ``dtype`` matmuls on ``device``, or None where it can: it needs the
     device's GEMM table in that dtype (:func:`load_gemm_table`), its FlashAttention speed
-    (``data/attention_speed.json``), its memory bandwidth (``hbm_bytes_per_s`` in ``data/hardware.json``) and
+    (``commlab/data/attention_speed.json``), its memory bandwidth (``hbm_bytes_per_s`` in ``commlab/data/hardware.json``) and
     the stack's share of its microbenchmark rates (:func:`in_stack_share`). The planner's default compute
     model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
     from commlab import hardware

@@ -1,7 +1,7 @@
 """Memory per GPU of a 3D-parallel (TP × PP × DP) transformer training layout, in bytes.
 
 The model: :class:`ModelConfig` (layers L, hidden h, heads a, ffn, vocab V, sequence s), loaded from
-``data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b, ZeRO
+``commlab/data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b, ZeRO
 stage, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
 :class:`MemoryBreakdown` for the stage that needs the most memory; :func:`usable_memory_bytes` keeps
 :data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan near the limit. Book: chapter 11,
@@ -284,7 +284,7 @@ def list_models(path: str | Path | None = None) -> list[str]:
 
 
 def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
-    """The model ``name`` of ``data/models.json`` as a :class:`ModelConfig`.
+    """The model ``name`` of ``commlab/data/models.json`` as a :class:`ModelConfig`.
 
     Raises:
         KeyError: unknown name; the message lists the known ones.

@@ -6,7 +6,7 @@ ZeRO stage and recomputation policy for one software profile, rejects what does 
 global batch (each with its reason), and ranks the rest by step time: the sum of terms, then the replayed
 timelines of the first places (:func:`~.timeline.rerank_by_timeline`). It returns a :class:`SearchResult`
 of :class:`Plan` s; a 16,384-GPU cluster is searched in well under a second.
-:func:`validate_published` runs the time model and the search on ``data/published_layouts.json`` and
+:func:`validate_published` runs the time model and the search on ``commlab/data/published_layouts.json`` and
 returns :class:`ValidationRow` s (``python -m commlab plan --validate``).
 
 Book: chapter 11, §11.3 (the search), §11.4 (the validation), §11.5 (against the source article's
@@ -170,7 +170,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     there is one (``timeline_top=0``: analytical only). Book §11.3.
 
     Args:
-        model: a :class:`ModelConfig` or a name in ``data/models.json``.
+        model: a :class:`ModelConfig` or a name in ``commlab/data/models.json``.
         cluster: a :class:`~commlab.topology.Cluster` or a preset name.
         gpus: GPUs to use; a multiple of ``devices_per_node``.
         global_batch: sequences per step.
@@ -196,7 +196,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             default the profile's); the default ``achievable_fraction`` is :data:`~.time_model.AUTO`
             (:attr:`SearchResult.compute_model` says which model priced compute).
         software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
-            ``data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
+            ``commlab/data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
         memory_reserve: share of device memory kept free for what the memory model does not count
             (:func:`~commlab.parallel.planner.memory.usable_memory_bytes`; default 10 %, in [0, 1)).
         usable_fraction: the older spelling of ``1 - memory_reserve``; when given it replaces it.
@@ -298,7 +298,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
 # ----------------------------------------------------------------------------------------- validation
 
 def load_published(path: str | Path | None = None) -> dict[str, dict]:
-    """The entries of ``data/published_layouts.json`` (keys starting with ``_`` dropped), read once per path
+    """The entries of ``commlab/data/published_layouts.json`` (keys starting with ``_`` dropped), read once per path
     like the planner's other tables (:func:`commlab.data.load_table`): do not change them."""
     return data.load_table(path, "published_layouts.json")
 
@@ -308,7 +308,7 @@ class ValidationRow:
     """One published run beside the planner.
 
     Attributes:
-        config: the key in ``data/published_layouts.json``.
+        config: the key in ``commlab/data/published_layouts.json``.
         published: its layout with its knobs (``tp8 pp64 dp6 b1 recompute``), a ``*`` on each knob the
             planner chose because the source does not report it (``b1*``).
         planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
@@ -379,7 +379,7 @@ def validate_published(achievable_fraction: float | str = AUTO, dp_overlap: floa
                        path: str | Path | None = None) -> list[ValidationRow]:
     """The planner against every published run it can model (runs with context parallelism are skipped).
 
-    For each run: the software profile it names (``software``, a key of ``data/software.json``) sets what
+    For each run: the software profile it names (``software``, a key of ``commlab/data/software.json``) sets what
     the stack overlaps and how; the published tp, pp and dp are fixed, and whatever the source fixes besides
     (activation recomputation, ZeRO, ``micro_batch``, ``interleave``); the search picks the rest and the
     fastest such plan is the "published layout" prediction. The unconstrained search with the same software

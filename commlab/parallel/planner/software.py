@@ -3,7 +3,7 @@
 A :class:`SoftwareProfile` says what the stack does, not how fast it is: sequence parallelism, pipeline
 sends split over the tp ranks, which communication it overlaps with compute (shares in [0, 1] that restate
 a flag: 1 on, 0 off; none fitted), its gradient and optimizer-state bytes, recomputation policy and ZeRO
-stage. :func:`load_software` reads a preset of ``data/software.json``, where every field carries the flag,
+stage. :func:`load_software` reads a preset of ``commlab/data/software.json``, where every field carries the flag,
 source file or paper section it comes from (or says ``assumption:``). The time model uses the overlap
 fields, the pipeline layout, the gradient bytes and the compute slowdown; the search uses the rest to fill
 in the layouts it tries. Book: chapter 11, §11.2 and §11.4 (the profiles of each validated run).
@@ -131,7 +131,7 @@ def check_recompute_policy(policy) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SoftwareProfile:
-    """What a training stack does (book §11.2; every field's source is in ``data/software.json``).
+    """What a training stack does (book §11.2; every field's source is in ``commlab/data/software.json``).
 
     Attributes:
         name: the preset's key.
@@ -276,7 +276,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(SoftwareProfile) if f.name no
 
 
 def load_software(name: str | SoftwareProfile | None = None, path: str | Path | None = None) -> SoftwareProfile:
-    """The profile ``name`` of ``data/software.json`` (None: :data:`DEFAULT_SOFTWARE`; a profile is returned
+    """The profile ``name`` of ``commlab/data/software.json`` (None: :data:`DEFAULT_SOFTWARE`; a profile is returned
     as it is).
 
     Every field of the entry must be ``{"value": ..., "source": "..."}`` with a non-empty source, and every

@@ -123,7 +123,7 @@ class TimeBreakdown:
         compute_fraction: the share of peak the executed FLOP run at: ``achievable_fraction``, or what the
             kernel model gives for this layout.
         loss_s: the cross-entropy over the vocabulary on a last-stage GPU, all micro-batches (0 where the
-            device's memory bandwidth is not in ``data/hardware.json``).
+            device's memory bandwidth is not in ``commlab/data/hardware.json``).
     """
 
     compute_s: float
@@ -589,7 +589,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
         dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
         dtype: key of ``cluster.peak_flop_per_s``.
         grad_bytes: if given, replaces the profile's bytes per gradient element (2 or 4).
-        software: a :class:`~.software.SoftwareProfile` or the name of one in ``data/software.json``;
+        software: a :class:`~.software.SoftwareProfile` or the name of one in ``commlab/data/software.json``;
             None = :data:`~.software.DEFAULT_SOFTWARE` (nothing overlapped).
 
     Raises:
@@ -709,7 +709,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
 
 @lru_cache(maxsize=32)
 def _memory_bandwidth(device: str) -> float | None:
-    """The device's ``hbm_bytes_per_s`` from ``data/hardware.json``, bytes/s; None where it has none."""
+    """The device's ``hbm_bytes_per_s`` from ``commlab/data/hardware.json``, bytes/s; None where it has none."""
     from commlab import hardware
     try:
         return hardware.value(device, "hbm_bytes_per_s")
@@ -720,7 +720,7 @@ def _memory_bandwidth(device: str) -> float | None:
 def loss_seconds(m: ModelConfig, micro_batch: int, tp: int, device: str) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch's loss over the vocabulary on a last-stage GPU:
     :func:`~.kernels.loss_bytes_per_token` × ``micro_batch·s`` tokens over the device's memory bandwidth
-    (bytes/s, ``hbm_bytes_per_s`` in ``data/hardware.json``); ``(0.0, 0.0)`` for a device without one.
+    (bytes/s, ``hbm_bytes_per_s`` in ``commlab/data/hardware.json``); ``(0.0, 0.0)`` for a device without one.
 
     Raises:
         ValueError: ``tp`` not an int >= 1.
@@ -744,7 +744,7 @@ def _kernel_terms(m: ModelConfig, layout: Layout, cluster: Cluster, dtype: str, 
         hbm = hardware.value(device, "hbm_bytes_per_s")
     except (KeyError, ValueError):
         raise ValueError(f"the kernel model needs the memory bandwidth of the cluster's device {device!r} "
-                         f"(hbm_bytes_per_s in data/hardware.json); it has none") from None
+                         f"(hbm_bytes_per_s in commlab/data/hardware.json); it has none") from None
     fraction = kernels.effective_fraction(m, layout, device, cluster.peak_flop_per_s[dtype], hbm, executed)
     # The heaviest stage's parameters on one GPU: split by tp, and by dp under ZeRO (the optimizer then
     # updates only its shard).
