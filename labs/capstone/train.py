@@ -48,6 +48,7 @@ from labs.capstone.measure import SPLIT, StepLog, StepMeter, StepStats, profiled
 from labs.capstone.model import (GPT, MATMUL_DTYPE, PARAM_DTYPE, GPTConfig, apply_tp, build_gpt, check_layout, lm_loss,
                                  pipeline_stages)
 
+# SPLIT and StepStats are measure.py's, named here too for chapter 14's notebook.
 __all__ = ["Options", "parse_args", "parallelize", "apply_dp", "Trainer", "train", "main", "SPLIT", "StepStats"]
 
 
@@ -194,9 +195,9 @@ class Trainer:
         self.model = build_gpt(opts.model, opts.seed, PARAM_DTYPE[opts.dtype]).to(self.device)
         self.full_shapes = {name: p.shape for name, p in self.model.named_parameters()}
         self.stage, self.dp, hook_state = parallelize(self.model, self.mesh, opts)
-        self.optimizer = (ZeroOneOptimizer(self.stage.parameters(), dp_group=self.groups["dp"],   # ZeRO-1: Adam
-                                           optimizer_cls=torch.optim.Adam, lr=opts.lr)  # sharded over DP
-                          if opts.zero1 else torch.optim.Adam(self.stage.parameters(), lr=opts.lr))
+        params, dp_group = self.stage.parameters(), self.groups["dp"]
+        self.optimizer = (ZeroOneOptimizer(params, dp_group=dp_group, optimizer_cls=torch.optim.Adam, lr=opts.lr)
+                          if opts.zero1 else torch.optim.Adam(params, lr=opts.lr))   # ZeRO-1: Adam sharded over DP
         self.dp_sync = checkpoint.dp_sync_of(hook_state, self.dp, self.mesh, opts)   # what checkpoints store
         corpus = load_corpus()
         self.train_ids, self.val_ids = corpus.train, corpus.val
@@ -205,8 +206,8 @@ class Trainer:
 
     def local_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's rows of a global batch, on the device."""
-        share = self.opts.micro_batch * self.opts.micro_batches
-        rows = slice(self.mesh.get_local_rank("dp") * share, (self.mesh.get_local_rank("dp") + 1) * share)
+        share, dp_rank = self.opts.micro_batch * self.opts.micro_batches, self.mesh.get_local_rank("dp")
+        rows = slice(dp_rank * share, (dp_rank + 1) * share)
         return batch[0][rows].to(self.device), batch[1][rows].to(self.device)
 
     def step(self, step: int) -> StepStats:
@@ -247,17 +248,14 @@ class Trainer:
     def validation_loss(self) -> float:
         """Mean loss on a fixed global batch of the held-out split (nats), the same on every rank. With pp > 1
         the pipeline schedule (it has no forward-only form), whose gradients are then dropped."""
-        opts = self.opts
+        opts, m = self.opts, self.opts.micro_batches
         x, y = self.local_batch(get_batch(0, opts, self.val_ids))
         if opts.pp == 1:
             with torch.no_grad(), self.autocast():
-                loss = sum(lm_loss(self.stage(xj), yj) for xj, yj in zip(x.chunk(opts.micro_batches),
-                                                                          y.chunk(opts.micro_batches)))
-            loss = float(loss) / opts.micro_batches
+                loss = float(sum(lm_loss(self.stage(xj), yj) for xj, yj in zip(x.chunk(m), y.chunk(m)))) / m
         else:
             with self.dp.no_sync(), self.autocast():
-                loss = pipeline_step(self.dp, x, y, lm_loss, opts.micro_batches, self.groups["pp"],
-                                     opts.schedule).loss
+                loss = pipeline_step(self.dp, x, y, lm_loss, m, self.groups["pp"], opts.schedule).loss
             self.optimizer.zero_grad(set_to_none=True)
         return self.global_mean(loss)
 
@@ -288,15 +286,15 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
             StepLog(opts.log_file if rank0 else None, start) as log, profiled(opts.profile, trainer.device):
         for step in bar:
             with record_function(f"capstone::step{step}"):
-                stats_now = trainer.step(step)
+                measured = trainer.step(step)
             if step == opts.steps - 1 or (opts.eval_every and (step + 1) % opts.eval_every == 0):
                 with record_function("capstone::validation"):
-                    stats_now = dataclasses.replace(stats_now, val_loss=trainer.validation_loss())
-            losses.append(stats_now.loss)
+                    measured = dataclasses.replace(measured, val_loss=trainer.validation_loss())
+            losses.append(measured.loss)
             if stats is not None:
-                stats.append(stats_now)
-            log.write(stats_now)
-            bar.set_postfix(loss=f"{stats_now.loss:.3f}", tok_s=f"{stats_now.tokens_per_s:.0f}", refresh=False)
+                stats.append(measured)
+            log.write(measured)
+            bar.set_postfix(loss=f"{measured.loss:.3f}", tok_s=f"{measured.tokens_per_s:.0f}", refresh=False)
             if opts.ckpt_every and (step + 1) % opts.ckpt_every == 0:
                 checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.stage, trainer.optimizer,
                                 trainer.dp_sync)
