@@ -1,18 +1,14 @@
 """Grader for lab 14: the tokens and model FLOPs of one capstone step, the numerator of its tokens/s and MFU.
 
-The learner writes ``step_budget(model, tp, pp, dp, micro_batch, micro_batches)`` for a GPT described as the
-planner describes models (:class:`commlab.parallel.planner.ModelConfig`; the capstone's is
-``GPTConfig().planner_config()``) and returns ``(tokens, model_flops)`` of one optimizer step:
+The learner writes ``step_budget(model, tp, pp, dp, micro_batch, micro_batches) -> (tokens, model_flops)``
+for a model described as the planner describes models (:class:`commlab.parallel.planner.ModelConfig`; the
+capstone's is ``GPTConfig().planner_config()``): every DP replica runs ``micro_batches`` micro-batches of
+``micro_batch`` sequences of ``model.seq`` tokens (TP and PP ranks share a replica's), at ``6 P + 12 L h s``
+model FLOPs per token (PaLM's MFU accounting, Chowdhery et al. 2022, App. B; the reference is
+:func:`commlab.parallel.planner.model_flops_per_token`). A wrong answer is matched against the usual slips
+(the DP replicas forgotten, tokens counted per rank, the backward pass left out, ...) to say which it is.
 
-* tokens: every DP replica runs ``micro_batches`` micro-batches of ``micro_batch`` sequences of ``model.seq``
-  tokens; TP and PP ranks share a replica's sequences, so they do not multiply the tokens;
-* model FLOPs: ``(6 P + 12 L h s)`` per token, P the parameters with embeddings
-  (:func:`commlab.parallel.planner.parameter_count`), no recomputation (PaLM's MFU accounting, Chowdhery et al.
-  2022, Appendix B), the reference being :func:`commlab.parallel.planner.model_flops_per_token`.
-
-A wrong answer is matched against the usual slips (the DP replicas forgotten, tokens counted once per rank,
-sequences instead of tokens, the micro-batches forgotten, the attention term or the backward pass left out,
-recomputation counted, FLOPs per token instead of per step) to say which one it is.
+Entry points: :func:`check_step_budget`, :func:`step_budget_cases`.
 """
 
 from __future__ import annotations
