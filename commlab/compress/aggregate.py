@@ -28,7 +28,7 @@ from commlab.collectives._common import SUPPORTED_DTYPES, group_size_and_rank
 from commlab.collectives.agreement import gather
 from commlab.compress.agreement import agree_finite, agree_payloads
 from commlab.compress.base import Compressor, Payload
-from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.error_feedback import ErrorFeedback, check_error_feedback
 from commlab.compress.two_phase import TwoPhaseCall
 from commlab.topology.emulated import EmulatedTopology
 
@@ -165,13 +165,7 @@ class AggregateCall:
         if overlap and emulate is not None:
             raise ValueError(f"{what}: overlap launches torch's collectives, which an EmulatedTopology cannot "
                              "delay; pass emulate without overlap")
-        if error_feedback is not None and path != "two_phase":  # TwoPhaseCall checks its own
-            if key is None:
-                raise ValueError(f"{what}: error_feedback needs a key naming this tensor's residual (e.g. the "
-                                 "parameter's name)")
-            if error_feedback.compressor is not compressor:
-                raise ValueError(f"{what}: error_feedback wraps {error_feedback.name!r}, not the compressor "
-                                 f"passed ({self.name!r}); pass the same compressor object to both")
+        check_error_feedback(error_feedback, compressor, key, what)
         self.path = ("all_reduce" if compressor.linear else "all_gather") if path == "auto" else path
         self.tensor, self.compressor, self.group, self.key, self.emulate = tensor, compressor, group, key, emulate
         self.error_feedback, self.server_error_feedback = error_feedback, server_error_feedback

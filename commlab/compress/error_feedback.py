@@ -21,7 +21,7 @@ import torch
 
 from commlab.compress.base import Compressor, Payload
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "check_error_feedback"]
 
 
 class ErrorFeedback:
@@ -125,3 +125,22 @@ class ErrorFeedback:
     def keys(self) -> list:
         """Keys that currently hold a residual."""
         return list(self._state)
+
+
+def check_error_feedback(error_feedback: ErrorFeedback | None, compressor: Compressor, key: Hashable | None,
+                         what: str, label: str = "error_feedback") -> None:
+    """Check that ``error_feedback`` (if given) wraps ``compressor`` itself and that ``key`` names its residual.
+
+    Raises:
+        ValueError: ``key`` is None, or ``error_feedback`` wraps another compressor object (both name ``what``
+            and ``label``).
+    """
+    if error_feedback is None:
+        return
+    if key is None:
+        raise ValueError(f"{what}: {label} needs a key naming this tensor's residual (e.g. the parameter's name "
+                         "or the bucket's index)")
+    if error_feedback.compressor is not compressor:
+        raise ValueError(f"{what}: {label} wraps {error_feedback.name!r}, not the compressor passed "
+                         f"({getattr(compressor, 'name', type(compressor).__name__)!r}); pass the same compressor "
+                         "object to both")

@@ -30,7 +30,7 @@ from commlab.collectives.all_to_all import all_to_all
 from commlab.collectives.ring import ring_all_gather
 from commlab.compress.agreement import agree_payloads
 from commlab.compress.base import Compressor, Payload
-from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.error_feedback import ErrorFeedback, check_error_feedback
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["ChunkedCompressor", "TwoPhaseCall", "chunk_numel", "valid_numel", "server_key", "two_phase_bytes_sent_per_rank"]
@@ -218,16 +218,8 @@ class TwoPhaseCall:
                  error_feedback: ErrorFeedback | None = None, server_error_feedback: ErrorFeedback | None = None,
                  key: Hashable | None = None, emulate: EmulatedTopology | None = None, what: str = "aggregate"):
         self.size, self.rank = group_size_and_rank(group, what)
-        for label, ef in (("error_feedback", error_feedback), ("server_error_feedback", server_error_feedback)):
-            if ef is None:
-                continue
-            if key is None:
-                raise ValueError(f"{what}: {label} needs a key naming this tensor's residual (e.g. the "
-                                 "parameter's name or the bucket's index)")
-            if ef.compressor is not compressor:
-                raise ValueError(f"{what}: {label} wraps {ef.name!r}, not the compressor passed "
-                                 f"({getattr(compressor, 'name', type(compressor).__name__)!r}); pass the same "
-                                 "compressor object to both")
+        check_error_feedback(error_feedback, compressor, key, what)
+        check_error_feedback(server_error_feedback, compressor, key, what, "server_error_feedback")
         self.tensor, self.compressor, self.group, self.key, self.emulate, self.what = (
             tensor, compressor, group, key, emulate, what)
         self.error_feedback, self.server_error_feedback = error_feedback, server_error_feedback
