@@ -2,3 +2,10 @@
 from tools.nbtools import pin_cpu_kernels
 
 pin_cpu_kernels()  # before torch is imported: the kernels nbval starts inherit it (see its docstring)
+
+
+def pytest_collection_modifyitems(items):
+    # nbval's cells carry the `notebooks` marker too, so that -m "not notebooks" leaves every notebook out.
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker("notebooks")

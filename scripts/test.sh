@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# Run every test: unit and multi-process tests, nbval over every notebook (outputs compared), and a
-# strict book build. Installs first if .venv is missing. Extra arguments go to pytest.
+# Run the tests. Installs first if .venv is missing. Extra arguments go to pytest.
+#   bash scripts/test.sh           everything: tests/, nbval over every notebook in book/ and labs/
+#                                  (outputs compared), the strict book build and the browser check
+#   bash scripts/test.sh --fast    the fast lane for every edit: unit and small multi-process tests
+#                                  (-m "not slow and not notebooks"), a few minutes on 2 cores
+#   bash scripts/test.sh tests/test_ring.py -x    one file (no notebooks unless you name them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import commlab, nbval, jupyter_book" 2>/dev/null; then
   bash scripts/setup.sh --no-build
 fi
-exec .venv/bin/python -m pytest "$@"
+PYTEST=(.venv/bin/python -m pytest)
+NBVAL=(--nbval --nbval-current-env --nbval-cell-timeout=300)
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec "${PYTEST[@]}" -m "not slow and not notebooks" "$@" tests
+fi
+for arg in "$@"; do  # paths named: run just those (with nbval, so that a named notebook is compared)
+  if [ -e "${arg%%::*}" ]; then exec "${PYTEST[@]}" "${NBVAL[@]}" "$@"; fi
+done
+exec "${PYTEST[@]}" "${NBVAL[@]}" "$@" tests book labs

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 
 def child_pids(pid: int | None = None) -> list[int]:
     """PIDs whose parent is ``pid`` (default: this process), read from /proc; zombies included.
@@ -65,3 +67,7 @@ def exit_status(main, argv, capsys) -> tuple:
     except SystemExit as e:
         code = e.code
     return code, capsys.readouterr().err
+
+
+#: World sizes 1..8 for the exhaustive collective checks; 5..8 ranks on 2 cores are `slow` (full suite only).
+WORLD_SIZES_1_TO_8 = [*range(1, 5), *(pytest.param(n, marks=pytest.mark.slow) for n in range(5, 9))]

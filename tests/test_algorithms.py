@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import WORLD_SIZES_1_TO_8
 from commlab import launch
 from commlab.collectives import (CollectiveMismatchError, binomial_tree_all_reduce_seconds,
                                  double_binary_tree_all_reduce_seconds, hierarchical_all_reduce,
@@ -97,7 +98,7 @@ def _compare_all(placements):
     return failures
 
 
-@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("world_size", WORLD_SIZES_1_TO_8)
 def test_every_algorithm_equals_torch_exactly_on_integer_valued_data(world_size):
     results = launch(_compare_all, world_size, PLACEMENTS[world_size], timeout=120)
     assert results == [[]] * world_size
@@ -345,6 +346,7 @@ def _timed_pair():
     return times, ok
 
 
+@pytest.mark.timing
 def test_hierarchical_beats_the_topology_unaware_ring_on_a_slow_emulated_link():
     out = launch(_timed_pair, 4, timeout=60)
     assert all(ok for _, ok in out)

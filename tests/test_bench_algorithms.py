@@ -44,6 +44,7 @@ def test_emulated_model_by_hand():
         topo.predict_ring_seconds(10, [0, 1, 2], free)
 
 
+@pytest.mark.slow
 def test_command_line_algorithms_and_emulation(capsys):
     assert main(["bench", "--algorithms", "ring,binomial-tree,torch", "-n", "2", "-b", "1K", "-e", "4K",
                  "-r", "1"]) == 0

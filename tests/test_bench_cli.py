@@ -36,6 +36,7 @@ def test_parse_size_rejects_nonsense():
         parse_size("12 parsecs")
 
 
+@pytest.mark.slow
 def test_a_small_benchmark_runs_and_finds_nothing_wrong(capsys):
     rows = bench_all_reduce(world_size=3, sizes=[4096, 12], rounds=1)
     assert [r.nbytes for r in rows] == [4096, 12] and all(r.wrong == 0 for r in rows)
@@ -87,6 +88,7 @@ def test_bench_rejects_bad_arguments():
         bench_all_reduce(2, [16], rounds=0)
 
 
+@pytest.mark.slow
 def test_command_line_bench(capsys):
     assert main(["bench", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-r", "1", "--check"]) == 0
     out = capsys.readouterr().out
@@ -119,6 +121,7 @@ def test_command_line_rejects_bad_counts(flags, capsys):
     assert code == 2 and "need --world-size >= 1 and --rounds >= 1" in err
 
 
+@pytest.mark.slow
 def test_command_line_rejects_bad_sizes():
     # Through the real entry point once (the others call main() in this process, the same code).
     proc = subprocess.run([sys.executable, "-m", "commlab", "bench", "-b", "1X"], capture_output=True, text=True)
@@ -207,6 +210,7 @@ def test_ring_attention_bench_usage_errors(flags, message, capsys):
     assert code == 2 and message in err, err
 
 
+@pytest.mark.slow
 def test_sharded_bench_runs_on_a_tiny_model():
     """bench --sharded's measurement (ours with and without prefetch beside FSDP2), on a model small enough to be
     cheap: the rows are complete; nothing is asserted on the times."""

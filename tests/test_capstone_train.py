@@ -17,6 +17,8 @@ from labs.capstone.model import GPTConfig
 from labs.capstone.train import Options, parse_args, train
 from tests.helpers import exit_status
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 TOL = 1e-9   # float64; the layouts differ only in the order of their sums (TP AllReduces, DP averaging)

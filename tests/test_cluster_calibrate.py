@@ -166,12 +166,14 @@ def test_fit_rejects_bad_input():
 TINY = [64, 1024]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pingpong_returns_positive_times(world_size):
     t = cal.pingpong(TINY, world_size=world_size, rounds=2)
     assert len(t) == len(TINY) and all(x > 0 and math.isfinite(x) for x in t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_exchange_returns_positive_times(world_size, capsys):
     t = cal.ring_exchange(TINY, world_size=world_size, rounds=2, progress=True)
@@ -198,6 +200,7 @@ def test_measurements_reject_bad_arguments():
         cal.ring_model_error((2,), sizes=[2])
 
 
+@pytest.mark.slow
 def test_ring_model_error_rows_are_well_formed():
     report = cal.ring_model_error(world_sizes=(2, 3), sizes=[256, 4096], calibration_sizes=TINY, rounds=1,
                                   progress=False)

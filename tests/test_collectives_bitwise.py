@@ -25,6 +25,8 @@ from commlab.collectives import (chunk_bounds, hierarchical_all_reduce, make_hie
                                  recursive_doubling_all_reduce, rhd_all_reduce, ring_all_gather,
                                  ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 COUNTS = [1, 7, 1000, 4099]
 # placement[rank] = node, for the hierarchical AllReduce at each world size.

@@ -492,6 +492,7 @@ def _pp_dp(compress):
             None if state is None else state.last_payload_nbytes, dp.gradients_averaged)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compress", [False, True], ids=["dense", "bf16 hook"])
 def test_pipelines_side_by_side_with_dp_sync_equal_the_whole_batch(compress):
     x, y = _batch(64)

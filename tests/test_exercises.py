@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -147,6 +148,7 @@ def test_torch_collectives_are_refused():
     assert "off-limits" in str(report)
 
 
+@pytest.mark.slow
 def test_a_deadlock_is_reported_not_hung():
     report = check_reduce_scatter(deadlocking_rs, world_sizes=(2,), counts=(4,))
     assert "a rank waits for a message nobody sends" in str(report)
@@ -191,7 +193,6 @@ def commlab_cheat_rs(x):
     return commlab.collectives.ring_reduce_scatter(x)
 
 
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("fn, message", [
@@ -204,6 +205,7 @@ def test_wrong_forms_and_shortcuts_fail(fn, message):
     assert not report.passed and message in str(report), str(report)
 
 
+@pytest.mark.slow
 def test_after_a_hang_the_remaining_cases_are_not_run():
     report = check_reduce_scatter(deadlocking_rs, world_sizes=(2, 3), counts=(4,))
     assert [msg for _, _, msg in report.cases][1] == "not run: an earlier case hung"

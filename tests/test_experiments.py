@@ -323,6 +323,7 @@ def test_step_time_grader_passes_the_model_and_names_slips():
     assert "raised RuntimeError: oops" in str(check_step_time(broken))
 
 
+@pytest.mark.slow
 def test_cli_prints_the_article_table():
     import subprocess
     import sys

@@ -55,6 +55,7 @@ def test_launches_repeat_in_one_process_without_leftovers():
     assert child_pids() == []
 
 
+@pytest.mark.timing
 def test_a_rank_that_raises_is_named_with_its_traceback_and_peers_are_stopped():
     def fn():
         if dist.get_rank() == 2:
@@ -75,6 +76,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_peers_are_stopped():
     assert child_pids() == []
 
 
+@pytest.mark.timing
 def test_a_rank_that_exits_without_raising_is_reported():
     def fn():
         if dist.get_rank() == 1:
@@ -101,6 +103,7 @@ def test_a_rank_killed_by_a_signal_is_reported():
     assert child_pids() == []
 
 
+@pytest.mark.timing
 def test_a_rank_that_never_joins_times_out_naming_the_ranks_that_did():
     def never_joins(rank):
         if rank == 3:
@@ -116,6 +119,7 @@ def test_a_rank_that_never_joins_times_out_naming_the_ranks_that_did():
     assert child_pids() == []
 
 
+@pytest.mark.timing
 def test_a_rank_that_skips_a_collective_fails_within_the_timeout():
     def fn():
         if dist.get_rank() != 1:
@@ -164,6 +168,7 @@ def test_spawn_refuses_a_function_it_cannot_import():
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_spawn_runs_an_importable_function():
     assert launch(dist.get_world_size, 2, start_method="spawn", timeout=60) == [2, 2]
 
@@ -236,6 +241,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("watcher", [False, True], ids=["pdeathsig", "watcher-thread"])
 def test_ranks_of_a_killed_parent_end_with_it(tmp_path, watcher):
     """`timeout 60 python script.py` sends SIGTERM to the parent only (each rank leads its own process group):

@@ -14,6 +14,8 @@ from commlab.launch import DistContext, LauncherEnvError, detect_launcher, init_
 from commlab.launch.env import slurm_default_port, slurm_first_host, slurm_tasks_on_node
 from commlab.launch.torchrun import free_port
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SRUN = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",

@@ -56,6 +56,8 @@ def _send_nobody_receives():
     return dist.get_rank()
 
 
+@pytest.mark.timing
+@pytest.mark.slow
 def test_sends_never_received_are_named_with_rank_destination_and_bytes():
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
@@ -112,6 +114,7 @@ def _many_sends(n):
     return tracker.recorded, tracker.pending()
 
 
+@pytest.mark.slow
 def test_completed_handles_do_not_accumulate():
     (sent0, left0), (sent1, left1) = launch(_many_sends, 2, 1000, timeout=60)
     assert sent0 == 1000 and sent1 == 1000  # every send was seen (rank 1's are the acks) ...

@@ -10,6 +10,8 @@ import pytest
 
 from tools import nbtools
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 
 def _notebook(path: pathlib.Path, *cells: tuple[str, str]) -> None:
     # Cells of (source, stored output): a stored output that can never match what the cell prints now

@@ -127,6 +127,7 @@ def _equal_to_ddp(caps):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gradients_equal_ddp_for_several_bucket_sizes(world_size):
     caps = [1, 400, 3000, ONE_BUCKET]  # one bucket per parameter, ..., one bucket for everything
@@ -295,6 +296,7 @@ def _unused(find_unused, skip_on_ranks):
     return mine, ref
 
 
+@pytest.mark.timing
 def test_unused_parameter_raises_naming_it_without_hanging():
     t0 = time.perf_counter()
     with pytest.raises(RankError) as info:

@@ -95,6 +95,7 @@ def _bad_peer(kind):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, words", [
     ("self", "rank 0 was asked to send to itself"),
     ("not an int", "receive from peer 1.0; a peer is a global rank (int)"),
@@ -141,6 +142,7 @@ def _nobody_sends():
     return None
 
 
+@pytest.mark.timing
 def test_a_receive_nobody_matches_fails_at_its_deadline_naming_the_peer():
     (message, waited), _ = launch(_nobody_sends, 2, timeout=30)
     assert message.startswith("rank 0: a grouped exchange did not complete "
@@ -159,6 +161,7 @@ def _emulated(topo):
     return time.perf_counter() - t
 
 
+@pytest.mark.timing
 def test_an_emulated_link_delays_the_sender_by_at_least_its_time():
     topo = EmulatedTopology(2, 1, inter=Link.from_bandwidth(5e6, 0.0, "slow"))
     sender_s, _ = launch(_emulated, 2, topo, timeout=30)
@@ -209,6 +212,7 @@ def _calls(tree):
             yield node.func.attr, node.lineno
 
 
+@pytest.mark.slow
 def test_no_message_of_the_package_bypasses_the_grouped_exchange():
     """The rule of commlab.collectives.p2p, checked on the source: no isend/irecv/send/recv call and no
     batch_isend_irecv outside the primitive, so that every message is grouped as NCCL needs."""

@@ -103,6 +103,7 @@ def _mesh_groups_reduce(order):
     return tuple(mesh.mesh_dim_names), tuple(mesh.mesh.shape), out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [MESH_DIMS, ("tp", "pp", "dp")])
 def test_build_mesh_groups_all_reduce_within_the_expected_ranks(order):
     lay = ParallelLayout(2, 2, 2, devices_per_node=4)
@@ -201,6 +202,7 @@ def _compare_layers(dp, pp, tp, dtype):
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, pp, tp, dtype", [
     (2, 1, 1, torch.float64),   # tp = 1: the layers must reduce to the full module, with no communication
     (2, 2, 2, torch.float64),   # 8 ranks, 4 TP groups of 2 (different data per DP replica)

@@ -137,6 +137,7 @@ def _pipeline_runs(p):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_equals_the_unpipelined_model_for_both_schedules(p):
     x, y = _batch(BATCH)

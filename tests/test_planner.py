@@ -190,6 +190,7 @@ def test_search_even_stages_and_errors():
         search("megatron-1.7b", "dgx-z", 32, 512)
 
 
+@pytest.mark.timing
 def test_search_16k_gpus_is_fast():
     started = time.perf_counter()
     res = search("llama3-405b", "dgx-h100-ndr", 16384, 2048)

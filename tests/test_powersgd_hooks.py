@@ -152,6 +152,7 @@ def _pair(a, b, **kw):
 
 # ------------------------------------------------------------------------------------ DDP, against torch
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("r", [1, 2])
 def test_powersgd_hook_matches_pytorch(world_size, r):

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import WORLD_SIZES_1_TO_8
 from commlab import RankError, launch
 from commlab.collectives import (CollectiveMismatchError, chunk_bounds, ring_all_gather,
                                  ring_all_reduce, ring_all_reduce_seconds, ring_bytes_sent_per_rank,
@@ -53,12 +54,13 @@ def _compare_all(counts, dtypes, ring):
     return report
 
 
-@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("world_size", WORLD_SIZES_1_TO_8)
 def test_ring_collectives_equal_torch_exactly_on_integer_valued_data(world_size):
     results = launch(_compare_all, world_size, COUNTS, FLOATS + [torch.int64], None, timeout=120)
     assert results == [[]] * world_size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, ring", [(4, [3, 1, 0, 2]), (5, [4, 3, 2, 1, 0]), (8, [0, 2, 4, 6, 1, 3, 5, 7])])
 def test_a_custom_ring_order_gives_the_same_results(world_size, ring):
     results = launch(_compare_all, world_size, [0, 3, 17, 1000], [torch.float32, torch.int32], ring, timeout=60)
@@ -80,6 +82,7 @@ def _random_float_allreduce(numel, dtype, noncontiguous):
     return ours.dtype, ours.to(torch.float64), ours_inplace.to(torch.float64), ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12),
                                           (torch.bfloat16, 4e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("noncontiguous", [False, True])
@@ -187,6 +190,7 @@ def test_calling_outside_a_process_group_says_what_to_do():
 
 # ---------------------------------------------------------------- property-based: any size, any ring
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_property_any_world_size_count_and_ring(data):

@@ -13,6 +13,8 @@ from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
 from commlab.parallel.sharded_profile import gathers_issued_ahead, intersection_of_unions, profile_sharded
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 STEPS = 3
 
 

@@ -58,6 +58,7 @@ def _timed(ring):
     return time.perf_counter() - t, torch.equal(out, ref)
 
 
+@pytest.mark.timing
 def test_a_ring_ordered_against_the_topology_is_slower_on_the_emulated_link():
     _TOPO.reset()
     aware = launch(_timed, 4, None)

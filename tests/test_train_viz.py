@@ -52,6 +52,7 @@ def test_ring_replay_sums_each_contribution_once():
         ring_states(0)
 
 
+@pytest.mark.slow
 def test_figures_draw():
     fig = plot_ring_schedule(3)
     assert len(fig.axes) == 5

@@ -111,6 +111,7 @@ def _checks(topology):
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_two_phase_is_the_dense_sum_when_lossless_matches_its_reference_and_byte_formula(world_size):
     topology = EmulatedTopology(world_size, 1, Link.from_bandwidth(1e12, 0.0, "fast"))

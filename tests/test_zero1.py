@@ -81,6 +81,7 @@ def _zero_vs_ddp(opt_name, mode, steps=3):
             [g["lr"] for g in zero.param_groups], [g["lr"] for g in zero.inner.param_groups])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 @pytest.mark.parametrize("mode", ["local", "wrapped", "no_sync"])
 def test_zero1_equals_the_unsharded_optimizer_after_ddp(opt_name, mode):
