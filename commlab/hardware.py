@@ -12,10 +12,9 @@ datasheet it comes from, so that a number in the book can be traced back.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from commlab import data
+from commlab import checks, data
 
 __all__ = ["DEFAULT_PATH", "UNITS", "load", "figure", "value", "devices"]
 
@@ -44,11 +43,7 @@ def _validate(table: dict, where: str) -> dict:
             missing = [field for field in _FIELDS if field not in entry]
             if missing:
                 raise ValueError(f"{label} lacks field(s) {missing}; every figure needs {list(_FIELDS)}")
-            number = entry["value"]
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-                raise ValueError(f"{label}.value must be a finite number, got {number!r}")
-            if number <= 0:
-                raise ValueError(f"{label}.value must be > 0, got {number!r}")
+            checks.number(f"{label}.value", entry["value"], above=0)
             if entry["unit"] not in UNITS:
                 raise ValueError(f"{label}.unit must be one of {sorted(UNITS)}, got {entry['unit']!r}")
             if not isinstance(entry["source"], str) or not entry["source"].strip():

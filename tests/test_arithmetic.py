@@ -265,7 +265,7 @@ def test_load_returns_a_copy():
     "entry, message",
     [
         ({"value": 1, "unit": "bytes"}, r"lacks field\(s\) \['source'\]"),
-        ({"value": -1, "unit": "bytes", "source": "x"}, "value must be > 0"),
+        ({"value": -1, "unit": "bytes", "source": "x"}, "value must be a finite number > 0, got -1"),
         ({"value": "80", "unit": "bytes", "source": "x"}, "finite number"),
         ({"value": 1, "unit": "GB", "source": "x"}, "unit must be one of"),
         ({"value": 1, "unit": "bytes", "source": " "}, "source must name"),

@@ -177,7 +177,7 @@ def test_bad_input_names_the_value():
         make_timeline_schedule("interleaved", 2, 3, 2)
     with pytest.raises(ValueError, match="m=1 micro-batches to be a multiple of p=4"):
         interleaved_schedule(4, 1, 2)
-    with pytest.raises(ValueError, match="v=0"):
+    with pytest.raises(ValueError, match=r"v must be an int >= 1 \(interleave: model chunks per stage\), got 0"):
         make_timeline_schedule(None, 2, 4, 0)
     with pytest.raises(ValueError, match="v must be an int >= 1"):
         interleaved_schedule(2, 4, 0)

@@ -17,7 +17,7 @@ import statistics
 import unicodedata
 from typing import Sequence
 
-from commlab import data
+from commlab import checks, data
 from commlab.experiments.harness import RunConfig, RunRecord
 
 __all__ = ["run_group", "SummaryRow", "summarize", "format_summary", "ArticleRow", "article_table", "format_article_table",
@@ -126,8 +126,7 @@ def summarize(records: Sequence[RunRecord], skip: int = 5) -> list[SummaryRow]:
     Raises:
         ValueError: a compressed run whose dense run (same group and seed) is missing.
     """
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise ValueError(f"skip must be an int >= 0, got {skip!r}")
+    checks.integer("skip", skip, least=0)
     groups = group_runs(records)
     dense = {(run_group(r), r.config["seed"]): r for r in records if r.config["method"] == "dense"}
     rows = []

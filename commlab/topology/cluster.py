@@ -20,11 +20,10 @@ seconds, β = 1/bandwidth in s/byte, memory in bytes (1 GB = 1e9 bytes), FLOP/s 
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
-from commlab import data, hardware
+from commlab import checks, data, hardware
 from commlab.topology.links import Link
 
 __all__ = ["Cluster", "DEFAULT_PATH", "load_preset", "list_presets"]
@@ -79,22 +78,22 @@ class Cluster:
 
     def __post_init__(self):
         for field in ("devices_per_node", "nics_per_node"):
-            _check_count(self.name, field, getattr(self, field))
+            checks.integer(field, getattr(self, field), where=f"cluster {self.name!r}")
         for field in ("intra", "inter"):
             if not isinstance(getattr(self, field), Link):
                 raise ValueError(f"cluster {self.name!r}: {field} must be a Link, got {getattr(self, field)!r}")
-        _check_positive(self.name, "device_memory_bytes", self.device_memory_bytes)
+        checks.number("device_memory_bytes", self.device_memory_bytes, above=0, where=f"cluster {self.name!r}")
         if not isinstance(self.peak_flop_per_s, dict):
             raise ValueError(f"cluster {self.name!r}: peak_flop_per_s must be a dict dtype -> FLOP/s")
         for dtype, v in self.peak_flop_per_s.items():
-            _check_positive(self.name, f"peak_flop_per_s.{dtype}", v)
+            checks.number(f"peak_flop_per_s.{dtype}", v, above=0, where=f"cluster {self.name!r}")
         self.peak_flop_per_s = {k: float(v) for k, v in self.peak_flop_per_s.items()}
         self.device_memory_bytes = float(self.device_memory_bytes)
 
     def __setattr__(self, key, value):
         # nodes is the one field meant to change after loading, so it is checked on every assignment.
         if key == "nodes":
-            _check_count(getattr(self, "name", "?"), "nodes", value)
+            checks.integer("nodes", value, where=f"cluster {getattr(self, 'name', '?')!r}")
         super().__setattr__(key, value)
 
     @property
@@ -106,16 +105,6 @@ class Cluster:
     def node_inter_bytes_per_s(self) -> float:
         """Bandwidth out of one node, bytes/s per direction: ``nics_per_node`` × the NIC's."""
         return self.nics_per_node * self.inter.bytes_per_s
-
-
-def _check_count(name: str, field: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"cluster {name!r}: {field} must be an int >= 1, got {v!r}")
-
-
-def _check_positive(name: str, field: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"cluster {name!r}: {field} must be a finite number > 0, got {v!r}")
 
 
 # ----------------------------------------------------------------------------------------- the file
@@ -149,7 +138,7 @@ def load_preset(name: str, nodes: int = 1, path: str | Path | None = None,
     table = _table(path)
     if name not in table:
         raise KeyError(f"no cluster preset {name!r}; known presets: {sorted(table)}")
-    _check_count(name, "nodes", nodes)
+    checks.integer("nodes", nodes, where=f"cluster {name!r}")
     entry = table[name]
     if not isinstance(entry, dict):
         raise ValueError(f"preset {name!r}: must be a JSON object of fields, got {entry!r}")
@@ -179,12 +168,11 @@ def load_preset(name: str, nodes: int = 1, path: str | Path | None = None,
                                  "name where it comes from (or say that it is an assumption)")
             value, source = fig["value"], fig["source"]
         if integer:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"preset {name!r}: field {dotted!r} must be an int >= 1, got {value!r}")
-        elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-              or value < 0 or (value == 0 and not allow_zero)):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ValueError(f"preset {name!r}: field {dotted!r} must be a finite number {bound}, got {value!r}")
+            checks.integer(f"field {dotted!r}", value, where=f"preset {name!r}")
+        elif allow_zero:
+            checks.number(f"field {dotted!r}", value, least=0, where=f"preset {name!r}")
+        else:
+            checks.number(f"field {dotted!r}", value, above=0, where=f"preset {name!r}")
         sources[dotted] = source
         return value
 

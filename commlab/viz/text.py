@@ -21,6 +21,8 @@ import re
 import textwrap
 from typing import Sequence
 
+from commlab import checks
+
 __all__ = ["markdown_table", "Table", "docstring_markdown", "rst_to_markdown", "source_listing", "wrap",
            "COLUMN_CHARS"]
 
@@ -182,7 +184,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence], align: str |
             raise ValueError(f"row {i} has {len(row)} cells, the header {width}: {list(row)}")
     if align is None:
         first = rows[0] if rows else [""] * width
-        align = "".join("r" if isinstance(v, (int, float)) and not isinstance(v, bool) else "l" for v in first)
+        align = "".join("r" if checks.is_number(v) else "l" for v in first)
     if len(align) != width or set(align) - set("lrc"):
         raise ValueError(f"align must give one of l, r, c for each of the {width} columns, got {align!r}")
     return Table(header, rows, align)

@@ -21,7 +21,7 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from commlab import data
+from commlab import checks, data
 from commlab.parallel.planner.memory import Layout, ModelConfig
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
@@ -131,8 +131,7 @@ def gemm_efficiency(table: GemmTable, m: int, n: int, k: int, b: int = 1) -> flo
         ValueError: a dimension that is not an int >= 1.
     """
     for name, v in (("m", m), ("n", n), ("k", k), ("b", b)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"GEMM dimension {name} must be an int >= 1, got {v!r}")
+        checks.integer(f"GEMM dimension {name}", v)
     if m > _TILE:
         b, m = b * m / _TILE, _TILE
     bb = min(table.batches, key=lambda x: abs(math.log2(x / b)))  # nearest measured batch (the ends beyond them)
@@ -166,8 +165,7 @@ def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path 
             seq not a positive int.
     """
     for name, v in (("head_dim", head_dim), ("seq", seq)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        checks.integer(name, v)
     table = data.load_table(path, _ATTENTION)
     if device not in table:
         raise ValueError(f"no FlashAttention measurement for device {device!r}; the table has {sorted(table)}")
@@ -254,8 +252,7 @@ def loss_bytes_per_token(m: ModelConfig, tp: int) -> tuple[float, float]:
     Raises:
         ValueError: ``tp`` not an int >= 1.
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    checks.integer("tp", tp)
     logits = -(-m.vocab // tp)
     return LOSS_FORWARD_BYTES_PER_LOGIT * logits, LOSS_BACKWARD_BYTES_PER_LOGIT * logits
 
@@ -324,8 +321,7 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise ValueError(f"share must be in (0, 1] (the stack's share of the microbenchmark rates), got {share!r}")
+    checks.share("share", share, zero=False, note="the stack's share of the microbenchmark rates")
     from commlab import hardware
     parts = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention, device,
                          _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"))
@@ -405,16 +401,13 @@ def _layer_time_entries(path: str | Path | None) -> dict:
             m, sw = load_model(e["model"]), load_software(e["software"])
             cluster = load_preset(e["preset"], nodes=1)
             tp = e["tp"]
-            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cluster.devices_per_node % tp:
+            if not checks.is_int(tp) or tp < 1 or cluster.devices_per_node % tp:
                 raise ValueError(f"tp={tp!r} does not divide a node of {e['preset']!r}")
             if not e["rows"]:
                 raise ValueError("it has no rows")
             for r in e["rows"]:
                 for f in ("forward_ms", "backward_ms"):
-                    v = r.get(f)
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                        raise ValueError(f"row {r.get('experiment')!r}: {f} must be a finite number of ms > 0, "
-                                         f"got {v!r}")
+                    checks.number(f, r.get(f), above=0, note="ms", where=f"row {r.get('experiment')!r}")
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"layer-time entry {key!r}: {err}") from None
         out[key] = (e, cluster, m, sw)

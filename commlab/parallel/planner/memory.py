@@ -45,7 +45,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from commlab import data
+from commlab import checks, data
 from commlab.arithmetic import ADAM_STATE_BYTES_PER_PARAM
 from commlab.parallel.planner.software import (OPTIMIZER_DTYPES, OptimizerDtypes, check_recompute_policy,
                                                check_zero_stage, optimizer_dtypes)
@@ -66,12 +66,6 @@ DEFAULT_MEMORY_RESERVE = 0.10
 
 #: A plan whose need is within this share of the usable memory is flagged fragile (:func:`is_fragile`).
 DEFAULT_FRAGILE_MARGIN = 0.05
-
-
-def _check_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +107,10 @@ class ModelConfig:
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
-            _check_int(f"model {self.name!r}: {f}", getattr(self, f))
+            checks.integer(f, getattr(self, f), where=f"model {self.name!r}")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
-        _check_int(f"model {self.name!r}: kv_heads", self.kv_heads)
+        checks.integer("kv_heads", self.kv_heads, where=f"model {self.name!r}")
         if self.hidden % self.heads:
             raise ValueError(f"model {self.name!r}: hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
@@ -181,7 +175,7 @@ class Layout:
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "micro_batch", "interleave", "recompute_every"):
-            _check_int(f, getattr(self, f))
+            checks.integer(f, getattr(self, f))
         object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
         if self.zero_stage is None:
             object.__setattr__(self, "zero_stage", 1 if self.zero1 else 0)
@@ -190,7 +184,7 @@ class Layout:
             raise ValueError("zero1=True contradicts zero_stage=0: give zero_stage alone (0-3)")
         object.__setattr__(self, "zero1", self.zero_stage >= 1)
         if self.dp_shard is not None:
-            _check_int("dp_shard", self.dp_shard)
+            checks.integer("dp_shard", self.dp_shard)
             if self.dp % self.dp_shard:
                 raise ValueError(f"dp_shard={self.dp_shard} does not divide dp={self.dp}: HSDP shards over groups of "
                                  f"dp_shard DP ranks and replicates across dp/dp_shard of them")
@@ -322,7 +316,8 @@ def layer_params(m: ModelConfig) -> int:
     return attn + mlp + extra
 
 
-def _embedding_params(m: ModelConfig) -> int:
+def embedding_params(m: ModelConfig) -> int:
+    """Parameters of the token embedding (and learned positions, if the model has them)."""
     return m.vocab * m.hidden + (m.seq * m.hidden if m.learned_positions else 0)
 
 
@@ -336,7 +331,7 @@ def parameter_count(m: ModelConfig) -> int:
     """All parameters, embeddings included: ``L·layer + V·h (+ s·h learned positions) + final norm
     (+ V·h untied output layer)``. GPT: ``12Lh² + 13Lh + (V + s)·h + 2h`` (Eq. 2 of Narayanan et al. 2021
     without the final LayerNorm's 2h)."""
-    return m.layers * layer_params(m) + _embedding_params(m) + _head_params(m)
+    return m.layers * layer_params(m) + embedding_params(m) + _head_params(m)
 
 
 def stage_layers(layers: int, pp: int, interleave: int = 1) -> int:
@@ -347,7 +342,7 @@ def stage_layers(layers: int, pp: int, interleave: int = 1) -> int:
         ValueError: a count that is not an int >= 1, or ``pp·v > L`` (a chunk without layers).
     """
     for name, v in (("layers", layers), ("pp", pp), ("interleave", interleave)):
-        _check_int(name, v)
+        checks.integer(name, v)
     if pp * interleave > layers:
         raise ValueError(f"pp·interleave = {pp}·{interleave} exceeds the {layers} layers: some pipeline chunk "
                          "would hold no layer")
@@ -369,9 +364,9 @@ def stage_params(m: ModelConfig, pp: int, stage: str, interleave: int = 1) -> in
     if stage == "only" or pp == 1:
         if pp != 1:
             raise ValueError("stage 'only' needs pp == 1")
-        return layers + _embedding_params(m) + _head_params(m)
+        return layers + embedding_params(m) + _head_params(m)
     if stage == "first":
-        return layers + _embedding_params(m)
+        return layers + embedding_params(m)
     if stage == "last":
         return layers + _head_params(m) + (m.vocab * m.hidden if m.tied_embeddings else 0)
     raise ValueError(f"stage must be 'first', 'last' or 'only', got {stage!r}")
@@ -397,8 +392,8 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     Raises:
         ValueError: micro_batch or tp not an int >= 1; ``recompute`` not a policy this function prices.
     """
-    _check_int("micro_batch", micro_batch)
-    _check_int("tp", tp)
+    checks.integer("micro_batch", micro_batch)
+    checks.integer("tp", tp)
     policy = check_recompute_policy(recompute)
     if policy == "every-k":
         raise ValueError("activation_bytes_per_layer prices one layer: pass 'full' or 'none' for each layer of "
@@ -422,8 +417,8 @@ def interleave_memory_factor(pp: int, interleave: int) -> float:
     Raises:
         ValueError: pp or interleave not an int >= 1.
     """
-    _check_int("pp", pp)
-    _check_int("interleave", interleave)
+    checks.integer("pp", pp)
+    checks.integer("interleave", interleave)
     return 1.0 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0
 
 
@@ -439,10 +434,9 @@ def model_state_bytes_per_param(option: str | OptimizerDtypes = "bf16-fp32-adam"
         ValueError: an unknown option, grad_bytes not 2 or 4, a ZeRO stage not in 0-3, dp not an int >= 1.
     """
     o = optimizer_dtypes(option)
-    if grad_bytes not in (2, 4) or isinstance(grad_bytes, bool):
-        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    checks.one_of("grad_bytes", grad_bytes, (2, 4), note="bf16 or fp32")
     check_zero_stage(zero_stage)
-    _check_int("dp", dp)
+    checks.integer("dp", dp)
     return (o.param_bytes / (dp if zero_stage >= 3 else 1), grad_bytes / (dp if zero_stage >= 2 else 1),
             o.state_bytes / (dp if zero_stage >= 1 else 1))
 
@@ -455,10 +449,7 @@ def usable_memory_bytes(device_memory_bytes: float, memory_reserve: float = DEFA
     """
     if not device_memory_bytes > 0:
         raise ValueError(f"device_memory_bytes must be > 0, got {device_memory_bytes!r}")
-    if isinstance(memory_reserve, bool) or not isinstance(memory_reserve, (int, float)) \
-            or not 0 <= memory_reserve < 1:
-        raise ValueError(f"memory_reserve must be a share in [0, 1) of device memory (0.1 keeps 10 % free), "
-                         f"got {memory_reserve!r}")
+    checks.share("memory_reserve", memory_reserve, one=False, note="of device memory; 0.1 keeps 10 % free")
     return (1.0 - memory_reserve) * device_memory_bytes
 
 
@@ -472,8 +463,7 @@ def is_fragile(total_bytes: float, usable_bytes: float, margin: float = DEFAULT_
     """
     if not usable_bytes > 0:
         raise ValueError(f"usable_bytes must be > 0, got {usable_bytes!r}")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(f"fragile margin must be a share in [0, 1) of the usable memory, got {margin!r}")
+    checks.share("fragile margin", margin, one=False, note="of the usable memory")
     return total_bytes > (1.0 - margin) * usable_bytes
 
 
@@ -514,7 +504,7 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
         param_bytes, state_bytes = 2, optimizer_state_bytes
     L = layout
     if global_batch is not None:
-        _check_int("global_batch", global_batch)
+        checks.integer("global_batch", global_batch)
         if global_batch % (L.dp * L.micro_batch):
             raise ValueError(f"global_batch={global_batch} is not a multiple of dp·micro_batch = "
                              f"{L.dp}·{L.micro_batch}")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from commlab import data
+from commlab import checks, data
 from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE, Layout,
                                              MemoryBreakdown, ModelConfig, is_fragile, load_model,
                                              memory_breakdown, usable_memory_bytes)
@@ -146,7 +146,7 @@ def make_cluster(preset: str | Cluster, gpus: int) -> Cluster:
         ValueError: ``gpus`` not a positive multiple of ``devices_per_node``.
     """
     base = preset if isinstance(preset, Cluster) else load_preset(preset, nodes=1)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1 or gpus % base.devices_per_node:
+    if not checks.is_int(gpus) or gpus < 1 or gpus % base.devices_per_node:
         raise ValueError(f"gpus={gpus!r} must be a positive multiple of devices_per_node="
                          f"{base.devices_per_node} of preset {base.name!r} (whole nodes), e.g. "
                          f"{max(1, (gpus if isinstance(gpus, int) else 0) // base.devices_per_node) * base.devices_per_node}")
@@ -210,8 +210,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
             [0, 1); ``timeline_top`` < 0.
     """
     started = time.perf_counter()
-    if isinstance(timeline_top, bool) or not isinstance(timeline_top, int) or timeline_top < 0:
-        raise ValueError(f"timeline_top must be an int >= 0 (plans to replay as timelines), got {timeline_top!r}")
+    checks.integer("timeline_top", timeline_top, least=0, note="plans to replay as timelines")
     sw = load_software(software)
     sequence_parallel = sw.sequence_parallel if sequence_parallel is None else sequence_parallel
     even_stages = sw.even_stages if even_stages is None else even_stages
@@ -223,8 +222,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     m = load_model(model) if isinstance(model, str) else model
     c = make_cluster(cluster, gpus)
     achievable_fraction = compute_model(achievable_fraction, c.device, dtype)  # "auto" resolved once
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
+    checks.integer("global_batch", global_batch, note="sequences per step")
     d = c.devices_per_node
     tps = divisors(d) if tp_values is None else sorted(set(tp_values))
     bad = [t for t in tps if d % t]
@@ -469,7 +467,7 @@ def _fixed_knobs(key: str, e: dict, sw: SoftwareProfile) -> dict:
     for field, arg, allowed in (("micro_batch", "micro_batches", VALIDATION_MICRO_BATCHES),
                                 ("interleave", "interleave", VALIDATION_INTERLEAVE)):
         if e.get(field) is not None:
-            if isinstance(e[field], bool) or e[field] not in allowed:
+            if not checks.is_int(e[field]) or e[field] not in allowed:
                 raise ValueError(f"published row {key!r}: {field} = {e[field]!r} is not one of the values the "
                                  f"validation searches, {allowed}")
             fixed[arg] = (e[field],)

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Mapping
 
-from commlab import data
+from commlab import checks, data
 
 __all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGES", "DEFAULT_SOFTWARE",
            "OptimizerDtypes", "OPTIMIZER_DTYPES", "load_software", "list_software", "check_recompute_policy",
@@ -102,10 +102,8 @@ def check_zero_stage(stage) -> int:
     Raises:
         ValueError: anything else (a bool included); the message names it and the allowed stages.
     """
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage {stage!r} is not one of {list(ZERO_STAGES)} (0 none, 1 optimizer states, "
-                         "2 + gradients, 3 + parameters / FSDP)")
-    return stage
+    return checks.one_of("zero_stage", stage, ZERO_STAGES, note="the ZeRO stage: 0 none, 1 optimizer states, "
+                         "2 + gradients, 3 + parameters / FSDP")
 
 #: The profile ``step_time`` and ``search`` use when none is given.
 DEFAULT_SOFTWARE = "generic-no-overlap"
@@ -204,37 +202,22 @@ class SoftwareProfile:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
+        where = f"software {self.name!r}"
         for f in _FRACTIONS:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ValueError(f"software {self.name!r}: {f} = {v!r} must be a share in [0, 1] "
-                                 "(0 = not overlapped, 1 = fully hidden behind compute)")
+            checks.share(f, getattr(self, f), note="0 = not overlapped, 1 = fully hidden behind compute", where=where)
         for f in ("overlap_pp_needs_interleave", "even_stages"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"software {self.name!r}: {f} = {getattr(self, f)!r} must be true or false")
+            checks.flag(f, getattr(self, f), where=where)
         for f in ("dp_bucket_params", "dp_bucket_params_per_dp_rank"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-                raise ValueError(f"software {self.name!r}: {f} = {v!r} must be a number of gradient elements "
-                                 ">= 0 (0 = no buckets)")
-        s = self.overlap_compute_slowdown
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 1.0:
-            raise ValueError(f"software {self.name!r}: overlap_compute_slowdown = {s!r} must be >= 1 "
-                             "(1 = compute does not slow down while communication overlaps it)")
+            checks.number(f, getattr(self, f), least=0, note="gradient elements; 0 = no buckets", where=where)
+        checks.number("overlap_compute_slowdown", self.overlap_compute_slowdown, least=1, where=where,
+                      note="1 = compute does not slow down while communication overlaps it")
         object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
-        if isinstance(self.recompute_every, bool) or not isinstance(self.recompute_every, int) \
-                or self.recompute_every < 1:
-            raise ValueError(f"software {self.name!r}: recompute_every = {self.recompute_every!r} must be an "
-                             "int >= 1")
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
-            raise ValueError(f"software {self.name!r}: zero_stage = {self.zero_stage!r} is not one of "
-                             f"{list(ZERO_STAGES)}")
+        checks.integer("recompute_every", self.recompute_every, where=where)
+        checks.one_of("zero_stage", self.zero_stage, ZERO_STAGES, where=where)
         if not isinstance(self.optimizer_dtypes, str) or self.optimizer_dtypes not in OPTIMIZER_DTYPES:
             raise ValueError(f"software {self.name!r}: optimizer_dtypes = {self.optimizer_dtypes!r} is not one of "
                              f"{sorted(OPTIMIZER_DTYPES)}")
-        if self.grad_bytes not in (2, 4) or isinstance(self.grad_bytes, bool):
-            raise ValueError(f"software {self.name!r}: grad_bytes = {self.grad_bytes!r} must be 2 (bf16/fp16) "
-                             "or 4 (fp32)")
+        checks.one_of("grad_bytes", self.grad_bytes, (2, 4), note="bf16/fp16 or fp32", where=where)
 
     @property
     def optimizer(self) -> OptimizerDtypes:

@@ -22,8 +22,9 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from commlab import checks
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.memory import (Layout, ModelConfig, _embedding_params, layer_params, parameter_count,
+from commlab.parallel.planner.memory import (Layout, ModelConfig, embedding_params, layer_params, parameter_count,
                                              stage_layers,
                                              stage_params)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
@@ -74,8 +75,7 @@ def compute_model(achievable_fraction: float | str, device: str, dtype: str = "b
                              f"{gap}; pass a share of peak, or {AUTO!r} to fall back to "
                              f"{DEFAULT_ACHIEVABLE_FRACTION}")
         return KERNELS
-    if isinstance(achievable_fraction, (str, bool)) or not isinstance(achievable_fraction, (int, float)) \
-            or not 0 < achievable_fraction <= 1:
+    if not checks.is_number(achievable_fraction) or not 0 < achievable_fraction <= 1:
         raise ValueError(f"achievable_fraction must be in (0, 1], {KERNELS!r} or {AUTO!r}, got "
                          f"{achievable_fraction!r}")
     return achievable_fraction
@@ -220,8 +220,7 @@ def executed_flops_per_token(m: ModelConfig, recompute: bool | str = False, flas
         ValueError: unknown recompute policy; ``recompute_every`` not an int >= 1.
     """
     policy = check_recompute_policy(recompute)
-    if isinstance(recompute_every, bool) or not isinstance(recompute_every, int) or recompute_every < 1:
-        raise ValueError(f"recompute_every must be an int >= 1, got {recompute_every!r}")
+    checks.integer("recompute_every", recompute_every)
     fwd, bwd = attention_flops_per_token(m, flash_attention, causal)
     base = 6.0 * _matmul_params(m) + m.layers * (fwd + bwd)
     layer_forward = 2.0 * layer_params(m) + fwd
@@ -274,8 +273,7 @@ def model_flops_per_step(m: ModelConfig, global_batch: int, definition: str = "m
     Raises:
         ValueError: unknown definition (the message lists the known ones); ``global_batch`` not an int >= 1.
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
+    checks.integer("global_batch", global_batch, note="sequences per step")
     tokens = global_batch * m.seq
     if definition == "megatron-eq3":
         return megatron_eq3_flops(m, global_batch)
@@ -325,9 +323,9 @@ def beside_seconds(comm_s: float, work_s: float, slowdown: float = 1.0) -> float
     Raises:
         ValueError: a negative or non-finite time; a slowdown below 1.
     """
-    _check_seconds("beside", (comm_s, work_s))
-    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1:
-        raise ValueError(f"slowdown = {slowdown!r} must be >= 1 (1 = compute does not slow beside communication)")
+    checks.seconds("comm_s", comm_s)
+    checks.seconds("work_s", work_s)
+    checks.number("slowdown", slowdown, least=1, note="1 = compute does not slow beside communication")
     return min(comm_s, slowdown * work_s)
 
 
@@ -356,9 +354,10 @@ def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp
     wgrad_s = tuple(wgrad_s)
     if len(wgrad_s) != 2:
         raise ValueError(f"wgrad_s must give two times (QKV, the MLP's first linear), got {wgrad_s!r}")
-    _check_seconds("backward TP", (one_s, *wgrad_s))
+    for name, v in (("one_s", one_s), ("wgrad_s[0]", wgrad_s[0]), ("wgrad_s[1]", wgrad_s[1])):
+        checks.seconds(name, v)
     for name, v in (("overlap_tp", overlap_tp), ("overlap_tp_backward", overlap_tp_backward)):
-        _check_share(name, v)
+        checks.share(name, v)
     c = input_grad_share(sequence_parallel) * one_s
     per_linear = sum(max(overlap_tp * c, beside_seconds(overlap_tp_backward * c, w, slowdown)) for w in wgrad_s)
     return per_linear + overlap_tp * (2 * one_s - 2 * c)
@@ -372,8 +371,7 @@ def pp_message_nbytes(m: ModelConfig, micro_batch: int, tp: int = 1, split: bool
     Raises:
         ValueError: tp not an int >= 1.
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    checks.integer("tp", tp)
     return 2.0 * micro_batch * m.seq * m.hidden / (tp if split else 1)
 
 
@@ -414,8 +412,7 @@ def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluste
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     for name, v in (("n", n), ("stride", stride)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        checks.integer(name, v)
     if n == 1:
         return 0.0
     d = cluster.devices_per_node
@@ -430,37 +427,12 @@ def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluste
     return t_intra + t_inter
 
 
-def _check_seconds(name: str, values) -> tuple:
-    """``values`` as floats, each finite seconds >= 0 (the one time check of the planner's overlap terms and
-    of the timeline's costs).
-
-    Raises:
-        ValueError: naming ``name`` and the first value out of range.
-    """
-    out = tuple(float(x) for x in values)
-    for x in out:
-        if not (x >= 0 and math.isfinite(x)):
-            raise ValueError(f"{name} must be finite seconds >= 0, got {x!r}")
-    return out
-
-
-def _check_share(name: str, v: float) -> float:
-    """``v`` as a float share in [0, 1] (an overlap fraction; a bool is refused).
-
-    Raises:
-        ValueError: naming ``name`` and ``v``.
-    """
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be a share in [0, 1], got {v!r}")
-    return float(v)
-
-
 def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
     """The argument check of the overlap functions: every time finite and >= 0 s, every share in [0, 1]."""
     for name, v in times.items():
-        _check_seconds(name, (v,))
+        checks.seconds(name, v)
     for name, v in shares.items():
-        _check_share(name, v)
+        checks.share(name, v)
 
 
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
@@ -505,7 +477,7 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
         return 0.0
     tp = layout.tp
     layer = layer_params(m) / tp
-    embedding = _embedding_params(m) / tp
+    embedding = embedding_params(m) / tp
     sizes = ([(m.vocab * m.hidden if not m.tied_embeddings else 0) / tp] if layout.pp == 1 else [])
     sizes += [layer] * (m.layers if layout.pp == 1 else math.ceil(m.layers / (layout.pp * layout.interleave)))
     open_bucket = 0.0
@@ -554,10 +526,10 @@ def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
     """
     block = layer_params(m)
     if layout.pp == 1:
-        return min(1.0, (_embedding_params(m) + block) / stage_params(m, 1, "only"))
+        return min(1.0, (embedding_params(m) + block) / stage_params(m, 1, "only"))
     first = stage_params(m, layout.pp, "first", layout.interleave)
     last = stage_params(m, layout.pp, "last", layout.interleave)
-    return min(1.0, (_embedding_params(m) + block) / first if first >= last else block / last)
+    return min(1.0, (embedding_params(m) + block) / first if first >= last else block / last)
 
 
 def _tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
@@ -598,8 +570,7 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
             :data:`KERNELS`, a cluster whose device has no GEMM table or memory bandwidth, or no share of the
             microbenchmark rates (:func:`~.kernels.in_stack_share`).
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch must be an int >= 1 (sequences per step), got {global_batch!r}")
+    checks.integer("global_batch", global_batch, note="sequences per step")
     if global_batch % (layout.dp * layout.micro_batch):
         raise ValueError(f"global_batch={global_batch} sequences is not a multiple of dp·micro_batch = "
                          f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")

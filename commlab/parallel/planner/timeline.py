@@ -26,8 +26,8 @@ from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_sc
 from commlab.parallel.planner.kernels import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_FORWARD_BYTES_PER_LOGIT
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
-from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, _check_seconds,
-                                                 _check_share, attention_flops_per_token, backward_tp_hidden_seconds,
+from commlab import checks
+from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, attention_flops_per_token, backward_tp_hidden_seconds,
                                                  column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
                                                  beside_seconds, executed_flops_per_token, slowdown_seconds,
                                                  step_time)
@@ -106,7 +106,7 @@ class StageCosts:
             vals = getattr(self, f.name) or (0.0,) * v
             if len(vals) != v:
                 raise ValueError(f"{f.name} has {len(vals)} chunks, forward_s has {v}")
-            object.__setattr__(self, f.name, _check_seconds(f.name, vals))
+            object.__setattr__(self, f.name, tuple(checks.seconds(f.name, x) for x in vals))
 
     @property
     def chunks(self) -> int:
@@ -172,20 +172,19 @@ class StepCosts:
             raise ValueError(f"every stage must hold the same number of chunks, got "
                              f"{[s.chunks for s in self.stages]}")
         m = self.micro_batches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"micro_batches must be an int >= 1, got {m!r}")
+        checks.integer("micro_batches", m)
         for name in ("pp_message_s", "dp_gather_s", "optimizer_s", "fsdp_gather_s", "fsdp_reduce_s"):
-            _check_seconds(name, (getattr(self, name),))
+            checks.seconds(name, getattr(self, name))
         for name in ("overlap_tp", "overlap_pp", "overlap_dp_grad_reduce", "overlap_dp_param_gather",
                      "dp_reduce_tail", "dp_gather_head", "fsdp_head_share"):
-            object.__setattr__(self, name, _check_share(name, getattr(self, name)))
+            object.__setattr__(self, name, checks.share(name, getattr(self, name)))
         if not self.compute_slowdown >= 1:
             raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
         pieces = tuple((str(k), float(d)) for k, d in self.dp_reduce)
         for k, d in pieces:
             if k not in ("dp_reduce_scatter", "dp_all_gather"):
                 raise ValueError(f"dp_reduce kind must be dp_reduce_scatter or dp_all_gather, got {k!r}")
-            _check_seconds(f"dp_reduce {k}", (d,))
+            checks.seconds(f"dp_reduce {k}", d)
         object.__setattr__(self, "dp_reduce", pieces)
 
     @property
@@ -318,8 +317,7 @@ def make_timeline_schedule(name: str | None, p: int, m: int, v: int = 1) -> list
         ValueError: an unknown name; v < 1; v > 1 with GPipe or 1F1B; what the schedule itself raises
             (interleaved: p < 2, or m not a multiple of p).
     """
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"interleave v must be an int >= 1 model chunks per stage, got v={v!r}")
+    checks.integer("v", v, note="interleave: model chunks per stage")
     if name is None:
         name = "interleaved" if v > 1 else "1f1b"
     if name not in TIMELINE_SCHEDULES:
