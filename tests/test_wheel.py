@@ -17,6 +17,8 @@ import pytest
 
 from commlab import data
 
+pytestmark = pytest.mark.slow  # builds a wheel: seconds, not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "commlab"
 
