@@ -3,7 +3,8 @@
 Every job here runs the documented per-node command (``python -m commlab.launch.torchrun ...``, started by
 :func:`commlab.launch.torchrun.run_local_nodes`) on gloo, and every test checks that no process of the job is
 left behind. Each case is bounded: ``run_local_nodes`` stops nodes still running at its deadline, and the
-tests assert that none had to be stopped.
+tests assert that none had to be stopped. The tests named ``test_torchs_...`` run torch's own pieces alone and
+show, at the pinned torch, what the per-node command adds to them.
 """
 
 import os
@@ -18,6 +19,8 @@ import pytest
 
 from commlab.launch.torchrun import free_port, run_local_nodes
 from tests.helpers import processes_mentioning
+
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELFTEST = ["-m", "commlab", "selftest"]
@@ -52,6 +55,8 @@ def test_two_nodes_pass_the_selftest():
 
 
 def test_a_rank_that_raises_is_the_root_cause_on_every_node():
+    """Every node prints torchrun's summary: node 0's store outlives its agent, which in torch 2.13 returns at once
+    on a failure, taking the store it hosted (see the test of torch's own agents below)."""
     run_id = _run_id()
     nodes = run_local_nodes(2, 2, SELFTEST + ["--fail-rank", "3"], run_id=run_id, timeout_s=150, join_timeout_s=60)
     assert all(n.returncode != 0 and not n.stopped for n in nodes)
@@ -67,7 +72,9 @@ def test_a_rank_that_raises_is_the_root_cause_on_every_node():
     _assert_nothing_left(run_id)
 
 
+@pytest.mark.timing
 def test_a_node_that_never_joins_fails_within_the_join_timeout_naming_who_came():
+    """torchrun bounds the wait by join_timeout but raises a bare RendezvousTimeoutError; the node names who came."""
     run_id = _run_id()
     start = time.monotonic()
     (node0,) = run_local_nodes(2, 2, SELFTEST, nodes=[0], run_id=run_id, timeout_s=60, join_timeout_s=5)
@@ -79,22 +86,85 @@ def test_a_node_that_never_joins_fails_within_the_join_timeout_naming_who_came()
     _assert_nothing_left(run_id)
 
 
-def test_a_port_already_in_use_is_named_at_once():
+def test_a_port_already_in_use_stops_node_zero_with_torchs_error_and_the_others_after_the_probe():
+    """Node 0 fails to host the store with torch's own EADDRINUSE error; the other nodes, whose torchrun would wait
+    for good on a port that is not a store (see the test of torch's store client below), stop after PROBE_S."""
     run_id = _run_id()
+    start = time.monotonic()
     with socket.socket() as holder:  # another program listening on the rendezvous port
         holder.bind(("127.0.0.1", 0))
         holder.listen(8)
         port = holder.getsockname()[1]
         node0, node1 = run_local_nodes(2, 2, SELFTEST, port=port, run_id=run_id, timeout_s=90, join_timeout_s=30)
     assert node0.returncode == 1 and not node0.stopped
-    assert f"port {port} on 127.0.0.1 is already in use by another program" in node0.output
-    # Node 1 reaches the port but no store answers there; torchrun alone would wait for good.
-    assert node1.returncode != 0 and not node1.stopped
+    assert f"cannot host the rendezvous store at 127.0.0.1:{port}: " in node0.output
+    assert "EADDRINUSE" in node0.output and "address already in use" in node0.output  # torch's words
+    assert node1.returncode == 1 and not node1.stopped
     assert f"127.0.0.1:{port} accepts connections but does not answer as a torch rendezvous store" in node1.output
+    assert time.monotonic() - start < 60  # PROBE_S and two interpreters starting, not join_timeout
     _assert_nothing_left(run_id)
 
 
-def test_a_second_node_zero_is_told_that_a_store_holds_the_port():
+def test_torchs_store_client_waits_past_its_timeout_on_a_port_that_is_not_a_store():
+    """Why the per-node command probes the endpoint (torch 2.13): a TCPStore client whose endpoint accepts the
+    connection but never answers does not give up at its timeout, so a plain torchrun there waits for good."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    def connect(port):
+        try:
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+        except Exception:  # noqa: BLE001 - it fails once the listener below closes
+            pass
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(8)
+        client = threading.Thread(target=connect, args=(holder.getsockname()[1],), daemon=True)
+        client.start()
+        client.join(6.0)
+        assert client.is_alive()  # still waiting, 6 times its 1 s timeout later
+    client.join(10.0)  # the listener has closed: the handshake fails and the thread ends
+
+
+_SLEEP_JOB = """
+import os, time, torch.distributed as dist
+dist.init_process_group("gloo")
+if os.environ["COMMLAB_TEST_FAIL_HERE"] == "1" and os.environ["LOCAL_RANK"] == "0":
+    raise RuntimeError("fails on purpose")
+time.sleep(60)
+"""
+
+
+def test_torchs_agents_lose_the_store_when_the_agent_hosting_it_fails_first(tmp_path):
+    """Why node 0 hosts the store and keeps it up (torch 2.13): an agent whose worker fails returns at once
+    (SimpleElasticAgent._invoke_run calls _exit_barrier on success only), and the store it hosted goes with it;
+    another node's agent, whose workers still run, then crashes with RendezvousConnectionError and prints no
+    summary. Plain torchrun agents, the hosting one (is_host=1) with the failing worker."""
+    job = tmp_path / "sleep_job.py"
+    job.write_text(_SLEEP_JOB)
+    run_id, port = _run_id(), free_port()
+    procs = []
+    for hosts in (1, 0):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+               "--max-restarts", "0", "--rdzv-conf", f"join_timeout=60,is_host={hosts}", "--local-addr", "127.0.0.1",
+               str(job)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1", COMMLAB_TEST_FAIL_HERE=str(hosts))))
+    start = time.monotonic()
+    host, other = (p.communicate(timeout=150)[0] for p in procs)
+    assert procs[0].returncode == 1 and "Root Cause (first observed failure)" in host, host
+    assert "RuntimeError: fails on purpose" in host
+    assert procs[1].returncode == 1
+    assert "RendezvousConnectionError" in other and "Root Cause" not in other, other
+    assert time.monotonic() - start < 50  # the other node's workers would sleep 60 s: its agent did not wait
+    _assert_nothing_left(run_id)
+
+
+def test_a_second_node_zero_gets_torchs_address_in_use_error():
     from commlab.launch.torchrun import _stop_session, node_command
     run_id, port = _run_id(), free_port()
     cmd = node_command(0, 2, 1, f"127.0.0.1:{port}", run_id, SELFTEST, join_timeout_s=30, local_addr="127.0.0.1")
@@ -111,8 +181,8 @@ def test_a_second_node_zero_is_told_that_a_store_holds_the_port():
     finally:
         _stop_session(first)
     assert second.returncode == 1, second.stdout + second.stderr
-    assert (f"port {port} on 127.0.0.1 is already taken by a torch rendezvous store: another node 0 runs there "
-            "(was a second node started with --node-rank 0?") in second.stderr
+    assert f"[commlab node 0] cannot host the rendezvous store at 127.0.0.1:{port}: " in second.stderr
+    assert "EADDRINUSE" in second.stderr  # torch's words
     _assert_nothing_left(run_id)
 
 
@@ -320,12 +390,15 @@ def test_the_per_node_command_refuses_what_cannot_work(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_node_zero_on_a_host_that_is_not_this_machine_is_named():
+def test_node_zero_on_a_host_that_is_not_this_machine_gets_torchs_connect_timeout():
+    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "commlab.launch.torchrun", "--nnodes", "2", "--node-rank", "0",
                            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:29400",
                            "--rdzv-id", "x", "t.py"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "192.0.2.1 is not an address of this machine, but node 0 hosts the rendezvous store" in proc.stderr
+    assert "cannot host the rendezvous store at 192.0.2.1:29400: " in proc.stderr
+    assert "timed out after 10000ms while trying to connect to (192.0.2.1, 29400)" in proc.stderr  # torch's words
+    assert time.monotonic() - start < 55
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -12,6 +12,8 @@ import pytest
 from commlab.launch.torchrun import run_standalone, tidy_output
 from tests.helpers import processes_mentioning
 
+pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+
 
 def _marker():
     return {"COMMLAB_TEST_JOB": uuid.uuid4().hex}
@@ -103,11 +105,13 @@ def test_tidy_output_replaces_what_changes_between_runs():
            "9902 closing signal SIGTERM\n"
            f"exitcode  : -6 (pid: 9901) at 127.0.0.1:29400 on {host}, time 2026-12-01_15:53:39\n"
            f"port 38521 in /scratch/run7/ckpt and {sys.modules['commlab'].__file__}\n"
-           "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed")
+           "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed\n"
+           "failed to listen on any local network address. port: 43211, useIpv6: false")
     got = tidy_output(raw, replace={"/scratch/run7": "DIR"})
     assert got.splitlines() == [
         "W torch/distributed/elastic/multiprocessing/api.py:1028] Sending process N closing signal SIGTERM",
         "exitcode  : -6 (pid: N) at 127.0.0.1:PORT on HOST, time TIME",
         "port PORT in DIR/ckpt and commlab/__init__.py",
         "RuntimeError: [gloo/gloo/transport/tcp/pair.cc:598] Connection closed",
+        "failed to listen on any local network address. port: PORT, useIpv6: false",
     ]
