@@ -52,7 +52,7 @@ __all__ = ["DistContext", "LauncherEnv", "LauncherEnvError", "init_from_env", "r
            "cpu_thread_share",
            "DEFAULT_ENV_TIMEOUT_S",
            "slurm_first_host", "slurm_tasks_on_node", "slurm_default_port", "CHILD_MARKER", "BACKENDS",
-           "check_timeout", "exit_process"]
+           "check_timeout", "exit_process", "TIMEOUT_MARGIN_S"]
 
 #: Seconds a rank waits for its peers, in the rendezvous and in every collective, unless ``timeout=`` says
 #: otherwise. torch's own default is 30 minutes (gloo) or 10 (NCCL): that long, a crashed peer or a rank that
@@ -61,6 +61,11 @@ __all__ = ["DistContext", "LauncherEnv", "LauncherEnvError", "init_from_env", "r
 #: larger ``timeout`` for a step in which one rank works alone for longer (a checkpoint written by rank 0
 #: while the others wait in a collective).
 DEFAULT_ENV_TIMEOUT_S = 120.0
+
+#: Seconds the collectives of a :func:`commlab.launch.launch` outlast its deadline, so that what watches the
+#: deadline (the parent of forked ranks, or a rank that finished) names the stalled ranks before a collective's
+#: own timeout says only that it waited.
+TIMEOUT_MARGIN_S = 2.0
 
 #: Set by :func:`commlab.launch.launch` in every rank it forks (the value is the rank): such a process runs
 #: under commlab's own launcher, whatever else its environment inherited.

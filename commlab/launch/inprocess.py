@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.launch.device import results_to_cpu
-from commlab.launch.env import detect_launcher, init_from_env, read_env
+from commlab.launch.env import TIMEOUT_MARGIN_S, detect_launcher, init_from_env, read_env
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_collective_timeout, is_peer_fallout
 from commlab.launch.inflight import ADVICE, UnfinishedSends, describe_unfinished, track_sends
 
@@ -62,8 +62,6 @@ __all__ = ["run_in_process", "UnfinishedSendsError", "runs_in_process", "collect
 # store operation of this module may take (the store can be hosted by the rank that died).
 _BOARD_WAIT_S = 2.0
 _STORE_OP_S = 3.0
-# Seconds the collectives of an in-process launch outlast its deadline (the fork launcher's children do the same).
-_TIMEOUT_MARGIN_S = 2.0
 # Each in-process launch gets its own keys; every rank calls launch() in the same order, so the counts agree.
 _launches = 0
 _teardown_registered = False
@@ -137,7 +135,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
         # gives up on its unfinished sends at the launch's deadline post its error before the ranks waiting
         # for it time out and would report their own timeout as the cause.
         created = not dist.is_initialized()
-        ctx = init_from_env(backend, timeout=timeout + _TIMEOUT_MARGIN_S)
+        ctx = init_from_env(backend, timeout=timeout + TIMEOUT_MARGIN_S)
         if created and not _teardown_registered:
             atexit.register(_destroy_at_exit)
             _teardown_registered = True
@@ -146,7 +144,7 @@ def run_in_process(fn: Callable[..., Any], world_size: int, args: tuple, kwargs:
                              f"{ctx.world_size} ranks")
         _launches += 1
         board = _FailureBoard(f"commlab/launch/{_launches}", ctx.rank, world_size, timeout)
-        with collective_timeout(timeout + _TIMEOUT_MARGIN_S):
+        with collective_timeout(timeout + TIMEOUT_MARGIN_S):
             with track_sends() as tracker:
                 _running = True
                 try:
@@ -292,9 +290,9 @@ class _FailureBoard:
             _bounded(lambda: self.store.set(f"{self.prefix}/over", "finished"))
             return
         # Longer than the launch's timeout, which is when a rank still waiting for its sends posts them, and
-        # shorter than the collectives' (timeout + _TIMEOUT_MARGIN_S), so that a finished rank names the ranks
+        # shorter than the collectives' (timeout + TIMEOUT_MARGIN_S), so that a finished rank names the ranks
         # stuck in a collective it skipped before their own timeouts say only that they waited.
-        wait_s = self.timeout_s + _TIMEOUT_MARGIN_S / 2
+        wait_s = self.timeout_s + TIMEOUT_MARGIN_S / 2
         _bounded(lambda: self.store.wait([f"{self.prefix}/over"], datetime.timedelta(seconds=wait_s)),
                  wait_s + _STORE_OP_S)
         if (_bounded(lambda: self.store.add(f"{self.prefix}/finished", 0)) or 0) >= self.world_size:

@@ -53,7 +53,7 @@ import traceback
 from typing import Any, Callable
 
 from commlab.launch.device import nccl_gpu_problem, results_to_cpu
-from commlab.launch.env import BACKENDS, CHILD_MARKER, check_timeout
+from commlab.launch.env import BACKENDS, CHILD_MARKER, TIMEOUT_MARGIN_S, check_timeout
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
 from commlab.launch.inflight import track_sends
 
@@ -65,9 +65,6 @@ DEFAULT_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 # After the first failure, how long to keep listening for an earlier-timestamped one from another rank.
 _GRACE_S = 0.3
-# The ranks' own rendezvous and collective timeouts are a little longer than the launch's deadline, so
-# that the parent, which knows which ranks joined and which finished, is the one that reports a stall.
-_CHILD_TIMEOUT_MARGIN_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +151,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     workdir = tempfile.mkdtemp(prefix="commlab-launch-")
     cfg = _Config(world_size=world_size, backend=backend,
                   store_path=os.path.join(workdir, "store"), out_dir=workdir,
-                  collective_timeout_s=float(timeout) + _CHILD_TIMEOUT_MARGIN_S, threads_per_rank=threads_per_rank,
+                  collective_timeout_s=float(timeout) + TIMEOUT_MARGIN_S, threads_per_rank=threads_per_rank,
                   init_hook=init_hook, deadline=time.monotonic() + float(timeout))
     events = ctx.Queue()
     procs = []
@@ -468,7 +465,7 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
                 events.put(("in_flight", rank, unfinished))
                 # A little past the parent's deadline, so that the parent, which names these sends in its
                 # LaunchTimeout, is the one that reports them.
-                left = tracker.finish(cfg.deadline + _CHILD_TIMEOUT_MARGIN_S)
+                left = tracker.finish(cfg.deadline + TIMEOUT_MARGIN_S)
                 if left:
                     raise LaunchTimeout(cfg.world_size, cfg.collective_timeout_s, range(cfg.world_size), [],
                                         unfinished_sends={rank: left})
