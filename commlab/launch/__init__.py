@@ -1,22 +1,16 @@
 """Starting ranks and finding their devices: the one layer of commlab that knows about processes.
 
-Two doors into one world, and everything above them sees only an initialised process group:
+Two doors into one world; everything above them sees only an initialised process group:
 
-* :func:`launch` (:mod:`commlab.launch.local`) forks N ranks from a notebook cell or a script, runs a
-  function on each and returns the results in rank order, failing fast and naming the failing rank.
-  Started under ``torchrun`` or ``srun``, the same call runs the function in-process as this rank of the
-  job (:mod:`commlab.launch.inprocess`), so one function serves both.
-* :func:`init_from_env` (:mod:`commlab.launch.env`) is the cluster entry for scripts: it reads torchrun's or
-  Slurm's variables, binds ``cuda:LOCAL_RANK`` under NCCL and initialises with ``env://``; with no launcher
-  it makes a world of one. :func:`exit_process` ends such a script without CPython's last garbage
-  collection, which costs each torch process seconds of CPU at exit.
-* :mod:`commlab.launch.torchrun` is the per-node command of a multi-node job (torchrun with a named
-  rendezvous, a preflight and a deadline); ``scripts/slurm/commlab.sbatch`` runs it under SLURM.
+* :func:`launch` (:mod:`commlab.launch.local`) forks N ranks from a notebook cell or a script and returns their
+  results in rank order, failing fast and naming the failing rank; under torchrun or srun it runs the function
+  in this process, as this rank of the job (:mod:`commlab.launch.inprocess`).
+* :func:`init_from_env` (:mod:`commlab.launch.env`) initialises a torchrun or Slurm job's rank from its
+  environment; :mod:`commlab.launch.torchrun` is the per-node command of a multi-node job.
 
-:mod:`commlab.launch.device` answers the one question the layers above ask: on which device must a tensor
-live to travel through this group (the CPU under gloo, ``cuda:LOCAL_RANK`` under NCCL), and how to time
-work on that device (the host clock on the CPU, CUDA events on a GPU). :mod:`commlab.launch.inflight` keeps
-the point-to-point sends a rank has started until they are delivered.
+:mod:`commlab.launch.device` says on which device a group's tensors live and times work there, and
+:mod:`commlab.launch.inflight` keeps a rank's sends until they are delivered. Chapter 2 (section 2.4) shows the
+first door, chapter 14 (sections 14.2 and 14.4) the second.
 """
 
 from commlab.launch.device import Clock, group_device

@@ -1,38 +1,15 @@
 """The cluster door of :mod:`commlab.launch`: initialise ``torch.distributed`` from what the launcher exported.
 
-Under ``torchrun`` (or ``srun torchrun``) and under a plain ``srun python ...`` the environment already says
-which process is which; :func:`init_from_env` reads it, checks it, binds the rank's GPU under NCCL and
-initialises the default process group from ``MASTER_ADDR``/``MASTER_PORT``: ``init_method="env://"`` under
-``srun``, and under torchrun the same store seen through a prefix per restart attempt (see ``_attempt_store``).
-With no launcher at all it makes a world of one, so ``python train.py`` runs the same script on one process.
-
-Where each number comes from:
-
-* under torchrun (``TORCHELASTIC_RUN_ID`` set): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-  ``GROUP_RANK`` (the node), ``MASTER_ADDR`` and ``MASTER_PORT``, all set by torchrun for every worker;
-* under ``srun`` without torchrun: rank ``SLURM_PROCID``; world size ``SLURM_STEP_NUM_TASKS`` (else
-  ``SLURM_NTASKS``); local rank ``SLURM_LOCALID``; local world size this node's entry of
-  ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``; Slurm writes e.g. ``4(x2)``); node
-  ``SLURM_NODEID``; ``MASTER_ADDR`` if exported, else the first host of ``SLURM_STEP_NODELIST`` (else
-  ``SLURM_JOB_NODELIST``), read by :func:`slurm_first_host`; ``MASTER_PORT`` if exported, else
-  ``20000 + SLURM_JOB_ID % 10000`` (:func:`slurm_default_port`).
-
-Under ``srun`` the task with ``SLURM_PROCID=0`` hosts the rendezvous store, so ``MASTER_ADDR`` must be its
-host. With Slurm's default block (or cyclic) distribution task 0 runs on the first node of the step, which
-is what the first host of the node list names. With ``--distribution=arbitrary``, with a node list that
-is not the step's, or when two jobs could share a head node and the same port, export both yourself::
-
-    export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    export MASTER_PORT=29500          # any free port on that host
-
-A Slurm batch script itself (one process, even when ``SLURM_NTASKS`` is larger) is not a step: only an
-``srun`` task (``SLURM_STEP_NUM_TASKS`` or ``SLURM_STEP_ID`` set) counts as one. A process that
-:func:`commlab.launch.launch` forked is recognised by ``COMMLAB_LAUNCH_RANK`` and is never mistaken for a
-torchrun worker. Anything else that exports ``RANK`` and ``WORLD_SIZE`` (another launcher, or by hand)
-is read like torchrun's environment, with ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` required.
-
-Every value is checked before anything connects: a missing, non-integer or out-of-range value raises
-:class:`LauncherEnvError` naming the variable, its value and the allowed range.
+:func:`init_from_env` reads and checks torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or, under a plain ``srun``, Slurm's
+(``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NODEID``;
+``MASTER_ADDR`` from the first host of the node list and ``MASTER_PORT`` from the job id unless exported), binds
+``cuda:LOCAL_RANK`` under NCCL and initialises the default group with its ``timeout``. With no launcher it makes
+a world of one. A missing, non-integer or out-of-range value raises :class:`LauncherEnvError` naming the
+variable, its value and the allowed range, before anything connects; :func:`read_env` and
+:func:`detect_launcher` only read. Under ``srun`` task 0 hosts the store, so ``MASTER_ADDR`` must be its host:
+with ``--distribution=arbitrary``, or two jobs that could share a head node and port, export ``MASTER_ADDR``
+and ``MASTER_PORT`` yourself. The README's cluster section shows the commands.
 """
 
 from __future__ import annotations
@@ -392,12 +369,11 @@ def _context_of_initialised(backend: str | None, env: Mapping[str, str]) -> Dist
 def _attempt_store(plan, timeout: datetime.timedelta) -> dist.Store:
     """The torchrun job's store, seen through a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``).
 
-    Why not ``env://``: after a restart (``--max-restarts``) torchrun's workers reach the same agent-hosted
-    store as the attempt before, and the keys the dead attempt's process group left there (gloo's peer
-    addresses) are read by the new one, which then connects to processes that no longer exist (measured with
-    torch 2.13: the restarted group hung, or gloo's connectFullMesh was refused). A prefix per attempt keeps
-    each attempt's keys apart. The store is hosted by the agent (``TORCHELASTIC_USE_AGENT_STORE=True``, what
-    torchrun does) or else by rank 0, as ``env://`` would do.
+    Covers torch 2.13's ``env://`` under torchrun (``rendezvous._create_c10d_store``), which joins the agent's
+    store without a prefix per attempt: after a restart (``--max-restarts``) the new gloo group can read the dead
+    attempt's peer addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang
+    (``tests/test_launch_env.py``). The store is the agent's (``TORCHELASTIC_USE_AGENT_STORE=True``, what
+    torchrun sets) or else rank 0's, as ``env://`` would do.
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -479,10 +455,9 @@ def cpu_thread_share(threads: int, local_world_size: int, cores: int | None = No
     of the ``cores`` (default: those this process may run on), and at least 1.
 
     Why: ranks that together run more threads than cores make every matrix multiplication wait on OpenMP
-    threads the scheduler has parked. Measured on a 2-core machine with torch 2.13: two processes multiplying
-    256 x 256 float32 matrices reached 109 GFLOP/s each with 1 thread, and 2.1 GFLOP/s each with 2 threads
-    (``OMP_NUM_THREADS=4``), 50 times slower. torchrun sets ``OMP_NUM_THREADS=1`` for several workers unless
-    the user set it; this keeps a larger value from oversubscribing the node.
+    threads the scheduler has parked (two ranks of 2 threads on 2 cores multiplied 256 x 256 matrices 50 times
+    slower than with 1). torchrun sets ``OMP_NUM_THREADS=1`` for several workers only when the user did not set
+    it; this keeps a larger value from oversubscribing the node.
     """
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -494,13 +469,10 @@ def exit_process(code: int | None) -> NoReturn:
     without the interpreter's last garbage collection.
 
     A process that has imported torch and trained holds about a million objects, and CPython's shutdown
-    collects them once more before the OS frees the memory anyway: 0.5 s to a few seconds of CPU per
-    process, which 8 ranks on 2 cores wait for in turn (an 8-rank capstone job under torchrun: about 27 s
-    with it, 15-18 s without, on this course's 2-core machine). ``gc.freeze()`` (CPython 3.7+, the ``gc``
-    module's documentation) moves every object to the permanent generation, so that collection has nothing
-    to do; atexit handlers and module teardown still run, and a file closes as usual when its last
-    reference goes. Only a file held by a reference cycle and never closed would lose its buffer; the
-    scripts close theirs.
+    collects them once more before the OS frees the memory anyway: 0.5 s to a few seconds of CPU per process,
+    which 8 ranks on 2 cores wait for in turn. ``gc.freeze()`` (the ``gc`` module's documentation) moves every
+    object to the permanent generation, so that collection has nothing to do; atexit handlers and module
+    teardown still run. Only a file held by a reference cycle and never closed would lose its buffer.
 
     Raises:
         SystemExit: always, with ``code`` (None: 0).

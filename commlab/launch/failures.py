@@ -1,25 +1,17 @@
 """Jobs that fail on purpose, one per common failure of a distributed job, to see what each one prints.
 
-Run under torchrun (chapter 14 runs them through :func:`commlab.launch.torchrun.run_standalone`)::
+Run under torchrun::
 
     torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures shape     # ranks disagree on a size
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures order
     torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures timeout --timeout 3
 
-* ``shape``: rank 0 all-reduces 4 elements, the others 5 (a bug in how a buffer was sized on one rank).
-* ``order``: rank 0 calls AllReduce then Broadcast, the others Broadcast then AllReduce (a rank that took
-  another branch). Both are caught at the first wrong call with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which wraps
-  every process group in a checker that compares the ranks' calls (operation, shapes, dtypes) over an extra
-  gloo group before running them (``torch.distributed.distributed_c10d._create_process_group_wrapper``).
-* ``timeout``: the last rank sleeps for twice ``--timeout`` seconds before its AllReduce, as a rank stuck in
-  its data loader would; the others give up after the group's timeout (``init_from_env(timeout=...)``).
-
-A rank whose collective fails prints ``rank R: ErrorType: message`` on stderr and exits with status 1
-:data:`GRACE_S` seconds later: torchrun stops the other workers at the first failure, and without the pause
-whichever rank failed second could be stopped before its own message got out.
-
-Every job initialises through :func:`commlab.launch.init_from_env` (gloo on CPU; NCCL with one GPU per rank
-when CUDA is present) and prints one line per rank when it gets through, so a run that does not fail says so.
+``shape``: rank 0 all-reduces 4 elements, the others 5. ``order``: rank 0 calls AllReduce then Broadcast, the
+others the reverse; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names both at the first wrong call. ``timeout``: the last
+rank sleeps twice ``--timeout`` before its AllReduce, and the others give up after the group's timeout. A rank
+whose collective fails prints ``rank R: ErrorType: message`` on stderr and exits 1 :data:`GRACE_S` s later
+(torchrun stops the other workers at the first failure, which could cut their messages short). Every job
+initialises through :func:`commlab.launch.init_from_env`. Chapter 14, section 14.4.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Point-to-point sends still in flight when a rank's function returns: kept, delivered, or named.
 
-Why: under gloo a send completes only once the receiver has posted the matching receive (even a 40-byte
-message waits for it), and a send whose ``Work`` object is dropped is lost with it. A rank that starts
-``dist.isend(t, dst)`` and returns without waiting therefore leaves ``dst`` blocked in its receive until the
-launch's deadline, and a launcher that only sees which ranks returned blames ``dst``, the rank that did
-nothing wrong. Keeping the ``Work`` alive, and waiting on it, is enough for gloo to deliver the message.
-
-So the ranks that :func:`commlab.launch.launch` starts run under a :class:`SendTracker`. It holds the ``Work``
-of every send; after the rank's function returns, the launcher waits for the unfinished ones until the
-launch's deadline, and names those that never complete (a send nobody receives) by rank, destination and
-bytes. A long run must not accumulate handles, and two facts of gloo (torch 2.13,
-``ProcessGroupGloo.cpp``) shape how they are dropped:
-
-* a gloo send's ``is_completed()`` turns true only inside ``wait()``; it stays false after delivery if
-  nobody waits. Handles the caller waited on are dropped at once.
-* two waits on one gloo send would wait for two completions (the second until the timeout), and a wait that
-  times out breaks every connection of the process group. So the tracker waits only on sends *nobody else
-  holds* (their reference count says the tracker's is the last reference), in one background thread, one at
-  a time, with no timeout of its own (the group's timeout applies, as it would to the caller's own wait).
-
-Under NCCL ``is_completed()`` reads the transfer's CUDA event, and a ``wait()`` would make the waiting
-thread's current stream wait for the transfer, which could order work the caller never asked to order; NCCL
-sends are therefore only polled, never waited on by the tracker.
-
-Where it hooks in, and why there (``torch/distributed/distributed_c10d.py``): ``dist.isend`` ends in
-``group.send([tensor], group_dst, tag)`` on the ``ProcessGroup``; the blocking ``dist.send`` calls ``isend``;
-``dist.batch_isend_irecv`` calls each ``P2POp``'s ``op``, i.e. ``isend``. The names themselves are not replaced:
-``P2POp`` checks ``op in [isend, irecv]`` and ``batch_isend_irecv`` tests ``op.op is isend``, both against the
-module's own globals, so a wrapped ``dist.isend`` would make every ``P2POp`` built with the original function
-(in any module that imported it before) fail that check or pass for a receive. The tracker wraps
-``ProcessGroup.send`` instead, the one method every send reaches. Under NCCL, inside ``batch_isend_irecv``
-the sends are coalesced: each ``send`` returns no ``Work`` and the batch's ``Work`` comes from
-``ProcessGroup._end_coalescing``; the tracker files the batch's sends under that ``Work``.
+Covers a gloo behaviour (torch 2.13, ``ProcessGroupGloo.cpp``): a send completes only once its receiver has
+posted the matching receive, and a send whose ``Work`` is dropped is lost, leaving the receiver blocked and a
+launcher blaming it. :func:`track_sends` wraps ``ProcessGroup.send``, the one method that ``isend``, ``send``
+and ``batch_isend_irecv`` all reach (the module's functions cannot be wrapped: ``P2POp`` compares against
+them), and keeps every send's ``Work``. After the function returns, :meth:`SendTracker.finish` delivers what is
+left until the launch's deadline and names what never completes by rank, destination and bytes. A gloo send is
+waited on only when nobody else holds it (two waits on one send wait for two completions), one at a time in a
+background thread; NCCL sends are only polled (a ``wait()`` would order the caller's stream), and inside an
+NCCL ``batch_isend_irecv`` the batch's ``Work`` (from ``_end_coalescing``) stands for its sends.
 """
 
 from __future__ import annotations
@@ -51,8 +28,7 @@ __all__ = ["UnfinishedSends", "SendTracker", "track_sends", "active_tracker", "d
 
 # Prune completed handles when the list reaches this length, then at twice what survived a prune: amortised
 # O(1) per send, and memory bounded by twice the sends genuinely in flight. Small, because holding gloo's
-# completed send requests alive is not free: the 4-rank ring AllReduce at 1-4 MiB ran a few per cent faster
-# (medians of 6 noisy runs on 2 cores) when they were dropped after 4 sends than after 64.
+# completed send requests alive slowed the ring AllReduce by a few per cent.
 _PRUNE_AT = 4
 
 

@@ -1,38 +1,17 @@
 """:func:`commlab.launch.launch` under torchrun or ``srun``: the ranks already exist, so run ``fn`` right here.
 
-Under a cluster launcher every process is one rank of the job. ``launch(fn, N)`` then checks that the job
-has ``N`` ranks, initialises the default process group through :func:`commlab.launch.init_from_env` (unless
-it already is), runs ``fn`` once in this process, and all-gathers the results so that every rank returns the
-same list in rank order, as the forked ranks' results come back to the notebook. The thread count, the
-send tracker and the group's collective timeout (set to the launch's ``timeout`` for its duration) are
-restored when it returns. The process group it initialises stays for the launches after it
-and is destroyed when the process exits: inside a torchrun worker torch does not re-create the default group
-reliably (measured with torch 2.13: the third ``init_process_group`` in one worker, each after a
-``destroy_process_group``, failed to connect to an address left in the agent's store by an earlier one). A
-group that existed before is left alone.
+:func:`run_in_process` checks that the job has ``N`` ranks, initialises the default group through
+:func:`commlab.launch.init_from_env` (kept for later launches and destroyed at exit: inside a torchrun worker
+torch 2.13 does not re-create a default group reliably), runs ``fn`` once with the group's collective timeout
+set to the launch's (:func:`collective_timeout`), and all-gathers the results, so that every rank returns them all.
 
-Failures follow the launcher's conventions: a rank whose ``fn`` raises raises :class:`RankError` and its
-process ends with it, which is what torchrun's agent watches for: it stops the node's other workers and its
-error file (``torch.distributed.elastic.multiprocessing.errors.record`` on the entry point) reports the root
-cause with its traceback. Only the agent of the failing rank's node can see that root cause; on the other
-nodes the first worker to fail is a peer whose connection to the dead rank closed ("Connection closed by
-peer"). So the failing rank first writes its exception into the job's rendezvous store, and a peer whose own
-error is such a reaction reads it and raises :class:`RankError` for the *root cause*, with its own error
-appended: every node's summary then names the same rank. (Under torchrun the store lives in each node's
-agent. Under ``srun`` without torchrun it lives in rank 0's process: when rank 0 itself fails, its peers
-cannot read its error any more and report their own; rank 0's output has the root cause.)
-
-Sends still in flight when ``fn`` returns are waited for until the launch's deadline (see
-:mod:`commlab.launch.inflight`); those that never complete raise :class:`UnfinishedSendsError` naming this
-rank, the destinations and the bytes.
-
-A rank that returns from ``fn`` marks itself finished in the store and waits there (``timeout`` + 1 s at most)
-for the others before the results are gathered. When a rank skips a collective its peers call, the ranks
-that finished thus give up first and raise :class:`LaunchTimeout` naming the ranks still running and those
-that finished (``ranks [0, 1, 3] were still running (finished: [2])``, as the fork launcher says); they post
-it, and the peers whose collective then fails (closed by the finished rank's exit, or at its own timeout)
-raise the same. Under NCCL a collective that times out aborts its process (torch's watchdog), so there the
-finished rank's report, which is the first failure, is the one torchrun's summary shows.
+What it adds to torchrun's summary, which names the first failure seen *on each node*: the failing rank posts
+its error in the job's store, and a peer whose own error is a reaction to it ("Connection closed by peer", a
+timeout) raises :class:`RankError` for that root cause, so that every node names the same rank. A rank that
+returns waits in the store for the others (``timeout`` + 1 s at most): when a rank skips a collective, the
+finished ranks raise :class:`LaunchTimeout` naming the ranks still running. Sends still in flight are waited
+for until the deadline; those that never complete raise :class:`UnfinishedSendsError`. Under ``srun`` without
+torchrun the store lives in rank 0: when rank 0 fails, its peers report their own errors.
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """Run a function on N ranks with ``torch.distributed`` initialised, from a notebook cell or a script.
 
-The notebook-and-laptop door of :mod:`commlab.launch`: it forks the ranks and owns their start method,
-rendezvous store and timeouts. Everything above receives an initialised default process group.
-
-How it works, and why (the measurements behind each choice are in the course's environment notes):
-
-* **Start method.** On Linux the ranks are forked, so a function defined in a notebook cell works
-  and a 4-rank launch costs about 0.1 s. Each child limits its intra-op threads *before* running any
-  user code: a forked child whose first parallel op meets OpenMP state inherited from the parent can
-  hang. Where fork does not exist (macOS with the default spawn, Windows), ``start_method="spawn"``
-  works for functions that live in an importable module; a function defined in ``__main__`` (a
-  notebook cell) is refused with an error that says so, before any process starts.
-* **Rendezvous.** A :class:`torch.distributed.FileStore` on a fresh temporary file per launch: no port
-  is chosen, so launches can repeat in one kernel and run side by side, and no loopback name look-up
-  can stall the start.
-* **Failure.** Every child reports ``joined``, then either its pickled return value or its exception
-  type, message and traceback, through a queue that the parent reads with a short poll. The first
-  failure reported (by the time it happened) is the root cause; its peers typically fail afterwards with
-  "connection closed by peer", which is not what the reader needs to see. The parent then terminates the
-  other ranks, reaps them, prints every rank's captured output in rank order and raises :class:`RankError`.
-  A launch that outlives ``timeout`` raises :class:`LaunchTimeout` naming the ranks that joined, finished
-  and are still running. Nothing waits without a deadline.
-* **Sends in flight.** Each rank keeps the handle of every point-to-point send it starts
-  (:mod:`commlab.launch.inflight`): gloo drops a message whose handle is dropped, so a rank that returns
-  right after ``dist.isend`` would otherwise leave its receiver blocked. After ``fn`` returns the rank waits
-  for its unfinished sends (until the launch's deadline) before it reports its result; if they never
-  complete, :class:`LaunchTimeout` names the rank, the destinations and the bytes.
-* **Under torchrun or srun** the ranks already exist: ``launch`` runs ``fn`` in this process instead
-  (:mod:`commlab.launch.inprocess`), so one function serves a notebook cell and a cluster job.
-* **Output.** Each child's file descriptors 1 and 2 are redirected to a per-rank file (so output written
-  by C++ code is captured too); the parent prints the files in rank order once all ranks are done,
-  each line prefixed with ``[rank r]``. Notebook validation (nbval) then sees deterministic output.
+:func:`launch` forks the ranks (so a function defined in a notebook cell works; ``start_method="spawn"`` where
+fork does not exist), limits each one's threads before any user code (a forked child can hang in OpenMP state
+it inherited), initialises its group on a fresh :class:`~torch.distributed.FileStore` (no port to choose, no
+host-name look-up), runs the function and returns the results in rank order. Every rank reports its result, or
+its exception with a time stamp, through a queue read with a short poll: the earliest failure that is not a
+peer's reaction to it is raised as :class:`RankError` (``torch.multiprocessing``'s ``join`` names the first
+process to exit, often such a peer), the other ranks are ended, and a launch past ``timeout`` raises
+:class:`LaunchTimeout` naming the ranks that joined and finished. Each rank's file descriptors 1 and 2 go to a
+file, printed afterwards in rank order with ``[rank r]``. Sends still in flight when the function returns are
+delivered or named (:mod:`commlab.launch.inflight`). Under torchrun or srun the function runs in this process
+instead (:mod:`commlab.launch.inprocess`). Chapter 2, section 2.4.
 """
 
 from __future__ import annotations
