@@ -11,7 +11,7 @@ from commlab import RankError, launch
 from commlab.collectives import (CollectiveMismatchError, chunk_bounds, ring_all_gather,
                                  ring_all_reduce, ring_all_reduce_seconds, ring_bytes_sent_per_rank,
                                  ring_reduce_scatter)
-from commlab.collectives._common import all_gather_single, reduce_scatter_single
+from commlab.collectives.common import all_gather_single, reduce_scatter_single
 from commlab.collectives.ring import (all_gather_recv_chunk, all_gather_send_chunk,
                                       reduce_scatter_recv_chunk, reduce_scatter_send_chunk)
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from commlab import checks
 from commlab.bench.timing import calls_per_round, slowest_rank
 from commlab.collectives import p2p
-from commlab.collectives._common import ring_geometry
+from commlab.collectives.common import ring_geometry
 from commlab.collectives.ring import ring_all_reduce, ring_all_reduce_seconds, ring_steps
 from commlab.launch import launch
 from commlab.topology.links import Link

@@ -1,6 +1,6 @@
 """Collectives built from point-to-point sends, each with its α-β cost function beside it."""
 
-from commlab.collectives._common import SUPPORTED_DTYPES, chunk_bounds, ring_geometry
+from commlab.collectives.common import SUPPORTED_DTYPES, chunk_bounds, ring_geometry
 from commlab.collectives.agreement import CollectiveMismatchError, agree
 from commlab.collectives.ring import (ring_all_gather, ring_all_gather_seconds, ring_all_reduce,
                                       ring_all_reduce_seconds, ring_bytes_sent_per_rank,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import (DTYPE_CODE, SUPPORTED_DTYPES, all_gather_single, dtype_name,
+from commlab.collectives.common import (DTYPE_CODE, SUPPORTED_DTYPES, all_gather_single, dtype_name,
                                          group_size_and_rank)
 from commlab.launch.device import group_device
 

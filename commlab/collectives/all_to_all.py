@@ -23,7 +23,7 @@ import math
 from typing import Sequence
 
 from commlab.collectives import p2p
-from commlab.collectives._common import as_int64, check_cost_args, global_rank, group_size_and_rank
+from commlab.collectives.common import as_int64, check_cost_args, global_rank, group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.launch.device import group_device
 from commlab.topology.emulated import EmulatedTopology
@@ -257,7 +257,7 @@ def all_to_all_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: f
     single-port model of the ring's cost functions), each paying α; its own block does not move.
 
     Raises:
-        ValueError: as the other cost functions (:func:`commlab.collectives._common.check_cost_args`).
+        ValueError: as the other cost functions (:func:`commlab.collectives.common.check_cost_args`).
     """
     check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
     return (n - 1) * alpha_s + (n - 1) / n * nbytes * beta_s_per_byte
@@ -283,7 +283,7 @@ def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float
 
     Raises:
         ValueError: ``split_nbytes`` is not a non-empty square matrix, or an entry is not a finite number
-            >= 0; a rate as :func:`commlab.collectives._common.check_cost_args`.
+            >= 0; a rate as :func:`commlab.collectives.common.check_cost_args`.
     """
     check_cost_args(0, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
     return sum(alpha_s + beta_s_per_byte * largest for largest in pairwise_step_nbytes(split_nbytes))

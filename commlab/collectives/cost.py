@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from commlab.collectives._common import check_counts
+from commlab.collectives.common import check_counts
 from commlab.collectives.halving_doubling import (recursive_doubling_all_reduce_seconds,
                                                   rhd_all_reduce_seconds)
 from commlab.collectives.hierarchical import hierarchical_all_reduce_seconds, ring_all_reduce_seconds_on

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import (as_int64, check_cost_args, check_counts, chunk_bounds, group_size_and_rank,
+from commlab.collectives.common import (as_int64, check_cost_args, check_counts, chunk_bounds, group_size_and_rank,
                                          ring_geometry, work_buffer, write_back)
 from commlab.collectives.agreement import check_agreement
 from commlab.collectives.ring import (all_gather_phase, reduce_scatter_phase, ring_all_reduce,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from commlab import checks, hardware
-from commlab.collectives._common import check_cost_args
+from commlab.collectives.common import check_cost_args
 
 __all__ = ["HDR_SWITCH_PORTS", "NDR_SWITCH_PORTS", "fat_tree_down_ports", "fat_tree_endpoints",
            "switch_tree_levels", "in_network_all_reduce_seconds", "in_network_speedup_limit"]

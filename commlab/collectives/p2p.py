@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["Exchange", "exchange", "wait_all"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from commlab import arithmetic
 from commlab.collectives import p2p
-from commlab.collectives._common import (RingGeometry, check_cost_args, chunk_bounds, group_size_and_rank, resolve_ring,
+from commlab.collectives.common import (RingGeometry, check_cost_args, chunk_bounds, group_size_and_rank, resolve_ring,
                                          ring_geometry, work_buffer, write_back)
 from commlab.collectives.agreement import check_agreement
 from commlab.topology.emulated import EmulatedTopology

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import (as_int64, ceil_log2, check_cost_args, global_rank, ring_geometry, work_buffer,
+from commlab.collectives.common import (as_int64, ceil_log2, check_cost_args, global_rank, ring_geometry, work_buffer,
                                          write_back)
 from commlab.collectives.agreement import check_agreement
 from commlab.topology.emulated import EmulatedTopology

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from commlab import checks
 from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sent_per_rank
-from commlab.collectives._common import SUPPORTED_DTYPES, group_size_and_rank
+from commlab.collectives.common import SUPPORTED_DTYPES, group_size_and_rank
 from commlab.collectives.agreement import gather
 from commlab.compress.agreement import agree_finite, agree_payloads
 from commlab.compress.base import Compressor, Payload

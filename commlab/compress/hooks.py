@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.compress.aggregate import AggregateCall
 from commlab.compress.base import Compressor
 from commlab.compress.error_feedback import ErrorFeedback

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 
 __all__ = ["PowerSGDState", "PowerSGDBytes", "powersgd_all_reduce", "powersgd_nbytes", "orthogonalize_",
            "compressed_shape", "PowerSGDCall", "state_group"]

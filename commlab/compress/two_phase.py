@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import all_gather_single, group_size_and_rank
+from commlab.collectives.common import all_gather_single, group_size_and_rank
 from commlab.collectives.all_to_all import all_to_all
 from commlab.collectives.ring import ring_all_gather
 from commlab.compress.agreement import agree_payloads

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import chunk_bounds
+from commlab.collectives.common import chunk_bounds
 from commlab.exercises.report import CheckReport
 from commlab.launch import LaunchTimeout, RankError, launch
 

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.collectives.agreement import agree
 from commlab.launch.device import Clock, Mark, group_device
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import ring_all_gather, ring_bytes_sent_per_rank, ring_reduce_scatter
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.overlap.bucketed import data_parallel_of
 
 __all__ = ["ZeroStepStats", "ZeroOneOptimizer"]

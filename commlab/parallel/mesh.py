@@ -19,7 +19,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import as_int64
+from commlab.collectives.common import as_int64
 from commlab.collectives.agreement import agree
 from commlab.launch.device import group_device
 

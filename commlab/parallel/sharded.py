@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from commlab import checks
-from commlab.collectives._common import all_gather_single, group_size_and_rank, reduce_scatter_single
+from commlab.collectives.common import all_gather_single, group_size_and_rank, reduce_scatter_single
 from commlab.collectives.agreement import agree, first_difference
 from commlab.launch.device import group_device
 

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.parallel.context.communications import all_gather_sequence
 from commlab.parallel.context.layout import positions
@@ -55,7 +55,7 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     other ranks; ``seq_local`` even with ``load_balance`` (two chunks of ``seq / 2N``); ``heads`` a multiple
     of N when ``heads_multiple`` (Ulysses).
 
-    One small all-gather of int64 (:func:`commlab.collectives._common.check_agreement`): without it a shape
+    One small all-gather of int64 (:func:`commlab.collectives.common.check_agreement`): without it a shape
     mismatch would hang a grouped exchange until the timeout or silently mix blocks, and a problem found on one
     rank would leave the others waiting.
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import p2p
-from commlab.collectives._common import all_gather_single, reduce_scatter_single, ring_geometry
+from commlab.collectives.common import all_gather_single, reduce_scatter_single, ring_geometry
 from commlab.collectives.all_to_all import all_to_all
 
 __all__ = ["ring_pass", "SeqToHeads", "HeadsToSeq", "AllGatherSequence", "seq_to_heads", "heads_to_seq",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from commlab.collectives._common import check_cost_args, check_counts
+from commlab.collectives.common import check_cost_args, check_counts
 from commlab.collectives.all_to_all import all_to_all_seconds
 from commlab.collectives.ring import (ring_all_gather_seconds, ring_all_reduce_seconds, ring_bytes_sent_per_rank,
                                       ring_reduce_scatter_seconds)

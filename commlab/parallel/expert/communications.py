@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import all_to_all
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 
 __all__ = ["AllToAllCounter", "AllToAll", "all_to_all_autograd"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from commlab.collectives import all_to_all_seconds
-from commlab.collectives._common import check_counts
+from commlab.collectives.common import check_counts
 from commlab.parallel.expert.layers import check_ep_size
 from commlab.parallel.expert.router import expert_capacity
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.parallel.expert.communications import AllToAllCounter, all_to_all_autograd
 from commlab.parallel.expert.router import Routing, check_moe_sizes, expert_capacity, route

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from commlab import data
-from commlab.collectives._common import check_counts
+from commlab.collectives.common import check_counts
 from commlab.parallel.expert.layers import check_ep_size
 
 __all__ = ["ep_groups", "DEEPSEEK_V3_PATH", "deepseek_v3_figures", "deepseek_v3_layout",

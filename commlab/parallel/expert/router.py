@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives._common import group_size_and_rank
+from commlab.collectives.common import group_size_and_rank
 from commlab.launch.device import group_device
 
 __all__ = ["Routing", "expert_capacity", "check_moe_sizes", "route", "LoadImbalance", "load_imbalance",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.collectives import p2p
-from commlab.collectives._common import ALL_DTYPES, DTYPE_CODE, as_int64, group_size_and_rank
+from commlab.collectives.common import ALL_DTYPES, DTYPE_CODE, as_int64, group_size_and_rank
 from commlab.collectives.agreement import agree, gather
 from commlab.parallel.pipeline.plan import ACTIVATION, CommGroup
 from commlab.parallel.pipeline.schedules import SCHEDULES
@@ -95,7 +95,7 @@ def stage_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
     Raises:
         RuntimeError: torch.distributed not initialised, or this rank not in ``group`` (the package's one
-            membership check, :func:`commlab.collectives._common.group_size_and_rank`).
+            membership check, :func:`commlab.collectives.common.group_size_and_rank`).
     """
     p, stage = group_size_and_rank(group, "the pipeline")
     return stage, p
