@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from commlab import checks
 from commlab.compress import powersgd_nbytes
 from commlab.compress.powersgd import compressed_shape
 from commlab.exercises.report import NO_ANSWER, CheckReport
@@ -102,7 +103,7 @@ def check_bytes_per_step(fn: Callable, answer) -> CheckReport:
     best = max(r for r, q in ratios.items() if q >= 10)
     if answer is None:
         report.cases.append((desc, False, "not set yet: put your answer in `largest_r_for_10x`"))
-    elif isinstance(answer, bool) or not isinstance(answer, int) or not 1 <= answer <= _MAX_R:
+    elif not checks.is_int(answer) or not 1 <= answer <= _MAX_R:
         report.cases.append((desc, False, f"{answer!r} is not an approximation rank: give an int in 1..{_MAX_R}"))
     elif answer == best:
         report.cases.append((desc, True, ""))
