@@ -6,7 +6,7 @@ rank (:func:`gather`: one all-gather of fixed-width int64 rows, or one ``all_gat
 raises the same :class:`CollectiveMismatchError`, naming the ranks that differ and what they hold, so that
 no rank waits in a later collective for a peer that has already given up. :func:`check_agreement` is the
 hand-written collectives' use of it (one tensor's count, dtype, device and layout).
-Chapter 2 (ring collectives, "when ranks disagree") explains why every collective checks first.
+Chapter 3, section 3.10, shows one at work: an AllToAllV whose split sizes disagree is refused on every rank.
 """
 
 from __future__ import annotations
