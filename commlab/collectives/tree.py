@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives import p2p
 from commlab.collectives.common import (as_int64, ceil_log2, check_cost_args, global_rank, ring_geometry, work_buffer,
                                          write_back)
@@ -169,8 +170,7 @@ def _pipelined_tree_seconds(nbytes, n, alpha_s, beta, gamma, chunks, c):
         chunks = optimal_pipeline_chunks(nbytes, n, alpha_s, beta, gamma, trees=2 if c == 1 else 1)
         if chunks == math.inf:  # α = 0: infinitely fine pipelining reaches the bandwidth limit
             return per_chunk_bytes
-    if not (isinstance(chunks, int) and chunks >= 1):
-        raise ValueError(f"chunks must be an int >= 1 (or None to choose the best), got {chunks!r}")
+    checks.integer("chunks", chunks, note="or None to choose the best")
     return (depth + chunks - 1) * (2 * alpha_s + per_chunk_bytes / chunks)
 
 
