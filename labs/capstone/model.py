@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 from commlab.experiments.corpus import VOCAB
-from commlab.parallel.tensor import MLP, ParallelMLP, ParallelSelfAttention, SelfAttention
+from commlab.parallel.tensor import ParallelMLP, ParallelSelfAttention, SelfAttention, TransformerMLP
 
 __all__ = ["GPTConfig", "GPT", "Block", "Embedding", "Head", "PARAM_DTYPE", "MATMUL_DTYPE", "build_gpt",
            "check_layout", "apply_tp", "pipeline_stages", "lm_loss"]
@@ -135,7 +135,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden)
         self.attn: nn.Module = SelfAttention(config.hidden, config.heads, causal=True)
         self.ln2 = nn.LayerNorm(config.hidden)
-        self.mlp: nn.Module = MLP(config.hidden, config.ffn)
+        self.mlp: nn.Module = TransformerMLP(config.hidden, config.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
