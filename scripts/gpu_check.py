@@ -282,7 +282,7 @@ def _collective_rows(device: torch.device) -> list[Check]:
     from commlab.collectives import (all_to_all_v, hierarchical_all_reduce, make_hierarchy_groups, rhd_all_reduce,
                                      recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
                                      ring_reduce_scatter, tree_all_reduce)
-    from commlab.collectives._common import all_gather_single, chunk_bounds
+    from commlab.collectives.common import all_gather_single, chunk_bounds
 
     rank, n = dist.get_rank(), dist.get_world_size()
     rows = []
