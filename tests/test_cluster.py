@@ -86,6 +86,7 @@ def test_a_node_that_never_joins_fails_within_the_join_timeout_naming_who_came()
     _assert_nothing_left(run_id)
 
 
+@pytest.mark.timing
 def test_a_port_already_in_use_stops_node_zero_with_torchs_error_and_the_others_after_the_probe():
     """Node 0 fails to host the store with torch's own EADDRINUSE error; the other nodes, whose torchrun would wait
     for good on a port that is not a store (see the test of torch's store client below), stop after PROBE_S."""
@@ -105,6 +106,7 @@ def test_a_port_already_in_use_stops_node_zero_with_torchs_error_and_the_others_
     _assert_nothing_left(run_id)
 
 
+@pytest.mark.timing
 def test_torchs_store_client_waits_past_its_timeout_on_a_port_that_is_not_a_store():
     """Why the per-node command probes the endpoint (torch 2.13): a TCPStore client whose endpoint accepts the
     connection but never answers does not give up at its timeout, so a plain torchrun there waits for good."""
@@ -138,6 +140,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.timing
 def test_torchs_agents_lose_the_store_when_the_agent_hosting_it_fails_first(tmp_path):
     """Why node 0 hosts the store and keeps it up (torch 2.13): an agent whose worker fails returns at once
     (SimpleElasticAgent._invoke_run calls _exit_barrier on success only), and the store it hosted goes with it;
@@ -390,6 +393,7 @@ def test_the_per_node_command_refuses_what_cannot_work(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.timing
 def test_node_zero_on_a_host_that_is_not_this_machine_gets_torchs_connect_timeout():
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "commlab.launch.torchrun", "--nnodes", "2", "--node-rank", "0",
