@@ -21,6 +21,7 @@ import torch.distributed as dist
 from commlab.collectives import p2p
 from commlab.collectives.common import all_gather_single, reduce_scatter_single, ring_geometry
 from commlab.collectives.all_to_all import all_to_all
+from commlab.parallel.tensor.communications import conjugate_pair
 
 __all__ = ["ring_pass", "SeqToHeads", "HeadsToSeq", "AllGatherSequence", "seq_to_heads", "heads_to_seq",
            "all_gather_sequence"]
@@ -51,6 +52,8 @@ def ring_pass(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
 def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
     # [..., h, s/N, d] -> [N, ..., h/N, s/N, d]: block j (heads j h/N .. (j+1) h/N - 1) goes to rank j.
     n = dist.get_world_size(group)
+    if n == 1:
+        return x
     send = x.unflatten(-3, (n, x.shape[-3] // n)).movedim(-4, 0).contiguous()
     recv = all_to_all(send, group, check=False)  # row j: sequence block j of this rank's heads
     return recv.movedim(0, -3).flatten(-3, -2)     # [..., h/N, N, s/N, d] -> [..., h/N, s, d]
@@ -59,6 +62,8 @@ def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
 def _to_seq(y: torch.Tensor, group) -> torch.Tensor:
     # [..., h/N, s, d] -> [N, ..., h/N, s/N, d]: sequence block j goes back to rank j.
     n = dist.get_world_size(group)
+    if n == 1:
+        return y
     send = y.unflatten(-2, (n, y.shape[-2] // n)).movedim(-3, 0).contiguous()
     recv = all_to_all(send, group, check=False)  # row j: this rank's sequence block of head group j
     return recv.movedim(0, -4).flatten(-4, -3)     # [..., N, h/N, s/N, d] -> [..., h, s/N, d]
@@ -68,27 +73,13 @@ class SeqToHeads(torch.autograd.Function):
     """Ulysses' first AllToAll (Jacobs et al. 2023, §3.1): ``[..., h, s/N, d]`` (a sequence shard of every
     head) -> ``[..., h/N, s, d]`` (the whole sequence of this rank's heads). Backward: :class:`HeadsToSeq`."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x if dist.get_world_size(group) == 1 else _to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (grad if dist.get_world_size(ctx.group) == 1 else _to_seq(grad, ctx.group)), None
+    forward, backward = conjugate_pair(_to_heads, _to_seq)
 
 
 class HeadsToSeq(torch.autograd.Function):
     """Ulysses' second AllToAll: ``[..., h/N, s, d]`` -> ``[..., h, s/N, d]``. Backward: :class:`SeqToHeads`."""
 
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return y if dist.get_world_size(group) == 1 else _to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (grad if dist.get_world_size(ctx.group) == 1 else _to_heads(grad, ctx.group)), None
+    forward, backward = conjugate_pair(_to_seq, _to_heads)
 
 
 class AllGatherSequence(torch.autograd.Function):

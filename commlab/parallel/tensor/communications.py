@@ -8,9 +8,10 @@ here by what they do): :func:`gather_sequence` (all-gather along the sequence fo
 backward) and :func:`reduce_scatter_sequence` (the reverse), the same bytes on a ring. For layers on their
 own: :func:`gather_last_dim` and :func:`split_last_dim`. An all-reduce of a ``(batch, seq, hidden)``
 activation of ``e`` bytes per element carries ``batch·seq·hidden·e`` bytes of payload (a ring sends
-``2(t-1)/t`` of it per rank); none with one rank. Every function takes the group explicitly. Inside
-``with timed(group, timer):`` each collective on ``group`` is timed into a :class:`CommTimer` (the capstone
-reports TP communication apart from compute).
+``2(t-1)/t`` of it per rank); none with one rank. Every function takes the group explicitly; each
+operator's forward and backward come from :func:`conjugate_pair`. Inside ``with timed(group, timer):``
+each collective on ``group`` is timed into a :class:`CommTimer` (the capstone reports TP communication
+apart from compute).
 
 Book: chapter 10, §10.2 and §10.9; chapter 13, §13.1.
 """
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 __all__ = ["F", "G", "f", "g", "GatherLastDim", "SplitLastDim", "gather_last_dim", "split_last_dim",
            "GatherSequence", "ReduceScatterSequence", "gather_sequence", "reduce_scatter_sequence", "SEQ_DIM",
-           "group_size", "group_rank", "CommTimer", "timed", "untimed"]
+           "group_size", "group_rank", "CommTimer", "timed", "untimed", "conjugate_pair"]
 
 
 class CommTimer:
@@ -126,7 +127,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+def _gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
@@ -134,7 +135,11 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(n)]
     with _timing(group):
         dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    return _gather_along(x, group, -1)
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -152,14 +157,7 @@ SEQ_DIM = 1
 
 
 def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    n = group_size(group)
-    if n == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(n)]
-    with _timing(group):
-        dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=SEQ_DIM)
+    return _gather_along(x, group, SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -177,83 +175,65 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def conjugate_pair(forward_op, backward_op):
+    """The ``forward`` and ``backward`` staticmethods of an autograd function over a group: ``forward_op(x,
+    group)`` forward and ``backward_op(grad, group)`` backward, each ``(tensor, group) -> tensor``.
+
+    Every operator below is such a pair of collectives (Megatron-LM's ``mappings.py`` writes them the same way),
+    so each class is one line: ``forward, backward = conjugate_pair(op, its_conjugate)``.
+    """
+
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return forward_op(x, group)
+
+    def backward(ctx, grad: torch.Tensor):
+        return backward_op(grad, ctx.group), None
+
+    return staticmethod(forward), staticmethod(backward)
+
+
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    # Returned as-is, autograd still records a node (it makes the output a view): no copy, no communication.
+    return x
+
+
 class F(torch.autograd.Function):
     """Megatron-LM's f (Shoeybi et al. 2019, §3, Fig. 3): identity forward, all-reduce (sum) backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)  # a new tensor object, so autograd records this node; no copy, no communication
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+    forward, backward = conjugate_pair(_identity, _all_reduce)
 
 
 class G(torch.autograd.Function):
     """Megatron-LM's g (Shoeybi et al. 2019, §3, Fig. 3): all-reduce (sum) forward, identity backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    forward, backward = conjugate_pair(_all_reduce, _identity)
 
 
 class GatherLastDim(torch.autograd.Function):
     """All-gather along the last dimension forward; this rank's slice of the gradient backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_last(grad, ctx.group), None
+    forward, backward = conjugate_pair(_gather_last, _split_last)
 
 
 class SplitLastDim(torch.autograd.Function):
     """This rank's slice of the last dimension forward; all-gather of the gradient backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_last(grad, ctx.group), None
+    forward, backward = conjugate_pair(_split_last, _gather_last)
 
 
 class GatherSequence(torch.autograd.Function):
     """Sequence parallelism's g (Korthikanti et al. 2022, §4.2.2, Fig. 5): all-gather along the sequence
     forward, reduce-scatter (sum) backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.group), None
+    forward, backward = conjugate_pair(_gather_seq, _reduce_scatter_seq)
 
 
 class ReduceScatterSequence(torch.autograd.Function):
     """Sequence parallelism's ḡ (Korthikanti et al. 2022, §4.2.2, Fig. 5): reduce-scatter (sum) along the
     sequence forward, all-gather backward."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+    forward, backward = conjugate_pair(_reduce_scatter_seq, _gather_seq)
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
