@@ -20,7 +20,8 @@ selftest`` and exits non-zero if a check fails:
   ``dist.all_reduce`` (and ``all_gather``/``reduce_scatter``) on odd sizes; AllToAllV with uneven splits
   against ``dist.all_to_all_single``.
 
-``--dry-run`` is not a flag here: the shell script runs the same parts on gloo CPU ranks with small sizes.
+``steps collectives`` runs both parts in one world, one table each. ``--dry-run`` is not a flag here: the shell
+script runs the same parts on gloo CPU ranks with small sizes (those two in one torchrun).
 """
 
 from __future__ import annotations
@@ -333,11 +334,14 @@ def _table(part: str, rows: list[Check], world: int, backend: str, launcher: str
 @record
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=["codecs", "steps", "collectives"])
+    parser.add_argument("parts", nargs="+", choices=["codecs", "steps", "collectives"], metavar="part",
+                        help="codecs, steps or collectives; steps and collectives together run in one world")
     parser.add_argument("--device", default=None, help="codecs: cuda (default when available) or cpu")
     parser.add_argument("--numel", type=int, default=1 << 20, help="codecs: elements of the test tensor")
     args = parser.parse_args(argv)
-    if args.part == "codecs":
+    if "codecs" in args.parts and len(args.parts) > 1:
+        parser.error(f"codecs runs alone, in one process without torchrun; got {' '.join(args.parts)}")
+    if args.parts == ["codecs"]:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         rows = _codec_rows(device, args.numel)
         print(_table(f"codecs on {device}", rows, 1, device.type, "none"))
@@ -346,16 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     from commlab.launch import init_from_env
     ctx = init_from_env()
     device = ctx.device
-    if args.part == "steps":
-        rows = _dp_rows(device) + _pipeline_rows(device) + _zero_rows(device) + _sharded_rows(device) + \
-            _train_rows(device)
-    else:
-        if ctx.world_size < 2:
-            raise SystemExit("gpu_check collectives needs >= 2 ranks")
-        rows = _collective_rows(device)
-    if ctx.rank == 0:
-        print(_table(args.part, rows, ctx.world_size, ctx.backend, ctx.launcher), flush=True)
-    ok = all(r.ok for r in rows)
+    if "collectives" in args.parts and ctx.world_size < 2:
+        raise SystemExit("gpu_check collectives needs >= 2 ranks")
+    ok = True
+    for part in args.parts:   # one table each, in the order given
+        if part == "steps":
+            rows = _dp_rows(device) + _pipeline_rows(device) + _zero_rows(device) + _sharded_rows(device) + \
+                _train_rows(device)
+        else:
+            rows = _collective_rows(device)
+        if ctx.rank == 0:
+            print(_table(part, rows, ctx.world_size, ctx.backend, ctx.launcher), flush=True)
+        ok = ok and all(r.ok for r in rows)
     dist.destroy_process_group()
     return 0 if ok else 1
 

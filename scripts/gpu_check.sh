@@ -16,8 +16,9 @@
 #   5b. the capstone (labs/capstone/train.py) on NCCL at world size 1: tokens/s, MFU and the time split;
 #   6. with >= 2 GPUs: every AllReduce algorithm, ReduceScatter, AllGather and AllToAllV on NCCL, the steps
 #      of 4 and the AllReduce table on all GPUs.
-# --dry-run runs steps 1-5b and 6a on 2 gloo ranks (6b and 6c would repeat 4 and 5 there), so that every
-# step's logic runs in CI. The exit status is the number of failed steps (0: all passed).
+# --dry-run runs steps 1-5b and 6a on 2 gloo ranks (6a in step 4's torchrun; 6b and 6c would repeat 4 and 5
+# there), with small sizes, so that every step's logic runs in CI. The exit status is the number of failed
+# steps (0: all passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (use --dry-run, --out FILE)" >&2; exit 2 ;;
   esac
   shift
@@ -37,15 +38,18 @@ PY=${PYTHON:-.venv/bin/python}
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --max-restarts 0)
 
 if [ "$DRY" = 1 ]; then
-  BACKEND=gloo; DEVICE=cpu; NGPU=2; SIZE=256K; NUMEL=4096; CAPSTONE_STEPS=6
+  # Step 5 from 64K: the same table in two rows (small messages cost a scheduler wait each on shared cores).
+  BACKEND=gloo; DEVICE=cpu; NGPU=2; MIN_SIZE=64K; SIZE=256K; NUMEL=4096; CAPSTONE_STEPS=6
 else
-  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  # One interpreter start for both: the GPU count and, for the refusal, torch's version.
+  read -r NGPU TORCH_VERSION < <("$PY" -c "import torch; print(torch.cuda.device_count(), torch.__version__)" 2>/dev/null)
+  [[ ${NGPU:-} =~ ^[0-9]+$ ]] || { NGPU=0; TORCH_VERSION=$("$PY" -c 'import torch' 2>&1); }   # why no torch
   if [ "$NGPU" -lt 1 ]; then
-    echo "gpu_check: no CUDA GPU is visible to torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1));" \
+    echo "gpu_check: no CUDA GPU is visible to torch ($TORCH_VERSION);" \
          "run with --dry-run to check the script on CPU" >&2
     exit 2
   fi
-  BACKEND=nccl; DEVICE=cuda; SIZE=64M; NUMEL=$((1 << 22)); CAPSTONE_STEPS=20
+  BACKEND=nccl; DEVICE=cuda; MIN_SIZE=1K; SIZE=64M; NUMEL=$((1 << 22)); CAPSTONE_STEPS=20
 fi
 
 : > "$OUT"
@@ -79,19 +83,22 @@ step "1. torchrun, $BACKEND, world $ONE: selftest" 120 \
 step "2. compressor round trips on $DEVICE vs CPU" 120 "$PY" scripts/gpu_check.py codecs --device $DEVICE --numel $NUMEL
 step "3. compressor throughput on $DEVICE vs the torch primitive" 150 \
   "$PY" -m commlab bench --compressors --device $DEVICE -e $SIZE -r 3 -n 2
-step "4. DP, pipeline, ZeRO-1/2/3, trainer on $DEVICE (torchrun, world $ONE)" 120 \
-  "${TORCHRUN[@]}" --nproc-per-node $ONE scripts/gpu_check.py steps
+if [ "$DRY" = 1 ]; then PARTS=(steps collectives); ALSO=" + 6a's collectives"; else PARTS=(steps); ALSO=; fi
+step "4. DP, pipeline, ZeRO-1/2/3, trainer on $DEVICE (torchrun, world $ONE)$ALSO" 120 \
+  "${TORCHRUN[@]}" --nproc-per-node $ONE scripts/gpu_check.py "${PARTS[@]}"
 step "5. bench --backend $BACKEND, world $ONE" 120 \
-  "${TORCHRUN[@]}" --nproc-per-node $ONE -m commlab bench --backend $BACKEND -b 1K -e $SIZE -r 3
+  "${TORCHRUN[@]}" --nproc-per-node $ONE -m commlab bench --backend $BACKEND -b $MIN_SIZE -e $SIZE -r 3
 step "5b. capstone, $BACKEND, world $ONE: tokens/s, MFU, time split" 150 \
   "${TORCHRUN[@]}" --nproc-per-node $ONE labs/capstone/train.py --dp $ONE --steps $CAPSTONE_STEPS --backend $BACKEND
 if [ "$NGPU" -ge 2 ]; then
-  step "6a. collectives on $NGPU ranks ($BACKEND)" 120 "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py collectives
   if [ "$DRY" = 1 ]; then
-    # A dry run's steps 4 and 5 already ran these commands at world 2 ($ONE): not run twice.
+    # A dry run's steps 4 and 5 already ran these at world 2 ($ONE): one torchrun start, not four.
+    SUMMARY+=("same        6a. collectives on $NGPU ranks: dry run, in step 4's torchrun")
     SUMMARY+=("same        6b. DP, pipeline, ZeRO-1/2/3, trainer on $NGPU ranks: dry run, step 4's command")
     SUMMARY+=("same        6c. bench, world $NGPU: dry run, step 5's command")
   else
+    step "6a. collectives on $NGPU ranks ($BACKEND)" 120 \
+      "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py collectives
     step "6b. DP, pipeline, ZeRO-1/2/3, trainer on $NGPU ranks ($BACKEND)" 120 \
       "${TORCHRUN[@]}" --nproc-per-node $NGPU scripts/gpu_check.py steps
     step "6c. bench --backend $BACKEND, world $NGPU" 150 \
