@@ -28,8 +28,8 @@ from commlab import checks
 from commlab.parallel.tensor.communications import (f, g, gather_last_dim, gather_sequence, group_rank, group_size,
                                                     reduce_scatter_sequence, split_last_dim)
 
-__all__ = ["TransformerMLP", "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
-           "ParallelSelfAttention", "block_allreduce_nbytes"]
+__all__ = ["TransformerMLP", "SelfAttention", "ParallelLinear", "ColumnParallelLinear", "RowParallelLinear",
+           "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes"]
 
 
 def block_allreduce_nbytes(batch: int, seq: int, hidden: int, element_nbytes: int, tp: int) -> dict[str, int]:
@@ -133,7 +133,32 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 # -- the parallel linear layers -------------------------------------------------------------------------------
 
-class ColumnParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
+    """What :class:`ColumnParallelLinear` and :class:`RowParallelLinear` share: :meth:`from_seed`, and the full
+    weight and bias reassembled over the group by the subclass's :meth:`gather_full`."""
+
+    @classmethod
+    def from_seed(cls, in_features: int, out_features: int, group, *, seed: int, bias: bool = True,
+                  dtype: torch.dtype = torch.float32, **kwargs) -> "ParallelLinear":
+        """Build the full ``nn.Linear`` from ``seed`` (identically on every rank), then shard it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        return cls(full, group, **kwargs)
+
+    def full_weight(self, grad: bool = False) -> torch.Tensor:
+        """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
+        return self.gather_full(self.weight.grad if grad else self.weight, "weight")
+
+    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
+        """The full ``(out,)`` bias (or its gradient) as :meth:`gather_full` gives it; None without a bias. Every
+        rank must call it."""
+        if self.bias is None:
+            return None
+        return self.gather_full(self.bias.grad if grad else self.bias, "bias")
+
+
+class ColumnParallelLinear(ParallelLinear):
     """``y = x A^T + b`` with ``A``'s output rows (the columns of ``A^T``) split across the TP group.
 
     Rank ``r`` keeps rows ``r * out/t .. (r+1) * out/t - 1`` of the weight and of the bias. Forward: ``f`` on the
@@ -171,29 +196,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(_rows(linear.weight, t, r, fused))
         self.bias = _param(_rows(linear.bias, t, r, fused)) if linear.bias is not None else None
 
-    @classmethod
-    def from_seed(cls, in_features: int, out_features: int, group, *, seed: int, bias: bool = True,
-                  dtype: torch.dtype = torch.float32, **kwargs) -> "ColumnParallelLinear":
-        """Build the full ``nn.Linear`` from ``seed`` (identically on every rank), then shard it."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-        return cls(full, group, **kwargs)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, self.group) if self.sequence_parallel else f(x, self.group)
         y = Fn.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
-
-    def full_weight(self, grad: bool = False) -> torch.Tensor:
-        """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
-        return self.gather_full(self.weight.grad if grad else self.weight, "weight")
-
-    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
-        """The full ``(out,)`` bias (or its gradient); None without a bias. Every rank must call it."""
-        if self.bias is None:
-            return None
-        return self.gather_full(self.bias.grad if grad else self.bias, "bias")
 
     def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
         """Any tensor laid out as this rank's ``weight`` or ``bias`` shard (``name``; e.g. an optimizer's moment of
@@ -209,7 +215,7 @@ class ColumnParallelLinear(nn.Module):
         return group_size(self.group) > 1
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """``y = x A^T + b`` with ``A``'s input columns split across the TP group; the partial sums all-reduced (g).
 
     Rank ``r`` keeps columns ``r * in/t .. (r+1) * in/t - 1`` of the weight and the whole bias (added once, after
@@ -244,15 +250,6 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(linear.weight.chunk(t, dim=1)[r])
         self.bias = _param(linear.bias) if linear.bias is not None else None
 
-    @classmethod
-    def from_seed(cls, in_features: int, out_features: int, group, *, seed: int, bias: bool = True,
-                  dtype: torch.dtype = torch.float32, **kwargs) -> "RowParallelLinear":
-        """Build the full ``nn.Linear`` from ``seed`` (identically on every rank), then shard it."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-        return cls(full, group, **kwargs)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group)
@@ -263,16 +260,6 @@ class RowParallelLinear(nn.Module):
         y = g(Fn.linear(x, self.weight), self.group)
         # The bias after g: added once, not t times.
         return y + self.bias if self.bias is not None else y
-
-    def full_weight(self, grad: bool = False) -> torch.Tensor:
-        """The full ``(out, in)`` weight (or its gradient) reassembled over the group; every rank must call it."""
-        return self.gather_full(self.weight.grad if grad else self.weight, "weight")
-
-    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
-        """The bias (or its gradient): not sharded, identical on every rank. None without a bias."""
-        if self.bias is None:
-            return None
-        return self.gather_full(self.bias.grad if grad else self.bias, "bias")
 
     def gather_full(self, local: torch.Tensor, name: str) -> torch.Tensor:
         """Any tensor laid out as this rank's ``weight`` or ``bias`` (``name``), reassembled to the full layer's
@@ -306,7 +293,7 @@ def tp_sharded_parameters(module: nn.Module) -> set[str]:
     """
     out = set()
     for prefix, sub in module.named_modules():
-        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(sub, ParallelLinear):
             for name, _ in sub.named_parameters(recurse=False):
                 if sub.is_sharded(name):
                     out.add(f"{prefix}.{name}" if prefix else name)
