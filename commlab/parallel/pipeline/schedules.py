@@ -175,10 +175,11 @@ def zb_h1_schedule(p: int, m: int) -> list[list[Op]]:
     """ZB-H1, the memory-efficient zero-bubble schedule (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
     ICLR 2024, §2.1, Fig. 3 top): 1F1B with each backward split into B (input gradient) and W (weight gradient).
 
-    Stage s runs 1F1B's ``w = min(p - s - 1, m)`` warm-up forwards, then ``F (w+k), B k`` for
-    ``k = 0 .. m-w-1`` with the W's delayed: stage s starts its W's only after its first ``s`` steady B's
-    (then one ``W (k - s)`` after each ``B k``), so every stage reaches the same ``min(p, m)`` micro-batches in
-    flight -- 1F1B's peak, stage 0's -- and its B's start as early as the pipeline allows. The drain runs
+    Stage s runs 1F1B's order (:func:`one_f_one_b_schedule`): ``w = min(p - s - 1, m)`` warm-up forwards,
+    then ``F (w+k), B k`` for ``k = 0 .. m-w-1`` with the W's delayed: stage s starts its W's only after its
+    first ``s`` steady B's (then one ``W (k - s)`` after each ``B k``), so every stage reaches the same
+    ``min(p, m)`` micro-batches in flight -- 1F1B's peak, stage 0's -- and its B's start as early as the
+    pipeline allows. The drain runs
     each remaining B followed by the oldest pending W, then the W's left. B depends on the next stage's B
     only (not on its W), so the W's delayed into the drain fill the idle time 1F1B leaves there.
 
@@ -194,21 +195,17 @@ def zb_h1_schedule(p: int, m: int) -> list[list[Op]]:
     Raises:
         ValueError: p < 1 or m < 1.
     """
-    _check_pm(p, m)
     schedule = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        ops = [Op(s, FORWARD, j) for j in range(warmup)]
-        pending = 0  # the oldest micro-batch whose W has not run yet
-        for k in range(m - warmup):
-            ops += [Op(s, FORWARD, warmup + k), Op(s, BACKWARD, k)]
-            if k >= s:  # W delayed by s steady steps: stage s then holds p micro-batches, as stage 0 does
+    for s, one_f_one_b in enumerate(one_f_one_b_schedule(p, m)):
+        # W's start after B s (delayed by s steady steps: stage s then holds p micro-batches, as stage 0 does),
+        # or at the drain's first B where the steady state is shorter than that.
+        first = min(s, m - min(p - s - 1, m))
+        ops, pending = [], 0  # pending: the oldest micro-batch whose W has not run yet
+        for op in one_f_one_b:
+            ops.append(op)
+            if op.kind == BACKWARD and op.microbatch >= first:
                 ops.append(Op(s, WEIGHT, pending))
                 pending += 1
-        for j in range(m - warmup, m):
-            ops.append(Op(s, BACKWARD, j))
-            ops.append(Op(s, WEIGHT, pending))
-            pending += 1
         ops += [Op(s, WEIGHT, j) for j in range(pending, m)]
         schedule.append(ops)
     return schedule
