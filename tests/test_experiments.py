@@ -206,6 +206,7 @@ def test_emulated_link_adds_at_least_its_transfer_time():
     assert statistics.median(r.step_s[1:]) >= 0.95 * need
 
 
+@pytest.mark.slow
 def test_grid_resumes_from_its_file(tmp_path):
     path = tmp_path / "g.jsonl"
     cfgs = [RunConfig("digits", "dense", world_size=2, steps=4, eval_every=2),

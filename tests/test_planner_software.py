@@ -463,6 +463,7 @@ def test_search_takes_its_knobs_from_the_profile():
     assert {p.layout.recompute for p in res.plans} >= {"selective"}
 
 
+@pytest.mark.slow
 def test_cli_validate_prints_rows_ranks_and_the_median(capsys):
     assert main(["plan", "--validate"]) == 0
     out = capsys.readouterr().out

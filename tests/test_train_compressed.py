@@ -54,6 +54,7 @@ def test_train_compressed_reports_divergence_on_every_rank():
     assert len(steps) == 1 and None not in steps and runs[0].losses == [] and math.isnan(runs[0].test_accuracy)
 
 
+@pytest.mark.slow
 def test_train_compressed_with_error_feedback_object_is_deterministic():
     a = launch(_train, 2, "ef", print_output=False)
     b = launch(_train, 2, "ef", print_output=False)
