@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from commlab.bench.timing import max_over_ranks
 from commlab.collectives import ring_all_reduce
 from commlab.launch import group_device, launch, read_env
 from commlab.launch.env import detect_launcher
@@ -70,9 +71,7 @@ class Check:
 def max_over_world(value: float, device: torch.device) -> float:
     """The largest ``value`` over every rank of the default group (an AllReduce MAX of one float64 on
     ``device``, the group's device); every rank must call it and gets the same number."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return max_over_ranks([value], device)[0]
 
 
 def _ring_checks(device: torch.device) -> list[Check]:

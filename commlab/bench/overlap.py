@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from commlab.bench.timing import max_over_ranks
+
 __all__ = ["OverlapBenchRow", "DEFAULT_CAPS", "bench_overlap", "print_overlap_bench"]
 
 KiB, MiB = 2 ** 10, 2 ** 20
@@ -82,11 +84,8 @@ def _bench_rank(widths, batch_size, caps, steps, warmup, seed):
                         fractions.append(f)
                         comm.append(c)
                         exposed.append(e)
-        slowest = {}
-        for name, ts in times.items():  # each step is as slow as its slowest rank
-            t = torch.tensor(ts, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            slowest[name] = statistics.median(t.tolist())
+        # each step is as slow as its slowest rank
+        slowest = {name: statistics.median(max_over_ranks(ts)) for name, ts in times.items()}
         med = statistics.median
         rows.append(OverlapBenchRow(label, cap, len(runs["ours"][0].buckets), slowest["ours"], slowest["ddp"],
                                     med(fractions), med(exposed), med(comm)))

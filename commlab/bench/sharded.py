@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from commlab.bench.timing import max_over_ranks
+
 __all__ = ["ShardedBenchRow", "bench_sharded", "print_sharded_bench"]
 
 
@@ -76,11 +78,8 @@ def _bench_rank(widths, batch_size, steps, warmup, seed):
             opt.zero_grad()
             if step >= warmup:
                 times[name].append(time.perf_counter() - t0)
-    slowest = {}
-    for name in names:  # each step is as slow as its slowest rank
-        t = torch.tensor(times[name], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[name] = statistics.median(t.tolist())
+    # each step is as slow as its slowest rank
+    slowest = {name: statistics.median(max_over_ranks(ts)) for name, ts in times.items()}
     rows = []
     for prefetch in (True, False):
         sdp, opt = runs[prefetch]

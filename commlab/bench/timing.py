@@ -1,14 +1,15 @@
 """The measuring primitives every benchmark shares, run inside a rank.
 
-How many calls a timed round makes, how the slowest rank's time is found, and how a result is checked
-against ``dist.all_reduce`` (nccl-tests' ``#wrong``): one definition each, so that the nccl-tests table,
-the algorithm comparison and the calibration measure the same way.
+How many calls a timed round makes, how the slowest rank's time is found (:func:`max_over_ranks`, per round
+or per step), and how a result is checked against ``dist.all_reduce`` (nccl-tests' ``#wrong``): one
+definition each, so that the nccl-tests table, the algorithm comparison, the calibration and the
+step-time tables measure the same way.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,17 @@ def calls_per_round(nbytes: int, payload_nbytes: int, most: int) -> int:
     return int(min(most, max(1, payload_nbytes // max(nbytes, 1))))
 
 
+def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+    """Element-wise largest of every rank's ``values`` (one AllReduce MAX of float64 on ``device``, the group's
+    device); every rank must call it with as many values, and gets the same list."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def slowest_rank(seconds: float, device: torch.device | str = "cpu") -> float:
     """The largest of every rank's ``seconds``: a collective is as slow as its slowest rank."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return max_over_ranks([seconds], device)[0]
 
 
 def time_calls(fn: Callable[[], object], calls: int, device: torch.device | str = "cpu") -> float:
