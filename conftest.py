@@ -1,7 +1,9 @@
 """Loaded by every pytest run in this checkout, also one that collects only book/ or labs/ (nbval)."""
-from tools.nbtools import pin_cpu_kernels
+from tools.nbtools import TESTED_CPU_KERNELS, pin_cpu_kernels
 
-pin_cpu_kernels()  # before torch is imported: the kernels nbval starts inherit it (see its docstring)
+# Before torch is imported; the kernels nbval starts inherit it: ATen's other kernel family than the
+# stored outputs', so that every run compares across CPUs' rounding (see pin_cpu_kernels).
+pin_cpu_kernels(TESTED_CPU_KERNELS)
 
 
 def pytest_collection_modifyitems(items):

@@ -1,6 +1,8 @@
 """tools/nbtools.py's tag-ignore: nbval's output-ignoring comment becomes a cell tag, and nbval still
-ignores that cell's output (checked by running nbval itself on a small notebook)."""
+ignores that cell's output (checked by running nbval itself on a small notebook); and its CPU-kernel pin:
+nbval's kernels run another ATen kernel family than the stored outputs, unless one is set explicitly."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -62,3 +64,29 @@ def test_nbval_ignores_the_output_of_a_tagged_cell(tmp_path):
     out = proc.stdout + proc.stderr
     assert "PASSED nb.ipynb::Cell 0" in out, out
     assert "FAILED nb.ipynb::Cell 1" in out, out
+
+
+def test_pin_cpu_kernels_keeps_an_explicit_value(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    nbtools.pin_cpu_kernels(nbtools.TESTED_CPU_KERNELS)
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    nbtools.pin_cpu_kernels(nbtools.TESTED_CPU_KERNELS)
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
+    assert nbtools.STORED_CPU_KERNELS != nbtools.TESTED_CPU_KERNELS  # two families, compared on every run
+
+
+@pytest.mark.notebooks
+def test_nbval_kernels_run_the_tested_kernels(tmp_path):
+    # The root conftest.py, loaded as a plugin, pins the kernels nbval starts: the stored "DEFAULT" must
+    # match what torch reports inside that kernel when nothing else set ATEN_CPU_CAPABILITY.
+    _notebook(tmp_path / "nb.ipynb", ("import torch\nprint(torch.backends.cpu.get_cpu_capability())", "DEFAULT\n"))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-c",
+                           "pytest.ini", "--nbval", "--nbval-current-env", "-rA", "-q", "nb.ipynb"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "PASSED nb.ipynb::Cell 0" in out, out

@@ -3,6 +3,11 @@
 ``python tools/nbtools.py execute PATH...`` runs notebooks top to bottom with the current interpreter's
 kernel and stores their outputs, which nbval then compares on every test run.
 
+Two kernel families: stored outputs come from ATen's AVX2 kernels (x86-64), nbval's runs from its scalar
+``default`` ones (the root conftest.py), so every test run compares across CPUs' rounding. A compared
+cell therefore prints only what rounding cannot move (counts, bytes, booleans, values at the text's
+precision); losses, accuracies and rounding errors go in ``nbval-ignore-output`` cells beside an assert.
+
 ``python tools/nbtools.py tag-ignore PATH...`` moves nbval's output-ignoring marker out of the code the
 reader sees: each code cell whose first line is the comment ``# NBVAL_IGNORE_OUTPUT`` loses that line and
 gets nbval's cell tag ``nbval-ignore-output`` instead (same effect for nbval; the book shows no marker).
@@ -42,23 +47,28 @@ def write(path: str, cells) -> None:
     nbformat.write(nb, path)
 
 
-def pin_cpu_kernels() -> None:
-    """Have notebook kernels started from this process run ATen's AVX2 kernels on x86-64 (they inherit the
-    environment), unless ``ATEN_CPU_CAPABILITY`` is already set. Call it before torch is imported.
+STORED_CPU_KERNELS = "avx2"   # ATen kernels of the stored outputs (x86-64 only; elsewhere the machine's own)
+TESTED_CPU_KERNELS = "default"  # ATen kernels of nbval's runs: scalar code, valid on every CPU
 
-    nbval compares notebook outputs digit for digit, and ATen picks its vectorised CPU kernels by the machine:
-    AVX-512 kernels sum in other orders than AVX2 ones, so a training curve stored on one CPU drifts on the
-    other (seen: a CI machine without AVX-512 got PowerSGD's accuracy 0.883 against a stored 0.894). Any
-    x86-64 CPU of the last decade has AVX2; elsewhere the value would be invalid, and torch would warn into
-    the outputs. It pins ATen's own kernels, not MKL's or oneDNN's, which gave the same results on both kinds
-    of machine. The root conftest.py calls it for every pytest run; scripts/build_book.sh does the same in
-    shell."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+def pin_cpu_kernels(capability: str) -> None:
+    """Set ``ATEN_CPU_CAPABILITY`` to ``capability`` for this process and the notebook kernels it starts
+    (they inherit the environment), unless it is already set: an explicit value always wins, so
+    ``ATEN_CPU_CAPABILITY=avx2 pytest --nbval ...`` tests on the stored outputs' own kernels. Call it before
+    torch is imported.
+
+    ATen picks its vectorised kernels by the CPU, and they round sums differently; so do thread counts.
+    Outputs stored under pinned AVX2 kernels on one machine still differed on others, so nbval runs
+    another family than the stored outputs': a cell whose output rounding can move fails on every test
+    run, not first on a reader's CPU. ``avx2`` is an x86-64 value (elsewhere torch would warn into the
+    outputs); ``default`` is valid everywhere."""
+    if capability != "default" and platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", capability)
 
 
 def execute(path: str, timeout: int = 300) -> None:
-    pin_cpu_kernels()  # stored outputs come from the same kernels as nbval's runs
+    pin_cpu_kernels(STORED_CPU_KERNELS)
     nb = nbformat.read(path, as_version=4)
     # record_timing=False: per-cell timestamps would make every re-execution a diff of every cell.
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
