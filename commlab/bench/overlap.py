@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from commlab import checks
 from commlab.bench.timing import max_over_ranks
 
 __all__ = ["OverlapBenchRow", "DEFAULT_CAPS", "bench_overlap", "print_overlap_bench"]
@@ -103,10 +104,9 @@ def bench_overlap(world_size: int = 2, caps: Sequence[tuple[str, int]] = DEFAULT
     from commlab.launch import launch
     from commlab.overlap.profile import MEASURE_WIDTHS
 
-    if world_size < 2:
-        raise ValueError(f"world_size must be >= 2 (one rank has nothing to all-reduce), got {world_size}")
-    if steps < 1 or warmup < 2:
-        raise ValueError(f"need steps >= 1 and warmup >= 2 (DDP rebuilds its buckets after step 1), got {steps}, {warmup}")
+    checks.integer("world_size", world_size, least=2, note="one rank has nothing to all-reduce")
+    checks.integer("steps", steps)
+    checks.integer("warmup", warmup, least=2, note="DDP rebuilds its buckets after step 1")
     widths = tuple(MEASURE_WIDTHS if widths is None else widths)
     return launch(_bench_rank, world_size, widths, batch_size, list(caps), steps, warmup, seed, timeout=timeout)[0]
 

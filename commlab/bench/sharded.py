@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from commlab import checks
 from commlab.bench.timing import max_over_ranks
 
 __all__ = ["ShardedBenchRow", "bench_sharded", "print_sharded_bench"]
@@ -98,10 +99,9 @@ def bench_sharded(world_size: int = 2, widths=None, batch_size: int = 64, steps:
     from commlab.launch import launch
     from commlab.overlap.profile import MEASURE_WIDTHS
 
-    if world_size < 2:
-        raise ValueError(f"world_size must be >= 2 (one rank shards nothing), got {world_size}")
-    if steps < 1 or warmup < 1:
-        raise ValueError(f"need steps >= 1 and warmup >= 1, got {steps}, {warmup}")
+    checks.integer("world_size", world_size, least=2, note="one rank shards nothing")
+    checks.integer("steps", steps)
+    checks.integer("warmup", warmup)
     widths = tuple(MEASURE_WIDTHS if widths is None else widths)
     return launch(_bench_rank, world_size, widths, batch_size, steps, warmup, seed, timeout=timeout)[0]
 
