@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from commlab.compress import SignCompressor, TopK
-from commlab.exercises.report import CheckReport
+from commlab.exercises.report import CheckReport, raised
 
 __all__ = ["check_error_feedback"]
 
@@ -70,7 +70,7 @@ def check_error_feedback(cls: Callable, steps: int = 5, numel: int = 40) -> Chec
                     raise ValueError("compress returned None: return the payload of the corrected tensor")
                 got.append(ef.decompress(p).reshape(-1))
         except Exception as e:  # report, do not crash the notebook
-            report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+            report.cases.append((desc, False, raised(e)))
             continue
         want, _ = _reference(comp, grads)
         bad = [t for t, (a, b) in enumerate(zip(got, want)) if a.shape != b.shape or not torch.allclose(a, b, atol=1e-5)]
@@ -93,7 +93,7 @@ def check_error_feedback(cls: Callable, steps: int = 5, numel: int = 40) -> Chec
         report.cases.append((desc, ok, "" if ok else "what was sent plus the residual differs from the sum of the "
                              "gradients: some part of a gradient was dropped or counted twice"))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
 
     desc = "two keys keep separate residuals"
     a, b = _grads(2, numel, seed=7), _grads(2, numel, seed=8)
@@ -115,7 +115,7 @@ def check_error_feedback(cls: Callable, steps: int = 5, numel: int = 40) -> Chec
                    "(one shared residual mixes layers)")
         report.cases.append((desc, ok, msg))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
 
     desc = "the input tensor is left unchanged"
     try:
@@ -128,5 +128,5 @@ def check_error_feedback(cls: Callable, steps: int = 5, numel: int = 40) -> Chec
         report.cases.append((desc, ok, "" if ok else "compress modified its input in place (e.g. x += residual); "
                              "the caller still owns that tensor: work on a copy"))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
     return report

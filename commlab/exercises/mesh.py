@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from commlab.exercises.report import CheckReport, is_stub_result
+from commlab.exercises.report import CheckReport, is_stub_result, raised
 from commlab.parallel import ParallelLayout
 
 __all__ = ["check_coords_and_groups", "MESH_LAYOUTS"]
@@ -63,7 +63,7 @@ def check_coords_and_groups(fn: Callable) -> CheckReport:
             try:
                 got = fn(rank, dp, pp, tp)
             except Exception as exc:  # the learner's code: report any error as a failed case
-                problem = f"rank {rank} raised {type(exc).__name__}: {exc}"
+                problem = f"rank {rank} {raised(exc)}"
                 break
             if is_stub_result(got) and not report.cases:
                 report.not_attempted = getattr(fn, "__name__", "fn")

@@ -18,7 +18,7 @@ import torch
 from commlab import checks
 from commlab.compress import powersgd_nbytes
 from commlab.compress.powersgd import compressed_shape
-from commlab.exercises.report import NO_ANSWER, CheckReport
+from commlab.exercises.report import NO_ANSWER, CheckReport, raised
 
 __all__ = ["check_bytes_per_step", "mlp_shapes", "bytes_per_step_cases"]
 
@@ -86,7 +86,7 @@ def check_bytes_per_step(fn: Callable, answer) -> CheckReport:
                 try:
                     alone = fn([shape], r)
                 except Exception as e:
-                    msg += f"; for the tensor of shape {shape} alone it raised {type(e).__name__}: {e}"
+                    msg += f"; for the tensor of shape {shape} alone it {raised(e)}"
                     break
                 if alone != _want([shape], r):
                     msg += (f"; the first tensor it gets wrong is shape {shape} (alone: {alone!r} bytes): "

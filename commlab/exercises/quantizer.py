@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from commlab.compress import QSGD, Payload, qsgd_variance_bound
-from commlab.exercises.report import CheckReport, is_stub_result
+from commlab.exercises.report import CheckReport, is_stub_result, raised
 
 __all__ = ["check_qsgd", "QSGD_DRAWS"]
 
@@ -99,7 +99,7 @@ def check_qsgd(cls: Callable, levels: int = _LEVELS) -> CheckReport:
         q = cls(s, 0)
         first = q.compress(next(iter(inputs.values())).clone())
     except Exception as e:  # the learner's code: report any error as a failed case
-        report.cases.append((desc, False, f"cls({s}, 0).compress raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, f"cls({s}, 0).compress {raised(e)}"))
         return report
     if is_stub_result(first):
         report.not_attempted = f"{getattr(cls, '__name__', 'cls')}.compress"
@@ -129,7 +129,7 @@ def check_qsgd(cls: Callable, levels: int = _LEVELS) -> CheckReport:
                                         rtol=1e-6, atol=0):
                     problem = "decompress of commlab's QSGD payload for the same input gives other values"
         except Exception as e:
-            problem = f"raised {type(e).__name__}: {e}"
+            problem = raised(e)
         report.cases.append((desc, problem is None, problem or ""))
 
     x = torch.randn(64, generator=torch.Generator().manual_seed(12))
@@ -156,7 +156,7 @@ def check_qsgd(cls: Callable, levels: int = _LEVELS) -> CheckReport:
         report.cases.append((desc, var <= bound, "" if var <= bound else
                              f"E||Q(x) - x||^2 = {var:.4g} is above the bound {bound:.4g}"))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
 
     desc = "an all-zero tensor gives zeros (no division by a zero norm)"
     try:
@@ -167,7 +167,7 @@ def check_qsgd(cls: Callable, levels: int = _LEVELS) -> CheckReport:
         report.cases.append((desc, ok, "" if ok else "the output is not all zeros (NaN from 0 / 0?): treat a zero "
                              "norm as a tensor of zero levels"))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
 
     desc = "the seed: the same seed gives the same draws, another seed others"
     try:
@@ -182,5 +182,5 @@ def check_qsgd(cls: Callable, levels: int = _LEVELS) -> CheckReport:
                    "seeded with `seed` (one per compressor), not from the global generator")
         report.cases.append((desc, ok, msg))
     except Exception as e:
-        report.cases.append((desc, False, f"raised {type(e).__name__}: {e}"))
+        report.cases.append((desc, False, raised(e)))
     return report

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Callable
 
-__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "NO_ANSWER", "is_stub_result", "how_far", "grade_number"]
+__all__ = ["CheckReport", "MAX_FAILURES_SHOWN", "NO_ANSWER", "is_stub_result", "how_far", "raised", "grade_number"]
 
 #: Failures listed in a report; a mistake usually fails many cases alike, and the first ones say what it is.
 MAX_FAILURES_SHOWN = 3
@@ -30,6 +30,11 @@ NO_ANSWER = object()
 def is_stub_result(value) -> bool:
     """Whether a learner's function returned what the labs' stubs return (``None``) instead of an answer."""
     return value is None
+
+
+def raised(error: BaseException) -> str:
+    """How a failed case names an exception the learner's code raised: ``"raised ValueError: <its message>"``."""
+    return f"raised {type(error).__name__}: {error}"
 
 
 def how_far(got: float, want: float) -> str:
@@ -95,7 +100,7 @@ class CheckReport:
                 return NO_ANSWER
             return convert(got) if convert is not None else got
         except Exception as e:  # noqa: BLE001 - the learner's code: any error is a failed case
-            message = f"raised {type(e).__name__}: {e}" + (f" ({hint})" if hint else "")
+            message = raised(e) + (f" ({hint})" if hint else "")
             self.cases.append((description, False, message))
             return NO_ANSWER
 

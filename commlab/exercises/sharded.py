@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import checks
-from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
+from commlab.exercises.report import NO_ANSWER, CheckReport, how_far, raised
 
 __all__ = ["check_zero3_bytes", "check_prefetch", "lab_model", "memory_model", "ZERO3_CASES", "MEMORY_WIDTHS"]
 
@@ -117,7 +117,7 @@ def _prefetch_job(wrap: Callable):
     try:
         sdp = wrap(lab_model())
     except Exception as exc:  # noqa: BLE001 - the learner's code: any error is a failed case
-        return ("error", f"wrap(model) raised {type(exc).__name__}: {exc}")
+        return ("error", f"wrap(model) {raised(exc)}")
     if sdp is None:
         return ("stub",)
     if not isinstance(sdp, ShardedDataParallel):
