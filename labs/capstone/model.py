@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+from commlab import checks
 from commlab.experiments.corpus import VOCAB
 from commlab.parallel.tensor import ParallelMLP, ParallelSelfAttention, SelfAttention, TransformerMLP
 
@@ -57,9 +58,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "ffn"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an int >= 1, got {value!r}")
+            checks.integer(f"GPTConfig.{name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
@@ -94,8 +93,7 @@ def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int |
             of blocks), or ``world_size != tp * pp * dp``.
     """
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+        checks.integer(f"--{name}", value)
     problems = []
     if config.heads % tp:
         problems.append(f"heads ({config.heads}) is not divisible by tp ({tp}): each TP rank computes whole heads")
@@ -203,11 +201,12 @@ def pipeline_stages(model: GPT, pp: int) -> list[nn.Sequential]:
     output the logits). The stages share the model's modules (no copy).
 
     Raises:
-        ValueError: ``layers % pp`` (see :func:`check_layout`).
+        ValueError: ``pp`` not an int >= 1, or ``layers % pp`` (see :func:`check_layout`).
     """
     layers = len(model.blocks)
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or layers % pp:
-        raise ValueError(f"layers ({layers}) must be divisible by pp ({pp!r})")
+    checks.integer("pp", pp, note="pipeline stages")
+    if layers % pp:
+        raise ValueError(f"layers ({layers}) must be divisible by pp ({pp})")
     per = layers // pp
     stages = []
     for s in range(pp):
