@@ -5,6 +5,7 @@ layout that does not divide, and runs under torchrun."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,29 +120,48 @@ def test_an_unknown_compressor_is_a_usage_error(capsys):
     assert code == 2 and "the argument of topk must be share kept in (0, 1]" in err
 
 
-def _resume_case(tmp_path, saved, resumed, dtype, saved_flags=None, resumed_flags=None, print_output=False):
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """``saved_runs(saved, dtype, flags)``: the losses of steps 3-5 of the uninterrupted 6-step run under the
+    layout ``saved`` and the checkpoint directory of a second run that stopped after step 2. Each saved side is
+    trained once per module: the reshard cases resume the same checkpoint under several layouts."""
+    done = {}
+
+    def get(saved, dtype, flags):
+        key = (saved, dtype, tuple(sorted(flags.items())))
+        if key not in done:
+            tp, pp, dp = saved
+            whole = dataclasses.replace(_opts(*saved), steps=6, dtype=dtype, **flags)
+            uninterrupted = launch(train, tp * pp * dp, whole, timeout=180, print_output=False)[0]
+            ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+            first = dataclasses.replace(whole, steps=3, ckpt_dir=str(ckpt), ckpt_every=3)
+            launch(train, tp * pp * dp, first, timeout=180, print_output=False)
+            done[key] = uninterrupted[3:], ckpt
+        return done[key]
+    return get
+
+
+def _resume_case(saved_runs, tmp_path, saved, resumed, dtype, saved_flags=None, resumed_flags=None,
+                 print_output=False):
     """Losses of steps 3-5 of the uninterrupted run under ``saved`` and of a run resumed under ``resumed`` from
-    the checkpoint the ``saved`` run wrote after step 2; ``*_flags``: more Options fields of each side."""
-    tp, pp, dp = saved
-    whole = dataclasses.replace(_opts(*saved), steps=6, dtype=dtype, **(saved_flags or {}))
-    uninterrupted = launch(train, tp * pp * dp, whole, timeout=180, print_output=False)[0]
-    ckpt = str(tmp_path / "ckpt")
-    first = dataclasses.replace(whole, steps=3, ckpt_dir=ckpt, ckpt_every=3)
-    launch(train, tp * pp * dp, first, timeout=180, print_output=False)
-    second = dataclasses.replace(_opts(*resumed), steps=6, dtype=dtype, ckpt_dir=ckpt, resume=True,
+    the checkpoint the ``saved`` run wrote after step 2 (a copy of it, in ``tmp_path``); ``*_flags``: more
+    Options fields of each side."""
+    want, saved_ckpt = saved_runs(saved, dtype, saved_flags or {})
+    ckpt = shutil.copytree(saved_ckpt, tmp_path / "ckpt")
+    second = dataclasses.replace(_opts(*resumed), steps=6, dtype=dtype, ckpt_dir=str(ckpt), resume=True,
                                  **(resumed_flags or {}))
     rest = launch(train, resumed[0] * resumed[1] * resumed[2], second, timeout=180, print_output=print_output)[0]
-    return uninterrupted[3:], rest
+    return want, rest
 
 
-def test_resume_gives_the_uninterrupted_losses_bitwise(tmp_path):
-    want, got = _resume_case(tmp_path, (2, 2, 2), (2, 2, 2), "float32")
+def test_resume_gives_the_uninterrupted_losses_bitwise(saved_runs, tmp_path):
+    want, got = _resume_case(saved_runs, tmp_path, (2, 2, 2), (2, 2, 2), "float32")
     assert got == want           # bitwise: the same layout, the same arithmetic
 
 
 @pytest.mark.parametrize("resumed", [(1, 2, 4), (2, 2, 1), (4, 1, 2)])
-def test_resume_under_another_layout_reshards_and_continues(tmp_path, resumed):
-    want, got = _resume_case(tmp_path, (2, 2, 2), resumed, "float64")
+def test_resume_under_another_layout_reshards_and_continues(saved_runs, tmp_path, resumed):
+    want, got = _resume_case(saved_runs, tmp_path, (2, 2, 2), resumed, "float64")
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) < TOL, (got, want)
 
 
@@ -220,19 +240,19 @@ def test_zero1_gives_the_same_losses_as_adam(single_process):
 ZERO1 = {"zero1": True}
 
 
-def test_zero1_resume_gives_the_uninterrupted_losses_bitwise(tmp_path):
+def test_zero1_resume_gives_the_uninterrupted_losses_bitwise(saved_runs, tmp_path):
     """ZeRO-1's sharded Adam state is gathered over DP into the one unsharded format and sharded again."""
-    want, got = _resume_case(tmp_path, (2, 1, 2), (2, 1, 2), "float32", ZERO1, ZERO1)
+    want, got = _resume_case(saved_runs, tmp_path, (2, 1, 2), (2, 1, 2), "float32", ZERO1, ZERO1)
     assert got == want
 
 
 @pytest.mark.parametrize("resumed, flags", [((1, 2, 2), ZERO1), ((1, 1, 4), ZERO1), ((4, 1, 1), {})],
                          ids=["1x2x2-zero1", "1x1x4-zero1", "4x1x1-adam"])
-def test_zero1_resume_under_another_layout_reshards_and_continues(tmp_path, resumed, flags):
+def test_zero1_resume_under_another_layout_reshards_and_continues(saved_runs, tmp_path, resumed, flags):
     """Saved as 2x1x2 with --zero1, resumed under another TP/PP/DP split, with or without it: the uninterrupted
     run's losses within TOL (float64: the layouts differ only in the order of their sums, TP AllReduces and DP
     averaging; Adam's arithmetic is element-wise, the same on a flat ZeRO shard as on a parameter)."""
-    want, got = _resume_case(tmp_path, (2, 1, 2), resumed, "float64", ZERO1, flags)
+    want, got = _resume_case(saved_runs, tmp_path, (2, 1, 2), resumed, "float64", ZERO1, flags)
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) < TOL, (got, want)
 
 
@@ -263,20 +283,20 @@ def test_compressed_dp_keeps_the_replicated_parameters_identical_on_every_tp_ran
 
 
 @pytest.mark.parametrize("saved, spec", [((2, 1, 2), "powersgd:2"), ((2, 1, 2), "topk:0.05")])
-def test_resume_with_a_compressor_gives_the_uninterrupted_losses_bitwise(tmp_path, saved, spec):
+def test_resume_with_a_compressor_gives_the_uninterrupted_losses_bitwise(saved_runs, tmp_path, saved, spec):
     """The DP comm hook's state is in the checkpoint: PowerSGD's residuals, warm-start Q matrices, step count and
     seed stream (it compresses from step 2, so step 2 left all of them); Top-K's error-feedback residuals."""
     flags = {"compressor": spec}
-    want, got = _resume_case(tmp_path, saved, saved, "float32", flags, flags)
+    want, got = _resume_case(saved_runs, tmp_path, saved, saved, "float32", flags, flags)
     assert got == want
 
 
-def test_resume_with_a_compressor_under_another_dp_layout_restarts_it_with_a_warning(tmp_path, capfd):
+def test_resume_with_a_compressor_under_another_dp_layout_restarts_it_with_a_warning(saved_runs, tmp_path, capfd):
     """Saved as 1x2x2 with Top-K, resumed as 1x1x4: the model and Adam are resharded (so the first resumed loss,
     which depends on the parameters only, is the uninterrupted one), and the compressor's per-rank, per-bucket
     residuals, which do not map onto 4 other ranks' buckets, start from zero, as rank 0 says."""
     flags = {"compressor": "topk:0.05"}
-    want, got = _resume_case(tmp_path, (1, 2, 2), (1, 1, 4), "float64", flags, flags, print_output=True)
+    want, got = _resume_case(saved_runs, tmp_path, (1, 2, 2), (1, 1, 4), "float64", flags, flags, print_output=True)
     captured = capfd.readouterr()
     err = captured.out + captured.err   # the ranks' output, printed by launch in rank order
     assert abs(got[0] - want[0]) < TOL
