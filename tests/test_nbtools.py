@@ -90,3 +90,13 @@ def test_nbval_kernels_run_the_tested_kernels(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert "PASSED nb.ipynb::Cell 0" in out, out
+
+
+def test_the_tests_themselves_keep_the_machines_kernels():
+    # Only nbval's kernels run the tested family: the suite itself (and the ranks it forks) keeps the fast ones.
+    import platform
+
+    import torch
+    if "ATEN_CPU_CAPABILITY" in os.environ or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("ATEN_CPU_CAPABILITY set explicitly, or not an x86-64 machine")
+    assert torch.backends.cpu.get_cpu_capability() != "DEFAULT"
