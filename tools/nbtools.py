@@ -52,10 +52,10 @@ TESTED_CPU_KERNELS = "default"  # ATen kernels of nbval's runs: scalar code, val
 
 
 def pin_cpu_kernels(capability: str) -> None:
-    """Set ``ATEN_CPU_CAPABILITY`` to ``capability`` for this process and the notebook kernels it starts
-    (they inherit the environment), unless it is already set: an explicit value always wins, so
-    ``ATEN_CPU_CAPABILITY=avx2 pytest --nbval ...`` tests on the stored outputs' own kernels. Call it before
-    torch is imported.
+    """Set ``ATEN_CPU_CAPABILITY`` to ``capability`` for the notebook kernels started from now on (they inherit
+    the environment), and for this process if torch is not imported yet, unless it is already set: an
+    explicit value always wins, so ``ATEN_CPU_CAPABILITY=avx2 pytest --nbval ...`` tests on the stored
+    outputs' own kernels.
 
     ATen picks its vectorised kernels by the CPU, and they round sums differently; so do thread counts.
     Outputs stored under pinned AVX2 kernels on one machine still differed on others, so nbval runs
