@@ -30,14 +30,38 @@ def _opts(tp, pp, dp):
     return Options(tp=tp, pp=pp, dp=dp, micro_batch=2, micro_batches=4 // dp, steps=STEPS, dtype="float64")
 
 
+def _train_each(runs):
+    """``train(opts)`` for each Options of ``runs`` in turn, in one launched world (each run makes its own
+    groups): the list of their losses. One launch, not one per run: a launch costs seconds on a busy machine."""
+    return [train(opts) for opts in runs]
+
+
+def _launch_each(world, runs, timeout=300, print_output=False):
+    """:func:`_train_each` on ``world`` ranks: for each run of ``runs``, the list of every rank's losses."""
+    per_rank = launch(_train_each, world, list(runs), timeout=timeout, print_output=print_output)
+    return [[losses[i] for losses in per_rank] for i in range(len(runs))]
+
+
 @pytest.fixture(scope="module")
 def single_process():
     return launch(train, 1, _opts(1, 1, 1), timeout=120)[0]
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1)])
-def test_every_layout_gives_the_single_process_losses(single_process, tp, pp, dp):
-    results = launch(train, 8, _opts(tp, pp, dp), timeout=180, print_output=False)
+LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def eight_ranks():
+    """Every rank's losses of the 8-rank runs compared with the single process, trained in one launch: each
+    layout of LAYOUTS, keyed by it, and ``"zero1"``: 2 x 2 x 2 with ZeRO-1."""
+    runs = {layout: _opts(*layout) for layout in LAYOUTS}
+    runs["zero1"] = dataclasses.replace(_opts(2, 2, 2), zero1=True)
+    return dict(zip(runs, _launch_each(8, runs.values())))
+
+
+@pytest.mark.parametrize("tp, pp, dp", LAYOUTS)
+def test_every_layout_gives_the_single_process_losses(single_process, eight_ranks, tp, pp, dp):
+    results = eight_ranks[(tp, pp, dp)]
     for losses in results:
         assert len(losses) == STEPS
         assert max(abs(a - b) for a, b in zip(losses, single_process)) < TOL, (losses, single_process)
@@ -101,17 +125,27 @@ def test_powersgd_on_the_dp_dimension_trains_below_a_stated_loss():
     three losses equal the dense run's; compressed after, so the rest differ; below 3.4 nats within 30 steps
     (measured: first step 4.85; at step 30 the dense run 3.12, the PowerSGD run 3.21)."""
     base = Options(pp=2, dp=2, micro_batch=2, micro_batches=2, steps=30)
-    dense = launch(train, 4, base, timeout=180, print_output=False)[0]
-    psgd = launch(train, 4, dataclasses.replace(base, compressor="powersgd:2"), timeout=180, print_output=False)
+    dense, psgd = _launch_each(4, [base, dataclasses.replace(base, compressor="powersgd:2")])
+    dense = dense[0]
     assert all(r == psgd[0] for r in psgd)                     # every rank logs the same global loss
     psgd = psgd[0]
     assert psgd[:3] == dense[:3] and psgd[3:] != dense[3:]
     assert min(psgd) < 3.4
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "int:8", "sign"])
-def test_other_compressors_on_the_dp_dimension_train(spec):
-    losses = launch(train, 2, Options(dp=2, steps=10, compressor=spec), timeout=120, print_output=False)[0]
+OTHER_COMPRESSORS = ["topk:0.05", "int:8", "sign"]
+
+
+@pytest.fixture(scope="module")
+def other_compressors():
+    """Rank 0's losses of 10 steps at dp = 2 with each of OTHER_COMPRESSORS, keyed by it, in one launch."""
+    runs = [Options(dp=2, steps=10, compressor=spec) for spec in OTHER_COMPRESSORS]
+    return {spec: losses[0] for spec, losses in zip(OTHER_COMPRESSORS, _launch_each(2, runs))}
+
+
+@pytest.mark.parametrize("spec", OTHER_COMPRESSORS)
+def test_other_compressors_on_the_dp_dimension_train(other_compressors, spec):
+    losses = other_compressors[spec]
     assert losses[-1] < losses[0] - 0.5
 
 
@@ -132,11 +166,10 @@ def saved_runs(tmp_path_factory):
         if key not in done:
             tp, pp, dp = saved
             whole = dataclasses.replace(_opts(*saved), steps=6, dtype=dtype, **flags)
-            uninterrupted = launch(train, tp * pp * dp, whole, timeout=180, print_output=False)[0]
             ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
             first = dataclasses.replace(whole, steps=3, ckpt_dir=str(ckpt), ckpt_every=3)
-            launch(train, tp * pp * dp, first, timeout=180, print_output=False)
-            done[key] = uninterrupted[3:], ckpt
+            uninterrupted, _ = _launch_each(tp * pp * dp, [whole, first])
+            done[key] = uninterrupted[0][3:], ckpt
         return done[key]
     return get
 
@@ -231,8 +264,8 @@ def test_a_killed_rank_without_restarts_fails_the_job_naming_it(tmp_path):
     assert "exitcode  : 13" in proc.stderr and "rank      : 1" in proc.stderr
 
 
-def test_zero1_gives_the_same_losses_as_adam(single_process):
-    results = launch(train, 8, dataclasses.replace(_opts(2, 2, 2), zero1=True), timeout=180, print_output=False)
+def test_zero1_gives_the_same_losses_as_adam(single_process, eight_ranks):
+    results = eight_ranks["zero1"]   # 2 x 2 x 2 with --zero1
     for losses in results:
         assert max(abs(a - b) for a, b in zip(losses, single_process)) < TOL
 
@@ -273,13 +306,27 @@ def _replicated_gap(spec):
     return gap
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "int:8", "sign", "powersgd:2"])
-def test_compressed_dp_keeps_the_replicated_parameters_identical_on_every_tp_rank(spec):
+def _replicated_gaps(specs):
+    return [_replicated_gap(spec) for spec in specs]
+
+
+GAP_SPECS = ["topk:0.05", "int:8", "sign", "powersgd:2"]
+
+
+@pytest.fixture(scope="module")
+def replicated_gaps():
+    """Every rank's :func:`_replicated_gap` at 2 x 1 x 2 for each of GAP_SPECS, keyed by it, in one launch."""
+    per_rank = launch(_replicated_gaps, 4, GAP_SPECS, timeout=300, print_output=False)
+    return {spec: [gaps[i] for gaps in per_rank] for i, spec in enumerate(GAP_SPECS)}
+
+
+@pytest.mark.parametrize("spec", GAP_SPECS)
+def test_compressed_dp_keeps_the_replicated_parameters_identical_on_every_tp_rank(replicated_gaps, spec):
     """TP shards and replicated parameters (embeddings, LayerNorms, row-parallel biases) sit in separate DP
     buckets, so a compressor whose output depends on the whole bucket (Top-K's selection, INT8's scale, sign's
     mean) sees the same replicated buckets on both TP ranks: those parameters stay bitwise equal. When they
     shared buckets, Top-K at 2x1x2 had them 5e-3 apart after 3 steps."""
-    assert launch(_replicated_gap, 4, spec, timeout=120, print_output=False) == [0.0] * 4
+    assert replicated_gaps[spec] == [0.0] * 4
 
 
 @pytest.mark.parametrize("saved, spec", [((2, 1, 2), "powersgd:2"), ((2, 1, 2), "topk:0.05")])
@@ -332,8 +379,8 @@ def test_bfloat16_is_mixed_precision_close_to_float32():
     """--dtype bfloat16: float32 parameters and Adam, the passes under bfloat16 autocast (TP's AllReduces carry
     bfloat16 partial sums); the first losses stay within 0.01 nats of the float32 run's."""
     base = Options(tp=2, steps=3)
-    fp32 = launch(train, 2, base, timeout=120, print_output=False)[0]
-    bf16 = launch(train, 2, dataclasses.replace(base, dtype="bfloat16"), timeout=120, print_output=False)
+    fp32, bf16 = _launch_each(2, [base, dataclasses.replace(base, dtype="bfloat16")])
+    fp32 = fp32[0]
     assert bf16[0] == bf16[1] and bf16[0] != fp32
     assert max(abs(a - b) for a, b in zip(bf16[0], fp32)) < 1e-2
 
