@@ -44,11 +44,6 @@ class CharLMConfig:
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
-    @property
-    def block(self) -> int:
-        """The former name of :attr:`seq`, kept for chapter 8's notebook until it says ``seq``."""
-        return self.seq
-
 
 class _Block(nn.Module):
     def __init__(self, cfg: CharLMConfig):
