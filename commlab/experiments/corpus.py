@@ -24,7 +24,7 @@ __all__ = ["VOCAB", "CharCorpus", "load_corpus", "corpus_text", "encode", "decod
 VOCAB: str = "\t\n" + "".join(chr(c) for c in range(32, 127))
 _INDEX = {ch: i for i, ch in enumerate(VOCAB)}
 _UNKNOWN = _INDEX["?"]
-# Id of every ASCII code point (VOCAB is ASCII); '?' for the three ASCII characters outside it.
+# Id of every ASCII code point (VOCAB is ASCII); '?' for the control characters outside VOCAB.
 _ASCII_IDS = np.full(128, _UNKNOWN, dtype=np.int64)
 _ASCII_IDS[[ord(ch) for ch in VOCAB]] = np.arange(len(VOCAB))
 
