@@ -76,11 +76,6 @@ class GPTConfig:
         from commlab.parallel.planner import parameter_count
         return parameter_count(self.planner_config())
 
-    @property
-    def block(self) -> int:
-        """The former name of :attr:`seq`, read by chapter 14's notebook until it says ``seq``."""
-        return self.seq
-
 
 def check_layout(config: GPTConfig, tp: int, pp: int, dp: int, world_size: int | None = None) -> None:
     """Refuse a layout that does not divide the model or the world, naming the numbers; pure, no process group.

@@ -44,12 +44,11 @@ from commlab.parallel.pipeline import pipeline_step
 from commlab.parallel.tensor import tp_sharded_parameters
 
 from labs.capstone import checkpoint, predict, preflight
-from labs.capstone.measure import SPLIT, StepLog, StepMeter, StepStats, profiled, steady_means, summary
+from labs.capstone.measure import StepLog, StepMeter, StepStats, profiled, steady_means, summary
 from labs.capstone.model import (GPT, MATMUL_DTYPE, PARAM_DTYPE, GPTConfig, apply_tp, build_gpt, check_layout, lm_loss,
                                  pipeline_stages)
 
-# SPLIT and StepStats are measure.py's, named here too for chapter 14's notebook.
-__all__ = ["Options", "parse_args", "parallelize", "apply_dp", "Trainer", "train", "main", "SPLIT", "StepStats"]
+__all__ = ["Options", "parse_args", "parallelize", "apply_dp", "Trainer", "train", "main"]
 
 
 def flag(default, help: str, **argparse_options):
