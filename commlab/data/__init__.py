@@ -28,15 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = ["path", "names", "load_json", "load_table", "record_path"]
 
-#: Where the course data lived before it was package data; :func:`path` still accepts it as a prefix.
-OLD_PREFIX = "data/"
-
-
 def _parts(name: str) -> list[str]:
     if not isinstance(name, str) or not name.strip("/"):
         raise ValueError(f"name must be a file of the course data such as 'hardware.json', got {name!r}")
-    if name.startswith(OLD_PREFIX):
-        name = name[len(OLD_PREFIX):]
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"name must be a relative path inside the course data, got {name!r}")
@@ -44,8 +38,7 @@ def _parts(name: str) -> list[str]:
 
 
 def path(name: str) -> "Traversable":
-    """The packaged file (or folder) ``name``: ``"hardware.json"``, ``"experiments/full.jsonl"``; the
-    checkout's old spelling ``"data/hardware.json"`` is accepted too. A Traversable (a
+    """The packaged file (or folder) ``name``: ``"hardware.json"``, ``"experiments/full.jsonl"``. A Traversable (a
     :class:`pathlib.Path` when the package is installed as files, as pip does).
 
     Raises:
