@@ -5,16 +5,13 @@ time. Conventions, used throughout commlab:
 
 * sizes are in **bytes** (``nbytes``); ``GB`` means 10**9 bytes, ``GiB`` means 2**30 bytes;
 * times are in **seconds**;
-* bandwidths are in **bytes/s per direction**. Vendors often quote the sum of both directions
-  ("bidirectional", e.g. NVLink 4's 900 GB/s); convert with :func:`per_direction_bytes_per_s`
-  before using such a figure here. Network ports are quoted in bits per second per direction
-  (InfiniBand HDR: 200 Gb/s); convert with :func:`gbit_per_s_to_bytes_per_s`;
+* bandwidths are in **bytes/s per direction**: convert vendors' bidirectional sums (NVLink 4's
+  900 GB/s) with :func:`per_direction_bytes_per_s`, ports' Gb/s with :func:`gbit_per_s_to_bytes_per_s`;
 * work is in **FLOP** and compute rates in **FLOP/s**.
 
-The ring cost formulas are those of Patarasuk & Yuan (2009) and Thakur, Rabenseifner & Gropp (2005);
-the 6·P·T training cost is from Kaplan et al. (2020), as used by Narayanan et al. (2021); the
-16 bytes per parameter of mixed-precision Adam is from Rajbhandari et al. (2020). Full references are
-in the course bibliography (``book/references.bib``).
+Sources: ring costs, Patarasuk & Yuan (2009) and Thakur et al. (2005); 6·P·T training FLOP, Kaplan
+et al. (2020); 16 bytes/parameter of mixed-precision Adam, Rajbhandari et al. (2020). Full references:
+``book/references.bib``.
 """
 
 from __future__ import annotations
@@ -341,34 +338,18 @@ def data_parallel_sync(
 ) -> SyncEstimate:
     """Estimate the per-step data-parallel communication of a model on ``nodes`` x ``gpus_per_node`` GPUs.
 
-    Layout: tensor parallelism of degree ``tp`` inside each node (``tp`` divides ``gpus_per_node``),
-    data parallelism of degree ``dp = nodes * gpus_per_node / tp`` over the rest. Each GPU holds
-    ``params / tp`` gradients and all-reduces them with the ``dp - 1`` other GPUs that hold the same
-    shard, in a ring that visits the nodes in order.
-
-    Traffic: each GPU sends ``f * (dp - 1) / dp * grad_bytes_per_gpu`` with ``f = 2`` for an
-    AllReduce (and for ZeRO stages 1-2, whose ReduceScatter of gradients plus AllGather of
-    parameters move the same bytes) and ``f = 3`` for ZeRO stage 3, which gathers the parameters
-    once more in the backward pass (Rajbhandari et al., 2020; parameters assumed to have the same
-    width as gradients). Each of the ``tp`` data-parallel rings leaves a node once, so a node sends
-    ``tp`` times the per-GPU bytes into the network.
-
-    Time: a ring is pipelined, so it runs at the pace of its slowest link. Inter-node traffic is
-    assumed spread evenly over the node's NICs (what NCCL does with several channels on a
-    rail-optimised cluster, one NIC per GPU); with one NIC all of it queues on that port. The
-    estimate is ``max(internode_bytes_per_node / (nics_per_node * nic_bytes_per_s),
-    bytes_per_gpu / nvlink_bytes_per_s)``, the second term only when a ring has two members in
-    one node. Latency and protocol overheads are ignored: they are microseconds per step here,
-    against seconds of bandwidth time.
+    Layout: TP of degree ``tp`` (a divisor of ``gpus_per_node``) inside each node, DP of degree
+    ``dp = nodes * gpus_per_node / tp``; each GPU ring-all-reduces its ``params / tp`` gradients.
+    Each GPU sends ``f * (dp - 1) / dp * grad_bytes_per_gpu``, ``f = 2`` (AllReduce, ZeRO 1-2) or
+    ``f = 3`` (ZeRO 3, Rajbhandari et al. 2020); a node sends ``tp`` times that into the network.
+    Time, latency ignored: ``max(internode_bytes_per_node / (nics_per_node * nic_bytes_per_s),
+    bytes_per_gpu / nvlink_bytes_per_s)``, the second term only when a ring has two members in one
+    node; NIC traffic is assumed spread evenly over the node's NICs. Derivation: chapter 1, section 1.4.
 
     Args:
         params: number of model parameters.
-        tp: tensor-parallel degree, a divisor of ``gpus_per_node``.
-        nodes: number of nodes (>= 1).
-        gpus_per_node: GPUs per node (>= 1).
-        nics_per_node: network ports per node used for this traffic (>= 1).
-        nic_bytes_per_s: bandwidth of one NIC, bytes/s per direction (HDR: 25e9).
-        nvlink_bytes_per_s: NVLink bandwidth of one GPU, bytes/s per direction (H100: 450e9).
+        tp, nodes, gpus_per_node, nics_per_node: the layout's counts (each >= 1).
+        nic_bytes_per_s, nvlink_bytes_per_s: one NIC's / one GPU's NVLink bytes/s per direction.
         bytes_per_grad: bytes per gradient value (2 for BF16).
         zero_stage: 0 (plain data parallelism), 1, 2 or 3.
 

@@ -1,24 +1,17 @@
 """``python -m commlab selftest``: check commlab on the world it finds, against torch and a single process.
 
-Started by torchrun, ``srun`` or ``srun torchrun`` it checks the job's world; started as plain ``python`` it
-forks ``-n`` ranks (default 4) through :func:`commlab.launch.launch`, the same function either way. On that
-world it checks:
+Under torchrun, ``srun`` or ``srun torchrun`` it checks the job's world; under plain ``python`` it forks
+``-n`` ranks (default 4) through :func:`commlab.launch.launch`. It checks:
 
-* commlab's ring AllReduce against ``dist.all_reduce`` (sizes 0, 1, 7, 1023 and 65539 elements in float32, 13
-  in int64): the largest difference relative to the sum's magnitude;
-* a 2-D mesh (``build_mesh``): TP groups of 2 when the world and the processes per node are even (so a 2x2
-  mesh on 4 ranks: DP 2 x TP 2), else TP 1, the rest DP. That every TP group sits inside one node (as the
-  launcher numbered the nodes), and a tensor-parallel MLP (Megatron's column- then row-parallel layers,
-  float64) against the full single-process MLP: output, input gradient and every weight gradient;
-* one data-parallel step with :class:`~commlab.overlap.BucketedDataParallel` over the mesh's DP groups
-  (several small buckets) against the gradient of the whole batch in a single process (float64).
+* the ring AllReduce against ``dist.all_reduce`` (0 to 65539 float32 elements, 13 int64), relative error;
+* a 2-D mesh (``build_mesh``; TP 2 when the world and processes per node are even, else 1): every TP group
+  in one node, and a tensor-parallel MLP against the single-process one (output, gradients; float64);
+* one :class:`~commlab.overlap.BucketedDataParallel` step over the DP groups against the whole batch's
+  gradient in one process (float64).
 
-Rank 0 prints a table (check, result, max error, tolerance). The exit status is 0 when every check passes.
-Under a launcher a failure raises :class:`SelftestFailed` in every rank; the entry point is decorated with
-torchrun's ``record``, so its error file, and its summary, carry the root cause and the traceback.
-
-``--fail-rank R`` makes rank R raise after the first check, to see what a failing rank looks like under
-your launcher.
+Rank 0 prints a table (check, result, max error, tolerance); the exit status is 0 when all pass. Under a
+launcher a failure raises :class:`SelftestFailed` on every rank, and torchrun's ``record`` puts the root
+cause in its error file. ``--fail-rank R`` makes rank R raise after the first check, to see a failure.
 """
 
 from __future__ import annotations

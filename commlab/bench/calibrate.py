@@ -466,8 +466,7 @@ def ring_model_error(world_sizes: Sequence[int] = (2, 4, 8), sizes: Iterable[int
         calibration_sizes: message sizes (bytes, at least two distinct) for the calibration; default
             ``{4096} ∪ {n // N}`` per world size.
         weighting: as in :func:`fit_alpha_beta`.
-        progress: print each round, each measurement, each fit, then the table.
-        timeout: seconds allowed per launch.
+        progress, timeout: print each round, measurement, fit and the table; seconds allowed per launch.
 
     Returns:
         A :class:`RingModelReport` (rows, MAPE as a fraction, the fit used per world size).

@@ -73,11 +73,9 @@ def agree(name: str, mine: Any, group: dist.ProcessGroup | None = None, *, what:
         name: who checks, for messages (e.g. ``"build_mesh"``).
         mine: this rank's description (see :func:`gather` for ``ints``).
         group: the process group (None: the world).
-        what: what the values are, for the default message ("ranks hold different <what>").
-        problem: this rank's own verdict on its arguments (None if valid). With ``ints=True`` the sentences
-            travel in a second exchange, on the failure path only.
-        ints: the transport, as for :func:`gather`.
-        show: how the default message shows one rank's value.
+        what, show: what the values are ("ranks hold different <what>"); how to print one rank's value.
+        problem: this rank's own verdict on its arguments (None if valid).
+        ints: the transport, as for :func:`gather` (problems then travel in a second exchange, on failure).
         differ: replaces the equality test: a function of every rank's value, in group-rank order, that
             returns a sentence saying what is wrong (raised as this error) or None; it may raise its own.
         advice: what to do, appended to the default message.
@@ -141,40 +139,28 @@ def check_agreement(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | 
                     layout_verdict: Callable[[list[tuple[int, ...]]], str | None] | None = None) -> None:
     """Make every rank of ``group`` agree on element count, dtype and layout, or all raise the same error.
 
-    One :func:`agree` over ``7 + len(layout)`` int64 per rank, on the group's device (the cost is one
-    latency). Without it a size mismatch makes the point-to-point phases hang until the operation timeout
-    or, worse, silently mix chunk boundaries; and a problem found on one rank only (a bad ring order, a
-    tensor on the wrong device) would leave the others waiting for it.
-
-    The tensor must be on the group's device (:func:`commlab.launch.device.group_device`: the rank's own
-    GPU under NCCL, the CPU under gloo), since NCCL moves only CUDA tensors and a CPU tensor would fail
-    later, inside a point-to-point phase, with only the peers waiting. An empty tensor moves nothing and
-    may be anywhere.
+    One :func:`agree` over ``7 + len(layout)`` int64 per rank (one latency). Without it a size mismatch
+    hangs the point-to-point phases or silently mixes chunk boundaries, and a problem found on one rank
+    only leaves the others waiting. A non-empty tensor must be on the group's device
+    (:func:`commlab.launch.device.group_device`: the rank's GPU under NCCL, the CPU under gloo).
 
     Args:
-        name: the collective's name, for messages.
-        tensor: this rank's input.
-        group: the process group.
+        name, tensor, group: the collective's name (for messages), this rank's input, the process group.
         layout: what else must be identical on every rank (the ring order, the tree's root, the placement),
             as ints; the same length on every rank (callers normalise it, see :func:`resolve_ring`).
         layout_name: how messages call ``layout``.
         layout_problem: this rank's own verdict on its layout (None if valid).
-        layout_rule: what a valid layout is, e.g. "a permutation of the group's ranks 0..3" (the same
-            text on every rank, so that every rank raises the same message).
-        same_numel: whether every rank must pass as many elements (False for a collective whose ranks send
-            different amounts, such as AllToAllV; the dtype must still agree).
-        layout_verdict: for a layout that is *not* the same on every rank (AllToAllV's split sizes: rank i's
-            sends to rank j must match rank j's receives from rank i), a pure function of every rank's
-            layout, in group-rank order, that returns a sentence saying what is wrong, or None. It replaces
-            the test that all layouts are equal; every rank calls it on the same gathered layouts, so every
-            rank raises the same message. With one rank it is called on this rank's layout alone.
+        layout_rule: what a valid layout is, e.g. "a permutation of the group's ranks 0..3".
+        same_numel: whether every rank must pass as many elements (False for AllToAllV).
+        layout_verdict: replaces the equal-layouts test when layouts differ by rank (AllToAllV's splits):
+            a pure function of every rank's layout, in group-rank order, returning what is wrong or None.
 
     Raises:
         TypeError: some rank's dtype is not in :data:`SUPPORTED_DTYPES` (on every rank).
         ValueError: some rank's tensor is not on the group's device, or some rank's layout is invalid (on
             every rank; a CollectiveMismatchError naming the ranks and their devices).
-        CollectiveMismatchError: the ranks disagree, or ``layout_verdict`` found a problem; the message
-            lists what each rank passed, identically on every rank.
+        CollectiveMismatchError: the ranks disagree, or ``layout_verdict`` found a problem (every rank
+            raises the same message, listing what each rank passed).
     """
     size, _ = group_size_and_rank(group)
     supported = tensor.dtype in SUPPORTED_DTYPES

@@ -184,46 +184,30 @@ def all_to_all_v(tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
                  input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup | None = None, *,
                  out: torch.Tensor | None = None, emulate: EmulatedTopology | None = None,
                  check: bool = True) -> torch.Tensor:
-    """AllToAllV: send ``input_split_sizes[j]`` consecutive rows of ``tensor`` to group rank j; return the rows
-    received, ``output_split_sizes[j]`` of them from rank j, in rank order.
-
-    The semantics of ``dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group)``
-    (the same argument order), the output allocated here unless ``out`` is given.
+    """AllToAllV, as ``dist.all_to_all_single`` (same argument order): send ``input_split_sizes[j]`` rows of
+    ``tensor`` to group rank j; return the rows received, ``output_split_sizes[j]`` from rank j, in rank order.
 
     Args:
-        tensor: shape ``[R, ...]``, one of :data:`~commlab.collectives.SUPPORTED_DTYPES`, the same dtype and
-            the same trailing dimensions (``shape[1:]``) on every rank; R may differ between ranks and may be
-            0. On the group's device (the rank's own GPU under NCCL). It is not modified.
-        output_split_sizes: N ints >= 0, rows to receive from each group rank; None: the output has R rows,
-            split equally (R must be divisible by N), as torch does for an output of the input's shape.
-        input_split_sizes: N ints >= 0 summing to R, rows to send to each group rank; None: R split equally.
-            Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]``.
-        group: process group (None: the world).
-        out: where to receive (torch's ``output``): a contiguous tensor of shape
-            ``[sum(output_split_sizes), *tensor.shape[1:]]``, ``tensor``'s dtype and device, not overlapping
-            ``tensor``; None: a new one (reusing one avoids an allocation per call).
-        emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays each send that
-            crosses emulated nodes.
-        check: first make every rank agree (one small all-gather of ``17 + 2N`` int64 per rank; every rank
-            raises the same error). Pass False only where the splits are known to match: without it a
-            rank's own mistakes raise ``ValueError`` on that rank alone, and a mismatch between ranks is not
-            caught (the exchange then fails on the backend's timeout or reads the wrong bytes).
+        tensor: shape ``[R, ...]``, a supported dtype, the same dtype and ``shape[1:]`` on every rank (R may
+            differ, and be 0), on the group's device. Not modified.
+        output_split_sizes, input_split_sizes: N ints >= 0, rows to receive from / send to each group rank
+            (the inputs sum to R); None: split equally. Rank i's ``input_split_sizes[j]`` must equal rank j's
+            ``output_split_sizes[i]``.
+        group, out: process group (None: the world); where to receive (None: a new one), contiguous,
+            ``[sum(output_split_sizes), *tensor.shape[1:]]``, ``tensor``'s dtype and device, not overlapping it.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` whose inter-node link delays crossing sends.
+        check: first make every rank agree (one all-gather of ``17 + 2N`` int64 per rank). Without it a
+            mismatch between ranks is not caught (the exchange hangs or reads the wrong bytes).
 
     Returns:
-        ``out``, or a new tensor of shape ``[sum(output_split_sizes), *tensor.shape[1:]]`` and ``tensor``'s
-        dtype, on ``tensor``'s device (on the group's device when ``tensor`` is empty); rows
-        ``sum(output_split_sizes[:j]) ...`` hold rank j's block, this rank's own block copied.
+        ``out`` or a new tensor of that shape; rows ``sum(output_split_sizes[:j]) ...`` hold rank j's block.
 
     Raises:
         TypeError: some rank's dtype is not supported (with ``check``, on every rank).
-        CollectiveMismatchError (a ``ValueError``), with ``check`` on every rank with the same message naming
-            the ranks and what each passed: a split list whose length is not N; a split that is negative or
-            not an int; input splits that do not sum to the tensor's first dimension; a split of None where
-            the rows are not divisible by N; a 0-dimensional tensor; trailing dimensions that differ between
-            ranks; ranks whose dtypes differ; a tensor not on the group's device; an ``out`` that does not
-            fit; rank i's ``input_split_sizes[j]`` not equal to rank j's ``output_split_sizes[i]``.
-        ValueError: without ``check``, the mistakes a rank can see alone (the split lists' lengths, values and
-            sum, None with rows not divisible by N, a 0-dimensional tensor, ``out``), on the rank that made them.
+        CollectiveMismatchError (a ``ValueError``): with ``check``, on every rank, naming what each passed:
+            bad split lists or sums, trailing dimensions or dtypes that differ, a tensor off the group's device,
+            an ``out`` that does not fit, or splits that do not match between ranks.
+        ValueError: without ``check``, the mistakes a rank can see alone, on that rank.
     """
     size, me = group_size_and_rank(group, "all_to_all_v")
     device = tensor.device if tensor.numel() else group_device(group)

@@ -209,8 +209,7 @@ def ring_all_reduce_seconds_on(nbytes: float, order: Sequence[int], placement: S
 
     with ``h`` the hops of the ring that cross nodes and ``c_u`` those that leave node u (1 in topology order,
     d when the order alternates nodes). The latency term is NCCL's (``src/graph/tuning.cc``, v2.30.7-1, lines
-    404-412). Ingress contention is not modelled. commlab's own ring (one grouped exchange per step) pays the
-    network latency closer to ``2(N-1)`` times.
+    404-412); commlab's own ring pays the network latency nearer ``2(N-1)`` times. Ingress contention is ignored.
 
     Args:
         nbytes: bytes of the vector on each rank.

@@ -3,23 +3,9 @@
 NCCL's tuner fills a latency and a bandwidth for each algorithm and protocol (LL, LL128, Simple) and runs
 the pair with the smallest ``latency + bytes / bandwidth``. This module re-states that model for Ring and
 Tree from its constants (``commlab/data/nccl_tuning.json``, from NVIDIA/nccl ``src/graph/tuning.cc`` at tag
-v2.30.7-1; the line numbers below are that file's). Entry points: :class:`NcclSystem` (nodes, GPUs per
-node ``ppn``, ``C`` channels of bandwidth ``B``), :func:`pair_model`, :func:`all_reduce_seconds`,
-:func:`all_reduce_table` and :func:`best`. For ``n`` bytes per rank on ``N = nodes·ppn`` ranks:
-
-* **bus bandwidth** ``C·B``, then per pair (lines 326-340): Ring LL ``min(llMax, 0.5·C·B)``; Ring LL128
-  ``min(0.92·C·B, C·ll128Max)``; Ring Simple ``C·B``; Tree ``min(0.92·C·B, C·treeMax)`` and then LL
-  ``min(·/3.8, llMax)`` or LL128 ``min(·×120/128, C·treeLL128Max)`` (7/9 on one node);
-* **algorithm bandwidth** (lines 376-382): Ring ``bus·N/(2(N-1))`` -- the busbw of nccl-tests turned back
-  into bytes per second of buffer -- and Tree ``bus/2``;
-* **latency** (lines 384-424): a base latency per call, plus for the Ring ``2(N-1)`` steps of which only
-  ``2(nodes-1)`` cross the network and pay the network latency, the others the intra-node latency (at least
-  the network post overhead, 1 µs on Intel and 2 µs on AMD hosts, three times that for Simple, once the ring
-  spans nodes); for the Tree ``2((ppn-1)·intra + floor(log2 nodes)·net)``. With one GPU per node the ring's
-  network latency is the Tree's (lines 385-388);
-* **time** (lines 630-655): ``latency + n / algbw``, with the Ring/Simple latency multiplied by 1.4 on
-  Ampere and later (1.9 before) once each channel's share per rank reaches 64 bytes, and the Tree's
-  bandwidth multiplied by a size-dependent correction between 0.4 and 1.
+v2.30.7-1). Entry points: :class:`NcclSystem` (nodes, GPUs per node ``ppn``, ``C`` channels of bandwidth
+``B``), :func:`pair_model` (the bandwidth and latency rules, with that file's line numbers),
+:func:`all_reduce_seconds` (the time rule), :func:`all_reduce_table` and :func:`best`.
 
 Left out: the topology search (the caller gives channels and their speed), ``latencyInter``, unbalanced
 trees, aggregated calls, CollNet/NVLS/NVLSTree/PAT and tuner plugins. A prediction, not a measurement.
@@ -187,7 +173,20 @@ def _ll_max_gbps(t: dict, s: NcclSystem) -> float:
 
 def pair_model(system: NcclSystem, algorithm: str = "Ring", protocol: str = "Simple",
                path: str | Path | None = None) -> PairModel:
-    """Latency and bandwidths of one (algorithm, protocol) pair on ``system`` (see the module docstring).
+    """Latency and bandwidths of one (algorithm, protocol) pair on ``system``, by NCCL's rules (tuning.cc lines).
+
+    For ``N = nodes·ppn`` ranks and ``C`` channels of bandwidth ``B``:
+
+    * **bus bandwidth** ``C·B``, then (lines 326-340): Ring LL ``min(llMax, 0.5·C·B)``; Ring LL128
+      ``min(0.92·C·B, C·ll128Max)``; Ring Simple ``C·B``; Tree ``min(0.92·C·B, C·treeMax)`` and then
+      LL ``min(·/3.8, llMax)`` or LL128 ``min(·×120/128, C·treeLL128Max)`` (7/9 on one node);
+    * **algorithm bandwidth** (lines 376-382): Ring ``bus·N/(2(N-1))`` (nccl-tests' busbw turned back
+      into bytes per second of buffer), Tree ``bus/2``;
+    * **latency** (lines 384-424): a base latency per call, plus for the Ring ``2(N-1)`` steps of which
+      ``2(nodes-1)`` pay the network latency and the others the intra-node one (once the ring spans
+      nodes, at least the network post overhead: 1 µs on Intel, 2 µs on AMD hosts, 3x for Simple); for
+      the Tree ``2((ppn-1)·intra + floor(log2 nodes)·net)``. With one GPU per node the ring's network
+      latency is the Tree's (lines 385-388).
 
     Raises:
         ValueError: an unknown algorithm or protocol, or LL128 where it is not enabled (PCI, or
@@ -244,8 +243,9 @@ def all_reduce_seconds(nbytes: float, system: NcclSystem, algorithm: str = "Ring
                        path: str | Path | None = None) -> float:
     """NCCL's predicted time (s) of one AllReduce of ``nbytes`` bytes per rank with one pair.
 
-    ``latency + nbytes / algbw`` (tuning.cc lines 630-655), with the Ring/Simple plateau factor on the
-    latency and the Tree's size correction on its bandwidth. One rank: 0.
+    ``latency + nbytes / algbw`` (tuning.cc lines 630-655), with the multi-node Ring/Simple latency
+    multiplied by 1.4 on Ampere and later (1.9 before) once each channel's share per rank reaches 64 bytes,
+    and the Tree's bandwidth by a size-dependent correction between 0.4 and 1. One rank: 0.
 
     Raises:
         ValueError: ``nbytes`` negative or not finite; what :func:`pair_model` raises.

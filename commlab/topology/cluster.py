@@ -8,13 +8,10 @@ server), and the number of nodes is chosen when it is loaded::
     >>> c.world_size, c.intra.bytes_per_s, c.inter.bytes_per_s
     (32, 450000000000.0, 50000000000.0)
 
-Every figure in the file carries a ``source``, or refers to a figure of ``commlab/data/hardware.json`` (chapter 1's
-device table) with ``{"ref": "DEVICE.figure"}``, so that a number is stated once and traced to its
-datasheet. Link latencies are not on datasheets: the presets take NCCL's own per-step latency constants
-and say so (see the file's ``_latency_note``).
+Every figure carries a ``source`` or a ``{"ref": "DEVICE.figure"}`` into ``commlab/data/hardware.json``
+(chapter 1's device table); link latencies, not on datasheets, are NCCL's per-step constants (``_latency_note``).
 
-Units: bandwidth in bytes/s **per direction** (a link figure in bit/s is divided by 8), latency α in
-seconds, β = 1/bandwidth in s/byte, memory in bytes (1 GB = 1e9 bytes), FLOP/s dense (no sparsity).
+Units: bytes/s **per direction**, α in s, β = 1/bandwidth in s/byte, memory in bytes (GB = 1e9), dense FLOP/s.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
 Three layers, so that the numbers can be tested without a browser and shown where no kernel runs:
 
-* :func:`allreduce_table` -- pure: one :class:`Row` per algorithm for a message size and a cluster, from
-  :func:`commlab.collectives.cost.predict_flat` (the flat algorithms, all ranks on the inter-node link)
-  and :func:`commlab.collectives.cost.predict_on_cluster` (ring and hierarchical layouts on nodes; the
-  ring in topology order uses one channel per NIC);
-  :func:`time_curves` gives the same predictions over a range of sizes; :func:`table_text` and
-  :func:`table_html` format the rows.
+* :func:`allreduce_table` -- pure: one :class:`Row` per algorithm for a size and a cluster, from
+  :func:`~commlab.collectives.cost.predict_flat` and :func:`~commlab.collectives.cost.predict_on_cluster`;
+  :func:`time_curves` over a range of sizes; :func:`table_text` and :func:`table_html` format the rows.
 * :func:`calculator` -- the ipywidgets front end: a log slider for the size, nodes and devices per node, a
   preset dropdown (or custom α and bandwidth per link), the table with the fastest row highlighted, and a
   plot of time versus size with a marker at the chosen size.
