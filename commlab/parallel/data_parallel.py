@@ -1,21 +1,17 @@
 """Data parallelism inside a DP group: gradient averaging is :class:`~commlab.overlap.BucketedDataParallel`,
 and ZeRO-1 shards the optimizer state.
 
-On a TP x PP x DP mesh the ranks that hold the same parameters form one DP group, passed explicitly (build
-it with :mod:`commlab.parallel.mesh` or ``dist.new_group``). Averaging over it is commlab's one
-data-parallel path, :class:`commlab.overlap.BucketedDataParallel` with ``process_group=dp_group`` (a comm
-hook compresses on that dimension); a pipeline stage accumulates under ``no_sync()`` and averages once
-after the flush::
+On a TP x PP x DP mesh the ranks holding the same parameters form one DP group, passed explicitly
+(:mod:`commlab.parallel.mesh` or ``dist.new_group``); average with ``BucketedDataParallel(...,
+process_group=dp_group)``; a pipeline stage accumulates under ``no_sync()`` and averages after the flush::
 
     dp = BucketedDataParallel(stage, process_group=dp_group)
     with dp.no_sync():
         pipeline_step(dp, x, y, loss_fn, m, pp_group)
     dp.sync_gradients()
 
-:class:`ZeroOneOptimizer` is ZeRO stage 1 (Rajbhandari et al. 2020, SC'20, §5.1, P_os; PyTorch's
-``ZeroRedundancyOptimizer``); stages 2 and 3 are :class:`commlab.parallel.sharded.ShardedDataParallel`.
-
-Book: chapter 10, §10.11 (ZeRO-1) and §10.12 (the source article's ``Hybrid3DCommunicator``, corrected).
+:class:`ZeroOneOptimizer` is ZeRO stage 1 (Rajbhandari et al. 2020, §5.1, P_os); stages 2 and 3 are
+:class:`commlab.parallel.sharded.ShardedDataParallel`. Book: chapter 10, §10.11 and §10.12.
 """
 
 from __future__ import annotations
@@ -88,55 +84,28 @@ def _ranks(group) -> list[int]:
 class ZeroOneOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1: a ``torch.optim.Optimizer`` whose state is sharded across the DP group.
 
-    Each parameter group's parameters are viewed as one flat vector, zero-padded to a multiple of N and cut
-    into N equal shards; group rank r owns shard r. Each rank keeps a copy of its shards as the parameters of
-    an inner ``optimizer_cls``, one inner param group per outer one (same options), so the optimizer state
-    (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum) exists for 1/N of the model on each rank.
-    :meth:`step`:
-
-    1. takes each group's averaged gradient shard: if the gradients are this rank's own (no data-parallel
-       wrapper averaged them), it ring-ReduceScatters them over ``dp_group`` and divides by N; if a
-       :class:`~commlab.overlap.BucketedDataParallel` over the same group has averaged them already
-       (:attr:`~commlab.overlap.BucketedDataParallel.gradients_averaged`), it takes its shard of the average
-       and sends nothing, rather than reducing a second time;
-    2. copies the options of :attr:`param_groups` into the inner groups (so an LR scheduler works), and steps
-       the inner optimizer on the shards;
-    3. ring-AllGathers the shards and writes the updated values into every parameter.
-
-    How to compose it with data parallelism, then: *instead of* a DP wrapper (each rank's backward leaves local
-    gradients; the step's ReduceScatter + AllGather cost one AllReduce, ZeRO-1's volume), or, when the wrapper
-    is needed for something else (overlap, a comm hook that compresses), *after* it: the gradients arrive
-    averaged and the step adds only the AllGather. Either way nothing is reduced twice.
-
-    Element-wise optimizers (SGD, momentum, Adam, AdamW) give the same parameters as the unsharded optimizer
-    after an AllReduce-average, up to the rounding of the gradient sum (different chunking changes the
-    summation order). Anything that needs the whole gradient (global-norm clipping inside the optimizer,
-    LAMB's per-tensor trust ratio) is not element-wise and is not supported. A parameter whose ``.grad`` is
-    None counts as a zero gradient (momentum still moves it), where torch's optimizers skip it.
-
-    Checkpoints: :meth:`state_dict` is this rank's shard (loadable on the same group rank of a group of the
-    same size only); :meth:`full_state` gathers every parameter's unsharded state over the group and
-    :meth:`load_full_state` takes a rank's shard from it, so a checkpoint stored per parameter loads under
-    another N, or into the unsharded optimizer (the capstone's ``labs/capstone/checkpoint.py`` does).
+    Each param group is one flat vector, zero-padded to a multiple of N and cut into N shards; group rank r
+    steps an inner ``optimizer_cls`` on shard r, so the optimizer state exists for 1/N of the model per rank.
+    :meth:`step` (1) takes each group's averaged gradient shard: ring-ReduceScatter over ``dp_group`` and /N,
+    or, if a :class:`~commlab.overlap.BucketedDataParallel` on the same group averaged them already
+    (``gradients_averaged``), its shard of that average, sending nothing; (2) copies :attr:`param_groups`'
+    options into the inner groups (LR schedulers work) and steps the inner optimizer; (3) ring-AllGathers the
+    shards into every parameter. Element-wise optimizers (SGD, momentum, Adam, AdamW) match the unsharded one
+    up to summation order; whole-gradient ones (clipping inside the optimizer, LAMB) are not supported. A
+    ``.grad`` of None counts as zero. :meth:`state_dict` is this rank's shard; :meth:`full_state` and
+    :meth:`load_full_state` give a per-parameter checkpoint that loads under another N.
 
     Args:
-        params: parameters or param-group dicts (``{"params": [...], "lr": ...}``), as for any torch
-            optimizer; the same structure on every rank of the group and equal values (as after a broadcast).
-            Each group's parameters that require grad must share one dtype and device.
+        params: parameters or param-group dicts, the same on every rank of the group; each group's trainable
+            parameters share one dtype and device.
         dp_group: the data-parallel group (None: the default group).
-        optimizer_cls: a ``torch.optim.Optimizer`` class (default Adam).
-        **optimizer_kwargs: the defaults of every group, e.g. ``lr=1e-3``, checked by ``optimizer_cls``.
+        optimizer_cls: a ``torch.optim.Optimizer`` class (default Adam); **optimizer_kwargs: its defaults.
 
-    Attributes:
-        param_groups, defaults, state: as for a torch optimizer; ``state`` is the inner optimizer's state,
-            keyed by the shard parameters (1/N of the model's).
-        inner: the inner optimizer over the shards. shards: each group's :class:`_Shard`.
-        numel, padded_numel: parameters in total, and after padding each group to a multiple of N.
-        last_step: :class:`ZeroStepStats` of the latest step (None before the first).
+    Attributes: ``param_groups``, ``defaults``, ``state`` (the inner optimizer's, 1/N of the model);
+    ``inner``, ``shards``; ``numel``, ``padded_numel``; ``last_step`` (:class:`ZeroStepStats` or None).
 
     Raises:
-        ValueError: no parameters, a group whose parameters differ in dtype or device, ``optimizer_cls`` not an
-            optimizer class, or options it rejects.
+        ValueError: no parameters, mixed dtype/device in a group, ``optimizer_cls`` not an optimizer class.
         RuntimeError: this rank is not a member of ``dp_group``.
     """
 

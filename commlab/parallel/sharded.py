@@ -107,45 +107,29 @@ def _ranks(group) -> list[int]:
 class ShardedDataParallel(nn.Module):
     """ZeRO-2 or ZeRO-3 / FSDP (with HSDP) around ``module`` (book §12.3).
 
-    Build the optimizer over the shards with :meth:`make_optimizer` (any element-wise ``torch.optim`` class), then
-    train as usual: ``loss = loss_fn(sdp(x), y); loss.backward(); opt.step(); opt.zero_grad()``. An optimizer over
-    ``sdp.parameters()`` (the module's own) would find no gradients there, since they are freed, and change
-    nothing. Read the model with :meth:`full_parameters` and :meth:`full_gradients` (collective); under stage 3
-    ``state_dict()`` would read freed storage, so checkpoint the full parameters (or the shards, per rank).
-
-    Gradients are averaged over every data-parallel rank (``shard_group`` x ``replicate_group``), as DDP does;
-    several backward passes before a step accumulate into the shards' ``.grad``. NaN and inf are reduced like
-    any number (as DDP and FSDP2 do). Every rank must run the same units in forward and backward, since each
-    unit's collectives pair across ranks in the order they are issued; a backward that raises loses its
-    gradients, and the next forward waits for what it had launched and starts clean.
+    Build the optimizer with :meth:`make_optimizer` (any element-wise ``torch.optim`` class; one over
+    ``sdp.parameters()`` would find no gradients), then train as usual. Read the model with
+    :meth:`full_parameters` and :meth:`full_gradients` (collective); under stage 3 checkpoint those, not
+    ``state_dict()``. Gradients are averaged over every DP rank (``shard_group`` x ``replicate_group``) and
+    accumulate over backwards; NaN/inf are reduced like any number. Every rank must run the same units in the
+    same order (their collectives pair up); a backward that raises loses its gradients.
 
     Args:
-        module: the model, on the group's device, the same (names, shapes, dtypes) on every rank, with equal
-            values (the same seed) or ``broadcast_from_rank0``; it is modified in place (stage 3 frees its
-            parameters' storage).
-        stage: 2 or 3.
-        shard_group: the group that shards (N = its size; None: the world).
-        replicate_group: for HSDP, the group over which the shards are replicated (each of its ranks must be in a
-            different ``shard_group``; e.g. ``mesh.get_group("dp_replicate")`` of a 2-D DeviceMesh); None: none.
+        module: the model, on the group's device, equal on every rank; modified in place (stage 3 frees storage).
+        stage: 2 or 3. shard_group: the group that shards (N = its size; None: the world).
+        replicate_group: HSDP's group over which shards are replicated (e.g. a 2-D DeviceMesh's
+            ``"dp_replicate"``); None: none.
         units: the submodules that are units, in forward order (default: ``module``'s children that hold
-            parameters). Every parameter that requires grad must belong to exactly one unit.
+            parameters); every parameter that requires grad belongs to exactly one unit.
         prefetch: stage 3: launch the next unit's AllGather while the current one computes (default True).
         broadcast_from_rank0: broadcast the parameters from rank 0 of the groups first (default True).
 
-    Attributes:
-        units: the units' modules, in order. n, group_rank: the shard group's size and this rank's rank in it.
-        replicas: the replicate group's size (1 without HSDP). last_step: :class:`ShardedStepStats` of the
-            step under way or just done (reset by each root forward).
+    Attributes: ``units``, ``n``, ``group_rank``, ``replicas`` (1 without HSDP), ``last_step`` (ShardedStepStats).
 
     Raises:
-        ValueError: a bad stage; no parameter requires grad; parameters not on the group's device (the rank's GPU
-            under NCCL, the CPU under gloo); a unit that is not a submodule, units that overlap,
-            parameters outside every unit, a unit whose parameters mix dtypes or devices; a replicate group
-            that shares another rank with the shard group.
-        CollectiveMismatchError: the ranks hold different models or units (names, shapes, dtypes; every rank
-            raises it, with the same message).
-        RuntimeError: torch.distributed is not initialised, or this rank is not in ``shard_group`` or
-            ``replicate_group``.
+        ValueError: a bad stage, no trainable parameter, parameters off the group's device, bad units, a
+            replicate group sharing another rank with the shard group. RuntimeError: not initialised / not a member.
+        CollectiveMismatchError: the ranks hold different models or units (on every rank).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, shard_group: dist.ProcessGroup | None = None,

@@ -1,17 +1,15 @@
 """Step time, compute, communication and how much of it hides behind compute, for a
 :class:`~commlab.parallel.ShardedDataParallel` model: measured with ``torch.profiler``.
 
-:func:`profile_sharded` runs a few steps under the profiler (all threads recorded, as
-:mod:`commlab.overlap.profile` does) and reads back the ``sharded::`` ranges that
-:mod:`commlab.parallel.sharded` and this module open (step, phases, each unit's forward, each collective's
-launch and wait, HSDP's AllReduce). A collective's end comes from gloo's own event on its worker thread,
-matched to its launch by order; gloo runs ``reduce_scatter_tensor`` as an AllReduce of the whole flat
-gradient (torch 2.13) and gives no completion callback for it, so the bucket markers of
-:mod:`commlab.overlap.profile` do not apply. Per step, in seconds: ``comm_s`` = |C|, the union of the
-collectives' [launch, end]; ``exposed_comm_s`` = |M|, the training thread's launch, wait and AllReduce
-ranges; ``compute_s`` = step - |M|; ``overlapped_s`` = |C ∩ (step \\ M)|. The last step is kept as a
-timeline (:attr:`ShardedProfile.timeline`, drawn by :func:`commlab.viz.plot_overlap_timeline`), and
-:func:`gathers_issued_ahead` reads from its order which AllGathers were prefetched.
+:func:`profile_sharded` runs a few steps under the profiler (all threads, as :mod:`commlab.overlap.profile`)
+and reads back the ``sharded::`` ranges that :mod:`commlab.parallel.sharded` and this module open. A
+collective's end is gloo's own event on its worker thread, matched to its launch by order (gloo gives no
+completion callback for ``reduce_scatter_tensor``, run as a whole-gradient AllReduce in torch 2.13). Per
+step, in seconds: ``comm_s`` = |C|, the union of the collectives' [launch, end]; ``exposed_comm_s`` = |M|,
+the training thread's launch, wait and AllReduce ranges; ``compute_s`` = step - |M|; ``overlapped_s`` =
+|C ∩ (step \\ M)|. The last step is kept as :attr:`ShardedProfile.timeline`
+(:func:`commlab.viz.plot_overlap_timeline`); :func:`gathers_issued_ahead` reads which AllGathers were
+prefetched.
 
 Book: chapter 12, §12.3.
 """

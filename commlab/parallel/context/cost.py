@@ -1,26 +1,18 @@
 """Communication of context and sequence parallelism side by side: bytes sent per rank and α-β time.
 
-Notation: ``b`` batch, ``s`` the whole sequence, ``h`` query heads, ``h_kv`` K/V heads (``h`` without
-grouped-query attention), ``d`` head dim, ``e`` bytes per element, N the CP group's size. One rank's K block is
-``K = b · h_kv · (s/N) · d · e`` bytes (V the same); its q (and out) block ``Q = b · h · (s/N) · d · e``.
-α: seconds per message; β: seconds per byte of one link direction; a rank sends one message at a time (the
-single-port model of :mod:`commlab.collectives.ring`). Times are communication only; what hides behind the
-attention arithmetic is :func:`compare_context_parallel`'s ``exposed_s``.
+``K = b·h_kv·(s/N)·d·e`` bytes is one rank's K block (V the same), ``Q = b·h·(s/N)·d·e`` its q block, ``K'``
+the dK block as it travels (float32 for half-precision inputs); α in s/message, β in s/byte, single port.
 
-=================== ======================================= ========================================= ===========
-method              bytes sent per rank, forward            backward                                  K/V held
-=================== ======================================= ========================================= ===========
-ring attention      ``(N-1) · 2K``                          ``(N-1) · 2K + N · 2K'``                  2 blocks
-all-gathered K/V    ``(N-1) · 2K`` (AllGather)              ``(N-1) · 2K`` (ReduceScatter)            whole seq
-Ulysses             ``(N-1)/N · (2Q + 2K)`` (2 AllToAlls)   the same                                  whole seq,
-                                                                                                      h/N heads
-=================== ======================================= ========================================= ===========
+=============== ================================= ============================== ================
+method          bytes per rank, forward           backward                       K/V held
+=============== ================================= ============================== ================
+ring attention  ``(N-1)·2K``                      ``(N-1)·2K + N·2K'``           2 blocks
+all-gathered    ``(N-1)·2K`` (AllGather)          ``(N-1)·2K`` (ReduceScatter)   whole seq
+Ulysses         ``(N-1)/N·(2Q+2K)`` (2 AllToAll)  the same                       whole seq, h/N
+=============== ================================= ============================== ================
 
-``K'`` is the dK block in the precision it travels in (float32 for half-precision inputs). Entry points: the
-``*_nbytes`` and ``*_seconds`` functions per method, :func:`compare_context_parallel` and
-:func:`fastest_context_parallel` (least exposed time; the ring hides each step behind its block's
-arithmetic, Liu et al. 2023, §3), and :func:`sequence_parallel_vs_tp` (Korthikanti et al. 2022, §4.2.2: the
-same bytes as TP's all-reduce). Book: chapter 13, §13.1 and §13.2 (*Which wins where*).
+Entry points: ``*_nbytes``/``*_seconds`` per method, :func:`compare_context_parallel` (``exposed_s``),
+:func:`fastest_context_parallel`, :func:`sequence_parallel_vs_tp`. Book: chapter 13, §13.1 and §13.2.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Where each token of the sequence lives under context parallelism, and which blocks ring attention computes.
 
-Pure arithmetic (no process group). Two layouts of ``s`` tokens over ``N`` ranks: contiguous
-(``load_balance=False``: rank i holds ``[i s/N, (i+1) s/N)``, so under a causal mask the last rank does N
-times the first one's work) and load-balanced, the zigzag layout of Llama 3 (§3.3.2) and Megatron-Core's
-``get_batch_on_this_cp_rank`` (rank i holds chunks i and 2N-1-i of 2N): :func:`chunk_indices`,
-:func:`positions`, :func:`shard_sequence`. :func:`block_plan` says which part of the K/V block of rank
-``src = (i - t) mod N`` rank i computes at ring step t under a causal mask:
+Pure arithmetic, no process group. Contiguous layout (``load_balance=False``) or the load-balanced zigzag of
+Llama 3 (§3.3.2) and Megatron-Core (rank i holds chunks i and 2N-1-i of 2N): :func:`chunk_indices`,
+:func:`positions`, :func:`shard_sequence`. :func:`block_plan`: what rank i computes of the K/V block of rank
+``src = (i - t) mod N`` at ring step t under a causal mask; :func:`covered_pairs` checks a plan.
 
 ============== ===================== ========================= ===========================
 layout         ``src == i``          ``src < i``               ``src > i``
@@ -14,7 +12,7 @@ contiguous     all x all, masked     all x all                 nothing
 load-balanced  all x all, masked     all x first half of K/V   second half of Q x all
 ============== ===================== ========================= ===========================
 
-:func:`covered_pairs` checks a plan against the causal mask. Book: chapter 13, §13.2.
+Book: chapter 13, §13.2.
 """
 
 from __future__ import annotations

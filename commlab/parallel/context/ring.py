@@ -2,17 +2,14 @@
 
 :func:`ring_attention`: each of the N ranks of the CP group holds ``seq/N`` tokens of q, k, v
 (``[batch, heads, seq_local, head_dim]``); at step t rank i attends to the K/V block of rank ``(i - t) mod N``
-(the part :func:`~commlab.parallel.context.layout.block_plan` names) while passing it on
-(:func:`~commlab.parallel.context.communications.ring_pass`), keeping a running maximum, sum and output per
-row, and ``lse = m + log l`` for the backward. Arithmetic and dK/dV travel in float32 for half-precision
-inputs. Sources: Liu, Zaharia & Abbeel 2023 (arXiv:2310.01889, §3, Algorithm 1); Dao 2023, FlashAttention-2
-(arXiv:2307.08691, Algorithms 1 and 2); the zigzag layout of Llama 3 (§3.3.2) and Megatron-Core.
+(:func:`~commlab.parallel.context.layout.block_plan`) while passing it on
+(:func:`~commlab.parallel.context.communications.ring_pass`), with an online softmax and ``lse = m + log l``
+saved for the backward; float32 arithmetic and dK/dV for half-precision inputs. Sources: Liu, Zaharia &
+Abbeel 2023 (arXiv:2310.01889, §3, Alg. 1); Dao 2023, FlashAttention-2 (arXiv:2307.08691, Algs. 1-2).
 
-Why an explicit backward: autograd through a differentiable ring pass would save every K/V block the rank
-saw, the whole sequence's K and V on every rank, which ring attention exists to avoid. The explicit
-backward saves only this rank's q, k, v, out and lse, sends the K/V blocks round a second time and carries
-each block's dK/dV accumulator with it until it is back home: two blocks at a time, at the price of no
-double backward and two to three times the forward's bytes
+Why an explicit backward: autograd through the ring pass would save every K/V block, the whole sequence on
+every rank. The explicit one saves only this rank's q, k, v, out, lse and sends the blocks round again with
+their dK/dV accumulators: two blocks held, no double backward, two to three times the forward's bytes
 (:func:`commlab.parallel.context.cost.ring_attention_nbytes`). Book: chapter 13, §13.2.
 """
 

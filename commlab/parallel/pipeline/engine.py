@@ -3,14 +3,11 @@
 Each rank of the pipeline group (group rank = stage) holds one slice of an ``nn.Sequential``
 (:func:`split_sequential`) or, interleaved, v chunks (:func:`split_interleaved`: chunk c of rank s is
 virtual stage ``c·p + s``, Narayanan et al. 2021, SC'21, §2.2.2). :func:`pipeline_step` splits the batch
-into m micro-batches, runs the stage's forwards and backwards in the order of
-:mod:`~commlab.parallel.pipeline.schedules`, and between two computations posts the group of messages that
-:mod:`~commlab.parallel.pipeline.plan` gives (:mod:`~commlab.parallel.pipeline.communications`). Each
-micro-batch loss is divided by m, so the accumulated ``.grad`` is that of the whole batch (tests:
-``allclose(rtol=1e-5, atol=1e-6)`` in float32 against the unsplit model). Each op is timed from its inputs'
-arrival to the end of its computation with a :class:`commlab.launch.device.Clock` (CUDA events on a GPU),
-from a barrier at the start of the step, and returned as a :class:`PipelineResult`. The group is explicit;
-several pipelines can run side by side (:mod:`commlab.parallel.data_parallel`).
+into m micro-batches, runs forwards and backwards in the order of :mod:`~commlab.parallel.pipeline.schedules`
+and posts between them the messages of :mod:`~commlab.parallel.pipeline.plan`. Micro-batch losses are
+divided by m, so ``.grad`` is the whole batch's (float32 tests: ``allclose(rtol=1e-5, atol=1e-6)`` against
+the unsplit model). Ops are timed with a :class:`commlab.launch.device.Clock` from a barrier at the start
+and returned as a :class:`PipelineResult`. The group is explicit, so pipelines can run side by side.
 
 Book: chapter 10, §10.10.
 """
@@ -132,41 +129,29 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.T
                   group: dist.ProcessGroup | None, schedule: str = "1f1b") -> PipelineResult:
     """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
 
-    Call it on every rank of ``group`` with that rank's stage (group rank s = stage s). It does not zero
-    the gradients and does not step an optimizer: do both around it, as for an ordinary backward.
+    Call it on every rank of ``group`` with that rank's stage (group rank s = stage s). It neither zeroes
+    the gradients nor steps an optimizer: do both around it, as for an ordinary backward.
 
     Args:
-        stage_module: this rank's stage (from :func:`split_sequential`); for ``schedule="interleaved"`` a
-            list (or tuple, or ``nn.ModuleList``) of this rank's v >= 2 model chunks, chunk c being virtual
-            stage ``c·p + rank`` (from :func:`split_interleaved`).
-        inputs: the whole batch's input, shape ``(batch, ...)``; its values and dtype are read on stage 0
-            only (an integer dtype for an embedding is fine: each boundary's dtype is the previous stage's
-            output dtype, passed down with its shape), but pass it on every stage: its batch size and
-            device are used everywhere.
-        targets: the whole batch's targets, shape ``(batch, ...)``; read on the last stage only.
-        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch's rows (e.g.
-            ``nn.functional.cross_entropy``); a sum-reduced loss would be scaled wrong by 1/m.
-        m: micro-batches; must divide the batch size (so that the mean of micro-batch means is the
-            batch mean); interleaved, also a multiple of p (Megatron-LM's condition).
+        stage_module: this rank's stage (:func:`split_sequential`); interleaved, a list of its v >= 2 chunks,
+            chunk c being virtual stage ``c·p + rank`` (:func:`split_interleaved`).
+        inputs: the whole batch, ``(batch, ...)``; values read on stage 0 only (any dtype; boundary dtypes
+            and shapes are passed down), but pass it on every stage: its batch size and device are used.
+        targets: the whole batch's targets, ``(batch, ...)``; read on the last stage only.
+        loss_fn: ``loss_fn(output, target) -> scalar``, a *mean* over the micro-batch (a sum is scaled wrong).
+        m: micro-batches; divides the batch size; interleaved, also a multiple of p.
         group: the pipeline group (None: the default group).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (interleaved 1F1B, Megatron-LM's order,
-            :func:`~commlab.parallel.pipeline.schedules.interleaved_schedule`).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (Megatron-LM's interleaved 1F1B).
 
     Returns:
         :class:`PipelineResult` (the same loss, timeline and per-stage times on every stage).
 
     Raises:
-        ValueError: on every stage: unknown schedule, m not an integer >= 1 or not dividing the batch size,
-            the batch on another device than the group's, or stages called with different schedules, m,
-            batch sizes or numbers of chunks (the message lists each stage's); interleaved: m not a multiple
-            of p, p < 2, fewer than 2 chunks or chunks not passed as a list. On the stage concerned (the
-            others wait for it until the timeout): a tensor to send whose shape or dtype differs from the one
-            agreed before the first micro-batch (an output shape that depends on the input's values), naming
-            the stage and micro-batch.
-        RuntimeError: this rank is not in ``group``; on the stage concerned, a stage whose output does not
-            depend on its input (no gradient to send back), naming the stage and micro-batch; on every
-            stage, when a stage failed while the boundary shapes were agreed (its dry run raised, or its
-            output is an integer tensor that is not the last stage's).
+        ValueError: unknown schedule, bad m, batch on another device, stages disagreeing on schedule, m,
+            batch size or chunks (listing each stage's); interleaved: m not a multiple of p, p < 2, < 2 chunks
+            or not a list; a tensor to send whose shape/dtype differs from the agreed one (stage, micro-batch).
+        RuntimeError: this rank not in ``group``; a stage output not depending on its input; a stage that
+            failed while the boundary shapes were agreed.
     """
     stage, p = stage_of(group)
     batch = inputs.shape[0] if inputs.dim() > 0 else 0

@@ -133,31 +133,21 @@ class Layout:
     Attributes:
         tp, pp, dp: tensor-, pipeline- and data-parallel sizes (ints >= 1); the GPUs used are tp·pp·dp.
         micro_batch: sequences per micro-batch b (>= 1).
-        zero1: shard the optimizer states over the dp ranks (ZeRO stage >= 1); kept for the layouts written
-            before ``zero_stage``: ``zero1=True`` alone means stage 1, and it is set to ``zero_stage >= 1``.
-        zero_stage: ZeRO stage 0-3 (:data:`~commlab.parallel.planner.software.ZERO_STAGES`): 1 shards the
-            optimizer states over dp, 2 the gradients too, 3 the parameters too (FSDP). None: 1 if ``zero1``
-            else 0.
-        recompute: activation-recomputation policy, one of
-            :data:`~commlab.parallel.planner.software.RECOMPUTE_POLICIES`: ``"none"``, ``"selective"`` (the
-            attention core only, Korthikanti et al. 2022, §5), ``"full"`` (each layer's forward is rerun in
-            the backward pass) or ``"every-k"`` (the full forward of one layer in every ``recompute_every``).
-            ``True`` and ``False`` are read as ``"full"`` and ``"none"``; the stored value is the string.
-        recompute_every: k of the ``"every-k"`` policy (int >= 1; ignored otherwise).
-        interleave: model chunks per GPU v of the interleaved 1F1B schedule (1 = plain 1F1B;
-            Narayanan et al. 2021, §2.2.2).
-        sequence_parallel: Megatron sequence parallelism in the TP group (Korthikanti et al. 2022, §4.2.2):
-            the non-matmul activations are split by tp; communication volume unchanged.
-        flash_attention: attention kernels that do not store the s × s score matrices (Dao et al. 2022).
-        dp_shard: HSDP (hybrid sharding, PyTorch FSDP's ``HYBRID_SHARD`` / FSDP2 on a 2-D ``(replicate,
-            shard)`` mesh): what ZeRO shards is split over groups of ``dp_shard`` consecutive DP ranks only,
-            and replicated across the ``dp/dp_shard`` groups, whose gradients an AllReduce averages. None:
-            shard over all dp ranks. Must divide dp, and needs a ZeRO stage >= 1.
+        zero1, zero_stage: ZeRO stage 0-3 (:data:`~.software.ZERO_STAGES`; 1 shards the optimizer states over
+            dp, 2 the gradients too, 3 the parameters too); ``zero1`` is the older spelling (None stage: 1 if
+            ``zero1`` else 0), and is set to ``zero_stage >= 1``.
+        recompute, recompute_every: a policy of :data:`~.software.RECOMPUTE_POLICIES` (``"none"``,
+            ``"selective"``: attention core, Korthikanti et al. 2022 §5; ``"full"``; ``"every-k"``: one layer
+            in every ``recompute_every``); ``True``/``False`` are read as ``"full"``/``"none"``.
+        interleave: model chunks per GPU v of interleaved 1F1B (1 = plain; Narayanan et al. 2021, §2.2.2).
+        sequence_parallel, flash_attention: Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2)
+            and attention kernels that keep no s × s scores (Dao et al. 2022).
+        dp_shard: HSDP: ZeRO shards over groups of ``dp_shard`` consecutive DP ranks, replicated across the
+            ``dp/dp_shard`` groups (AllReduce); None: all dp ranks. Divides dp; needs ZeRO >= 1.
 
     Raises:
-        ValueError: a size that is not an int >= 1; an unknown recompute policy or ZeRO stage (the message
-            lists the allowed ones); ``zero1=True`` with ``zero_stage=0``; ``dp_shard`` not a divisor of dp,
-            or given without ZeRO.
+        ValueError: a size that is not an int >= 1; an unknown recompute policy or ZeRO stage (listing the
+            allowed ones); ``zero1=True`` with ``zero_stage=0``; ``dp_shard`` not dividing dp, or without ZeRO.
     """
 
     tp: int

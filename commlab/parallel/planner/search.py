@@ -164,50 +164,29 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
     """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
 
-    Ranked by the analytical step time, then the ``timeline_top`` fastest (default :data:`TIMELINE_TOP_K`),
-    and each next plan that could still replay into those places, are replayed as step timelines
-    (:func:`~.timeline.rerank_by_timeline`); every plan is then ranked by its step time, the replay's where
-    there is one (``timeline_top=0``: analytical only). Book §11.3.
+    Ranked analytically; the ``timeline_top`` fastest (and any plan that could still replay into those
+    places) are replayed as step timelines (:func:`~.timeline.rerank_by_timeline`) and re-ranked
+    (``timeline_top=0``: analytical only). Book: chapter 11, §11.3.
 
     Args:
-        model: a :class:`ModelConfig` or a name in ``commlab/data/models.json``.
-        cluster: a :class:`~commlab.topology.Cluster` or a preset name.
-        gpus: GPUs to use; a multiple of ``devices_per_node``.
-        global_batch: sequences per step.
-        micro_batches, interleave: the values to try. Interleaving (v > 1) only when pp > 1, ``v·pp <= L``
-            (and divides L with ``even_stages``) and the micro-batches are a multiple of pp.
-        zero1: ZeRO-1 off/on values to try (off = stage 0, on = stage 1); default every ZeRO stage up to the
-            profile's ``zero_stage``. With ZeRO-3 the search also tries HSDP with the shard group inside a
-            node (``dp_shard = devices_per_node / (tp·pp)``, when that is between 1 and dp and divides it).
-        recompute: the recomputation policies to try (see :class:`Layout`); default ``none`` and ``full``
-            plus the software profile's own policy.
-        tp_values: default the divisors of ``devices_per_node`` (TP inside a node); a value that does not
-            divide it raises.
-        pp_values: the pipeline sizes to try. Default: with ``even_stages`` the divisors of the layer count
-            L; otherwise every pp <= L for which tp·pp divides ``gpus``, the heaviest stage holding
-            ``ceil(L/(pp·v))·v`` layers (layer counts are often not powers of two: Llama 3 405B ran its 126
-            layers on pp = 16).
-        even_stages: restrict the default pp values to the divisors of L (and interleaving to v with
-            ``pp·v`` dividing L); default the software profile's ``even_stages``.
-        sequence_parallel, flash_attention: what the training software does (see :class:`Layout`); default
-            the software profile's.
-        achievable_fraction, dp_overlap, grad_bytes, dtype: passed to
-            :func:`~commlab.parallel.planner.time_model.step_time` (grad_bytes also to the memory model;
-            default the profile's); the default ``achievable_fraction`` is :data:`~.time_model.AUTO`
-            (:attr:`SearchResult.compute_model` says which model priced compute).
-        software: a :class:`~commlab.parallel.planner.software.SoftwareProfile` or a name in
-            ``commlab/data/software.json`` (default :data:`~commlab.parallel.planner.software.DEFAULT_SOFTWARE`).
-        memory_reserve: share of device memory kept free for what the memory model does not count
-            (:func:`~commlab.parallel.planner.memory.usable_memory_bytes`; default 10 %, in [0, 1)).
-        usable_fraction: the older spelling of ``1 - memory_reserve``; when given it replaces it.
-        fragile_margin: plans within this share of the usable memory are marked ``fragile`` (default 5 %).
-        timeline_top: how many of the fastest plans to replay and re-rank (int >= 0).
+        model, cluster: a :class:`ModelConfig` / :class:`~commlab.topology.Cluster` or a name.
+        gpus: a multiple of ``devices_per_node``. global_batch: sequences per step.
+        micro_batches, interleave, zero1, recompute, tp_values, pp_values: the values to try; defaults: every
+            ZeRO stage up to the profile's (with HSDP inside a node under ZeRO-3), ``none``/``full`` plus the
+            profile's recompute policy, tp dividing ``devices_per_node``, every pp <= L with tp·pp dividing
+            ``gpus`` (divisors of L with ``even_stages``); v > 1 only when pp > 1 and it fits L and m.
+        even_stages, sequence_parallel, flash_attention: default the software profile's (see :class:`Layout`).
+        achievable_fraction, dp_overlap, grad_bytes, dtype: passed to :func:`~.time_model.step_time`.
+        software: a :class:`~.software.SoftwareProfile` or a name (default :data:`~.software.DEFAULT_SOFTWARE`).
+        memory_reserve: share of device memory kept free, in [0, 1) (default 10 %); ``usable_fraction`` is
+            the older spelling of ``1 - memory_reserve``.
+        fragile_margin: plans within this share of usable memory are marked ``fragile`` (default 5 %).
+        timeline_top: how many of the fastest plans to replay (int >= 0).
 
     Raises:
         KeyError: unknown model or preset.
-        ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp value that would cross nodes; bad
-            ``global_batch``; an unknown software profile or recompute policy; a reserve or margin outside
-            [0, 1); ``timeline_top`` < 0.
+        ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp crossing nodes; bad ``global_batch``;
+            unknown software profile or recompute policy; reserve or margin outside [0, 1); ``timeline_top`` < 0.
     """
     started = time.perf_counter()
     checks.integer("timeline_top", timeline_top, least=0, note="plans to replay as timelines")
@@ -306,40 +285,25 @@ class ValidationRow:
     """One published run beside the planner.
 
     Attributes:
-        config: the key in ``commlab/data/published_layouts.json``.
-        published: its layout with its knobs (``tp8 pp64 dp6 b1 recompute``), a ``*`` on each knob the
-            planner chose because the source does not report it (``b1*``).
-        planner_top: the planner's fastest layout for the same model, GPUs, batch and software, every knob
-            free.
-        reported_tflops: the source's TFLOP/s per GPU (in its own FLOP definition, ``accounting``), or where it
-            reports its iteration time instead (``iteration_s``), that definition's FLOP per step / the time /
-            the GPUs.
-        predicted_tflops: the planner's, for the published layout, in the same definition, at its step time
-            (:attr:`Plan.step_s`: the replayed timeline's, the best plan being one of the replayed first
-            :data:`TIMELINE_TOP_K`).
-        top_tflops: the time model's for the planner's top layout, same definition (Eq. 3 credits a layout
-            without recomputation with the recomputed forward it assumes).
+        config, software: the key in ``commlab/data/published_layouts.json`` and the software profile named.
+        published: its layout with its knobs (``tp8 pp64 dp6 b1 recompute``), ``*`` on each knob the planner
+            chose because the source does not report it (``b1*``).
+        planner_top: the planner's fastest layout for the same model, GPUs, batch and software.
+        reported_tflops, predicted_tflops, top_tflops: TFLOP/s per GPU in the source's FLOP definition
+            (``accounting``, a key of :data:`~.time_model.FLOP_DEFINITIONS`): reported (or derived from its
+            ``iteration_s``), predicted for the published layout at :attr:`Plan.step_s`, and for the top one.
         error_pct: (predicted - reported) / reported × 100.
         top_tp_within_node: the top layout's tp divides devices_per_node.
         published_step_s, top_step_s: predicted step times, s.
-        accounting: the FLOP definition (a key of
-            :data:`~commlab.parallel.planner.time_model.FLOP_DEFINITIONS`).
-        published_rank: where the published tp × pp × dp split stands among the splits of the planner's own
-            ranking, each split counted once, at its fastest plan (1 = the split of the planner's top plan;
-            None = no plan of it fits).
-        software: the software profile the row names.
-        exact_rank: where the published configuration -- the split and every knob the source fixes
-            (micro-batch, interleaving, recomputation, ZeRO) -- first stands among all the plans of the
-            planner's own ranking (None: it does not fit).
-        plan_rank: where the first plan of the published split stands among all the plans, every variant
-            of a faster split (micro-batch, interleaving, recomputation, ZeRO) counted before it.
-        knobs_fixed: the source fixes the micro-batch or the interleaving; without, ``exact_rank`` says no
-            more than ``plan_rank`` and the table prints it as ``n/a``.
-        published_time: the analytical breakdown of the published configuration's plan (seconds per term).
+        published_rank: rank of the published tp × pp × dp split among the planner's splits (1 = the top
+            plan's split; None = none fits).
+        exact_rank: rank of the published configuration, every knob the source fixes (None: does not fit).
+        plan_rank: rank of the first plan of the published split among all plans.
+        knobs_fixed: the source fixes micro-batch or interleaving (else ``exact_rank`` prints ``n/a``).
+        published_time: the analytical breakdown of the published plan (seconds per term).
 
-    Ranks are positions in the planner's ranking (its first :data:`TIMELINE_TOP_K` places by their replayed
-    timelines, after them each plan by its replay where the search replayed it, else by the sum of terms:
-    :func:`~.timeline.rerank_by_timeline`); plans with equal step times share the position of the first of them.
+    Ranks are positions in the planner's ranking (:func:`~.timeline.rerank_by_timeline`); equal step times
+    share the position of the first.
     """
 
     config: str

@@ -132,51 +132,28 @@ class SoftwareProfile:
     """What a training stack does (book §11.2; every field's source is in ``commlab/data/software.json``).
 
     Attributes:
-        name: the preset's key.
-        description: one line.
-        sequence_parallel: Megatron sequence parallelism (Korthikanti et al. 2022, §4.2.2).
-        pp_scatter_gather: each tp rank sends 1/tp of the boundary activation to the next stage, which
-            all-gathers it (Narayanan et al. 2021, §4.1); implied by sequence parallelism.
-        flash_attention: attention kernels that neither store the s × s scores nor compute the masked
-            half of causal attention (Dao et al. 2022; FlashAttention-2).
-        overlap_dp_grad_reduce: share (0..1) of the DP gradient reduction that may hide behind the
-            backward pass of the last micro-batch (Megatron ``--overlap-grad-reduce``).
-        overlap_dp_param_gather: share (0..1) of the distributed optimizer's parameter all-gather that may
-            hide behind the forward pass of the first micro-batch (``--overlap-param-gather``).
-        overlap_tp: share (0..1) of the TP communication hidden behind the layer's matmuls
-            (``--tp-comm-overlap``).
-        overlap_tp_backward: share (0..1) of the reductions of the column-parallel linears' input gradients
-            (QKV and the MLP's first linear) hidden behind those linears' weight-gradient GEMMs, each for at
-            most its own GEMM's time (Megatron-LM's asynchronous all-reduce, a reduce-scatter under sequence
-            parallelism; Korthikanti et al. 2022, §6.2; :func:`~.time_model.backward_tp_hidden_seconds`).
-        overlap_pp: share (0..1) of the pipeline sends/receives hidden behind compute
-            (``overlap_p2p_comm``).
-        overlap_pp_needs_interleave: the stack overlaps pipeline sends only under the interleaved schedule
-            (Megatron-LM turns ``overlap_p2p_comm`` off without it); :meth:`pp_overlap` applies it.
-        even_stages: every pipeline stage holds the same number of layers, and each virtual stage the same
-            share of them (Megatron-LM asserts ``L % pp == 0`` and ``(L/pp) % (L/(pp·v)) == 0``); the search
-            then tries only such pp and v.
-        dp_bucket_params, dp_bucket_params_per_dp_rank: the gradient bucket, in elements: at least
-            ``dp_bucket_params``, and ``dp_bucket_params_per_dp_rank`` per DP rank where that is more
-            (Megatron-Core's ``max(40M, 1M·dp)``); :meth:`bucket_params` gives it, and
-            :func:`~.time_model.dp_last_bucket_share` what of it cannot hide. 0 = no buckets.
-        overlap_compute_slowdown: factor (>= 1) by which compute slows while overlapped communication
-            kernels share the GPU's SMs and memory bandwidth; 1.0 = no slowdown (the default of a profile
-            made by hand). Every preset has 1.189, the average Lee et al. 2025 measured (arXiv:2507.03114).
-        grad_bytes: bytes per gradient element, held and reduced (2 bf16/fp16, 4 fp32).
-        optimizer_dtypes: the stack's parameter and optimizer-state dtypes, a key of
-            :data:`OPTIMIZER_DTYPES` (e.g. ``"bf16-fp32-adam"``: 2-byte parameters, 12 bytes of state).
-        recompute: the stack's recomputation policy (:data:`RECOMPUTE_POLICIES`); the search tries it beside
-            none and full.
-        recompute_every: k of the ``every-k`` policy (>= 1).
-        zero_stage: the most the stack shards over the dp ranks, one of :data:`ZERO_STAGES` (1: Megatron's
-            distributed optimizer; 3: FSDP); the search tries every stage up to it.
-        sources: where each field comes from, keyed by field name.
+        name, description, sources: the preset's key, one line, and each field's source by field name.
+        sequence_parallel, flash_attention: Megatron sequence parallelism (Korthikanti et al. 2022, §4.2.2);
+            attention kernels that keep no s × s scores and skip the masked causal half (Dao et al. 2022).
+        pp_scatter_gather: boundary activations sent as 1/tp per rank and all-gathered (Narayanan et al.
+            2021, §4.1); implied by sequence parallelism.
+        overlap_dp_grad_reduce, overlap_dp_param_gather, overlap_tp, overlap_tp_backward, overlap_pp: shares
+            (0..1) of the DP gradient reduction, the distributed optimizer's parameter all-gather, the TP
+            communication, the column-parallel input-gradient reductions (behind the weight-gradient GEMMs,
+            Korthikanti et al. 2022 §6.2) and the pipeline sends that may hide behind compute.
+        overlap_pp_needs_interleave: pipeline sends overlap only under interleaving (:meth:`pp_overlap`).
+        even_stages: every (virtual) stage holds the same number of layers, as Megatron-LM asserts.
+        dp_bucket_params, dp_bucket_params_per_dp_rank: gradient bucket in elements, ``max(first, second·dp)``
+            (Megatron-Core's ``max(40M, 1M·dp)``; :meth:`bucket_params`); 0 = no buckets.
+        overlap_compute_slowdown: compute slowdown (>= 1) while communication overlaps (presets: 1.189, Lee et
+            al. 2025, arXiv:2507.03114; hand-made profiles: 1.0).
+        grad_bytes, optimizer_dtypes: bytes per gradient element (2 or 4); a key of :data:`OPTIMIZER_DTYPES`.
+        recompute, recompute_every, zero_stage: the stack's recomputation policy (and its k), and the most it
+            shards over dp (:data:`ZERO_STAGES`); the search tries up to / beside them.
 
     Raises:
         ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO
-            stage or optimizer dtype option, grad_bytes not 2 or 4, a negative bucket size; each message names
-            the value and the allowed ones.
+            stage or optimizer dtypes, grad_bytes not 2 or 4, a negative bucket size (naming the value).
     """
 
     name: str

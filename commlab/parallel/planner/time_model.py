@@ -3,16 +3,13 @@
 :func:`step_time` returns a :class:`TimeBreakdown` (seconds on one GPU's critical path) for a model
 (:class:`~.memory.ModelConfig`), a layout (:class:`~.memory.Layout`), a cluster
 (:class:`~commlab.topology.Cluster`: α in s, β in s/byte per direction), a global batch (sequences) and a
-software profile (:class:`~.software.SoftwareProfile`: what the stack overlaps and how it sends). Compute is
-priced by one share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by the layout's kernels
-(:data:`KERNELS`, :mod:`~.kernels`; :data:`AUTO`, the default, picks per device: :func:`compute_model`).
-Executed FLOP (:func:`executed_flops_per_token`) and model FLOP in a published definition
-(:func:`model_flops_per_step`, :data:`FLOP_DEFINITIONS`) are kept apart. The terms are summed, not
-scheduled; :mod:`~.timeline` replays them in the schedule's order.
-
-Sources: Kaplan et al. 2020; Shoeybi et al. 2019 §3; Narayanan et al. 2021 §2.2, §3.2, §4.1; Korthikanti
-et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3; PaLM (Chowdhery et al. 2022) App. B; Lee et al. 2025
-(arXiv:2507.03114) for the slowdown. Book: chapter 11, §11.2 (each term) and §11.4; chapter 12, §12.4.
+software profile (:class:`~.software.SoftwareProfile`). Compute is priced by one share of peak
+(:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks per device:
+:func:`compute_model`). Executed FLOP (:func:`executed_flops_per_token`) and published model FLOP
+(:func:`model_flops_per_step`, :data:`FLOP_DEFINITIONS`) are kept apart. Terms are summed, not scheduled;
+:mod:`~.timeline` replays them. Sources: Kaplan et al. 2020; Shoeybi et al. 2019 §3; Narayanan et al. 2021
+§2.2, §3.2, §4.1; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3; PaLM App. B; Lee et al.
+2025 (arXiv:2507.03114). Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4.
 """
 
 from __future__ import annotations
@@ -103,27 +100,18 @@ class TimeBreakdown:
 
     Attributes:
         compute_s: matrix multiplications of all micro-batches on one GPU (executed FLOP).
-        tp_s: tensor-parallel communication of all micro-batches on the critical path (not hidden).
-        pp_s: pipeline sends and receives of all micro-batches on the critical path (not hidden).
+        tp_s, pp_s: TP communication and pipeline sends/receives of all micro-batches left on the critical
+            path; tp_hidden_s, pp_hidden_s: the parts hidden behind compute.
         bubble_s: pipeline fill and drain.
-        dp_s: the gradient ReduceScatter + AllGather (or AllReduce), in full (ZeRO-3: those of every
-            micro-batch, two AllGathers and one ReduceScatter each).
-        dp_exposed_s: the part of ``dp_s`` not hidden behind compute.
-        micro_batches: micro-batches per step m.
-        tokens_per_step: global batch × sequence length.
-        model_flop_per_step: ``(6·P + 12·L·h·s) × tokens`` (the ``"model"`` definition), FLOP.
-        gpus: tp·pp·dp.
-        tp_hidden_s, pp_hidden_s: the TP and PP communication hidden behind compute.
-        dp_reduce_scatter_s, dp_all_gather_s: the two halves of ``dp_s``.
+        dp_s: the gradient ReduceScatter + AllGather (or AllReduce) in full (ZeRO-3: per micro-batch), split
+            into dp_reduce_scatter_s and dp_all_gather_s; dp_exposed_s: the part not hidden.
+        micro_batches, tokens_per_step, gpus: m, global batch × sequence length, tp·pp·dp.
+        model_flop_per_step: ``(6·P + 12·L·h·s) × tokens`` FLOP; executed_flop_per_step: what the GPUs run.
         overlap_slowdown_s: what compute loses while hidden communication shares the GPU.
-        executed_flop_per_step: FLOP the GPUs execute (:func:`executed_flops_per_token` × tokens).
         software: the software profile's name.
-        optimizer_s: the optimizer step (Adam's HBM traffic over the GPU's parameters), with the kernel model
-            only; 0 otherwise.
-        compute_fraction: the share of peak the executed FLOP run at: ``achievable_fraction``, or what the
-            kernel model gives for this layout.
-        loss_s: the cross-entropy over the vocabulary on a last-stage GPU, all micro-batches (0 where the
-            device's memory bandwidth is not in ``commlab/data/hardware.json``).
+        optimizer_s: the optimizer step (kernel model only; 0 otherwise).
+        compute_fraction: the share of peak the executed FLOP run at.
+        loss_s: the vocabulary cross-entropy on a last-stage GPU (0 without the device's memory bandwidth).
     """
 
     compute_s: float

@@ -118,29 +118,19 @@ class StepCosts:
     """Everything the replay needs (seconds, shares), independent of how it was priced.
 
     Attributes:
-        stages: one :class:`StageCosts` per pipeline stage, all with ``interleave`` chunks.
-        micro_batches: m per step.
+        stages, micro_batches: one :class:`StageCosts` per pipeline stage (all with ``interleave`` chunks); m.
         pp_message_s: one pipeline message (activation forward or gradient backward), s.
         overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
-        compute_slowdown: factor (>= 1) by which compute slows while communication runs beside it (hidden
-            TP, the hidden share of a pipeline send, the overlapped DP or ZeRO-3 / FSDP collectives); the
-            replay draws the time it costs as ``slowdown`` bars on the compute lane.
-        dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction, in order (``dp_reduce_scatter``, and
-            ``dp_all_gather`` for the second half of an AllReduce).
-        dp_gather_s: the distributed optimizer's parameter AllGather, s (0 without one).
-        overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares.
-        optimizer_s: the optimizer step, s.
-        dp_reduce_tail: share (0..1) of the overlapped reduction in the bucket reduced last, launched only
-            when the stage's last backward has ended (:func:`~.time_model.dp_last_bucket_share`).
-        dp_gather_head: share (0..1) of the overlapped parameter AllGather gathered first, which the stage's
-            first forward waits for before it starts.
-        fsdp_gather_s: ZeRO-3 / FSDP: one AllGather of one chunk's parameters, s, before each forward and
-            before each backward of every micro-batch (0 without ZeRO-3); ``overlap_dp_param_gather`` of it
-            hides behind that forward's or backward's compute.
-        fsdp_reduce_s: ZeRO-3 / FSDP: one ReduceScatter of one chunk's gradients after each backward, s;
-            ``overlap_dp_grad_reduce`` of it hides behind the backward's compute, beside its AllGather.
-        fsdp_head_share: share (0..1) of the forward AllGather and of the ReduceScatter that no prefetch
-            hides (:func:`~.time_model.fsdp_head_share`).
+        compute_slowdown: factor (>= 1) by which compute slows while communication runs beside it, drawn as
+            ``slowdown`` bars on the compute lane.
+        dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction in order (``dp_reduce_scatter``, then
+            ``dp_all_gather`` for an AllReduce); dp_gather_s: the distributed optimizer's AllGather (0: none).
+        overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares; optimizer_s: the step, s.
+        dp_reduce_tail, dp_gather_head: shares (0..1) of the last bucket reduced after the last backward
+            (:func:`~.time_model.dp_last_bucket_share`) and of the AllGather the first forward waits for.
+        fsdp_gather_s, fsdp_reduce_s, fsdp_head_share: ZeRO-3 per-chunk AllGather (before each forward and
+            backward) and ReduceScatter (after each backward), s, and the share no prefetch hides
+            (:func:`~.time_model.fsdp_head_share`); 0 without ZeRO-3.
 
     Raises:
         ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside

@@ -3,15 +3,13 @@
 Megatron-LM's conjugate pair (Shoeybi et al. 2019, arXiv:1909.08053, §3, Figure 3): :func:`f` (identity
 forward, all-reduce backward) where a replicated activation enters a column-split linear, and :func:`g`
 (all-reduce forward, identity backward) where a row-split linear's partial sums leave the block.
-Sequence parallelism's pair (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2, the paper's g and ḡ, named
-here by what they do): :func:`gather_sequence` (all-gather along the sequence forward, reduce-scatter
-backward) and :func:`reduce_scatter_sequence` (the reverse), the same bytes on a ring. For layers on their
-own: :func:`gather_last_dim` and :func:`split_last_dim`. An all-reduce of a ``(batch, seq, hidden)``
-activation of ``e`` bytes per element carries ``batch·seq·hidden·e`` bytes of payload (a ring sends
-``2(t-1)/t`` of it per rank); none with one rank. Every function takes the group explicitly; each
-operator's forward and backward come from :func:`conjugate_pair`. Inside ``with timed(group, timer):``
-each collective on ``group`` is timed into a :class:`CommTimer` (the capstone reports TP communication
-apart from compute).
+Sequence parallelism's pair (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2, the paper's g and ḡ):
+:func:`gather_sequence` (all-gather along the sequence forward, reduce-scatter backward) and
+:func:`reduce_scatter_sequence` (the reverse), the same bytes on a ring. For single layers:
+:func:`gather_last_dim` and :func:`split_last_dim`. An all-reduce of a ``(batch, seq, hidden)`` activation
+carries ``batch·seq·hidden·e`` bytes (a ring sends ``2(t-1)/t`` of it per rank). Each operator comes from
+:func:`conjugate_pair`; inside ``with timed(group, timer):`` each collective on ``group`` is timed into a
+:class:`CommTimer`.
 
 Book: chapter 10, §10.2 and §10.9; chapter 13, §13.1.
 """
