@@ -71,39 +71,27 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
     """Compress ``tensor`` on every rank and return the sum over ranks of the decompressed tensors.
 
     Args:
-        tensor: this rank's tensor (a gradient); the same shape and dtype on every rank.
+        tensor: this rank's tensor (a gradient); the same shape and dtype on every rank. group: None = default.
         compressor: any :class:`commlab.compress.base.Compressor`.
-        group: process group (None: the default group).
-        error_feedback: an :class:`ErrorFeedback` wrapping ``compressor`` (the same object), to compress
-            ``tensor + residual`` and keep the new residual under ``key`` (this rank's, worker-side).
-        key: the residuals' name; required with ``error_feedback`` or ``server_error_feedback``.
-        emulate: an :class:`~commlab.topology.EmulatedTopology` whose link delays every payload message
-            (chapter 8 measures compression on an emulated slow link this way). Every path then uses
-            commlab's collectives built from point-to-point sends (ring AllReduce, ring AllGather in place of
-            ``dist.all_gather``, :func:`~commlab.collectives.all_to_all` in place of
-            ``dist.all_to_all_single``), whose sends the emulation can delay; the small agreement
-            collectives are not delayed.
-        path: ``"auto"`` (default): ``"all_reduce"`` for a linear compressor, else ``"all_gather"``.
-            ``"all_reduce"`` (linear compressors only), ``"all_gather"`` or ``"two_phase"`` (any compressor;
-            it pays for non-linear ones, see :mod:`commlab.compress.two_phase`) force one.
-        server_error_feedback: ``"two_phase"`` only: an :class:`ErrorFeedback` wrapping ``compressor`` that
-            keeps the chunk owner's residual of its recompressed sum, under ``(key, owner group rank)``.
+        error_feedback, key: an :class:`ErrorFeedback` wrapping ``compressor`` (same object), its residuals
+            kept under ``key`` (required with ``error_feedback`` or ``server_error_feedback``).
+        emulate: an :class:`~commlab.topology.EmulatedTopology` delaying every payload send (all paths then use
+            commlab's point-to-point collectives; agreement collectives are not delayed).
+        path: ``"auto"`` (default: ``"all_reduce"`` if linear, else ``"all_gather"``), ``"all_reduce"``
+            (linear only), ``"all_gather"`` or ``"two_phase"`` (:mod:`commlab.compress.two_phase`).
+        server_error_feedback: ``"two_phase"`` only: an :class:`ErrorFeedback` wrapping ``compressor`` for the
+            chunk owner's residual, under ``(key, owner group rank)``.
 
     Returns:
-        :class:`Aggregated` with the sum (input shape and dtype), the payload bytes, the bytes each rank
-        sends, and the path taken. The sum of the all-gather path (and each owner's sum in the two-phase
-        path) is accumulated in float32 (float64 for float64 input) over ranks in rank order, then rounded
-        once to the input dtype, so every rank gets the same result.
+        :class:`Aggregated`: the sum (input shape and dtype), payload bytes, bytes each rank sends, path. Gathered
+        sums are accumulated in float32 (float64 for float64 input) in rank order, rounded once: same on all ranks.
 
     Raises:
-        ValueError: an unknown ``path``, ``"all_reduce"`` for a non-linear compressor,
-            ``server_error_feedback`` on another path; an error feedback without ``key``, or wrapping a
-            different compressor.
-        CollectiveMismatchError: the ranks' payloads differ in size, dtype or meta (on every rank).
-        TypeError: a linear compressor whose payload dtype the ring cannot add.
-        FloatingPointError: non-finite input on any rank (the compressors' policy), raised on every rank
-            before anything is sent, so that all ranks can skip the step together; in the two-phase path also
-            a chunk owner's sum that overflows when recompressed (on every rank, naming the owner).
+        ValueError: an unknown ``path``, ``"all_reduce"`` for a non-linear compressor, ``server_error_feedback``
+            on another path, error feedback without ``key`` or wrapping another compressor.
+        CollectiveMismatchError: payloads differ across ranks. TypeError: a payload dtype the ring cannot add.
+        FloatingPointError: non-finite input on any rank, or (two-phase) an owner's recompressed sum overflows;
+            raised on every rank (before sending), so all ranks can skip the step.
     """
     call = AggregateCall(tensor, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate,
                          path=path, server_error_feedback=server_error_feedback)
@@ -113,37 +101,29 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
 
 
 class AggregateCall:
-    """One compressed sum (or mean) over a group in two stages, so that a DDP hook can return while the payloads
-    travel: :meth:`start` compresses (through error feedback), agrees and launches the collectives;
-    :meth:`finish` decompresses and sums. :func:`aggregate` runs both at once, the comm hook
-    :func:`commlab.compress.compression_hook` returns between them: one path under both.
+    """One compressed sum (or mean) over a group in two stages, so that a DDP hook can return in between.
+
+    :meth:`start` compresses (through error feedback), agrees and launches; :meth:`finish` decompresses and sums.
+    :func:`aggregate` runs both at once; :func:`commlab.compress.compression_hook` returns between them.
 
     Args:
-        tensor, compressor, group, error_feedback, key, emulate, path, server_error_feedback: as
-            :func:`aggregate`.
-        mean: return the mean over ranks, not the sum. A linear payload is then divided by N *before* it is
-            summed (as PyTorch's ``fp16_compress_hook`` does, so that a float16 sum cannot overflow), which
-            needs floating-point payload tensors and a compressor linear in the full sense,
-            ``decompress(a p + b q) = a decompress(p) + b decompress(q)`` (casts, Random-K with shared
-            indices); the other paths divide their sum.
-        overlap: linear payloads go through torch's asynchronous ``dist.all_reduce``, whose futures
-            :meth:`start` returns, as a DDP hook needs; False (default): through commlab's ring AllReduce,
-            synchronously, which ``emulate`` can delay. Payloads that are gathered always travel
-            asynchronously (``dist.all_gather``) unless emulated.
-        ragged: the payload tensors may differ in size by rank (a threshold sparsifier, which DDP hooks
-            allow): their shapes are exchanged (two tiny all-gathers) instead of agreed, and each is
-            all-gathered padded to the longest; the bytes count this rank's payload. Default False: every
-            rank's payload must have the same layout (:func:`~commlab.compress.agreement.agree_payloads`).
+        tensor, compressor, group, error_feedback, key, emulate, path, server_error_feedback: as :func:`aggregate`.
+        mean: return the mean, not the sum. A linear payload is divided by N *before* the sum (as PyTorch's
+            ``fp16_compress_hook``, so a float16 sum cannot overflow): needs floating-point payloads and a
+            compressor linear in the full sense (casts, Random-K with shared indices); other paths divide the sum.
+        overlap: linear payloads go through torch's async ``dist.all_reduce`` (futures returned by :meth:`start`);
+            False (default): commlab's synchronous ring AllReduce, which ``emulate`` can delay.
+        ragged: payloads may differ in size by rank (threshold sparsifiers): shapes are exchanged and payloads
+            all-gathered padded to the longest. Default False: layouts must agree.
         what: the caller, for messages.
 
     Attributes (after :meth:`start`):
-        path: the path taken. payload: this rank's payload. payload_nbytes, bytes_sent_per_rank,
-        server_payload_nbytes: as in :class:`Aggregated`.
+        path, payload (this rank's); payload_nbytes, bytes_sent_per_rank, server_payload_nbytes: as
+        :class:`Aggregated`.
 
     Raises:
         ValueError: as :func:`aggregate`; ``overlap`` with ``emulate``.
-        TypeError: a linear payload tensor the sum cannot take (``mean``: not floating point; the ring: a dtype
-            it cannot add), raised before anything is sent.
+        TypeError: a linear payload the sum cannot take (``mean``: not floating point; ring: a dtype it cannot add).
         CollectiveMismatchError, FloatingPointError: as :func:`aggregate`.
     """
 

@@ -1,11 +1,10 @@
 """DDP communication hooks: any commlab compressor, and PowerSGD, plugged into ``DistributedDataParallel``.
 
-A hook replaces DDP's all-reduce of each gradient bucket (a flat buffer holding several parameters'
-gradients). PyTorch's interface (``DistributedDataParallel.register_comm_hook(state, hook)``): the hook is a
-plain function ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` whose future yields the bucket's
-*averaged* gradient, in the buffer's shape; the state object holds settings and whatever persists between
-steps. Both hooks here follow PyTorch's ``ddp_comm_hooks`` (``default_hooks.fp16_compress_hook``,
-``powerSGD_hook.powerSGD_hook``) and are tested against them.
+A hook replaces DDP's all-reduce of each gradient bucket (a flat buffer of several parameters' gradients).
+PyTorch's interface, ``DistributedDataParallel.register_comm_hook(state, hook)``: a plain function
+``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` whose future yields the bucket's *averaged*
+gradient; the state holds settings and what persists between steps. Both hooks follow PyTorch's
+``ddp_comm_hooks`` (``fp16_compress_hook``, ``powerSGD_hook``) and are tested against them.
 
 Usage::
 
@@ -38,34 +37,21 @@ class CompressionHookState:
     """Settings and per-bucket residuals of :func:`compression_hook`.
 
     Args:
-        compressor: any object following :class:`commlab.compress.base.Compressor` (``name``, ``linear``,
-            ``compress``, ``decompress``).
+        compressor: any object following :class:`commlab.compress.base.Compressor`.
         process_group: the group to average over; ``None`` (default): the world.
-        error_feedback: keep what compression lost on this rank and add it to the next step's gradient
-            (Seide et al. 2014, "1-bit SGD", Interspeech; Karimireddy et al. 2019, "Error Feedback Fixes
-            SignSGD", ICML). Default False, so that a plain compressor behaves as its PyTorch counterpart
-            (``fp16_compress_hook`` keeps no memory); turn it on for biased compressors (Top-K, sign), which
-            need it to converge. Residuals are kept per bucket,
-            in the bucket's dtype.
-        aggregation: ``"auto"`` (default): a linear compressor's payload is all-reduced, any other's
-            all-gathered (what torch's prototype ``quantization_pertensor_hook`` does; each rank sends
-            ``(N-1) x payload``). ``"two_phase"``: the two-phase compressed AllReduce of
-            :mod:`commlab.compress.two_phase` (an all-to-all of compressed chunks, each owner recompresses
-            its chunk's sum, an all-gather of the owners' chunks; about ``2 (N-1)/N x payload``), as DeepSpeed's
-            1-bit Adam does: for non-linear compressors at any scale beyond a few ranks.
-        server_error_feedback: ``"two_phase"`` only: the chunk owner keeps what recompressing its chunk's sum
-            lost and adds it to its next sum (DeepSpeed's ``server_error``). Default None: the same as
-            ``error_feedback`` (worker and server error feedback go together, as in 1-bit Adam). Residuals
-            are kept per bucket, for this rank's chunk, in float32 (float64 for float64 buckets).
+        error_feedback: keep what compression lost on this rank (per bucket, in its dtype) and add it to the next
+            gradient (Seide et al. 2014; Karimireddy et al. 2019). Default False, as PyTorch's
+            ``fp16_compress_hook``; biased compressors (Top-K, sign) need it to converge.
+        aggregation: ``"auto"`` (default): all-reduce a linear compressor's payload, all-gather any other's
+            (as torch's prototype ``quantization_pertensor_hook``; ``(N-1) x payload`` per rank).
+            ``"two_phase"``: :mod:`commlab.compress.two_phase` (about ``2 (N-1)/N x payload``), as 1-bit Adam.
+        server_error_feedback: ``"two_phase"`` only: the chunk owner keeps what recompressing its sum lost
+            (DeepSpeed's ``server_error``; float32, or float64 for float64 buckets). None: as ``error_feedback``.
 
     Attributes:
-        residuals: bucket index -> this rank's residual (flat, the bucket's length).
-        server_residuals: the :class:`ErrorFeedback` holding the owner's residuals (keys ``(bucket index,
-            this rank)``), or None.
-        last_payload_nbytes: bytes of the latest bucket's payload on this rank.
-        last_bytes_sent_per_rank: bytes this rank sent for the latest bucket, as
-            :attr:`commlab.compress.Aggregated.bytes_sent_per_rank` counts them (padding of the all-gathered
-            payloads of ``"auto"`` excluded).
+        residuals: bucket index -> this rank's flat residual. server_residuals: the owner's :class:`ErrorFeedback`
+        (keys ``(bucket index, this rank)``) or None. last_payload_nbytes, last_bytes_sent_per_rank: the latest
+        bucket's payload bytes and bytes sent (as :attr:`commlab.compress.Aggregated.bytes_sent_per_rank`).
 
     Raises:
         ValueError: ``compressor`` does not follow the protocol, or a bad ``process_group``/``error_feedback``/

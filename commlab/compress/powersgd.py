@@ -1,16 +1,14 @@
 """PowerSGD: rank-r gradient compression by one step of power iteration, with two all-reduces.
 
 Source: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithms 1 and 2. PyTorch ships the same algorithm as
-``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``; ours (:func:`commlab.compress.hooks.powersgd_hook`)
-is tested against it. Entry points: :func:`powersgd_all_reduce` (average a list of tensors),
+Optimization", NeurIPS 2019 (arXiv:1905.13727), Algorithms 1 and 2; tested against PyTorch's
+``ddp_comm_hooks.powerSGD_hook``. Entry points: :func:`powersgd_all_reduce` (average a list of tensors),
 :class:`PowerSGDState` (settings, residuals, warm-start Q), :func:`orthogonalize_`, :func:`powersgd_nbytes`.
 
 Each gradient is viewed as a matrix M (m x n; a conv weight as (out, in·kh·kw)); P = (M + E) Q and then
-Q = Mᵀ P̂ are all-reduced, so the update is the projection of the averaged M (P̂ orthonormalised in
-float32). Tensors of at most one dimension, and matrices that compression would not shrink by
-``min_compression_rate``, travel uncompressed, float32 ones in the same all-reduce as P. Each rank keeps
-its own error as residual; NaN or inf raise ``FloatingPointError`` on every rank at the same point.
+Q = Mᵀ P̂ are all-reduced (P̂ orthonormalised in float32). Tensors of at most one dimension, and matrices
+that compression would not shrink by ``min_compression_rate``, travel uncompressed (float32 ones with P).
+Each rank keeps its own error as residual; NaN or inf raise ``FloatingPointError`` on every rank.
 
 Book: chapter 7 (§7.2 the algorithm, §7.3 why P is all-reduced, §7.4 orthogonalisation, §7.5 warm start and
 error feedback, §7.6 what stays uncompressed, §7.8 the differences from PyTorch's hook).
@@ -152,48 +150,27 @@ class PowerSGDState:
     """Settings and persistent buffers of PowerSGD: one object per model (or per set of tensors).
 
     Args:
-        process_group: the group to average over; ``None`` (default) means the default (world) group.
-        rank: r, the rank of the approximation, int >= 1. Default 1: the paper's experiments reach
-            full-precision accuracy with r = 1-4 on image classification (section 5, Table 3; r = 2 for
-            ResNet-18 on CIFAR-10) and PyTorch's default is 1; raise it by factors of 2 if accuracy suffers.
-        start_iter: number of steps averaged with a plain all-reduce before compression starts (used by
-            :func:`commlab.compress.hooks.powersgd_hook`, which counts steps in :attr:`step`), int >= 0.
-            Default 1000, as PyTorch: the first steps of training are the most sensitive to compression
-            error; PyTorch's documentation suggests about 10 % of the total steps. The course's short runs
-            pass a small value. Must be >= 2 when error feedback or warm start is on, because DDP
-            reorders its buckets after the first iteration and state remembered before that would be
-            attached to the wrong tensors.
-        min_compression_rate: a matrix is compressed only if that divides its bytes by more than this,
-            float > 0. Default 2, as PyTorch: below that, the two extra matrix products and the second
-            all-reduce cost more than the bandwidth they save.
-        use_error_feedback: keep each rank's compression error and add it to the next gradient
-            (Algorithm 2). Default True: without it PowerSGD is biased and converges to worse accuracy
-            (the paper's ablation, section 5).
-        warm_start: reuse last step's Q (section 4.2). Default True: one power-iteration step per SGD step
-            then tracks the top singular vectors over time; a fresh random Q gives a worse approximation.
-        orthogonalization_epsilon: added to each column norm in Gram-Schmidt, float >= 0. Default 0: the
-            zero-norm guard already prevents NaN, and epsilon slightly shrinks every column.
-        random_seed: seeds the draws of the initial Q matrices, int >= 0. Default 0. All ranks must use
-            the same seed: the Q matrices must be identical on every rank. The draws follow PyTorch's
-            hook (one seed per call that meets new tensors, from ``numpy.random.RandomState(random_seed)``;
-            matrices drawn with ``torch.randn`` in order of first appearance of each shape), so the two
-            implementations can be compared step by step.
+        process_group: the group to average over; ``None`` (default): the world.
+        rank: r, the rank of the approximation, int >= 1. Default 1, as PyTorch (the paper reaches full accuracy
+            with r = 1-4, section 5, Table 3); raise it by factors of 2 if accuracy suffers.
+        start_iter: steps of plain all-reduce before compressing (counted in :attr:`step` by
+            :func:`commlab.compress.hooks.powersgd_hook`), int >= 0; default 1000, as PyTorch. Must be >= 2
+            with error feedback or warm start (DDP reorders its buckets after the first iteration).
+        min_compression_rate: compress a matrix only if that divides its bytes by more than this, float > 0.
+            Default 2, as PyTorch.
+        use_error_feedback, warm_start: error feedback (Algorithm 2), reuse of last step's Q (§4.2); default True.
+        orthogonalization_epsilon: added to each column norm in Gram-Schmidt, float >= 0. Default 0.
+        random_seed: seeds the initial Q draws, int >= 0, the same on all ranks; the draws follow PyTorch's
+            hook (``numpy.random.RandomState(random_seed)``, ``torch.randn`` per new shape) for comparison.
 
-    Persistent state (explicit dicts, keyed by the key of each tensor: its index in the list passed to
-    :func:`powersgd_all_reduce`, or ``(bucket index, position)`` in the DDP hook):
-
-    Attributes:
-        residuals: key -> float32 (m, n) error-feedback residual of this rank.
-        q_memory: key -> float32 (n, r) warm-start Q (identical on all ranks).
-        step: steps completed, advanced by the DDP hook at the last bucket of each step.
-        last_nbytes: :class:`PowerSGDBytes` of the latest call.
+    Attributes (dicts keyed by tensor index, or ``(bucket index, position)`` in the DDP hook):
+        residuals: float32 (m, n) residuals of this rank; q_memory: float32 (n, r) warm-start Q (same on all
+        ranks); step: steps completed; last_nbytes: :class:`PowerSGDBytes` of the latest call;
         total_dense_nbytes, total_sent_nbytes: sums over all compressed calls.
 
     Raises:
-        ValueError: a setting out of range (the message names it and the allowed values), or a
-            ``process_group`` that is not a ProcessGroup.
-        RuntimeError: this rank is not a member of ``process_group`` (e.g. it passed the
-            ``GroupMember.NON_GROUP_MEMBER`` that ``dist.new_group`` gives the ranks outside the group).
+        ValueError: a setting out of range (named, with the allowed values), or a non-ProcessGroup ``process_group``.
+        RuntimeError: this rank is not a member of ``process_group``.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, rank: int = 1, start_iter: int = 1000,

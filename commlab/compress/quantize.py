@@ -91,41 +91,27 @@ def qsgd_variance_bound(numel: int, levels: int, bucket_size: int | None = QSGD_
 class QSGD:
     """QSGD stochastic quantization with s levels, in buckets of d entries with one float32 norm each: unbiased.
 
-    For each bucket ``v`` of the flattened tensor: ``q_i = ||v||_2 * sign(v_i) * xi_i / s``, where ``xi_i`` is
-    ``floor(r_i)`` or ``floor(r_i) + 1`` for ``r_i = s |v_i| / ||v||_2`` in [0, s], the latter with
-    probability ``r_i - floor(r_i)``; so E[xi_i] = r_i and E[q] = v (Alistarh et al. 2017, NeurIPS,
-    "QSGD", §3.1). Its variance is at most :func:`qsgd_variance_bound` times ``||v||^2`` (Lemma 3.1):
-    ``min(d/s^2, sqrt(d)/s)``, which for s = 7 and the default d = 512 is ``min(10.4, 3.2) = 3.2`` whatever
-    the tensor's size, but grows as ``sqrt(n)/s`` with one bucket for the whole tensor (``bucket_size=None``,
-    the labelled contrast). The paper also Elias-codes the levels (§3.2); this class uses fixed-width codes,
-    which is what a collective can move.
+    For each bucket ``v``: ``q_i = ||v||_2 * sign(v_i) * xi_i / s``, where ``xi_i`` rounds ``r_i = s |v_i| / ||v||_2``
+    stochastically to a neighbouring integer so that E[q] = v (Alistarh et al. 2017, "QSGD", NeurIPS, §3.1).
+    Variance at most :func:`qsgd_variance_bound` x ``||v||^2`` (Lemma 3.1). Fixed-width codes, not the paper's
+    Elias codes (§3.2): that is what a collective can move. Derivations: book chapter 6, §6.3.
 
     Args:
-        levels: s, in 1..127. Default 7 when neither argument is given: the most that fits 4 bits
-            (sign + 3-bit level), i.e. close to 8x fewer bytes than float32.
-        bits: 4 or 8 instead of ``levels``: s = 7 or 127, the most that the code width holds.
-            Giving both is allowed if ``levels`` fits in ``bits``.
-        seed: seeds this compressor's own generator (default 0). Give each rank a different seed
-            (e.g. ``seed + rank``): with equal seeds the ranks' rounding errors are correlated and do not
-            average out across ranks.
-        bucket_size: d, consecutive entries (in row-major order) that share one norm; default
-            :data:`QSGD_BUCKET_SIZE` (512, the paper's). None: one bucket for the whole tensor, whatever its
-            size. When d does not divide n, the last bucket holds the remaining ``n - (m-1) d`` entries and has
-            a norm of its own: nothing is padded or sent for the missing entries, and its bound (that of
-            its own size) is smaller. A tensor of at most d entries is one bucket.
+        levels: s, in 1..127. Default 7 when neither argument is given (sign + 3-bit level fit 4 bits).
+        bits: 4 or 8 instead of ``levels``: s = 7 or 127. Both may be given if ``levels`` fits in ``bits``.
+        seed: seeds this compressor's own generator (default 0); give each rank its own (e.g. ``seed + rank``)
+            so that the ranks' rounding errors average out.
+        bucket_size: d, consecutive (row-major) entries sharing one norm; default :data:`QSGD_BUCKET_SIZE`
+            (512, the paper's). None: one bucket for the whole tensor. A short last bucket has its own norm.
 
     Payload (n elements, m = ceil(n / d) buckets):
-        ``codes``: sign and level per element. s <= 7: 4 bits each, nibble = ``negative << 3 | xi``,
-            packed two per byte (uint8, ceil(n/2) bytes). 8 <= s <= 127, or ``bits=8``: int8 ``+-xi``
-            (n bytes).
-        ``norm``: ``||v_b||_2`` of each bucket, float32 (4m bytes; none for an empty tensor). 4-bit codes in
-            buckets of 512 cost 256 + 4 bytes per bucket: a ratio of 7.88 against float32 (8.0 with one bucket).
-        ``meta``: ``{"levels": s, "bits": 4 or 8, "bucket_size": d or None}``.
+        ``codes``: s <= 7: 4-bit nibbles ``negative << 3 | xi``, two per uint8 (ceil(n/2) bytes); else int8
+            ``+-xi`` (n bytes).
+        ``norm``: float32 norm of each bucket (4m bytes). ``meta``: ``{"levels", "bits", "bucket_size"}``.
 
-    ``linear`` is False (each rank has its own norms). An all-zero bucket gives zeros (no division by a zero
-    norm); NaN/Inf input raises ``FloatingPointError``, as does a bucket whose norm float32 cannot hold.
-    The uniforms are drawn on the CPU generator, one per element, whatever the bucket size, so the same seed
-    gives the same draws for every d (and the same stream on every device).
+    ``linear`` is False (each rank has its own norms). An all-zero bucket gives zeros; NaN/Inf input, or a
+    bucket norm float32 cannot hold, raises ``FloatingPointError``. One CPU uniform per element whatever d,
+    so a seed gives the same draws for every d and device.
     """
 
     linear = False

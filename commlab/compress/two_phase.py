@@ -1,19 +1,17 @@
 """The two-phase compressed AllReduce: non-linear payloads summed at 2(N-1)/N of their bytes, not N-1 times.
 
 Phase 1, an all-to-all: each rank cuts its flat gradient into N chunks, compresses each
-(:class:`ChunkedCompressor`) and sends chunk j to rank j, its owner. The owner decompresses and sums the N
-payloads, adds its server-side error-feedback residual and compresses the sum again. Phase 2, an
-all-gather of the owners' payloads, gives every rank the same sum. Each rank sends ``(N-1)(c_w + c_s)``
-bytes (:func:`two_phase_bytes_sent_per_rank`), flat in N like a ring AllReduce.
+(:class:`ChunkedCompressor`) and sends chunk j to its owner, rank j, which decompresses and sums the N
+payloads, adds its server-side residual and compresses the sum again. Phase 2, an all-gather of the owners'
+payloads, gives every rank the same sum. Each rank sends ``(N-1)(c_w + c_s)`` bytes
+(:func:`two_phase_bytes_sent_per_rank`), flat in N like a ring AllReduce.
 
-Entry point: :class:`TwoPhaseCall`, used by :func:`commlab.compress.aggregate.aggregate`
-(``path="two_phase"``) and the DDP hooks. Sources: Seide et al. 2014 (1-bit SGD), Bernstein et al. 2019
-(signSGD with majority vote), Tang et al. 2021 (DeepSpeed's 1-bit Adam, ``NcclBackend.compressed_allreduce``),
-Wang et al. 2023 (ZeRO++'s qgZ). Unlike DeepSpeed, each chunk carries its own scale, any
-:class:`~commlab.compress.base.Compressor` works, and the owner compresses the sum, not the mean.
+Entry point: :class:`TwoPhaseCall`, used by :func:`commlab.compress.aggregate.aggregate` and the DDP hooks.
+Sources: Seide et al. 2014 (1-bit SGD), Bernstein et al. 2019 (signSGD majority vote), Tang et al. 2021
+(DeepSpeed 1-bit Adam, ``NcclBackend.compressed_allreduce``), Wang et al. 2023 (ZeRO++ qgZ). Unlike
+DeepSpeed: a scale per chunk, any Compressor, and the owner compresses the sum, not the mean.
 
-Book: chapter 4, §4.3 (the paths) and §4.6 (the server-side residual); chapter 8, §8.3 (what the second
-compression costs).
+Book: chapter 4, §4.3 (the paths), §4.6 (the server-side residual); chapter 8, §8.3 (the second compression).
 """
 
 from __future__ import annotations
@@ -173,45 +171,27 @@ class TwoPhaseCall:
     """One two-phase AllReduce of one tensor, in three stages (a DDP hook returns after launching phase 2).
 
     Use it through :func:`commlab.compress.aggregate.aggregate` (``path="two_phase"``) or
-    :func:`commlab.compress.compression_hook` (``aggregation="two_phase"``); both check finiteness first
-    (:func:`commlab.compress.agreement.agree_finite`).
-
-    1. :meth:`start`: compress the N chunks (through ``error_feedback`` if given), agree on the payloads over
-       the group, launch phase 1; returns this rank's payload.
-    2. :meth:`middle`: wait for phase 1; the owner's step; launch phase 2; returns the futures to wait on
-       (empty when phase 2 ran synchronously: one rank, nothing to send, or an emulated link).
-    3. :meth:`finish`: decompress and join the owners' chunks; returns the sum over ranks (input shape and
-       dtype, the same on every rank).
+    :func:`commlab.compress.compression_hook`; both check finiteness first. :meth:`start` compresses the N
+    chunks, agrees on the payloads, launches phase 1 and returns this rank's payload; :meth:`middle` waits,
+    does the owner's step, launches phase 2 and returns its futures (empty if it ran synchronously);
+    :meth:`finish` returns the sum over ranks (input shape and dtype, the same on every rank).
 
     Args:
-        tensor: this rank's tensor (any shape; the same shape and dtype on every rank).
-        compressor: any :class:`~commlab.compress.base.Compressor`.
-        group: process group (None: the world).
-        error_feedback: worker-side :class:`ErrorFeedback` wrapping ``compressor``; its residual under ``key``
-            is this rank's, of the whole tensor.
-        server_error_feedback: server-side :class:`ErrorFeedback` wrapping ``compressor``; the owner keeps the
-            residual of its chunk's sum under ``server_key(key, owner)`` (in float32, float64 for float64).
-        key: names the residuals; required with either error feedback.
-        emulate: an emulated slow link that delays phase 1 (commlab's :func:`~commlab.collectives.all_to_all`)
-            and phase 2 (commlab's ring AllGather); without it ``dist.all_to_all_single`` and
-            ``dist.all_gather_into_tensor`` move the payload tensors (one collective per payload tensor).
-        what: the caller's name, for messages.
+        tensor, compressor, group: this rank's tensor (same shape, dtype on all ranks), any Compressor, the group.
+        error_feedback, server_error_feedback, key: :class:`ErrorFeedback` objects wrapping ``compressor``:
+            this rank's residual under ``key``; the owner's chunk-sum residual under ``server_key(key, owner)``
+            (float32, float64 for float64). ``key`` is required with either.
+        emulate: an emulated slow link delaying both phases (commlab's all-to-all and ring AllGather instead of
+            ``dist.all_to_all_single`` / ``dist.all_gather_into_tensor``). what: the caller, for messages.
 
-    Attributes (after :meth:`middle`):
-        payload_nbytes: this rank's payload, ``P_w = N c_w``. server_payload_nbytes: ``P_s = N c_s``.
-        bytes_sent_per_rank: :func:`two_phase_bytes_sent_per_rank` ``(c_w, c_s, N)``.
+    Attributes (after :meth:`middle`): payload_nbytes ``P_w = N c_w``, server_payload_nbytes ``P_s = N c_s``,
+    bytes_sent_per_rank (:func:`two_phase_bytes_sent_per_rank`).
 
     Raises:
-        ValueError: an error feedback without ``key``, or wrapping another compressor object; chunk payloads
-            of different layouts, or an owner's payload whose layout differs from the chunks' (a compressor
-            whose payload size depends on the data, which no compressor of this package is: raised on the rank
-            that finds it, whose peers then wait until the group's timeout).
-        CollectiveMismatchError: the ranks' chunk payloads differ in layout or meta (another shape, dtype,
-            setting), on every rank.
-        FloatingPointError: an owner could not decompress or recompress its chunk's sum (it overflows the
-            dtype, or a scale does not fit float32): the owner sends a payload of NaNs instead, and every rank
-            raises the same error in :meth:`finish`, naming the owner(s). (Non-finite *input* is refused
-            before, by the callers' agreement.)
+        ValueError: error feedback without ``key`` or wrapping another compressor; chunk or owner payloads of
+            different layouts (data-dependent sizes: raised on the finding rank only, peers time out).
+        CollectiveMismatchError: the ranks' chunk payloads differ in layout or meta, on every rank.
+        FloatingPointError: an owner's chunk sum overflows when recompressed (every rank, in :meth:`finish`).
     """
 
     def __init__(self, tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessGroup | None = None, *,

@@ -2,20 +2,16 @@
 
 The learner writes
 
-* ``memory_per_gpu(stage_params, tp, dp, zero1, activation_bytes)``: bytes per GPU of the stage that holds
-  ``stage_params`` parameters (before the split by tp), in bf16 mixed precision with Adam: 2 bytes of weight,
-  2 of gradient and 12 of optimizer state per parameter of the GPU's 1/tp shard, the 12 split over the dp
-  ranks with ZeRO-1, plus the activations. The reference is
+* ``memory_per_gpu(stage_params, tp, dp, zero1, activation_bytes)``: bytes per GPU of the stage holding
+  ``stage_params`` parameters (before the tp split), bf16 mixed precision with Adam: 2 + 2 + 12 bytes per
+  parameter of the 1/tp shard, the 12 split over dp with ZeRO-1, plus activations. Reference:
   :func:`commlab.parallel.planner.memory_breakdown` (``total_bytes``), for layouts of published models;
 * ``step_seconds(compute_s, tp_s, pp_s, dp_s, pp, micro_batches, interleave)``: compute + TP + PP + bubble +
-  DP, the bubble ``(pp - 1) / (interleave * micro_batches)`` of the work (compute + TP + PP). The reference is
-  :func:`commlab.parallel.planner.step_time` (``total_s``, DP not overlapped, compute at one share of peak,
-  :data:`~commlab.parallel.planner.DEFAULT_ACHIEVABLE_FRACTION`: the kernel model, the planner's default,
-  adds the optimizer step, which the exercise leaves out), its terms passed in.
+  DP, the bubble ``(pp - 1) / (interleave * micro_batches)`` of compute + TP + PP. Reference:
+  :func:`commlab.parallel.planner.step_time` (``total_s``, DP not overlapped, no optimizer step), terms passed in.
 
-A wrong answer is matched against the usual slips (the tp split forgotten, ZeRO-1 applied to every byte,
-the bubble as a share of the step, interleaving ignored, a term left out) to say which one it is; how far the
-answer is off is said, the right number is not.
+A wrong answer is matched against the usual slips (tp split forgotten, ZeRO-1 on every byte, the bubble as a
+share of the step, interleaving ignored, a term left out); how far off it is is said, the right number is not.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Grader for lab 5: the learner's QSGD quantizer, 8-bit codes and one norm per tensor (chapter 6, §6.3).
 
-The learner writes a class ``cls(levels, seed)`` following :mod:`commlab.compress.base`'s protocol (``name``,
-``linear``, ``compress(tensor) -> Payload``, ``decompress(payload) -> tensor``) with the payload of
-``commlab.compress.QSGD(levels, bits=8, bucket_size=None)``: ``codes``, one int8 ``+-xi_i`` per element, and
-``norm``, ``||x||_2`` as one float32; ``meta`` ``{"levels": s, "bits": 8, "bucket_size": None}``. The level
-``xi_i`` is ``floor(r_i)`` or ``floor(r_i) + 1`` for ``r_i = s |x_i| / ||x||``, the latter with probability
-``r_i - floor(r_i)`` (Alistarh et al. 2017, §3.1), so that the output ``||x|| sign(x_i) xi_i / s`` is
-unbiased.
+The learner writes a class ``cls(levels, seed)`` following :mod:`commlab.compress.base`'s protocol, with the
+payload of ``commlab.compress.QSGD(levels, bits=8, bucket_size=None)``: ``codes``, one int8 ``+-xi_i`` per
+element; ``norm``, ``||x||_2`` as one float32; ``meta`` ``{"levels": s, "bits": 8, "bucket_size": None}``.
+``xi_i`` rounds ``r_i = s |x_i| / ||x||`` stochastically (Alistarh et al. 2017, §3.1), so that the output
+``||x|| sign(x_i) xi_i / s`` is unbiased.
 
-Cases: the payload's form and bytes against commlab's QSGD; the round trip (shape, dtype, each level one of
-the two allowed); the reference decodes the learner's payloads and the learner decodes the reference's;
-unbiasedness (the mean of many draws within a few standard errors of x, the standard error computed from
-the exact variance of the rounding); the variance within the paper's bound (Lemma 3.1); an all-zero tensor;
+Cases: the payload's form and bytes against commlab's QSGD; the round trip (shape, dtype, allowed levels);
+each side decodes the other's payloads; unbiasedness (the mean of many draws within a few standard errors,
+from the exact rounding variance); the variance within the paper's bound (Lemma 3.1); an all-zero tensor;
 the seed (same seed, same draws). A failure names the input and what is wrong; the reference's output is
 not printed.
 """

@@ -388,38 +388,26 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_ENV_TIMEO
 
     Reads torchrun's or Slurm's variables (listed in the module docstring), checks them, and then:
 
-    * under NCCL, ``torch.cuda.set_device(local_rank)`` (so that ``.cuda()`` anywhere above lands on this
-      rank's GPU) and ``init_process_group("nccl", ..., timeout=..., device_id=cuda:local_rank)``;
-    * under gloo, ``init_process_group("gloo", ..., timeout=...)``, and no more compute threads per rank than
-      its share of the cores this process may use (``torch.set_num_threads``, see :func:`cpu_thread_share`);
-    * the rendezvous: under torchrun the job's store (``MASTER_ADDR``/``MASTER_PORT``) through a prefix of the
-      restart attempt, so that a job restarted by ``--max-restarts`` makes a fresh group; under ``srun``
-      ``init_method="env://"``;
-    * with no launcher variables at all, a world of one (rank 0 of 1, on an in-memory store, no port).
-
-    Under ``srun`` without torchrun it first exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE`` and, if they were not set, ``MASTER_ADDR``/``MASTER_PORT`` into ``os.environ`` (what
-    ``env://`` reads, and what libraries that look for ``LOCAL_RANK`` expect).
-
-    Calling it again once initialised (or inside a rank of :func:`commlab.launch.launch`) initialises nothing
-    and returns the context of the existing group.
+    * under NCCL, ``torch.cuda.set_device(local_rank)`` and ``init_process_group("nccl", ..., device_id=...)``;
+    * under gloo, ``init_process_group("gloo", ...)`` and at most this rank's share of the cores as compute
+      threads (:func:`cpu_thread_share`);
+    * the rendezvous: under torchrun the job's store, prefixed by the restart attempt (so ``--max-restarts``
+      makes a fresh group); under ``srun``, ``env://`` after exporting ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+      ``LOCAL_WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT`` if unset); no launcher: a world of one;
+    * once initialised (or in a rank of :func:`commlab.launch.launch`): the existing group's context, nothing new.
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or None: NCCL when CUDA is available, else gloo.
-        timeout: seconds for the rendezvous and for every collective (default :data:`DEFAULT_ENV_TIMEOUT_S`,
-            120 s, and why not torch's 30 minutes is said there).
+        timeout: seconds for the rendezvous and every collective (default :data:`DEFAULT_ENV_TIMEOUT_S`).
 
     Returns:
         A :class:`DistContext`.
 
     Raises:
-        LauncherEnvError: a launcher variable missing, not an integer or out of range (the message names
-            the variable, its value and the allowed range), or MASTER_ADDR/PORT that cannot be found.
+        LauncherEnvError: a launcher variable missing, not an integer or out of range, or MASTER_ADDR/PORT unknown.
         ValueError: a bad ``backend`` or ``timeout``.
-        RuntimeError: NCCL without CUDA, or ``LOCAL_RANK`` >= the number of visible GPUs; already initialised
-            with another backend than the one asked for.
-        torch.distributed.DistError (and subclasses): the rendezvous failed, e.g. a peer never came within
-            ``timeout``.
+        RuntimeError: NCCL without CUDA, ``LOCAL_RANK`` >= visible GPUs, or already initialised with another backend.
+        torch.distributed.DistError: the rendezvous failed (e.g. a peer never came within ``timeout``).
     """
     timeout_s = check_timeout(timeout)
     if dist.is_initialized():

@@ -65,54 +65,28 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
            init_hook: Callable[[int], None] | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
 
-    In each rank the default process group is initialised (``dist.get_rank()``,
-    ``dist.get_world_size()`` work as usual) and destroyed after ``fn`` returns.
-
-    Under torchrun, or in an ``srun`` step of several tasks, the ranks are the launcher's processes:
-    ``fn`` then runs once in this process, as its rank of the job; the group is initialised through
-    :func:`commlab.launch.init_from_env` (unless it already is; it then stays for later launches and is
-    destroyed at exit), and every rank gets the list of all results (see :mod:`commlab.launch.inprocess`).
-    ``start_method`` and ``print_output`` do not apply there (the launcher owns the processes and their
-    output); ``timeout`` bounds each collective (the group's operation timeout is set to it for this launch
-    and restored after, also on a group that existed before) and the wait for sends still in flight.
+    Each rank initialises the default process group and destroys it after ``fn``. Under torchrun or ``srun``,
+    ``fn`` runs once here as this rank of the job (:mod:`commlab.launch.inprocess`); every rank gets all results.
 
     Args:
-        fn: the function each rank runs. With fork (the default on Linux) it may be defined in a
-            notebook cell; with spawn it must be importable from a module.
-        world_size: number of ranks, >= 1.
-        *args, **kwargs: passed to ``fn`` (with fork they are inherited, not pickled).
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (each rank uses GPU ``rank % device_count``).
-        timeout: seconds for the whole launch, and for each collective inside it (gloo's and NCCL's
-            operation timeout), so a rank stuck in a collective fails instead of waiting 30 minutes.
-        start_method: ``"fork"`` (default where available) or ``"spawn"``.
-        threads_per_rank: ``torch.set_num_threads`` in each rank, set before ``fn`` runs.
-        print_output: print each rank's captured stdout/stderr, in rank order, prefixed ``[rank r]``.
-        init_hook: optional ``hook(rank)`` run in each rank before the process group is initialised
-            (for example to set environment variables or seed a generator).
+        fn: what each rank runs; with fork (Linux default) it may live in a notebook cell, with spawn it must
+            be importable. *args, **kwargs: passed to ``fn`` (inherited under fork, not pickled).
+        world_size: number of ranks, >= 1. backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU ``rank % device_count``).
+        timeout: seconds for the whole launch and for each collective inside it (not torch's 30 minutes).
+        start_method: ``"fork"`` (default where available) or ``"spawn"``; print_output: print each rank's
+            captured output prefixed ``[rank r]`` (neither applies under torchrun/srun).
+        threads_per_rank: ``torch.set_num_threads`` per rank; init_hook: ``hook(rank)`` run before init.
 
     Returns:
-        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``. Results travel as pickled bytes, with
-        every tensor moved to the CPU first (:func:`commlab.launch.device.results_to_cpu`), so tensors come
-        back as CPU tensors owned by the caller. Under torchrun/srun the results are all-gathered: *every*
-        rank receives and holds all ``world_size`` results (memory ``world_size`` x one result per rank, and
-        as much again while they are unpickled), so return small summaries (numbers, errors, a few rows),
-        not model states or activations, from a large job.
+        ``[result_of_rank_0, ...]``, tensors moved to the CPU (:func:`commlab.launch.device.results_to_cpu`).
+        Under torchrun/srun every rank holds all of them: return small summaries from a large job.
 
     Raises:
-        ValueError: bad ``world_size``, ``backend``, ``timeout``, ``threads_per_rank`` or
-            ``start_method``; or spawn asked for with a function that cannot be imported by the children;
-            under torchrun/srun, a ``world_size`` that is not the job's.
-        RuntimeError: NCCL asked for with fewer GPUs than ranks, or with CUDA already initialised in the
-            parent under fork; ``launch`` called inside a rank of a launch (forked or in-process); forking
-            with ``torch.distributed`` already initialised in this process.
-        RankError: a rank raised, or exited without returning. Names the rank, its exception and
-            traceback; raised within about a second of the failure.
-        LaunchTimeout: the launch outlived ``timeout`` seconds (naming the ranks that returned with sends
-            still in flight, their destinations and bytes, when that is why).
+        ValueError: a bad argument (named); an unimportable ``fn`` under spawn; a ``world_size`` not the job's.
+        RuntimeError: too few GPUs for NCCL, CUDA initialised before fork, a nested launch, fork after dist init.
+        RankError: a rank raised or exited without returning (rank, exception, traceback; within about 1 s).
+        LaunchTimeout: the launch outlived ``timeout`` (names ranks still running, finished, or with sends in flight).
         UnfinishedSendsError: under torchrun/srun, this rank's sends never completed.
-
-    Under torchrun/srun a ``LaunchTimeout`` names the ranks still running and those that finished, on every
-    rank that reports (a rank that returns waits at most ``timeout`` + 1 s for the others).
     """
     _validate(fn, world_size, backend, timeout, threads_per_rank)
     from commlab.launch.inprocess import run_in_process, runs_in_process

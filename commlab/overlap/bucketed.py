@@ -4,12 +4,11 @@ What ``torch.nn.parallel.DistributedDataParallel`` does for the gradients, in Py
 "PyTorch Distributed", PVLDB 13(12); ``torch/csrc/distributed/c10d/reducer.cpp``).
 :class:`BucketedDataParallel` groups the parameters in reverse order into buckets of at least
 ``bucket_cap_bytes`` (:func:`assign_buckets`); a post-accumulate-grad hook copies each gradient into its
-bucket; a full bucket is launched (``dist.all_reduce(async_op=True)`` or a comm hook on a :class:`Bucket`)
-strictly in index order, so every rank pairs the same collectives; its ``finish``, queued as an autograd
-engine callback, waits for all and writes the averages back into ``.grad``. It also handles ``no_sync``
-and ``sync_gradients`` (gradient accumulation, pipelines), unused parameters, NaN propagation, layout
-agreement across ranks and the hooks' results. :func:`train_step` runs one step and returns its
-:class:`StepTimes`, marked with a :class:`commlab.launch.Clock` (CUDA events on a GPU) and read lazily.
+bucket; full buckets are launched (``dist.all_reduce(async_op=True)`` or a comm hook on a :class:`Bucket`)
+strictly in index order; ``finish``, an autograd engine callback, waits and writes the averages into
+``.grad``. It also handles ``no_sync``/``sync_gradients``, unused parameters, NaN propagation, layout
+agreement and the hooks' results. :func:`train_step` runs one step and returns its :class:`StepTimes`,
+marked with a :class:`commlab.launch.Clock` (CUDA events on a GPU) and read lazily.
 
 Book: chapter 9 (§9.2 buckets, §9.3 waiting, §9.4 comm hooks, §9.5 accumulation and unused parameters,
 §9.7 against DDP); §9.1 for what the source article's trainer does instead.
@@ -363,46 +362,28 @@ def _hook_name(hook: Callable) -> str:
 class BucketedDataParallel(nn.Module):
     """Wrap ``module`` so that its gradients are averaged over ``process_group`` in overlapped buckets.
 
-    Forward is the module's own; backward fills buckets and launches their AllReduces while it still runs;
-    :meth:`finish` (run automatically at the end of backward unless ``finish_in_backward=False``) waits for
-    them and writes the averages into ``p.grad``. This is commlab's one data-parallel path: the trainers
-    (:mod:`commlab.train`), the experiments (:mod:`commlab.experiments`), the labs and DP inside a
-    TP x PP x DP mesh (``process_group`` = the DP group; :meth:`sync_gradients` after a pipeline flush) all
-    use it, with a comm hook where they compress or sum with their own collective.
+    Backward fills buckets and launches their AllReduces while it still runs; :meth:`finish` (at the end of
+    backward unless ``finish_in_backward=False``) waits and writes the averages into ``p.grad``. commlab's one
+    data-parallel path (trainers, labs, the DP group of a mesh, with a comm hook to compress).
 
     Args:
-        module: the model replica, on the group's device (:func:`commlab.launch.group_device`: the CPU under
-            gloo, the rank's GPU under NCCL). Its parameters (and buffers) are broadcast from the group's rank 0
-            at construction (``broadcast_from_rank0``), as DDP does, so replicas start identical.
-        bucket_cap_bytes: bucket size in bytes (default 25 MiB, DDP's); ``1`` gives one bucket per
-            parameter, anything >= the model's gradient bytes one bucket for all.
+        module: the replica, on :func:`commlab.launch.group_device`; broadcast from rank 0 at construction.
+        bucket_cap_bytes: bucket size (default 25 MiB, DDP's); ``1``: one bucket per parameter.
         process_group: the group to average over (None: the world).
-        find_unused_parameters: False (default, as DDP): a parameter that gets no gradient in a synced
-            backward raises :class:`UnusedParametersError` (after every bucket has been launched, with zeros in
-            its slot); True: one extra collective per step counts where each parameter was used, and a
-            parameter used on no rank is left untouched.
-        finish_in_backward: queue :meth:`finish` as an autograd engine callback so that ``backward()`` returns
-            with averaged gradients (default True, as DDP). False: the caller must call :meth:`finish` before
-            reading gradients; :func:`train_step` does.
+        find_unused_parameters: False (default): a parameter without gradient in a synced backward raises
+            :class:`UnusedParametersError` (after all launches); True: one extra collective per step counts uses.
+        finish_in_backward: queue :meth:`finish` as an autograd callback (default True); False: call it yourself.
         broadcast_from_rank0: broadcast parameters and buffers at construction (default True).
-        bucket_key: ``bucket_key(name, parameter)`` -> a hashable; parameters with different keys never share a
-            bucket (as parameters of different dtypes never do). Default: one key for all. Under TP, pass
-            ``lambda name, p: name in commlab.parallel.tensor.tp_sharded_parameters(module)``, so that
-            replicated parameters get buckets of their own, identical on every TP rank, and a compressor
-            whose output depends on the whole bucket keeps them identical.
+        bucket_key: ``bucket_key(name, parameter)`` -> hashable; different keys never share a bucket (under TP,
+            keep replicated parameters apart: ``commlab.parallel.tensor.tp_sharded_parameters``).
 
     Attributes:
-        buckets: one :class:`BucketSpec` per bucket, in launch order.
-        last_step: the :class:`StepRecord` of the latest synced backward (None before the first).
-        clock: the :class:`commlab.launch.Clock` of every mark (on the parameters' device).
-        world_size, rank: the group's size and this rank's rank in it.
+        buckets (:class:`BucketSpec`, launch order), last_step (:class:`StepRecord`), clock, world_size, rank.
 
     Raises:
-        ValueError: a bad ``bucket_cap_bytes``; no parameter requires a gradient; sparse parameters; under
-            NCCL, parameters that are not on the group's device; a ``process_group`` that is not a group.
-        CollectiveMismatchError: ranks disagree on parameter names/shapes/dtypes or on ``bucket_cap_bytes``
-            (every rank raises it).
-        RuntimeError: torch.distributed is not initialised, or this rank is not a member of ``process_group``.
+        ValueError: bad ``bucket_cap_bytes`` or ``process_group``; no trainable, sparse or misplaced parameters.
+        CollectiveMismatchError: ranks disagree on parameter names/shapes/dtypes or ``bucket_cap_bytes``.
+        RuntimeError: torch.distributed not initialised, or this rank not in ``process_group``.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
