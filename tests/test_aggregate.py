@@ -63,6 +63,27 @@ def test_aggregate_equals_the_sum_of_decompressed_payloads_with_exact_bytes(worl
     assert launch(_check_all, world_size, timeout=120) == [[]] * world_size
 
 
+def _integer_sums():
+    """int64 values above 2**24 (where float32 stops holding every integer) through the lossless settings of
+    each path: Top-K and Random-K keeping every entry."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.tensor([2 ** 24 + 1 + rank, -3, 2 ** 40 + 7, 2 ** 53 + rank], dtype=torch.int64)
+    expected = torch.tensor([n * (2 ** 24 + 1) + n * (n - 1) // 2, -3 * n, n * (2 ** 40 + 7),
+                             n * 2 ** 53 + n * (n - 1) // 2], dtype=torch.int64)
+    got = {}
+    for name, make, path in (("topk", lambda: TopK(k=4), "auto"), ("topk", lambda: TopK(k=4), "two_phase"),
+                             ("randomk", lambda: RandomK(k=4, seed=1), "auto"),
+                             ("randomk", lambda: RandomK(k=4, seed=1), "all_gather")):
+        s = aggregate(x, make(), path=path).sum
+        got[(name, path)] = (s.dtype == torch.int64 and torch.equal(s, expected), s.tolist())
+    return got
+
+
+def test_lossless_paths_sum_integer_tensors_exactly():
+    for got in launch(_integer_sums, 3, timeout=60):
+        assert all(ok for ok, _ in got.values()), got
+
+
 def _randomk_linear_path_is_the_true_sum_of_sparsified_tensors():
     rank, n = dist.get_rank(), dist.get_world_size()
     x = torch.arange(64, dtype=torch.float32) * (rank + 1)

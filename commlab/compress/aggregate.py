@@ -27,7 +27,7 @@ from commlab.collectives import ring_all_gather, ring_all_reduce, ring_bytes_sen
 from commlab.collectives.common import SUPPORTED_DTYPES, group_size_and_rank
 from commlab.collectives.agreement import gather
 from commlab.compress.agreement import agree_finite, agree_payloads
-from commlab.compress.base import Compressor, Payload
+from commlab.compress.base import Compressor, Payload, divide_sum, sum_dtype
 from commlab.compress.error_feedback import ErrorFeedback, check_error_feedback
 from commlab.compress.two_phase import TwoPhaseCall
 from commlab.topology.emulated import EmulatedTopology
@@ -84,7 +84,8 @@ def aggregate(tensor: torch.Tensor, compressor: Compressor, group: dist.ProcessG
 
     Returns:
         :class:`Aggregated`: the sum (input shape and dtype), payload bytes, bytes each rank sends, path. Gathered
-        sums are accumulated in float32 (float64 for float64 input) in rank order, rounded once: same on all ranks.
+        sums are accumulated in float32 (float64 for float64 input; int64, exactly, for integers) in rank order,
+        rounded once: the same on all ranks.
 
     Raises:
         ValueError: an unknown ``path``, ``"all_reduce"`` for a non-linear compressor, ``server_error_feedback``
@@ -245,7 +246,7 @@ class AggregateCall:
         the same on every rank."""
         if self._two_phase is not None:
             total = self._two_phase.finish(wait=wait)
-            return total.div_(self.size) if self.mean else total
+            return divide_sum(total, self.size) if self.mean else total
         if wait:
             for w in self._works:
                 w.wait()
@@ -253,13 +254,13 @@ class AggregateCall:
         payload = self.payload
         if self.path == "all_reduce":
             return self.compressor.decompress(Payload(self._summed, payload.shape, payload.dtype, payload.meta))
-        acc = torch.promote_types(payload.dtype, torch.float32)
+        acc = sum_dtype(payload.dtype)
         total = torch.zeros(payload.shape, dtype=acc, device=self.tensor.device)
         for r in range(self.size):  # rank order, so that every rank adds the same way
             total += self.compressor.decompress(Payload(self._gathered[r], payload.shape, payload.dtype,
                                                         payload.meta)).to(acc)
         if self.mean:
-            total.div_(self.size)
+            divide_sum(total, self.size)
         return total.to(payload.dtype)
 
 

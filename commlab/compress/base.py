@@ -88,6 +88,23 @@ def check_finite(tensor: torch.Tensor, what: str = "tensor") -> None:
                                  "compression refuses non-finite input (skip this step, or fix its cause)")
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which decompressed tensors of ``dtype`` are summed over ranks: at least float32 for floating
+    point (float64 for float64), int64 for integers and bool, so that an integer sum is exact (float32 holds
+    integers exactly only up to 2**24)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.promote_types(dtype, torch.float32)
+    return torch.int64
+
+
+def divide_sum(total: torch.Tensor, n: int) -> torch.Tensor:
+    """``total / n`` in place for floating point; for an integer sum, the quotient truncated towards zero (what
+    a float mean cast back to an integer dtype gives, but exact)."""
+    if total.is_floating_point() or total.is_complex():
+        return total.div_(n)
+    return total.div_(n, rounding_mode="trunc")
+
+
 def float32_scale(value: torch.Tensor, what: str) -> torch.Tensor:
     """Round a non-negative scale (a norm, a max, a mean) computed in float64 to the float32 that is sent.
 

@@ -129,7 +129,8 @@ def _scatter(payload: Payload, scale: float | None = None) -> torch.Tensor:
     """A zero tensor of the payload's shape and dtype with ``values`` written at ``indices``."""
     values, idx = payload.tensors["values"], payload.tensors["indices"]
     out = torch.zeros(math.prod(payload.shape), dtype=payload.dtype, device=values.device)
-    if scale is not None:
+    if scale is not None and scale != 1:
+        # (k = numel sends every entry: no scaling, so that integer tensors come back exact.)
         # Scale in at least float32: numel/k can exceed fp16's range-safe factors, and one rounding to
         # the output dtype is better than two.
         acc = torch.promote_types(values.dtype, torch.float32)

@@ -27,7 +27,7 @@ from commlab.collectives.common import all_gather_single, group_size_and_rank
 from commlab.collectives.all_to_all import all_to_all
 from commlab.collectives.ring import ring_all_gather
 from commlab.compress.agreement import agree_payloads
-from commlab.compress.base import Compressor, Payload
+from commlab.compress.base import Compressor, Payload, sum_dtype
 from commlab.compress.error_feedback import ErrorFeedback, check_error_feedback
 from commlab.topology.emulated import EmulatedTopology
 
@@ -242,7 +242,7 @@ class TwoPhaseCall:
     def _owner_step(self) -> Payload:
         """Sum of the N received payloads of this rank's chunk, padding zeroed, compressed again."""
         dtype = self.payload.dtype
-        acc = torch.promote_types(dtype, torch.float32)
+        acc = sum_dtype(dtype)
         total = torch.zeros(self.m, dtype=acc, device=self.tensor.device)
         for r in range(self.size):  # rank order, so the sum is the same whichever rank computes it
             part = self.chunked.chunk(self.payload, self.rank, {k: t[r] for k, t in self._received.items()})
