@@ -408,7 +408,31 @@ def _psgd_units():
     allq = [torch.empty_like(q) for _ in range(n)]
     dist.all_gather(allq, q)
     out["q_same"] = all(torch.equal(a, q) for a in allq)
+    # out=: the averages are written into the given tensors, and those very objects come back (torch's
+    # convention), also for a leaf that requires grad and for out being the inputs themselves.
+    s7, s8 = PowerSGDState(rank=2, start_iter=2), PowerSGDState(rank=2, start_iter=2)
+    given = [torch.empty_like(w).requires_grad_(), torch.empty_like(bias)]
+    returned = powersgd_all_reduce([w, bias], s7, out=given)
+    plain = powersgd_all_reduce([w, bias], s8)
+    inplace = [w.clone(), bias.clone()]
+    back = powersgd_all_reduce(inplace, PowerSGDState(rank=2, start_iter=2), out=inplace)
+    out["out_is_given"] = (all(r is o for r, o in zip(returned, given)) and all(r is o for r, o in zip(back, inplace))
+                           and all(torch.equal(o.detach(), p) for o, p in zip(given, plain))
+                           and all(torch.equal(o, p) for o, p in zip(inplace, plain)))
+    out["out_errors"] = []
+    for bad_out in ([torch.empty_like(w)], [torch.empty_like(w), torch.empty(3)]):
+        try:
+            powersgd_all_reduce([w, bias], PowerSGDState(rank=2, start_iter=2), out=bad_out)
+        except ValueError as e:
+            out["out_errors"].append(str(e))
     return out
+
+
+def test_powersgd_out_returns_the_out_tensors_themselves(psgd_units):
+    for a in psgd_units:
+        assert a["out_is_given"]
+        assert len(a["out_errors"]) == 2
+        assert "1 out tensors for 2 tensors" in a["out_errors"][0] and "out[1] has shape [3]" in a["out_errors"][1]
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,16 @@ class PowerSGDCall:
         # for tensors that require grad; gradients handed over by a caller often do (create_graph, hooks).
         self.tensors = [t.detach() for t in tensors]
         self.state, self.group, self.keys = state, group, list(keys)
-        self.out = None if out is None else [o.detach() for o in out]
+        self.out_given = None if out is None else list(out)  # returned as given (torch's out= convention)
+        if out is not None:
+            if len(self.out_given) != len(tensors):
+                raise ValueError(f"PowerSGD: got {len(self.out_given)} out tensors for {len(tensors)} tensors; "
+                                 "give one per tensor")
+            for i, (o, t) in enumerate(zip(self.out_given, tensors)):
+                if o.shape != t.shape:
+                    raise ValueError(f"PowerSGD: out[{i}] has shape {list(o.shape)}, tensor {i} {list(t.shape)}; "
+                                     "each out tensor must have its tensor's shape")
+        self.out = None if out is None else [o.detach() for o in self.out_given]
         self.world, _ = group_size_and_rank(group, "PowerSGD")
         self.layouts = [compressed_shape(t.shape, state.rank, state.min_compression_rate) for t in tensors]
         self.comp = [i for i, lay in enumerate(self.layouts) if lay is not None]
@@ -424,7 +433,7 @@ class PowerSGDCall:
         if self.out is not None:
             for o, res in zip(self.out, results):
                 o.copy_(res)
-            return list(self.out)
+            return list(self.out_given)
         # Every result lives in a buffer of this call (never in an input), so a cast is the only copy needed.
         return [res.to(t.dtype) for res, t in zip(results, self.tensors)]
 
@@ -441,18 +450,21 @@ def powersgd_all_reduce(tensors: Sequence[torch.Tensor], state: PowerSGDState,
             :attr:`~PowerSGDState.step` are not used here (this function always compresses).
         group: process group; default ``state.process_group``, then the world.
         keys: the state's key for each tensor (default: its index in ``tensors``).
-        out: optional tensors to write the averages into (may be ``tensors`` themselves).
+        out: optional tensors to write the averages into (may be ``tensors`` themselves), one per tensor and of
+            its shape.
 
     Returns:
         The averaged tensors, in their input shapes and dtypes: low-rank approximations of the average
         for compressed matrices, exact averages (up to rounding) for the others. Identical on all ranks.
+        With ``out``, the ``out`` tensors themselves (as torch's ``out=``).
 
     Tensors that require grad are fine: the computation runs on detached views (the averages are not part
     of any autograd graph).
 
     Raises:
         TypeError: a non-floating-point tensor.
-        ValueError: a tensor whose shape differs from the state remembered for its key.
+        ValueError: a tensor whose shape differs from the state remembered for its key; ``out`` of another
+            length or shapes.
         FloatingPointError: some rank's gradient or residual holds NaN or inf (raised on every rank).
         RuntimeError: this rank is not a member of the group.
     """
