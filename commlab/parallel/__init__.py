@@ -26,7 +26,6 @@ __all__: list[str] = [
     "ParallelSelfAttention",
     "block_allreduce_nbytes",
 ]
-MLP = TransformerMLP  # the former name of TransformerMLP, kept for the notebooks that import it (not exported)
 
 # Other dimensions (pipeline, data_parallel) append their own import lines here and extend __all__.
 

@@ -12,6 +12,3 @@ __all__ = ["Digits", "load_digits_split", "shard", "DigitsMLP", "flat_grad", "se
 from commlab.train.compressed import CompressedRun, compressed_all_reduce, train_compressed
 
 __all__ += ["CompressedRun", "compressed_all_reduce", "train_compressed"]
-
-#: The former name of :class:`DigitsMLP`, kept for the notebooks that import it (not exported).
-MLP = DigitsMLP

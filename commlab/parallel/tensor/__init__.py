@@ -13,6 +13,3 @@ __all__ = ["f", "g", "gather_last_dim", "split_last_dim", "gather_sequence", "re
            "TransformerMLP",
            "SelfAttention", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "block_allreduce_nbytes",
            "tp_sharded_parameters"]
-
-#: The former name of :class:`TransformerMLP`, kept for the notebooks and the capstone that import it (not exported).
-MLP = TransformerMLP
