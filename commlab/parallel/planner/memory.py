@@ -3,40 +3,13 @@
 The model: :class:`ModelConfig` (layers L, hidden h, heads a, ffn, vocab V, sequence s), loaded from
 ``commlab/data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b, ZeRO
 stage, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
-:class:`MemoryBreakdown` for the stage that needs the most memory; :func:`usable_memory_bytes` keeps
-:data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan near the limit. Book: chapter 11,
-§11.1 (which quotes the next two paragraphs), chapter 12, §12.4.
+:class:`MemoryBreakdown` (weights, gradients, optimizer states, activations) for the stage that needs the most
+memory; :func:`usable_memory_bytes` keeps :data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan
+near the limit.
 
-What is counted, per GPU (all in bytes):
-
-* **weights** -- ``param_bytes`` per parameter of the GPU's shard (its pipeline stage's layers, plus the
-  embedding on the first stage and the output layer on the last, all divided by tp): 2 for bf16/fp16, 4 for
-  the fp32 parameters FSDP2 keeps sharded (the optimizer dtype option, :data:`OPTIMIZER_DTYPES`);
-* **gradients** -- ``grad_bytes`` per parameter (2 for bf16, 4 for fp32 main gradients);
-* **optimizer states** -- the option's fp32 main copies and Adam moments: 12 bytes per parameter for bf16
-  parameters (Rajbhandari et al. 2020, "ZeRO", §3.1: the K = 12 of "16Ψ"), 16 for fp16 (fp32 main gradients
-  too), 8 for fp32 parameters. With the gradients these are the bytes per parameter of Megatron-LM's
-  ``docs/user-guide/features/dist_optimizer.md``: 18 (bf16, fp32 gradients), 20 (fp16), 16 (fp32), and
-  ``6 + 12/d``, ``4 + 16/d``, ``8 + 8/d`` with its distributed optimizer;
-* **ZeRO** (Rajbhandari et al. 2020, §5.1-5.3): stage 1 divides the optimizer states by dp (P_os; Megatron's
-  distributed optimizer, whose gradient buffer stays whole), stage 2 the gradients too (P_os+g), stage 3 the
-  parameters too (P_os+g+p; FSDP). Stage 3 adds a working set: the bf16 parameters of two layers gathered at
-  once (the one computing and the one prefetched) and the unsharded gradients of one layer before their
-  ReduceScatter (an assumption about FSDP's prefetch depth, documented, not checked in its source). With
-  HSDP (``Layout.dp_shard``) each of these divides by the shard group's size instead of dp (PyTorch
-  FSDP's ``ShardingStrategy.HYBRID_SHARD``, ``torch/distributed/fsdp/api.py``: full sharding within a
-  node, parameters replicated across nodes);
-* **activations** -- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", §4 and Table 2: per layer and micro-batch ``s·b·h·(34 + 5·a·s/h)`` bytes without parallelism;
-  with tensor parallelism ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``; with tensor and sequence parallelism
-  ``s·b·h·(34 + 5·a·s/h)/t``; with selective recomputation (§5) the ``5·a·s/h`` attention-core term is not
-  stored (Megatron-LM ``megatron/training/theoretical_memory_usage.py``, which cites Table 2, uses
-  ``s·b·h·(18 + 4·ffn/h)/t``, = 34 for ffn = 4h); with full recomputation only each layer's input, ``2·s·b·h``
-  (``/t`` with sequence parallelism), plus one layer's full activations while it is being recomputed;
-  with ``every-k`` one layer in k keeps only its input. 1F1B keeps ``min(pp, m)`` micro-batches in flight on
-  the first stage (Narayanan et al. 2021, §2.2.1), times :func:`interleave_memory_factor`
-  ``1 + (pp-1)/(pp·v)`` with v interleaved chunks (Korthikanti et al. 2022, §4.2.3; the same factor in
-  ``theoretical_memory_usage.py``).
+Sources: ZeRO (Rajbhandari et al. 2020, §3.1 and §5), activations (Korthikanti et al. 2022, §4-5 and Table 2),
+1F1B in-flight micro-batches (Narayanan et al. 2021, §2.2.1). Book: chapter 11, §11.1 lists what is counted
+and assumed; chapter 12, §12.4.
 """
 
 from __future__ import annotations
