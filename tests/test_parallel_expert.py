@@ -20,7 +20,7 @@ from commlab.collectives import all_to_all_seconds
 from commlab.parallel.expert import (AllToAllCounter, ExpertParallelMoE, MoE, all_to_all_autograd, check_ep_size,
                                      deepseek_v3_alltoall_nbytes_per_token, deepseek_v3_figures, deepseek_v3_layout,
                                      ep_groups, ep_load_imbalance, expert_capacity, load_imbalance, moe_alltoall_cost,
-                                     route, skewed_load_imbalance)
+                                     moe_dropless_cost, route, skewed_load_imbalance)
 
 H, FFN, E, T = 6, 8, 4, 8
 TOL = 1e-12
@@ -142,20 +142,21 @@ def _data(seed, world, dtype=torch.float64):
     return torch.randn(world, T, H, generator=gen, dtype=dtype), torch.randn(world, T, H, generator=gen, dtype=dtype)
 
 
-def _equivalence(group, members, k, cf, seed, skew=0.0):
+def _equivalence(group, members, k, cf, seed, skew=0.0, dropless=False):
     """ExpertParallelMoE on ``group`` (global ranks ``members``) vs the full MoE run on each member's tokens.
 
     ``skew``: every token's last feature is 1 and the router's weight for it on expert 0 is raised by ``skew``,
-    a router biased toward expert 0."""
+    a router biased toward expert 0. ``dropless``: the AllToAllV dispatch, against the full MoE with a capacity
+    factor of E (capacity T*k: nothing dropped)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    full = MoE.from_seed(H, FFN, E, k, cf, seed=seed, dtype=torch.float64)
+    full = MoE.from_seed(H, FFN, E, k, float(E) if dropless else cf, seed=seed, dtype=torch.float64)
     xs, cots = _data(seed + 1, world)
     if skew:
         xs[..., -1] = 1.0
         with torch.no_grad():
             full.router.weight[0, -1] += skew
     counter = AllToAllCounter()
-    ep = ExpertParallelMoE(full, group, counter=counter)
+    ep = ExpertParallelMoE(full, group, counter=counter, dropless=dropless)
     # The reference: every member's tokens through the full layer (capacity per member, as on its rank).
     ref_x = [xs[m].clone().requires_grad_() for m in members]
     ref_out = [full(xm) for xm in ref_x]
@@ -175,7 +176,8 @@ def _equivalence(group, members, k, cf, seed, skew=0.0):
         "router_grad": (router_grad - full.router.weight.grad).abs().max().item(),
         # An expert no token reached has no gradient in the reference (it never ran); on its EP rank it ran on
         # padding only, so its gradient there must be exactly zero.
-        "expert_grads": max((p.grad - (q.grad if q.grad is not None else torch.zeros_like(q))).abs().max().item()
+        "expert_grads": max(((p.grad if p.grad is not None else torch.zeros_like(p))
+                             - (q.grad if q.grad is not None else torch.zeros_like(q))).abs().max().item()
                             for i, e in enumerate(ep.expert_ids)
                             for p, q in zip(ep.experts[i].parameters(), full.experts[e].parameters())),
     }
@@ -191,7 +193,14 @@ def _equivalence(group, members, k, cf, seed, skew=0.0):
             "sent_nbytes_step": sent_after_forward_and_backward, "calls": calls_after_forward_and_backward,
             "sent_nbytes_total": counter.sent_nbytes, "expert_ids": ep.expert_ids,
             "ref_output_nonzero": ref_out[mine].abs().max().item(), "load": load,
-            "local_load": load_imbalance(routing)}
+            "local_load": load_imbalance(routing), "tokens_per_expert": _gather_counts(routing, group)}
+
+
+def _gather_counts(routing, group):
+    """Every group member's tokens per expert, in group-rank order."""
+    out = [torch.zeros_like(routing.tokens_per_expert) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, routing.tokens_per_expert, group=group)
+    return [o.tolist() for o in out]
 
 
 def _errors(world_group):
@@ -244,6 +253,9 @@ def _job():
         "ep4_k2_drops": _equivalence(None, [0, 1, 2, 3], k=2, cf=0.75, seed=10),
         "ep2_k1": _equivalence(mine, members2, k=1, cf=1.5, seed=20),
         "ep4_skewed": _equivalence(None, [0, 1, 2, 3], k=1, cf=1.0, seed=30, skew=8.0),
+        "ep4_dropless": _equivalence(None, [0, 1, 2, 3], k=2, cf=0.75, seed=10, dropless=True),
+        "ep2_dropless_skewed": _equivalence(mine, members2, k=2, cf=1.0, seed=30, skew=8.0, dropless=True),
+        "ep4_padded_no_drop": _equivalence(None, [0, 1, 2, 3], k=2, cf=float(E), seed=10),
         "alltoall": _alltoall_vs_torch(),
         "errors": _errors(None),
     }
@@ -254,7 +266,8 @@ def job():
     return launch(_job, 4, timeout=90)
 
 
-@pytest.mark.parametrize("case", ["ep4_k2_drops", "ep2_k1", "ep4_skewed"])
+@pytest.mark.parametrize("case", ["ep4_k2_drops", "ep2_k1", "ep4_skewed", "ep4_dropless", "ep2_dropless_skewed",
+                                  "ep4_padded_no_drop"])
 def test_expert_parallel_equals_single_process_moe(job, case):
     for rank, res in enumerate(job):
         r = res[case]
@@ -287,6 +300,33 @@ def test_bytes_the_layer_sends_match_the_cost_function(job):
             assert r["sent_nbytes_step"] == cost.step_sent_nbytes, (case, r)
             # Then the reused routing's forward: two more AllToAlls, no backward.
             assert r["sent_nbytes_total"] == cost.step_sent_nbytes + cost.forward_sent_nbytes, (case, r)
+
+
+def test_dropless_dispatch_equals_the_capacity_path_where_nothing_drops(job):
+    # Same seed and data as ep4_padded_no_drop (capacity T*k, nothing dropped): outputs and gradients agree, and
+    # both agree with the single-process MoE (test_expert_parallel_equals_single_process_moe).
+    for res in job:
+        assert res["ep4_dropless"]["dropped"] == res["ep4_padded_no_drop"]["dropped"] == 0
+        assert res["ep2_dropless_skewed"]["dropped"] == 0
+
+
+def test_dropless_bytes_are_the_routed_rows(job):
+    for case, members_of in (("ep4_dropless", lambda r: [0, 1, 2, 3]),
+                             ("ep2_dropless_skewed", lambda r: [0, 1] if r < 2 else [2, 3])):
+        for rank, res in enumerate(job):
+            r = res[case]
+            cost = moe_dropless_cost(r["tokens_per_expert"], H, 8)
+            me = members_of(rank).index(rank)
+            assert r["calls"] == (2, 2)
+            assert r["sent_nbytes_step"] == cost.step_sent_nbytes[me], (case, rank)
+            # The padded layer with room for every pair would send E * T*k rows (k T per expert) per AllToAll.
+            padded = moe_alltoall_cost(T, H, E, 2, float(E), len(members_of(rank)), 8)
+            assert cost.step_sent_nbytes[me] < padded.step_sent_nbytes
+    # The skewed router sends every token's first choice to expert 0 (on EP rank 0), nothing dropped: rank 0's
+    # experts take at least the 2 x T first choices, and the expert GEMMs wait for it.
+    cost = moe_dropless_cost(job[0]["ep2_dropless_skewed"]["tokens_per_expert"], H, 8)
+    assert cost.rows_per_rank[0] >= 2 * T and sum(cost.rows_per_rank) == 2 * T * 2
+    assert cost.compute_slowdown == max(cost.rows_per_rank) / (2 * T) > 1
 
 
 def test_group_load_adds_every_ranks_routing_and_shows_the_skew(job):
@@ -324,3 +364,25 @@ def test_errors_reach_every_rank_with_reasons(job):
         assert e["hidden"][0] == "CollectiveMismatchError" and "rank 3 passed [6, 8, 4, 2, 3, 0, 0]" in e["hidden"][1]
         assert "num_experts (6) must be divisible by the expert-parallel size (4)" in e["divisible"]
         assert e["after"] is True
+
+
+def test_dropless_cost_by_hand():
+    # EP = 2, E = 4 (experts 0, 1 on rank 0; 2, 3 on rank 1), h = 2, 4-byte elements: a row is 8 bytes.
+    counts = [[3, 1, 2, 0],     # rank 0 routes 4 rows to itself, 2 to rank 1
+              [5, 1, 1, 1]]     # rank 1 routes 6 rows to rank 0, 2 to itself
+    c = moe_dropless_cost(counts, 2, 4, alpha_s=1e-6, beta_s_per_byte=1e-9)
+    assert c.split_nbytes == [[32, 16], [48, 16]]
+    assert c.sent_nbytes == [16, 48] and c.received_nbytes == [48, 16]
+    assert c.step_sent_nbytes == [2 * (16 + 48), 2 * (48 + 16)]
+    # The busiest port: rank 0 receives 48 bytes (and rank 1 sends them): α + 48 β per AllToAll.
+    assert c.alltoall_seconds == pytest.approx(1e-6 + 48e-9) and c.step_seconds == pytest.approx(4 * c.alltoall_seconds)
+    assert c.rows_per_rank == [10, 4] and c.compute_slowdown == pytest.approx(10 / 7)
+    assert c.alltoall_slowdown == pytest.approx(48 / 32) and c.no_drop_capacity == 5
+    # Even routing: the padded formula's time, all_to_all_seconds of the rows a rank routes.
+    even = moe_dropless_cost([[2, 2, 2, 2]] * 4, 2, 4, 1e-6, 1e-9)
+    assert even.alltoall_seconds == pytest.approx(all_to_all_seconds(8 * 8, 4, 1e-6, 1e-9))
+    assert even.compute_slowdown == 1.0 and even.alltoall_slowdown == 1.0
+    with pytest.raises(ValueError, match="num_experts \\(3\\) must be divisible by the expert-parallel size \\(2\\)"):
+        moe_dropless_cost([[1, 1, 1], [1, 1, 1]], 2, 4)
+    with pytest.raises(ValueError, match="tokens_per_expert\\[1\\]\\[0\\]"):
+        moe_dropless_cost([[1, 1], [-1, 1]], 2, 4)

@@ -11,18 +11,26 @@ micro-batch, each rank runs four of them:
 Each AllToAll of ``B = E * C * h * e`` bytes per rank (``e`` bytes per element) sends ``(EP-1)/EP * B`` from
 every rank (its own row stays) and costs :func:`commlab.collectives.all_to_all_seconds`
 ``(EP-1) α + (EP-1)/EP · B · β`` in the single-port α-β model.
+
+Dropless (Megatron-Core's default, ``moe_expert_capacity_factor=None``; DeepSeek-V3 §2.1.2), each dispatch is
+an AllToAllV of exactly the routed rows: :func:`moe_dropless_cost` prices it from every rank's tokens per
+expert, the time set by the busiest port (sender or receiver) and the experts' GEMMs by the busiest rank.
+:func:`two_level_all_to_all_seconds`: an AllToAll whose group spans nodes, the intra-node blocks on the
+intra-node link and the rest on the NIC.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from commlab import checks
 from commlab.collectives import all_to_all_seconds
-from commlab.collectives.common import check_counts
+from commlab.collectives.common import check_cost_args, check_counts
 from commlab.parallel.expert.layers import check_ep_size
 from commlab.parallel.expert.router import expert_capacity
 
-__all__ = ["MoEAllToAllCost", "moe_alltoall_cost"]
+__all__ = ["MoEAllToAllCost", "moe_alltoall_cost", "MoEDroplessCost", "moe_dropless_cost",
+           "two_level_all_to_all_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,3 +89,110 @@ def moe_alltoall_cost(tokens: int, hidden: int, num_experts: int, k: int, capaci
     return MoEAllToAllCost(capacity=capacity, buffer_nbytes=buffer, sent_per_alltoall_nbytes=sent,
                            forward_sent_nbytes=2 * sent, backward_sent_nbytes=2 * sent, step_sent_nbytes=4 * sent,
                            step_seconds=4 * one, useful_fraction=useful)
+
+
+def two_level_all_to_all_seconds(nbytes: float, n: int, ranks_per_node: int, intra_alpha_s: float,
+                                 intra_beta_s_per_byte: float, inter_alpha_s: float,
+                                 inter_beta_s_per_byte: float) -> float:
+    """α-β time of an AllToAll of ``nbytes`` per rank over ``n`` ranks placed ``ranks_per_node`` to a node.
+
+    Each rank sends ``nbytes / n`` to each peer: ``g - 1`` peers share its node (``g = min(n,
+    ranks_per_node)``), ``n - g`` do not. The intra-node blocks go over the intra-node link and the others
+    over the NIC at the same time (NCCL posts all of an AllToAll's sends in one group), so
+
+    ``max((g-1)·α_intra + (g-1)/n·B·β_intra,  (n-g)·α_inter + (n-g)/n·B·β_inter)``.
+
+    One node gives :func:`commlab.collectives.all_to_all_seconds` on the intra link; were every byte to cross
+    the NIC, it would be ``(n-1)·α_inter + (n-1)/n·B·β_inter``.
+
+    Raises:
+        ValueError: ``nbytes`` or a rate negative or not finite; ``n`` or ``ranks_per_node`` not an int >= 1;
+            ``n`` more than one node and not a multiple of ``ranks_per_node`` (ranks fill whole nodes).
+    """
+    check_cost_args(nbytes, n, intra_alpha_s=intra_alpha_s, intra_beta_s_per_byte=intra_beta_s_per_byte,
+                    inter_alpha_s=inter_alpha_s, inter_beta_s_per_byte=inter_beta_s_per_byte)
+    checks.integer("ranks_per_node", ranks_per_node)
+    if n > ranks_per_node and n % ranks_per_node:
+        raise ValueError(f"n ({n}) must be a multiple of ranks_per_node ({ranks_per_node}) when the group spans "
+                         "nodes (every node holds the same number of the group's ranks)")
+    g = min(n, ranks_per_node)
+    intra = (g - 1) * intra_alpha_s + (g - 1) / n * nbytes * intra_beta_s_per_byte
+    inter = (n - g) * inter_alpha_s + (n - g) / n * nbytes * inter_beta_s_per_byte
+    return max(intra, inter)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDroplessCost:
+    """What one dropless expert-parallel MoE layer moves and computes, for one micro-batch (forward + backward).
+
+    Attributes (EP ranks; bytes of one dispatch; the combine is its transpose):
+        split_nbytes: EP x EP, ``[i][j]`` bytes rank i sends rank j (its rows routed to j's experts).
+        sent_nbytes, received_nbytes: per rank, off the diagonal (a rank's own rows do not move).
+        step_sent_nbytes: per rank, forward + backward: ``2 · (sent + received)`` (dispatch sends ``sent``, the
+            combine ``received``, and the backward the same).
+        alltoall_seconds: one dispatch (or combine): ``(EP-1)·α + β · max_i max(sent_i, received_i)``, the
+            busiest port; with even routing :func:`commlab.collectives.all_to_all_seconds`.
+        step_seconds: four of them.
+        rows_per_rank: (token, choice) rows each rank's experts process, own rows included.
+        compute_slowdown: ``max / mean`` of ``rows_per_rank``: the expert GEMMs wait for the busiest rank.
+        alltoall_slowdown: ``max_i max(sent_i, received_i) / mean_i sent_i``: the AllToAll against an even
+            routing of the same rows.
+        no_drop_capacity: the capacity a padded layer would need to drop nothing here, the most rows one rank
+            routes to one expert.
+    """
+
+    split_nbytes: list[list[int]]
+    sent_nbytes: list[int]
+    received_nbytes: list[int]
+    step_sent_nbytes: list[int]
+    alltoall_seconds: float
+    step_seconds: float
+    rows_per_rank: list[int]
+    compute_slowdown: float
+    alltoall_slowdown: float
+    no_drop_capacity: int
+
+
+def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha_s: float = 0.0,
+                      beta_s_per_byte: float = 0.0) -> MoEDroplessCost:
+    """Bytes, α-β seconds and load of a dropless expert-parallel MoE layer from its routing.
+
+    Args:
+        tokens_per_expert: EP rows of E ints (a list of lists, or an ``[EP, E]`` tensor): row i is rank i's
+            (token, choice) pairs per expert (its :attr:`Routing.tokens_per_expert`); rank j holds experts
+            ``j·E/EP .. (j+1)·E/EP - 1``.
+        hidden: h. element_nbytes: bytes per element. alpha_s, beta_s_per_byte: the EP group's link.
+
+    Returns:
+        :class:`MoEDroplessCost`.
+
+    Raises:
+        ValueError: an empty or ragged matrix, a negative or non-integer count, E not divisible by EP, a size
+            or rate out of range.
+    """
+    rows = tokens_per_expert.tolist() if hasattr(tokens_per_expert, "tolist") else [list(r) for r in tokens_per_expert]
+    check_counts(hidden=hidden, element_nbytes=element_nbytes)
+    check_cost_args(0, None, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
+    if not rows or not rows[0] or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"tokens_per_expert must be EP rows of E counts each, got row lengths "
+                         f"{[len(r) for r in rows]}")
+    for i, row in enumerate(rows):
+        for e, c in enumerate(row):
+            checks.integer(f"tokens_per_expert[{i}][{e}]", c, least=0)
+    ep, num_experts = len(rows), len(rows[0])
+    per = check_ep_size(num_experts, ep)
+    row_nbytes = hidden * element_nbytes
+    pairs = [[sum(r[j * per:(j + 1) * per]) for j in range(ep)] for r in rows]
+    split = [[p * row_nbytes for p in r] for r in pairs]
+    sent = [sum(split[i]) - split[i][i] for i in range(ep)]
+    received = [sum(split[i][j] for i in range(ep)) - split[j][j] for j in range(ep)]
+    port = max(max(s_, r_) for s_, r_ in zip(sent, received))
+    one = (ep - 1) * alpha_s + port * beta_s_per_byte
+    load = [sum(pairs[i][j] for i in range(ep)) for j in range(ep)]
+    mean_load, mean_sent = sum(load) / ep, sum(sent) / ep
+    return MoEDroplessCost(split_nbytes=split, sent_nbytes=sent, received_nbytes=received,
+                           step_sent_nbytes=[2 * (s_ + r_) for s_, r_ in zip(sent, received)],
+                           alltoall_seconds=one, step_seconds=4 * one, rows_per_rank=load,
+                           compute_slowdown=max(load) / mean_load if mean_load else 1.0,
+                           alltoall_slowdown=port / mean_sent if mean_sent else 1.0,
+                           no_drop_capacity=max(max(r) for r in rows))

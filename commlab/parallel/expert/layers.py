@@ -8,7 +8,9 @@ them in capacity-padded ``[EP, E/EP, C, h]`` buffers by AllToAll, runs its exper
 inverse AllToAll, so its output is exactly :class:`MoE` on its tokens. Every rank routes the same number of
 tokens. Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank, the backward two more
 (:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
-Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2.
+Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2. With ``dropless=True`` nothing is dropped and nothing
+padded: the rows go sorted by expert in an AllToAllV whose split sizes come from the routing (one small
+AllToAll of the counts first), as Megatron-Core's AllToAll dispatcher does by default.
 
 Book: chapter 13, §13.3 (*Dispatch and combine*).
 """
@@ -24,7 +26,8 @@ import torch.nn as nn
 from commlab import checks
 from commlab.collectives.common import group_size_and_rank
 from commlab.collectives.agreement import check_agreement
-from commlab.parallel.expert.communications import AllToAllCounter, all_to_all_autograd
+from commlab.collectives import all_to_all
+from commlab.parallel.expert.communications import AllToAllCounter, all_to_all_autograd, all_to_all_v_autograd
 from commlab.parallel.expert.router import Routing, check_moe_sizes, expert_capacity, route
 from commlab.parallel.tensor.layers import TransformerMLP
 
@@ -155,6 +158,8 @@ class ExpertParallelMoE(nn.Module):
         group: the EP process group (None: the world); EP = its size.
         counter: an :class:`~commlab.parallel.expert.communications.AllToAllCounter` that adds up the bytes
             the AllToAlls of this layer send (forward and backward), or None.
+        dropless: route with room for every (token, choice) pair (capacity ``tokens * k``; the capacity factor
+            is ignored) and dispatch exactly the routed rows by AllToAllV; False: capacity-padded buffers.
 
     Attributes:
         router: this rank's copy of the router (replicated: its gradient is a partial sum, to be all-reduced
@@ -167,8 +172,10 @@ class ExpertParallelMoE(nn.Module):
         RuntimeError: this rank is not in ``group``.
     """
 
-    def __init__(self, moe: MoE, group: dist.ProcessGroup | None, *, counter: AllToAllCounter | None = None):
+    def __init__(self, moe: MoE, group: dist.ProcessGroup | None, *, counter: AllToAllCounter | None = None,
+                 dropless: bool = False):
         super().__init__()
+        self.dropless = checks.flag("dropless", dropless)
         self.ep, rank = group_size_and_rank(group, "ExpertParallelMoE")
         per_rank = check_ep_size(moe.num_experts, self.ep)
         self.group, self.counter = group, counter
@@ -185,7 +192,9 @@ class ExpertParallelMoE(nn.Module):
         Raises:
             ValueError: the last dimension of ``x`` is not ``hidden``; as :func:`route`.
         """
-        return route(self.router(_tokens(x, self.hidden)), self.k, self.capacity_factor, normalize=self.normalize)
+        x2 = _tokens(x, self.hidden)
+        return route(self.router(x2), self.k, self.capacity_factor, normalize=self.normalize,
+                     capacity=x2.shape[0] * self.k if self.dropless else None)
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """This rank's tokens ``x`` ``(..., hidden)`` through the experts of the whole group.
@@ -208,7 +217,7 @@ class ExpertParallelMoE(nn.Module):
         bad_logits = int((~torch.isfinite(logits.detach())).sum()) if logits is not None else 0
         if routing is not None and problem is None:
             problem = _routing_problem(routing, tokens, self.num_experts, self.k)
-        capacity = (routing.capacity if routing is not None
+        capacity = (routing.capacity if routing is not None else tokens * self.k if self.dropless
                     else expert_capacity(tokens, self.num_experts, self.k, self.capacity_factor))
         if bad_logits and not problem:
             problem = f"{bad_logits} NaN or infinite router logit(s) (check the layer's input and router)"
@@ -220,6 +229,8 @@ class ExpertParallelMoE(nn.Module):
         if routing is None:
             routing = route(logits, self.k, self.capacity_factor, normalize=self.normalize, capacity=capacity)
         self.last_routing = routing
+        if self.dropless:
+            return self._dropless(x2, routing).view(x.shape)
         per_rank = len(self.experts)
         t, j = routing.kept.nonzero(as_tuple=True)
         e, s = routing.expert[t, j], routing.slot[t, j]
@@ -234,3 +245,26 @@ class ExpertParallelMoE(nn.Module):
                                                                                   self.hidden)
         out = x2.new_zeros(tokens, self.hidden).index_add(0, t, routing.weight[t, j, None] * returned[e, s])
         return out.view(x.shape)
+
+    def _dropless(self, x2: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # The kept (token, choice) pairs sorted by expert: rank r's experts' rows are then one contiguous run.
+        t, j = routing.kept.nonzero(as_tuple=True)
+        order = torch.argsort(routing.expert[t, j], stable=True)
+        t, j = t[order], j[order]
+        per_rank = len(self.experts)
+        counts = torch.bincount(routing.expert[t, j], minlength=self.num_experts).view(self.ep, per_rank)
+        # Rank i's row of received counts: the rows it sends this rank, per local expert (what all_to_all_single
+        # callers exchange first to size the output).
+        received_counts = (all_to_all(counts.to(x2.device).contiguous(), self.group, check=False).cpu()
+                           if self.ep > 1 else counts)
+        send_splits, recv_splits = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+        received = all_to_all_v_autograd(x2[t], recv_splits, send_splits, self.group, self.counter)
+        # Received rows come source-major, each source's rows by local expert.
+        local = torch.arange(per_rank).repeat(self.ep).repeat_interleave(received_counts.reshape(-1)).to(x2.device)
+        outputs = received.new_zeros(received.shape)
+        for i, expert in enumerate(self.experts):
+            rows = (local == i).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                outputs = outputs.index_copy(0, rows, expert(received[rows]))
+        returned = all_to_all_v_autograd(outputs, send_splits, recv_splits, self.group, self.counter)
+        return x2.new_zeros(x2.shape[0], self.hidden).index_add(0, t, routing.weight[t, j, None] * returned)
