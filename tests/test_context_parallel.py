@@ -57,6 +57,26 @@ def _compare(group, n, rank, method, causal, seed):
     return dict(diffs=diffs, stats=stats, out=out.detach())
 
 
+def _compare_gqa(group, n, rank, kv_heads, causal, seed):
+    """Ulysses with ``kv_heads`` K/V heads (replicated when N does not divide them) against full attention whose
+    K/V heads are repeated to the query heads (grouped-query attention by definition)."""
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(B, H, S, D, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, S, D, dtype=torch.float64, generator=g) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = H // kv_heads
+    ref = Fn.scaled_dot_product_attention(leaves[0], leaves[1].repeat_interleave(rep, 1),
+                                          leaves[2].repeat_interleave(rep, 1), is_causal=causal)
+    ref.backward(dout)
+    local = [shard_sequence(t, rank, n).requires_grad_() for t in (q, k, v)]
+    out = ulysses_attention(*local, group, causal=causal)
+    out.backward(shard_sequence(dout, rank, n))
+    got = [out.detach()] + [t.grad for t in local]
+    want = [shard_sequence(t, rank, n) for t in [ref.detach()] + [t.grad for t in leaves]]
+    return {name: (float((a - b).abs().max()), a.shape == b.shape and torch.allclose(a, b, **TOL))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
 def _error(fn):
     try:
         fn()
@@ -94,6 +114,11 @@ def _job():
             for causal in (False, True):
                 results[(label, method, causal)] = _compare(group, n, grank, method, causal, seed=7 + (rank // 2 if
                                                             label == "pair" else 0))
+        for causal in (False, True):
+            for kv_heads in (1, 2):
+                results[(label, f"ulysses-gqa{kv_heads}", causal)] = _compare_gqa(group, n, grank, kv_heads, causal,
+                                                                                seed=5 + (rank // 2 if label == "pair"
+                                                                                          else 0))
     x = torch.zeros(1, 4, 4, 8, dtype=torch.float64)
     errors = {
         # Ulysses on 4 ranks with 6 heads.
@@ -137,6 +162,17 @@ def job():
 def test_output_and_gradients_equal_full_attention(job, label, method, causal):
     for rank, res in enumerate(job):
         diffs = res["results"][(label, method, causal)]["diffs"]
+        assert all(ok for _, ok in diffs.values()), (rank, diffs)
+
+
+@pytest.mark.parametrize("label", ["world", "pair", "single"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_with_replicated_kv_heads_equals_full_attention(job, label, kv_heads, causal):
+    # H = 4 query heads: K/V heads 1 or 2 are replicated N / gcd(N, kv_heads) times (4 or 2 at N = 4, 2 or 1 at
+    # N = 2); dK and dV come back summed over the replicas.
+    for rank, res in enumerate(job):
+        diffs = res["results"][(label, f"ulysses-gqa{kv_heads}", causal)]
         assert all(ok for _, ok in diffs.values()), (rank, diffs)
 
 
@@ -264,7 +300,7 @@ def test_cost_formulas_by_hand():
     # Two AllToAlls of 3 blocks and 1 block (64 bytes each): 2*3 α + 3/4 * 256 β.
     assert ulysses_seconds(1, 8, 4, 4, 4, 2, a, beta)["forward"] == pytest.approx(6 * a + 192 * beta)
     assert ring_attention_nbytes(1, 8, 2, 4, 1, 4) == {"forward": 0, "backward": 0}
-    with pytest.raises(ValueError, match=r"heads \(6\) and kv_heads \(6\) to be multiples of N = 4"):
+    with pytest.raises(ValueError, match=r"query heads \(6 per GPU\) to be a multiple of N = 4"):
         ulysses_nbytes(1, 8, 6, 4, 4, 2)
     with pytest.raises(ValueError, match=r"seq \(10\) must be a multiple of n \(4\)"):
         ring_attention_nbytes(1, 10, 2, 4, 4, 2)
@@ -282,7 +318,7 @@ def test_which_method_wins_where():
     assert ring.kv_nbytes_held == 4 * 32768 // 8 * 32 * 128 * 2 and uly.kv_nbytes_held == ring.kv_nbytes_held / 2
     # Heads not divisible by N: Ulysses is out, and the all-gather's single collective beats N-1 ring steps...
     best, rows = fastest_context_parallel(1, 32768, 12, 128, 8, 2, *link)
-    assert best == "all-gather" and not rows[2].feasible and "multiples of N = 8" in rows[2].why
+    assert best == "all-gather" and not rows[2].feasible and "a multiple of N = 8" in rows[2].why
     # ... unless the ring's steps hide behind the arithmetic (1 s of attention: every transfer hidden).
     best, rows = fastest_context_parallel(1, 32768, 12, 128, 8, 2, *link, attention_seconds=1.0)
     assert best == "ring" and rows[0].exposed_s == 0.0 and rows[0].kv_nbytes_held < rows[1].kv_nbytes_held
@@ -291,3 +327,82 @@ def test_which_method_wins_where():
     x = 2 * 8 * 4 * 2
     assert sp["tp"]["nbytes"] == sp["sp"]["nbytes"] == 2 * 3 / 4 * x
     assert sp["tp"]["seconds"] == pytest.approx(sp["sp"]["seconds"]) == pytest.approx(6e-6 + 1.5 * x * 1e-9)
+
+
+def test_ulysses_replicates_grouped_kv_heads_in_its_bytes():
+    from commlab.parallel.context.cost import compare_context_parallel, ulysses_nbytes
+    from commlab.parallel.context.ulysses import kv_replication
+    assert [kv_replication(kv, 16) for kv in (1, 2, 8, 16, 32)] == [16, 8, 2, 1, 1]
+    assert kv_replication(12, 8) == 2                  # lcm(12, 8) = 24 K/V heads, 3 a rank
+    # h=4, h_kv=1, N=4 (b=1, s=8, d=4, bf16): Q = 1*4*2*4*2 = 64, K = 16, r = 4: 3/4 (2*64 + 2*4*16) = 192.
+    assert ulysses_nbytes(1, 8, 4, 4, 4, 2, kv_heads=1)["forward"] == 3 / 4 * (2 * 64 + 2 * 4 * 16)
+    # Llama 3 405B's attention at CP 16: a = 128, a_kv = 8; feasible, K/V inflated by N / a_kv = 2.
+    q, k = 128 * 8192 * 128 * 2, 8 * 8192 * 128 * 2
+    assert ulysses_nbytes(1, 131072, 128, 128, 16, 2, kv_heads=8)["forward"] == 15 / 16 * (2 * q + 2 * 2 * k)
+    rows = compare_context_parallel(1, 131072, 128, 128, 16, 2, 1e-5, 1e-10, kv_heads=8)
+    assert rows[2].feasible and rows[2].kv_nbytes_held == 2 * 2 * k   # r * h_kv / N = 1 head, whole sequence
+    with pytest.raises(ValueError, match=r"query heads \(12 per GPU\) to be a multiple of N = 8"):
+        ulysses_nbytes(1, 64, 12, 4, 8, 2, kv_heads=4)
+
+
+def test_context_parallel_bytes_are_per_tp_shard():
+    from commlab.parallel.context.cost import (all_gather_attention_nbytes, compare_context_parallel,
+                                               ring_attention_nbytes, ulysses_nbytes)
+    # Llama 3 405B's long-context run: TP = 8 beside CP = 16, so a GPU holds 16 query heads and 1 K/V head.
+    shape = (1, 131072, 128, 128, 16, 2)
+    for fn in (ring_attention_nbytes, all_gather_attention_nbytes):
+        full, shard = fn(*shape, kv_heads=8), fn(*shape, kv_heads=8, tp=8)
+        assert {key: 8 * val for key, val in shard.items()} == full
+    k_gpu = 1 * 8192 * 128 * 2                           # one K/V head, s/N tokens, bf16
+    assert ring_attention_nbytes(*shape, kv_heads=8, tp=8)["forward"] == 15 * 2 * k_gpu
+    # Ulysses: 16 query heads and 1 K/V head per GPU, replicated N = 16 times.
+    q_gpu = 16 * 8192 * 128 * 2
+    assert ulysses_nbytes(*shape, kv_heads=8, tp=8)["forward"] == 15 / 16 * (2 * q_gpu + 2 * 16 * k_gpu)
+    full = compare_context_parallel(*shape, 1e-5, 1e-10, kv_heads=8)
+    shard = compare_context_parallel(*shape, 1e-5, 1e-10, kv_heads=8, tp=8)
+    for f, p in zip(full[:2], shard[:2]):
+        assert f.nbytes == 8 * p.nbytes and f.kv_nbytes_held == 8 * p.kv_nbytes_held
+    # TP beyond the K/V heads replicates them (1 a GPU); a TP that splits a head is refused.
+    assert ring_attention_nbytes(1, 64, 32, 4, 4, 2, kv_heads=2, tp=8) == ring_attention_nbytes(1, 64, 4, 4, 4, 2,
+                                                                                               kv_heads=1)
+    with pytest.raises(ValueError, match=r"tp \(3\) must divide heads \(32\)"):
+        ring_attention_nbytes(1, 64, 32, 4, 4, 2, kv_heads=8, tp=3)
+
+
+def test_ring_hiding_splits_attention_time_by_the_backward_ratio():
+    from commlab.parallel.context.cost import (ATTENTION_BACKWARD_OVER_FORWARD, compare_context_parallel,
+                                               ring_attention_nbytes)
+    assert ATTENTION_BACKWARD_OVER_FORWARD == 2.5       # FlashAttention-2's accounting, as the planner's
+    alpha, beta, n = 0.0, 1e-9, 4
+    fwd_step = ring_attention_nbytes(1, 8, 2, 4, n, 2)["forward"] / (n - 1) * beta   # one step's K/V: 64 B
+    # Enough arithmetic for the forward's steps to hide exactly (forward share 1/3.5 of it, over N steps).
+    attention = fwd_step * n * 3.5
+    ring = compare_context_parallel(1, 8, 2, 4, n, 2, alpha, beta, attention_seconds=attention)[0]
+    bwd_compute = attention * 2.5 / 3.5 / n
+    k, k_grad = 32, 64
+    want = (n - 1) * max(0.0, (2 * k + 2 * k_grad) * beta - bwd_compute) + max(0.0, 2 * k_grad * beta - bwd_compute)
+    assert ring.exposed_s == pytest.approx(want)
+    assert compare_context_parallel(1, 8, 2, 4, n, 2, alpha, beta, attention_seconds=attention * 0.99)[0].exposed_s \
+        > want
+
+
+def test_two_level_all_to_all_prices_intra_node_peers_on_the_intra_link():
+    from commlab.collectives import all_to_all_seconds
+    from commlab.parallel.context.cost import ulysses_seconds
+    from commlab.parallel.expert.cost import two_level_all_to_all_seconds
+    nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)
+    nbytes = 16 * 2**20
+    # 16 ranks on 2 nodes of 8: 7 peers over NVLink, 8 over the NIC, at the same time.
+    got = two_level_all_to_all_seconds(nbytes, 16, 8, *nv, *ib)
+    intra, inter = 7 * nv[0] + 7 / 16 * nbytes * nv[1], 8 * ib[0] + 8 / 16 * nbytes * ib[1]
+    assert got == pytest.approx(max(intra, inter)) and got == pytest.approx(inter)
+    assert got < all_to_all_seconds(nbytes, 16, *ib)      # every byte over the NIC: 15/16 of it
+    assert two_level_all_to_all_seconds(nbytes, 8, 8, *nv, *ib) == pytest.approx(all_to_all_seconds(nbytes, 8, *nv))
+    # Ulysses across 2 nodes: each of its AllToAlls priced two-level.
+    q, k = 16 * 2 * 4 * 2, 4 * 2 * 4 * 2
+    r = 4
+    want = (two_level_all_to_all_seconds(q + 2 * r * k, 16, 8, *nv, *ib)
+            + two_level_all_to_all_seconds(q, 16, 8, *nv, *ib))
+    assert ulysses_seconds(1, 32, 16, 4, 16, 2, *ib, kv_heads=4, intra=(8, *nv))["forward"] == pytest.approx(want)
+    with pytest.raises(ValueError, match=r"n \(12\) must be a multiple of ranks_per_node \(8\)"):
+        two_level_all_to_all_seconds(1.0, 12, 8, *nv, *ib)

@@ -47,13 +47,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, *,
                  causal: bool, load_balance: bool = False, heads_multiple: bool = False,
-                 check: bool = True) -> tuple[int, int]:
+                 grouped_kv: bool = False, check: bool = True) -> tuple[int, int]:
     """Check one rank's q, k, v and make every rank of ``group`` agree on them, or all raise the same error.
 
     Every rank must pass 4-dim ``[batch, heads, seq_local, head_dim]`` tensors, k and v of q's shape, one
     floating dtype, on the group's device, the same shapes and options (``causal``, ``load_balance``) as the
     other ranks; ``seq_local`` even with ``load_balance`` (two chunks of ``seq / 2N``); ``heads`` a multiple
-    of N when ``heads_multiple`` (Ulysses).
+    of N when ``heads_multiple`` (Ulysses). With ``grouped_kv`` k and v may have fewer heads than q, a divisor
+    of q's (grouped-query attention).
 
     One small all-gather of int64 (:func:`commlab.collectives.common.check_agreement`): without it a shape
     mismatch would hang a grouped exchange until the timeout or silently mix blocks, and a problem found on one
@@ -77,8 +78,11 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if any(t.dim() != 4 for t in (q, k, v)):
         problem = (f"q, k and v must each be [batch, heads, seq_local, head_dim] (4 dims), got shapes {shapes}; "
                    "move the heads before the sequence (e.g. x.view(b, s, h, d).transpose(1, 2))")
-    elif not (q.shape == k.shape == v.shape):
-        problem = f"k and v must have q's shape [batch, heads, seq_local, head_dim], got {shapes}"
+    elif k.shape != v.shape or (k.shape != q.shape and not (
+            grouped_kv and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and q.shape[1] % k.shape[1] == 0)):
+        problem = (f"k and v must have q's shape [batch, heads, seq_local, head_dim]"
+                   + (" (or fewer heads, a divisor of q's: grouped-query attention)" if grouped_kv else "")
+                   + f", got {shapes}")
     elif len({q.dtype, k.dtype, v.dtype}) > 1 or not q.dtype.is_floating_point:
         problem = (f"q, k and v must share one floating dtype, got {[str(t.dtype) for t in (q, k, v)]}")
     elif len({q.device, k.device, v.device}) > 1:
@@ -88,9 +92,9 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                    f"even, got {q.shape[2]} (the sequence, {q.shape[2] * n} tokens, must be a multiple of 2N = "
                    f"{2 * n}); pad it, or use load_balance=False")
     elif heads_multiple and q.shape[1] % n:
-        problem = (f"DeepSpeed-Ulysses gives each rank heads / N of the heads: heads ({q.shape[1]}) must be a "
-                   f"multiple of the context-parallel size N = {n}; use a group whose size divides {q.shape[1]}, "
-                   "or ring attention, which has no such limit")
+        problem = (f"DeepSpeed-Ulysses gives each rank heads / N of the query heads: heads ({q.shape[1]}) must be a "
+                   f"multiple of the context-parallel size N = {n} (K/V heads need not be: they are replicated); "
+                   f"use a group whose size divides {q.shape[1]}, or ring attention, which has no such limit")
     if not check:
         if problem:
             raise ValueError(f"{name}: {problem}")
