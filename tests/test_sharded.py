@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab import launch
 from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
+from commlab.parallel.sharded import dim0_shard_rows, sharded_step_nbytes
 from commlab.parallel.sharded_profile import gathers_issued_ahead, intersection_of_unions, profile_sharded
 
 pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
@@ -19,7 +20,7 @@ STEPS = 3
 
 
 def mlp(widths=(8, 6, 5, 4), seed=0):
-    """Float64 MLP; with the default widths the units hold 54, 35 (odd: its shard is padded) and 24 elements."""
+    """Float64 MLP; with the default widths the weights have 6, 5 (odd: padded to 6 rows on 2 ranks) and 4 rows."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         layers = []
@@ -41,8 +42,15 @@ def _gap(xs, ys):
     return max(float((a - b).abs().max()) for a, b in zip(xs, ys))
 
 
+def _rows(full, n, rank):
+    """This rank's dim-0 rows of a whole tensor (FSDP2's shard of it)."""
+    start, rows, _ = dim0_shard_rows(full.shape[0], n, rank)
+    return full[start:start + rows]
+
+
 def _against(stage, rank):
-    """Our stage-2 (against DDP) or stage-3 (against FSDP2) run: per step the largest gap of gradients and params."""
+    """Our stage-2 (against DDP) or stage-3 (against FSDP2) run: per step the largest gap of gradients and params;
+    the optimizer is built on the wrapped model's own parameters, as for fully_shard."""
     ref = mlp()
     if stage == 3:
         for layer in ref:
@@ -54,31 +62,36 @@ def _against(stage, rank):
         ref_model = DDP(ref)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     sdp = ShardedDataParallel(mlp(), stage=stage)
-    opt = sdp.make_optimizer(torch.optim.Adam, lr=1e-2)
+    opt = torch.optim.Adam(sdp.module.parameters(), lr=1e-2)
+    n = dist.get_world_size()
     grad_gaps, param_gaps, stats, freed, module_grads = [], [], [], [], []
     for x in _batches(rank):
         _loss(ref_model(x)).backward()
         _loss(sdp(x)).backward()
         full = (lambda t: t.full_tensor()) if stage == 3 else (lambda t: t)
-        module_grads.append([p.grad for p in sdp.module.parameters()])
+        module_grads.append([p.grad for p in sdp.unsharded_parameters()])
         grad_gaps.append(_gap(sdp.full_gradients(), [full(p.grad) for p in ref.parameters()]))
+        # the module's own parameters are the shards, and their .grad the shards of the average
+        grad_gaps[-1] = max(grad_gaps[-1], _gap([p.grad for p in sdp.module.parameters()],
+                                                [_rows(full(p.grad), n, rank) for p in ref.parameters()]))
         ref_opt.step()
         opt.step()
         stats.append(sdp.last_step)
         ref_opt.zero_grad()
         opt.zero_grad()
         param_gaps.append(_gap(sdp.full_parameters(), [full(p.detach()) for p in ref.parameters()]))
-        if stage == 2:  # the step's AllGather wrote the parameters into the model itself
-            param_gaps[-1] = max(param_gaps[-1], _gap([p.detach() for p in sdp.module.parameters()],
-                                                      [p.detach() for p in ref.parameters()]))
-        freed.append([p.untyped_storage().nbytes() for p in sdp.module.parameters()])
+        param_gaps[-1] = max(param_gaps[-1], _gap([p.detach() for p in sdp.module.parameters()],
+                                                  [_rows(full(p.detach()), n, rank) for p in ref.parameters()]))
+        freed.append([p.untyped_storage().nbytes() for p in sdp.unsharded_parameters()])
     with torch.no_grad():  # forward without autograd (evaluation): gathered and freed again, the same outputs
         x = _batches(rank)[0]
         eval_gap = float((sdp(x) - ref_model(x)).abs().max())
+        if stage == 2:  # the forward gathered the stepped shards into the whole parameters it keeps
+            eval_gap = max(eval_gap, _gap(sdp.unsharded_parameters(), [full(p.detach()) for p in ref.parameters()]))
     moved = _gap(sdp.full_parameters(), [p.detach() for p in mlp().parameters()])
     return dict(grad_gaps=grad_gaps, param_gaps=param_gaps, stats=stats, freed=freed, eval_gap=eval_gap, moved=moved,
                 module_grads=module_grads, shard_sizes=[p.numel() for p in sdp.shard_parameters()],
-                after_eval=[p.untyped_storage().nbytes() for p in sdp.module.parameters()])
+                after_eval=[p.untyped_storage().nbytes() for p in sdp.unsharded_parameters()])
 
 
 def _memory(rank, n):
@@ -169,8 +182,6 @@ def _errors(rank):
     # NaN: rank 0's gradient of one weight element is NaN; reduced like any number, as by DDP.
     ref, ours = mlp(), mlp()
     ddp = DDP(ref)
-    sdp = ShardedDataParallel(ours, stage=3)
-    opt = sdp.make_optimizer(torch.optim.SGD, lr=0.1)
 
     def poison(g):
         g = g.clone()
@@ -178,7 +189,10 @@ def _errors(rank):
             g[1, 2] = float("nan")
         return g
     list(ref.parameters())[0].register_hook(poison)
+    # on the parameter before wrapping: it becomes the unsharded tensor that autograd computes the gradient of
     list(ours.parameters())[0].register_hook(poison)
+    sdp = ShardedDataParallel(ours, stage=3)
+    opt = sdp.make_optimizer(torch.optim.SGD, lr=0.1)
     x = _batches(rank, 1)[0]
     _loss(ddp(x)).backward()
     _loss(sdp(x)).backward()
@@ -230,15 +244,24 @@ def test_a_backward_that_raised_leaves_the_next_step_clean(results):
         assert raised == "boom" and gap < 1e-12
 
 
+SHAPES = [(6, 8), (6,), (5, 6), (5,), (4, 5), (4,)]
+
+
 def test_zero2_frees_the_full_gradient_and_keeps_parameters_whole(results):
-    for r in results:
+    """The shards are dim-0 rows: 3 + 3 of the 6-row weight, 3 + 2 of the 5-row one (its AllGather input padded to
+    3 rows), 2 + 2 of the 4-row one. ZeRO-2 gathers each unit once per step, in the forward (units 1 and 2
+    prefetched), after the optimizer stepped the shards; the bytes are dim-0 padded (6 + 6 + 4 rows of 8, 6 and 5
+    elements and their biases), in float64."""
+    for rank, r in enumerate(results):
         run = r["zero2"]
         assert all(g is None for step in run["module_grads"] for g in step)   # only the shard's gradient survives
-        assert run["shard_sizes"] == [27, 18, 12]                             # 54/2, 36/2 (35 padded), 24/2
+        assert run["shard_sizes"] == [[24, 3, 18, 3, 10, 2], [24, 3, 12, 2, 10, 2]][rank]
         assert all(b > 0 for step in run["freed"] for b in step)
-        for s in run["stats"]:  # one ReduceScatter per unit in backward, one AllGather per unit after the step
-            assert (s.reduce_scatters, s.all_gathers, s.prefetched) == (3, 3, 0)
-            assert s.reduce_scatter_nbytes == s.all_gather_nbytes == (54 + 36 + 24) * 8 / 2
+        want = sharded_step_nbytes(SHAPES, 2, stage=2, param_dtype=torch.float64)
+        assert want["all_gather"] == want["reduce_scatter"] == (6 * 8 + 6 + 6 * 6 + 6 + 4 * 5 + 4) * 8 / 2
+        for s in run["stats"]:  # one ReduceScatter per unit in backward, one AllGather per unit in the forward
+            assert (s.reduce_scatters, s.all_gathers, s.prefetched) == (3, 3, 2)
+            assert s.reduce_scatter_nbytes == want["reduce_scatter"] and s.all_gather_nbytes == want["all_gather"]
 
 
 def test_zero3_gathers_twice_prefetches_and_frees_outside_the_windows(results):
@@ -250,7 +273,8 @@ def test_zero3_gathers_twice_prefetches_and_frees_outside_the_windows(results):
             # Forward gathers units 0, 1, 2 (1 and 2 prefetched), backward 2, 1, 0 (1 and 0 prefetched):
             # 3 (N-1)/N of the parameters' bytes per step, 1.5 times DDP's AllReduce.
             assert (s.all_gathers, s.prefetched, s.reduce_scatters) == (6, 4, 3)
-            assert s.all_gather_nbytes == 2 * s.reduce_scatter_nbytes == 2 * (54 + 36 + 24) * 8 / 2
+            want = sharded_step_nbytes(SHAPES, 2, stage=3, param_dtype=torch.float64)
+            assert s.all_gather_nbytes == 2 * s.reduce_scatter_nbytes == want["all_gather"] == 2 * 120 * 8 / 2
 
 
 def test_memory_held_equals_zero_formulas(results):

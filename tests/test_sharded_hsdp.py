@@ -9,8 +9,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab import launch
 from commlab.parallel import ShardedDataParallel
+from commlab.parallel.sharded import sharded_step_nbytes
 
-from tests.test_sharded import STEPS, _batches, _gap, _loss, mlp
+from tests.test_sharded import SHAPES, STEPS, _batches, _gap, _loss, mlp
 
 
 def _hsdp(stage):
@@ -55,7 +56,9 @@ def test_hsdp_equals_ddp_over_all_ranks(results, stage):
         assert len(run["gaps"]) == STEPS and max(run["gaps"]) < 1e-12
         for s in run["stats"]:  # ReduceScatter in the shard group, then AllReduce of the shard across replicas
             assert (s.reduce_scatters, s.all_reduces) == (3, 3)
-            assert s.all_reduce_nbytes == 2 * (2 - 1) / 2 * (27 + 18 + 12) * 8
+            # the padded dim-0 shards: 3 rows of each weight (the 5-row one padded to 6), 2 of the 4-row one
+            assert s.all_reduce_nbytes == 2 * (2 - 1) / 2 * (24 + 3 + 18 + 3 + 10 + 2) * 8
+            assert s.all_reduce_nbytes == sharded_step_nbytes(SHAPES, 2, stage, torch.float64, replicas=2)["all_reduce"]
     for rank in range(4):  # the replicas of a shard (ranks r and r + 2) hold the same values
         for a, b in zip(results[rank % 2][stage]["shards"], results[rank][stage]["shards"]):
             assert torch.equal(a, b)

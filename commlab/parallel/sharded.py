@@ -1,17 +1,19 @@
-"""Sharded data parallelism: ZeRO-2 (gradients sharded), ZeRO-3 / FSDP (parameters sharded too), and HSDP.
+"""Sharded data parallelism as FSDP2 does it: ZeRO-2, ZeRO-3 / FSDP and HSDP, with per-parameter dim-0 shards.
 
-Rajbhandari et al. 2020, "ZeRO" (SC'20), §5; PyTorch FSDP (Zhao et al. 2023, VLDB 16(12), §3) and FSDP2
-(``torch/distributed/fsdp/_fully_shard/``). :class:`ShardedDataParallel` shards per *unit* (a submodule whose
-parameters form one flat, zero-padded vector cut into N shards): stage 2 reduce-scatters each unit's
-gradients when backward completes them and all-gathers the updated shards after the optimizer step; stage 3
-keeps only the shard, all-gathering a unit before its forward and again before its backward (storage resized
-in place, FSDP2's trick) with the next unit prefetched; HSDP (``replicate_group``) all-reduces each shard
-across replicas. Collectives are torch's asynchronous ``all_gather_into_tensor`` / ``reduce_scatter_tensor``,
-since a prefetch needs a handle that progresses while the autograd thread computes (commlab's ring is tested
-equal to them). Stage 1 is :class:`ZeroOneOptimizer`. :func:`zero_memory_bytes` and
-:func:`held_memory_bytes` count model-state bytes.
+Rajbhandari et al. 2020, "ZeRO" (SC'20), §5; FSDP2 (``torch.distributed.fsdp.fully_shard``,
+``torch/distributed/fsdp/_fully_shard/``). :class:`ShardedDataParallel` replaces each parameter of the module by
+its *shard*: rows ``[r c, (r + 1) c)`` of dim 0 on rank r, ``c = ceil(d0 / N)`` (``torch.chunk``, as FSDP2),
+stored in a buffer of ``c`` rows so that every rank's AllGather input has one size; ``model.parameters()`` are
+then the shards, their ``.grad`` the reduce-scattered average, and any optimizer built on them steps them.
+A *unit* (a submodule) AllGathers its parameters' padded shards in one collective before its forward (ZeRO-3:
+again before its backward, freeing them in between; ZeRO-2: once per step, kept whole) and reduce-scatters
+their gradients in one when backward completes them; HSDP (``replicate_group``) then all-reduces the shards'
+gradients across replicas. :class:`MixedPrecisionPolicy` (FSDP2's): ``param_dtype`` for the AllGather and the
+compute, ``reduce_dtype`` for the ReduceScatter. Collectives: :mod:`commlab.collectives.common`'s asynchronous
+single-tensor AllGather / ReduceScatter. :func:`sharded_step_nbytes` prices a step's bytes;
+:func:`zero_memory_bytes` and :func:`held_memory_bytes` count model-state bytes.
 
-Book: chapter 12 (§12.1 memory, §12.2 communication, §12.3 FSDP's per-layer schedule).
+Book: chapter 12 (§12.1 memory, §12.2 communication, §12.3 FSDP2's per-parameter shards and schedule).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from commlab import checks
-from commlab.collectives.common import all_gather_single, group_size_and_rank, reduce_scatter_single
 from commlab.collectives.agreement import agree, first_difference
+from commlab.collectives.common import all_gather_single, group_size_and_rank, reduce_scatter_single
 from commlab.launch.device import group_device
 
-__all__ = ["ShardedDataParallel", "ShardedStepStats", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
+__all__ = ["ShardedDataParallel", "ShardedStepStats", "MixedPrecisionPolicy", "sharded_step_nbytes",
+           "dim0_shard_rows", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
 
 #: The ZeRO stages :class:`ShardedDataParallel` runs (stage 1 is :class:`~commlab.parallel.ZeroOneOptimizer`).
 STAGES = (2, 3)
@@ -45,15 +48,78 @@ RANGE_WAIT_REDUCE = "sharded::wait_reduce_scatter"   # the end of backward: wait
 RANGE_ALL_REDUCE = "sharded::all_reduce::unit"        # + index: HSDP's AllReduce of a shard (synchronous)
 
 
+def _check_dtype(name: str, dtype) -> torch.dtype | None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        checks.fail(name, dtype, "a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32, "
+                    "torch.float64) or None", where="MixedPrecisionPolicy")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed precision (``torch.distributed.fsdp.MixedPrecisionPolicy``), the two dtypes that move bytes.
+
+    Attributes:
+        param_dtype: dtype of the AllGather and of the unsharded parameters, hence of the forward and backward
+            compute (floating inputs of each unit are cast to it); None: the parameters' own.
+        reduce_dtype: dtype of the gradients' ReduceScatter (and HSDP's AllReduce); None: ``param_dtype``.
+    The shards, their gradients and the optimizer stay in the parameters' own dtype.
+
+    Raises:
+        ValueError: a dtype that is not a floating-point ``torch.dtype`` (nor None).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        _check_dtype("param_dtype", self.param_dtype)
+        _check_dtype("reduce_dtype", self.reduce_dtype)
+
+    @classmethod
+    def of(cls, policy) -> "MixedPrecisionPolicy":
+        """``policy`` as this class: None (no mixed precision), this class, or torch's ``MixedPrecisionPolicy``
+        with ``output_dtype=None`` and ``cast_forward_inputs=True`` (the two options not modelled here).
+
+        Raises:
+            ValueError: another type, a torch policy using the options not modelled, or a bad dtype.
+        """
+        if policy is None:
+            return cls()
+        if isinstance(policy, cls):
+            return policy
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        if not isinstance(policy, TorchPolicy):
+            checks.fail("mp_policy", policy, "None, a commlab.parallel.sharded.MixedPrecisionPolicy or a "
+                        "torch.distributed.fsdp.MixedPrecisionPolicy", where="ShardedDataParallel")
+        if policy.output_dtype is not None or not policy.cast_forward_inputs:
+            checks.fail("mp_policy", policy, "a policy with output_dtype=None and cast_forward_inputs=True",
+                        note="the other options of FSDP2's policy are not modelled", where="ShardedDataParallel")
+        return cls(policy.param_dtype, policy.reduce_dtype)
+
+
+def dim0_shard_rows(d0: int, n: int, rank: int) -> tuple[int, int, int]:
+    """``(start, rows, padded_rows)`` of rank ``rank``'s dim-0 shard of a parameter of ``d0`` rows over ``n`` ranks.
+
+    FSDP2's rule (``_chunk_with_empty`` and ``_get_dim0_padded_size`` in ``_fully_shard/_fsdp_common.py``):
+    ``torch.chunk`` on dim 0, chunks of ``c = ceil(d0 / n)`` rows, the last ones shorter or empty; every rank's
+    AllGather input is padded at the end to ``c`` rows, so the gathered tensor has ``n c >= d0`` rows.
+    """
+    c = -(-d0 // n)
+    start = min(rank * c, d0)
+    return start, min(d0, start + c) - start, c
+
+
 @dataclasses.dataclass
 class ShardedStepStats:
-    """What one training step (forward, backward, and stage 2's parameter gather) communicated, on this rank.
+    """What one training step (forward and backward) communicated, on this rank.
 
     Attributes:
         all_gathers: unit AllGathers issued. prefetched: those launched ahead, by the previous unit's hook.
         reduce_scatters: unit ReduceScatters issued. all_reduces: replicate-group AllReduces (HSDP).
         all_gather_nbytes, reduce_scatter_nbytes, all_reduce_nbytes: bytes sent by this rank in each (ring
-            model: ``(N-1)/N`` of the padded flat unit for the first two, ``2 (R-1)/R`` of the shard for the last).
+            model: ``(N-1)/N`` of the gathered padded unit, in ``param_dtype``, for the AllGather, of the
+            padded gradients, in ``reduce_dtype``, for the ReduceScatter; ``2 (R-1)/R`` of the shard for the last).
     """
 
     all_gathers: int = 0
@@ -65,33 +131,89 @@ class ShardedStepStats:
     all_reduce_nbytes: float = 0.0
 
 
-class _Unit:
-    """One wrapped module: its parameters' flat layout, this rank's shard, and the state of its collectives."""
+def sharded_step_nbytes(shapes: Sequence[Sequence[int]], n: int, stage: int = 3,
+                        param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
+                        replicas: int = 1) -> dict[str, float]:
+    """Bytes one rank sends in a training step of :class:`ShardedDataParallel` (ring model; book §12.3).
 
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str],
-                 n: int, group_rank: int):
-        self.index, self.name, self.module = index, name, module
-        self.params, self.names = params, names
-        self.numels = [p.numel() for p in params]
-        self.numel = sum(self.numels)
-        self.padded_numel = math.ceil(self.numel / n) * n   # every shard the same size, as AllGather needs
-        self.shard_numel = self.padded_numel // n
-        self.start = group_rank * self.shard_numel
-        p0 = params[0]
+    Each parameter of shape ``(d0, ...)`` is padded to ``N ceil(d0 / N)`` rows (:func:`dim0_shard_rows`); with
+    P its padded elements summed over ``shapes``: AllGather ``k (N-1)/N P`` elements of ``param_dtype`` (k = 2
+    under ZeRO-3: forward and backward; 1 under ZeRO-2), ReduceScatter ``(N-1)/N P`` of ``reduce_dtype`` (None:
+    ``param_dtype``), HSDP's AllReduce ``2 (R-1)/R P/N`` of ``reduce_dtype``. What :class:`ShardedStepStats`
+    counts for one forward and backward, every parameter trainable.
+
+    Returns:
+        ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` in bytes.
+
+    Raises:
+        ValueError: a shape with no dim 0 or a negative size, n or replicas not an int >= 1, a bad stage or dtype.
+    """
+    n = checks.integer("n", n, note="ranks of the shard group")
+    replicas = checks.integer("replicas", replicas, note="ranks of the replicate group (HSDP); 1: none")
+    stage = _check_stage(stage)
+    policy = MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    if param_dtype is None:
+        checks.fail("param_dtype", param_dtype, "a floating-point torch.dtype", where="sharded_step_nbytes")
+    padded = 0
+    for shape in shapes:
+        shape = tuple(shape)
+        if not shape or not all(checks.is_int(s) and s >= 0 for s in shape):
+            checks.fail("shapes", shape, "a tuple of sizes >= 0 with a dim 0", where="sharded_step_nbytes")
+        padded += n * dim0_shard_rows(shape[0], n, 0)[2] * math.prod(shape[1:])
+    ag, rs = param_dtype.itemsize, (policy.reduce_dtype or param_dtype).itemsize
+    out = {"all_gather": (2 if stage == 3 else 1) * (n - 1) / n * padded * ag,
+           "reduce_scatter": (n - 1) / n * padded * rs,
+           "all_reduce": 2 * (replicas - 1) / replicas * padded / n * rs}
+    out["total"] = sum(out.values())
+    return out
+
+
+class _Param:
+    """One parameter: where it lives in the module, its dim-0 shard (a Parameter registered in its place) and the
+    unsharded tensor the forward computes with (the original Parameter, in ``param_dtype``)."""
+
+    def __init__(self, fqn: str, places: list[tuple[nn.Module, str]], p: nn.Parameter):
+        self.fqn, self.places, self.unsharded = fqn, places, p
+        self.shape, self.orig_dtype, self.requires_grad = p.shape, p.dtype, p.requires_grad
+        self.rest = math.prod(p.shape[1:])
+        self.shard: nn.Parameter | None = None
+        self.padded: torch.Tensor | None = None   # the shard's storage: c rows, the shard its first `rows`
+
+    def make_shard(self, n: int, group_rank: int, compute_dtype: torch.dtype, keep: bool) -> None:
+        start, self.rows, self.c = dim0_shard_rows(self.shape[0], n, group_rank)
+        self.padded_numel = self.c * self.rest
+        p = self.unsharded
         with torch.no_grad():
-            flat = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
-            torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
-            self.shard = nn.Parameter(flat[self.start:self.start + self.shard_numel].clone())
-        self.unsharded = True
+            self.padded = p.new_zeros((self.c, *self.shape[1:]))
+            self.padded[:self.rows].copy_(p[start:start + self.rows])
+            self.shard = nn.Parameter(self.padded[:self.rows], requires_grad=self.requires_grad)
+            # The unsharded Parameter now holds the compute copy: whole under ZeRO-2, freed under ZeRO-3.
+            p.data = p.detach().to(compute_dtype, copy=True, memory_format=torch.contiguous_format)
+            if not keep:
+                p.data.untyped_storage().resize_(0)
+        self.register(self.shard)
+
+    def register(self, t: nn.Parameter) -> None:
+        for module, attr in self.places:  # as FSDP2's unsafe_setattr_param: no checks, no hooks
+            module._parameters[attr] = t
+
+
+class _Unit:
+    """One wrapped module: its parameters, the sizes of its AllGather and ReduceScatter, and their state."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[_Param]):
+        self.index, self.name, self.module, self.params = index, name, module, params
+        self.trainable = [sp for sp in params if sp.requires_grad]
+        self.unsharded = True       # the unsharded parameters hold this step's values
+        self.versions: list[int] = []   # ZeRO-2: the shards' version counters at the last gather
         self.gather: tuple[Any, torch.Tensor] | None = None    # (work, output) of a launched AllGather
-        self.reduce: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output shard, input flat)
+        self.reduce: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output, input)
         self.ready = 0              # gradients accumulated in this backward
         self.reduced = False        # its ReduceScatter was launched in this backward
         self.backward_gathered = False
 
-    @property
-    def nbytes(self) -> int:
-        return self.padded_numel * self.shard.element_size()
+    def shard_versions(self) -> list[int]:
+        return [sp.shard._version for sp in self.params]
 
 
 def _check_stage(stage) -> int:
@@ -104,37 +226,45 @@ def _ranks(group) -> list[int]:
         else dist.get_process_group_ranks(group)
 
 
-class ShardedDataParallel(nn.Module):
-    """ZeRO-2 or ZeRO-3 / FSDP (with HSDP) around ``module`` (book §12.3).
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "")
 
-    Build the optimizer with :meth:`make_optimizer` (any element-wise ``torch.optim`` class; one over
-    ``sdp.parameters()`` would find no gradients), then train as usual. Read the model with
-    :meth:`full_parameters` and :meth:`full_gradients` (collective); under stage 3 checkpoint those, not
-    ``state_dict()``. Gradients are averaged over every DP rank (``shard_group`` x ``replicate_group``) and
-    accumulate over backwards; NaN/inf are reduced like any number. Every rank must run the same units in the
-    same order (their collectives pair up); a backward that raises loses its gradients.
+
+class ShardedDataParallel(nn.Module):
+    """ZeRO-2 or ZeRO-3 / FSDP2 (with HSDP) around ``module`` (book §12.3), used as ``fully_shard`` is.
+
+    After wrapping, ``module``'s parameters are this rank's dim-0 shards (:func:`dim0_shard_rows`); build the
+    optimizer on ``sdp.parameters()`` (or :meth:`make_optimizer`) and train as usual: backward leaves each shard's
+    ``.grad`` the average over every DP rank (``shard_group`` x ``replicate_group``) of its rows, accumulated
+    over backwards, in the parameter's own dtype. Read the whole model with :meth:`full_parameters` and
+    :meth:`full_gradients` (collective). Every rank must run the same units in the same order (their collectives
+    pair up); a backward that raises loses its gradients; NaN/inf are reduced like any number.
 
     Args:
-        module: the model, on the group's device, equal on every rank; modified in place (stage 3 frees storage).
-        stage: 2 or 3. shard_group: the group that shards (N = its size; None: the world).
-        replicate_group: HSDP's group over which shards are replicated (e.g. a 2-D DeviceMesh's
-            ``"dp_replicate"``); None: none.
+        module: the model, on the group's device, equal on every rank; modified in place (its parameters become
+            shards). stage: 3 (parameters freed after each unit's forward and backward, FSDP2's
+            ``reshard_after_forward=True``) or 2 (kept whole, gathered once per step in the forward).
+        shard_group: the group that shards (N = its size; None: the world). replicate_group: HSDP's group over
+            which shards are replicated (e.g. a 2-D DeviceMesh's ``"dp_replicate"``); None: none.
         units: the submodules that are units, in forward order (default: ``module``'s children that hold
-            parameters); every parameter that requires grad belongs to exactly one unit.
-        prefetch: stage 3: launch the next unit's AllGather while the current one computes (default True).
+            parameters); every parameter belongs to exactly one unit (frozen ones are sharded and gathered too).
+        prefetch: launch the next unit's AllGather while the current one computes (default True).
         broadcast_from_rank0: broadcast the parameters from rank 0 of the groups first (default True).
+        mp_policy: :class:`MixedPrecisionPolicy` or torch's (None: compute and reduce in the parameters' dtype).
 
-    Attributes: ``units``, ``n``, ``group_rank``, ``replicas`` (1 without HSDP), ``last_step`` (ShardedStepStats).
+    Attributes: ``units``, ``n``, ``group_rank``, ``replicas`` (1 without HSDP), ``mp_policy``, ``last_step``.
 
     Raises:
-        ValueError: a bad stage, no trainable parameter, parameters off the group's device, bad units, a
-            replicate group sharing another rank with the shard group. RuntimeError: not initialised / not a member.
-        CollectiveMismatchError: the ranks hold different models or units (on every rank).
+        ValueError: a bad stage or policy, no trainable parameter, a 0-dim parameter, parameters off the group's
+            device, bad units, a replicate group sharing another rank with the shard group.
+        RuntimeError: not initialised / not a member.
+        CollectiveMismatchError: the ranks hold different models, units or policies (on every rank).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, shard_group: dist.ProcessGroup | None = None,
                  replicate_group: dist.ProcessGroup | None = None, units: Sequence[nn.Module] | None = None,
-                 prefetch: bool = True, broadcast_from_rank0: bool = True):
+                 prefetch: bool = True, broadcast_from_rank0: bool = True,
+                 mp_policy: MixedPrecisionPolicy | Any | None = None):
         super().__init__()
         self.n, self.group_rank = group_size_and_rank(shard_group, "ShardedDataParallel (shard_group)")
         self.replicas = 1
@@ -144,13 +274,13 @@ class ShardedDataParallel(nn.Module):
         self.prefetch = bool(prefetch)
         problem: ValueError | None = None
         try:
-            self._check_arguments(module, stage, units)
+            self._check_arguments(module, stage, units, mp_policy)
         except ValueError as exc:
             problem = exc
         # The arguments' verdict travels with the layout, so that a rank whose arguments are bad does not leave the
         # others waiting in the agreement: every rank raises (its own error if all agree, else the mismatch).
         layout = [("invalid arguments", str(problem))] if problem is not None else self._layout()
-        advice = "build the same model, with the same units and stage, on every rank"
+        advice = "build the same model, with the same units, stage and policy, on every rank"
         for group in (shard_group, replicate_group) if replicate_group is not None else (shard_group,):
             agree("ShardedDataParallel", [tuple(r) for r in layout], group,
                   differ=lambda everyone: first_difference(everyone, "layouts", advice))
@@ -158,26 +288,28 @@ class ShardedDataParallel(nn.Module):
             raise problem
         if broadcast_from_rank0:
             self._broadcast()
+        for u in self._units:
+            compute = self._compute_dtype(u)
+            for sp in u.params:
+                sp.make_shard(self.n, self.group_rank, compute, keep=self.stage == 2)
+            u.unsharded = False
         self.last_step = ShardedStepStats()
         self._in_backward = False
         self._handles: list[Any] = []
         for u in self._units:
-            for p in u.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
-        if self.stage == 3:
-            for u in self._units:
-                self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
-                self._handles.append(u.module.register_forward_hook(self._post_forward(u)))
-            for u in self._units:
-                self._free(u)
+            for sp in u.trainable:
+                self._handles.append(sp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(u)))
+            self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+            self._handles.append(u.module.register_forward_hook(self._post_forward(u)))
 
     # ---- construction -------------------------------------------------------------------------------------
 
-    def _check_arguments(self, module, stage, units) -> None:
+    def _check_arguments(self, module, stage, units, mp_policy) -> None:
         """Everything that can be wrong on this rank alone (ValueError); builds the units when nothing is."""
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.stage = _check_stage(stage)
+        self.mp_policy = MixedPrecisionPolicy.of(mp_policy)
         if self.replicate_group is not None:
             shared = sorted(set(_ranks(self.shard_group)) & set(_ranks(self.replicate_group)))
             if shared != [dist.get_rank()]:
@@ -185,8 +317,8 @@ class ShardedDataParallel(nn.Module):
                                  f"{_ranks(self.replicate_group)} share ranks {shared}; HSDP needs groups that meet in "
                                  "this rank only (the two dimensions of a mesh, e.g. init_device_mesh(..., (R, N)))")
         self.module = module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
+        named = list(module.named_parameters())
+        if not any(p.requires_grad for _, p in named):
             raise ValueError("ShardedDataParallel: the module has no parameter with requires_grad=True: nothing to "
                              "shard")
         device = group_device(self.shard_group)
@@ -197,11 +329,15 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"ShardedDataParallel: the shard group's device is {device}, but "
                              f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}; move the model there first: "
                              "module.to(commlab.launch.group_device(group))")
+        scalars = [n for n, p in named if p.dim() == 0]
+        if scalars:
+            raise ValueError(f"ShardedDataParallel: parameters {scalars[:4]} have no dim 0 to shard (0-dim); make "
+                             "them 1-element tensors (shape (1,))")
         self._units = self._build_units(module, units, named)
 
     def _build_units(self, module, units, named) -> list[_Unit]:
         if units is None:
-            units = [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+            units = [m for m in module.children() if any(True for _ in m.parameters())]
         units = list(units)
         names_of = {id(m): name for name, m in module.named_modules()}
         owner: dict[int, int] = {}
@@ -210,41 +346,44 @@ class ShardedDataParallel(nn.Module):
                 raise ValueError(f"ShardedDataParallel: units[{i}] ({type(m).__name__}) is not a submodule of the "
                                  "wrapped module")
             for p in m.parameters():
-                if p.requires_grad:
-                    if id(p) in owner:
-                        raise ValueError(f"ShardedDataParallel: units {owner[id(p)]} and {i} share a parameter; a "
-                                         "parameter belongs to one unit (wrap the inner or the outer module, not both)")
-                    owner[id(p)] = i
+                if id(p) in owner and owner[id(p)] != i:
+                    raise ValueError(f"ShardedDataParallel: units {owner[id(p)]} and {i} share a parameter; a "
+                                     "parameter belongs to one unit (wrap the inner or the outer module, not both)")
+                owner[id(p)] = i
         outside = [n for n, p in named if id(p) not in owner]
         if outside:
             raise ValueError(f"ShardedDataParallel: parameters {outside[:4]}{' ...' if len(outside) > 4 else ''} "
                              "belong to no unit; pass units=[...] covering every module that holds parameters")
+        places: dict[int, list[tuple[nn.Module, str]]] = {}   # every (module, attribute) of a parameter (tied too)
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            prefix, _, attr = fqn.rpartition(".")
+            places.setdefault(id(p), []).append((module.get_submodule(prefix), attr))
         built = []
         for i, m in enumerate(units):
             mine = [(n, p) for n, p in named if owner[id(p)] == i]
             if not mine:
-                raise ValueError(f"ShardedDataParallel: units[{i}] ({names_of[id(m)]}) has no parameter that "
-                                 "requires grad; leave it out of units")
+                raise ValueError(f"ShardedDataParallel: units[{i}] ({names_of[id(m)]}) has no parameter; leave it "
+                                 "out of units")
             kinds = {(p.dtype, p.device) for _, p in mine}
             if len(kinds) > 1:
                 raise ValueError(f"ShardedDataParallel: unit {names_of[id(m)]!r} mixes dtypes or devices "
-                                 f"({sorted(f'{d}@{v}' for d, v in kinds)}); its flat shard needs one of each")
-            with torch.no_grad():
-                for _, p in mine:
-                    # Each parameter its own storage, starting at 0, so that freeing it frees exactly its bytes.
-                    own = p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
-                    if p.data.storage_offset() != 0 or not own or not p.data.is_contiguous():
-                        p.data = p.data.clone(memory_format=torch.contiguous_format)
-            built.append(_Unit(i, names_of[id(m)], m, [p for _, p in mine], [n for n, _ in mine], self.n,
-                               self.group_rank))
+                                 f"({sorted(f'{d}@{v}' for d, v in kinds)}); its AllGather needs one of each")
+            built.append(_Unit(i, names_of[id(m)], m, [_Param(n, places[id(p)], p) for n, p in mine]))
         return built
 
     def _layout(self) -> list[tuple]:
-        rows = [("stage", self.stage), ("units", len(self._units))]
+        rows = [("stage", self.stage, "mp_policy", _name(self.mp_policy.param_dtype),
+                 _name(self.mp_policy.reduce_dtype)), ("units", len(self._units))]
         for u in self._units:
-            rows += [(f"unit {u.index} ({u.name}): {n}", tuple(p.shape), str(p.dtype).replace("torch.", ""))
-                     for n, p in zip(u.names, u.params)]
+            rows += [(f"unit {u.index} ({u.name}): {sp.fqn}{'' if sp.requires_grad else ' (frozen)'}",
+                      tuple(sp.shape), _name(sp.orig_dtype)) for sp in u.params]
         return rows
+
+    def _compute_dtype(self, u: _Unit) -> torch.dtype:
+        return self.mp_policy.param_dtype or u.params[0].orig_dtype
+
+    def _reduce_dtype(self, u: _Unit) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self._compute_dtype(u)
 
     @torch.no_grad()
     def _broadcast(self) -> None:
@@ -255,53 +394,62 @@ class ShardedDataParallel(nn.Module):
             if dist.get_world_size(group) == 1:
                 continue
             src = _ranks(group)[0]
-            for t in [p.data for u in self._units for p in u.params] + list(self.module.buffers()):
+            for t in [sp.unsharded.data for u in self._units for sp in u.params] + list(self.module.buffers()):
                 dist.broadcast(t, src=src, group=group)
-        for u in self._units:
-            flat = torch.zeros(u.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
-            torch.cat([p.detach().reshape(-1) for p in u.params], out=flat[:u.numel])
-            u.shard.data.copy_(flat[u.start:u.start + u.shard_numel])
 
     # ---- unshard / reshard ----------------------------------------------------------------------------------
 
+    def _needs_gather(self, u: _Unit) -> bool:
+        return not u.unsharded or (self.stage == 2 and u.versions != u.shard_versions())
+
+    @torch.no_grad()
     def _gather_start(self, u: _Unit, prefetch: bool = False) -> None:
-        """Launch u's AllGather (async), unless it is gathered or on its way."""
-        if u.unsharded or u.gather is not None:
+        """Launch u's AllGather (async) of its parameters' padded shards, cast to param_dtype, unless it is gathered
+        (and, under ZeRO-2, no shard changed since) or on its way."""
+        if u.gather is not None or not self._needs_gather(u):
             return
+        dtype = self._compute_dtype(u)
         with record_function(f"{RANGE_ALL_GATHER}{u.index}"):
-            out = torch.empty(u.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
-            work = all_gather_single(out, u.shard.detach(), group=self.shard_group, async_op=True) \
-                if self.n > 1 else None
+            inp = torch.cat([sp.padded.reshape(-1).to(dtype) for sp in u.params])
+            out = torch.empty(self.n * inp.numel(), dtype=dtype, device=inp.device)
+            work = all_gather_single(out, inp, group=self.shard_group, async_op=True) if self.n > 1 else None
             if work is None:
-                out.copy_(u.shard.detach())
+                out.copy_(inp)
         u.gather = (work, out)
         s = self.last_step
         s.all_gathers += 1
         s.prefetched += int(prefetch)
-        s.all_gather_nbytes += (self.n - 1) / self.n * u.nbytes
+        s.all_gather_nbytes += (self.n - 1) * inp.numel() * inp.element_size()
 
     @torch.no_grad()
     def _gather_finish(self, u: _Unit) -> None:
-        """Wait for u's AllGather and write it into the parameters' (re-allocated) storage."""
-        if u.unsharded:
+        """Wait for u's AllGather and write it into the unsharded parameters' (re-allocated) storage."""
+        if u.gather is None and not self._needs_gather(u):
             return
         self._gather_start(u)
         work, out = u.gather
         with record_function(f"{RANGE_WAIT_GATHER}{u.index}"):
             if work is not None:
                 work.wait()
-        for p, part in zip(u.params, torch.split(out[:u.numel], u.numels)):
-            p.data.untyped_storage().resize_(p.numel() * p.element_size())
-            p.data.copy_(part.view(p.shape))
+        per_rank = out.view(self.n, -1)
+        offset = 0
+        for sp in u.params:
+            part = per_rank[:, offset:offset + sp.padded_numel].reshape(self.n * sp.c, *sp.shape[1:])
+            p = sp.unsharded.data
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+            p.copy_(part[:sp.shape[0]])
+            offset += sp.padded_numel
         u.gather, u.unsharded = None, True
+        u.versions = u.shard_versions()
 
     @torch.no_grad()
     def _free(self, u: _Unit) -> None:
-        """Stage 3: release the full parameters' storage (shapes stay; autograd's saved tensors see the next gather)."""
+        """ZeRO-3: release the unsharded parameters' storage (shapes stay; autograd's saved tensors see the next
+        gather)."""
         if self.stage != 3 or not u.unsharded:
             return
-        for p in u.params:
-            p.data.untyped_storage().resize_(0)
+        for sp in u.params:
+            sp.unsharded.data.untyped_storage().resize_(0)
         u.unsharded = False
 
     # ---- hooks ------------------------------------------------------------------------------------------------
@@ -312,19 +460,31 @@ class ShardedDataParallel(nn.Module):
             # rank's error has reached its caller); wait for what it launched and start clean.
             self._end_backward()
         self.last_step = ShardedStepStats()
+        args, kwargs = self._cast_inputs((args, kwargs))
         return self.module(*args, **kwargs)
+
+    def _cast_inputs(self, inputs):
+        dtype = self.mp_policy.param_dtype
+        if dtype is None:
+            return inputs
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
 
     def _pre_forward(self, u: _Unit):
         def hook(module, args):
             self._gather_finish(u)
+            for sp in u.params:
+                sp.register(sp.unsharded)
             if self.prefetch and u.index + 1 < len(self._units):
                 self._gather_start(self._units[u.index + 1], prefetch=True)
+            return self._cast_inputs(args)
         return hook
 
     def _post_forward(self, u: _Unit):
         def hook(module, args, output):
+            for sp in u.params:
+                sp.register(sp.shard)
             self._free(u)
-            if torch.is_grad_enabled():
+            if self.stage == 3 and torch.is_grad_enabled():
                 u.backward_gathered = False
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -352,22 +512,32 @@ class ShardedDataParallel(nn.Module):
         def hook(param):
             self._start_backward()
             u.ready += 1
-            if u.ready == len(u.params):
+            if u.ready == len(u.trainable):
                 self._reduce_start(u)
         return hook
 
     @torch.no_grad()
     def _reduce_start(self, u: _Unit) -> None:
-        """Flatten u's gradients (None: zeros), free them, launch the ReduceScatter; stage 3 frees u again."""
-        if u.reduced:
+        """Lay u's gradients out as FSDP2 does (rank r's rows of every parameter together, each padded to c rows;
+        None: zeros), in reduce_dtype, free them, launch the ReduceScatter; ZeRO-3 frees u again."""
+        if u.reduced or not u.trainable:
             return
+        dtype = self._reduce_dtype(u)
         with record_function(f"{RANGE_REDUCE_SCATTER}{u.index}"):
-            flat = torch.zeros(u.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
-            for p, part in zip(u.params, torch.split(flat[:u.numel], u.numels)):
-                if p.grad is not None:
-                    part.copy_(p.grad.reshape(-1))
-                p.grad = None   # the full gradient is freed: only the shard's survives (ZeRO-2's P_g)
-            out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
+            numel = sum(sp.padded_numel for sp in u.trainable)
+            device = u.trainable[0].padded.device
+            flat = torch.zeros(self.n, numel, dtype=dtype, device=device)
+            offset = 0
+            for sp in u.trainable:
+                g = sp.unsharded.grad
+                if g is not None:
+                    padded = torch.zeros(self.n * sp.c, *sp.shape[1:], dtype=dtype, device=device)
+                    padded[:sp.shape[0]].copy_(g)
+                    flat[:, offset:offset + sp.padded_numel].copy_(padded.view(self.n, -1))
+                sp.unsharded.grad = None   # the full gradient is freed: only the shard's survives (ZeRO-2's P_g)
+                offset += sp.padded_numel
+            flat = flat.view(-1)
+            out = torch.empty(numel, dtype=dtype, device=device)
             if self.n > 1:
                 work = reduce_scatter_single(out, flat, group=self.shard_group, async_op=True)
             else:
@@ -375,7 +545,7 @@ class ShardedDataParallel(nn.Module):
                 out.copy_(flat)
         u.reduce, u.reduced = (work, out, flat), True
         self.last_step.reduce_scatters += 1
-        self.last_step.reduce_scatter_nbytes += (self.n - 1) / self.n * u.nbytes
+        self.last_step.reduce_scatter_nbytes += (self.n - 1) * numel * out.element_size()
         self._free(u)
 
     @torch.no_grad()
@@ -387,6 +557,8 @@ class ShardedDataParallel(nn.Module):
             total = self.n * self.replicas
             with record_function(RANGE_WAIT_REDUCE):
                 for u in self._units:
+                    if u.reduce is None:
+                        continue
                     work, out, _ = u.reduce
                     if work is not None:
                         work.wait()
@@ -397,7 +569,12 @@ class ShardedDataParallel(nn.Module):
                         self.last_step.all_reduce_nbytes += 2 * (self.replicas - 1) / self.replicas * \
                             out.numel() * out.element_size()
                     out.div_(total)
-                    u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
+                    grads = out.to(u.params[0].orig_dtype)
+                    offset = 0
+                    for sp in u.trainable:
+                        g = grads[offset:offset + sp.padded_numel].view(sp.c, *sp.shape[1:])[:sp.rows]
+                        sp.shard.grad = g if sp.shard.grad is None else sp.shard.grad.add_(g)
+                        offset += sp.padded_numel
                     # Consumed: never wait on it again. gloo runs reduce_scatter_tensor as an AllReduce whose
                     # wait() copies this rank's chunk into ``out`` each time it is called (torch 2.13), which
                     # would overwrite the average with the sum.
@@ -419,16 +596,20 @@ class ShardedDataParallel(nn.Module):
             self._free(u)
         self._in_backward = False
 
-    # ---- the optimizer and the step ---------------------------------------------------------------------------
+    # ---- the optimizer and the whole model --------------------------------------------------------------------
 
     def shard_parameters(self) -> list[nn.Parameter]:
-        """This rank's shards, one flat 1-D parameter of ``padded_numel / N`` elements per unit: what to optimise."""
-        return [u.shard for u in self._units]
+        """This rank's shards, in ``module.named_parameters()`` order: ``module.parameters()`` (what to optimise).
+        Each has ``rows`` of the parameter's dim 0 (:func:`dim0_shard_rows`; 0 rows on a rank past the end)."""
+        return [sp.shard for sp in self._params_in_order()]
+
+    def _params_in_order(self) -> list[_Param]:
+        by_id = {id(sp.shard): sp for u in self._units for sp in u.params}
+        return [by_id[id(p)] for p in self.module.parameters() if id(p) in by_id]
 
     def make_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
                        **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_cls(self.shard_parameters(), **kwargs)``; under stage 2 with a step-post hook that AllGathers
-        the updated shards into the model's parameters (stage 3 gathers them at the next forward).
+        """``optimizer_cls(self.parameters(), **kwargs)``: the same as building it on the wrapped model's parameters.
 
         The optimizer must be element-wise (SGD, Adam, AdamW): its state then has the shard's size, 1/N of the
         model's (ZeRO's P_os); clipping by the global norm inside it, or LAMB, would need the whole gradient.
@@ -439,50 +620,46 @@ class ShardedDataParallel(nn.Module):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), "
                              f"got {optimizer_cls!r}")
-        opt = optimizer_cls(self.shard_parameters(), **kwargs)
-        if self.stage == 2:
-            opt.register_step_post_hook(lambda *_: self.gather_parameters())
-        return opt
-
-    @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """Stage 2: AllGather every unit's shard into the model's parameters (collective over ``shard_group``)."""
-        if self.stage != 2:
-            return
-        for u in self._units:   # the parameters are whole but stale: mark them so, and launch every gather at once
-            u.unsharded = False
-            self._gather_start(u)
-        for u in self._units:
-            self._gather_finish(u)
+        return optimizer_cls(self.parameters(), **kwargs)
 
     @torch.no_grad()
     def full_parameters(self) -> list[torch.Tensor]:
-        """Every parameter, unsharded, as new tensors in ``module.named_parameters()`` order (requires-grad ones).
+        """Every parameter, unsharded, in its own dtype, as new tensors in ``module.named_parameters()`` order.
 
         Collective over ``shard_group``: one AllGather per unit (not counted in :attr:`last_step`).
         """
-        return self._gather_all([u.shard.detach() for u in self._units])
+        return self._gather_all(lambda sp: sp.padded)
 
     @torch.no_grad()
     def full_gradients(self) -> list[torch.Tensor | None]:
         """Every parameter's averaged gradient, unsharded (as DDP's ``p.grad``), in the order of
-        :meth:`full_parameters`; None for all before any backward. Collective over ``shard_group``."""
-        if all(u.shard.grad is None for u in self._units):
+        :meth:`full_parameters`; None for all before any backward (and for frozen ones). Collective."""
+        if all(sp.shard.grad is None for u in self._units for sp in u.params):
             return [None] * sum(len(u.params) for u in self._units)
-        return self._gather_all([u.shard.grad if u.shard.grad is not None else torch.zeros_like(u.shard)
-                                 for u in self._units])
 
-    def _gather_all(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        def padded_grad(sp):
+            out = torch.zeros_like(sp.padded)
+            if sp.shard.grad is not None:
+                out[:sp.rows].copy_(sp.shard.grad)
+            return out
+        full = self._gather_all(padded_grad)
+        return [None if not sp.requires_grad else t for sp, t in zip(self._params_in_order(), full)]
+
+    def _gather_all(self, padded_of: Callable[[_Param], torch.Tensor]) -> list[torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
-        for u, shard in zip(self._units, shards):
-            out = torch.empty(u.padded_numel, dtype=shard.dtype, device=shard.device)
+        for u in self._units:
+            inp = torch.cat([padded_of(sp).reshape(-1) for sp in u.params])
+            out = torch.empty(self.n * inp.numel(), dtype=inp.dtype, device=inp.device)
             if self.n > 1:
-                all_gather_single(out, shard.contiguous(), group=self.shard_group)
+                all_gather_single(out, inp, group=self.shard_group)
             else:
-                out.copy_(shard)
-            for p, part in zip(u.params, torch.split(out[:u.numel], u.numels)):
-                by_param[id(p)] = part.view(p.shape).clone()
-        return [by_param[id(p)] for p in self.module.parameters() if id(p) in by_param]
+                out.copy_(inp)
+            per_rank, offset = out.view(self.n, -1), 0
+            for sp in u.params:
+                part = per_rank[:, offset:offset + sp.padded_numel].reshape(self.n * sp.c, *sp.shape[1:])
+                by_param[id(sp)] = part[:sp.shape[0]].clone()
+                offset += sp.padded_numel
+        return [by_param[id(sp)] for sp in self._params_in_order()]
 
     def named_units(self) -> list[tuple[str, nn.Module]]:
         """``(name in the module, module)`` of each unit, in order."""
@@ -492,12 +669,17 @@ class ShardedDataParallel(nn.Module):
     def units(self) -> list[nn.Module]:
         return [u.module for u in self._units]
 
+    def unsharded_parameters(self) -> list[nn.Parameter]:
+        """The tensors the units compute with (``param_dtype``), in the order of :meth:`shard_parameters`: whole
+        under ZeRO-2, 0 bytes of storage under ZeRO-3 outside a unit's forward and backward."""
+        return [sp.unsharded for sp in self._params_in_order()]
+
     def held_nbytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now, measured by :func:`held_memory_bytes`: under stage 3 the shards are the
-        parameters (the module's own are freed outside their windows); under stage 2 the module's parameters are
-        whole and the shards are the optimizer's master copy."""
-        params = list(self.module.parameters())
-        return held_memory_bytes(params + self.shard_parameters() if self.stage == 3 else params, optimizer)
+        """Bytes this rank holds now, measured by :func:`held_memory_bytes`: under ZeRO-3 the shards are the
+        parameters (the unsharded ones are freed outside their windows); under ZeRO-2 the unsharded parameters
+        are whole and the shards are the optimizer's master copy."""
+        unsharded = self.unsharded_parameters()
+        return held_memory_bytes(unsharded + self.shard_parameters() if self.stage == 3 else unsharded, optimizer)
 
 
 def zero_memory_bytes(stage: int, numel: int, n: int, param_bytes: float = 2, grad_bytes: float = 2,

@@ -163,7 +163,7 @@ def profile_sharded(sdp: ShardedDataParallel, optimizer: torch.optim.Optimizer,
     A step is ``loss_fn(sdp(batch[0]), *batch[1:]).backward(); optimizer.step(); optimizer.zero_grad()``.
 
     Args:
-        sdp: the wrapped model. optimizer: from :meth:`ShardedDataParallel.make_optimizer`.
+        sdp: the wrapped model. optimizer: over its parameters (the shards), e.g. ``torch.optim.SGD(sdp.parameters())``.
         loss_fn, batch: this rank's inputs and targets. steps, warmup: ints >= 1 and >= 0.
 
     Returns:
