@@ -12,9 +12,9 @@ from commlab.parallel.planner import KERNELS, Layout, load_model, load_software,
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.kernels import (Gemm, effective_fraction, gemm_efficiency, gemm_seconds,
                                               in_stack_share, layer_kernels, layer_seconds, load_gemm_table,
-                                              memory_bound_bytes_per_token, optimizer_step_bytes,
                                               validate_layer_times)
-from commlab.parallel.planner.time_model import executed_flops_per_token
+from commlab.parallel.planner.counting import (executed_flops_per_token, memory_bound_bytes_per_token,
+                                               optimizer_step_bytes)
 from commlab.topology import load_preset
 from tests.helpers import exit_status
 
@@ -123,7 +123,7 @@ def test_the_kernel_model_prices_flash_attention_at_that_speed():
     # GEMM table, the memory-bound bytes and the attention core's FLOP at the measured 308 TFLOP/s
     # (head dimension 128, 8192 tokens), not at a GEMM's share of peak
     from commlab.parallel.planner.kernels import _seconds_per_token
-    from commlab.parallel.planner.time_model import attention_flops_per_token
+    from commlab.parallel.planner.counting import attention_flops_per_token
     m, tp, peak, hbm = load_model("llama3-405b"), 8, 989.4e12, 3.35e12
     table = load_gemm_table("H100-SXM")
     ks = layer_kernels(m, 1, tp, flash_attention=True)

@@ -14,7 +14,7 @@ from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, act
                                       model_state_bytes_per_param, search, stage_params, step_time,
                                       usable_memory_bytes)
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.time_model import group_all_reduce_seconds
+from commlab.parallel.planner import group_all_reduce_seconds
 from commlab.parallel.planner.software import optimizer_dtypes
 
 TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)

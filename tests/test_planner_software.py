@@ -19,8 +19,8 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       megatron_eq3_flops,
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
-from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, beside_seconds,
-                                                 column_wgrad_flops_per_token, input_grad_share, slowdown_seconds)
+from commlab.parallel.planner.communication import backward_tp_hidden_seconds, beside_seconds, slowdown_seconds
+from commlab.parallel.planner.counting import column_wgrad_flops_per_token, input_grad_share
 from commlab.parallel.planner.search import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 

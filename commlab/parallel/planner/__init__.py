@@ -3,7 +3,9 @@
 * :mod:`~.memory` -- model configs and bytes per GPU of a :class:`Layout` (weights, gradients, optimizer
   states, ZeRO 0-3 and HSDP, activations by recomputation policy);
 * :mod:`~.software` -- software profiles: what the training stack does and overlaps, each field sourced;
-* :mod:`~.time_model` -- seconds per step, term by term, and model FLOP in published definitions;
+* :mod:`~.counting` -- FLOP per token (executed, and in published definitions) and bytes per message;
+* :mod:`~.communication` -- collective seconds and the overlap arithmetic, each rule written once;
+* :mod:`~.time_model` -- seconds per step, term by term;
 * :mod:`~.kernels` -- compute priced from a layer's kernels (the default where the GPU has the data);
 * :mod:`~.timeline` -- one step replayed in the schedule's order, per pipeline stage;
 * :mod:`~.search` -- the search over layouts and :func:`validate_published` against published runs.
@@ -19,15 +21,14 @@ from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, DEFAULT
                                              interleave_memory_factor, is_fragile, layer_params, list_models,
                                              load_model, memory_breakdown, model_state_bytes_per_param,
                                              parameter_count, stage_params, usable_memory_bytes)
-from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, FLOP_DEFINITIONS, KERNELS,
-                                                 TimeBreakdown, attention_flops_per_token, compute_model, dp_all_reduce_seconds,
-                                                 dp_exposed_seconds, dp_gradient_nbytes, dp_last_bucket_share,
-                                                 executed_flops_per_token, loss_seconds,
-                                                 fsdp_exposed_seconds, fsdp_head_share, korthikanti_eq7_flops,
-                                                 megatron_eq3_flops,
-                                                 megatron_2024_flops,
-                                                 model_flops_per_step, model_flops_per_token,
-                                                 pp_message_nbytes, step_time, tp_all_reduce_nbytes)
+from commlab.parallel.planner.counting import (FLOP_DEFINITIONS, attention_flops_per_token, dp_gradient_nbytes,
+                                               executed_flops_per_token, korthikanti_eq7_flops, megatron_2024_flops,
+                                               megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
+                                               pp_message_nbytes, tp_all_reduce_nbytes)
+from commlab.parallel.planner.communication import (dp_all_reduce_seconds, dp_exposed_seconds, dp_last_bucket_share,
+                                                    fsdp_exposed_seconds, fsdp_head_share, group_all_reduce_seconds)
+from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, KERNELS, TimeBreakdown, compute_model,
+                                                 loss_seconds, step_time)
 from commlab.parallel.planner.timeline import (StepCosts, StageCosts, StepTimeline, step_costs, step_timeline,
                                                timeline_from_costs)
 from commlab.parallel.planner.search import (TIMELINE_TOP_K, WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
@@ -49,7 +50,7 @@ __all__ = [
     "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "fsdp_exposed_seconds", "fsdp_head_share",
     "tp_all_reduce_nbytes",
     "pp_message_nbytes", "dp_gradient_nbytes",
-    "dp_all_reduce_seconds", "step_time",
+    "dp_all_reduce_seconds", "group_all_reduce_seconds", "step_time",
     "StepCosts", "StageCosts", "StepTimeline", "step_costs", "step_timeline", "timeline_from_costs",
     "Plan", "Rejected", "SearchResult", "ValidationRow", "TIMELINE_TOP_K", "WITHIN_PCT", "divisors", "make_cluster", "search",
     "load_published", "validate_published", "validation_table", "validation_summary",

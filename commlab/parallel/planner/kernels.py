@@ -2,9 +2,9 @@
 for its shape, the memory-bound operations at the memory's bandwidth.
 
 Entry points: :func:`gemm_efficiency` (``commlab/data/gemm_efficiency.json``, interpolated by shape),
-:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``commlab/data/attention_speed.json``),
-:func:`memory_bound_bytes_per_token`, :func:`loss_bytes_per_token` and :func:`optimizer_step_bytes` (HBM
-bytes, priced at ``hbm_bytes_per_s`` of ``commlab/data/hardware.json``), :func:`layer_kernels` (one layer's GEMM
+:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``commlab/data/attention_speed.json``), the
+memory-bound bytes of :mod:`~.counting` priced at ``hbm_bytes_per_s`` of ``commlab/data/hardware.json``,
+:func:`layer_kernels` (one layer's GEMM
 shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the time model uses in
 place of one constant), :func:`layer_seconds` and :func:`validate_layer_times` (one layer against
 Korthikanti et al. 2022, Table 4), and :func:`in_stack_share` (the stack's share of the microbenchmark
@@ -21,12 +21,17 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from commlab import checks, data
-from commlab.parallel.planner.memory import Layout, ModelConfig
+from commlab import checks, data, hardware
+from commlab.collectives.ring import ring_all_reduce_seconds
+from commlab.parallel.planner.communication import backward_tp_hidden_seconds, beside_seconds, slowdown_seconds
+from commlab.parallel.planner.counting import (attention_flops_per_token, memory_bound_bytes_per_token,
+                                               tp_all_reduce_nbytes)
+from commlab.parallel.planner.memory import Layout, ModelConfig, load_model
+from commlab.parallel.planner.software import load_software
+from commlab.topology import load_preset
 
 __all__ = ["Gemm", "GemmTable", "load_gemm_table", "gemm_efficiency", "gemm_seconds", "attention_flop_per_s",
-           "layer_kernels", "layer_seconds", "memory_bound_bytes_per_token", "LOSS_FORWARD_BYTES_PER_LOGIT",
-           "LOSS_BACKWARD_BYTES_PER_LOGIT", "loss_bytes_per_token", "optimizer_step_bytes", "effective_fraction",
+           "layer_kernels", "layer_seconds", "effective_fraction",
            "LAYER_TIMES_PATH", "LayerTimeRow", "validate_layer_times", "InStackShare", "in_stack_share",
            "kernel_model_gap"]
 
@@ -36,11 +41,6 @@ _LAYER_TIMES = "published_layer_times.json"
 #: Measured per-layer times (:func:`validate_layer_times`): ``published_layer_times.json`` of the package data.
 LAYER_TIMES_PATH = data.path(_LAYER_TIMES)
 _TILE = 4096  # the largest m the tables measure; a taller GEMM counts as a batch of 4096-row ones
-
-#: HBM bytes per logit (one token, one vocabulary entry of this tp rank) that the loss moves in the forward
-#: pass, and in the backward pass; :func:`loss_bytes_per_token` says which passes they count.
-LOSS_FORWARD_BYTES_PER_LOGIT = 38
-LOSS_BACKWARD_BYTES_PER_LOGIT = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,6 @@ class GemmTable:
 
 
 def _peak(device: str, dtype: str) -> float:
-    from commlab import hardware
     return hardware.value(device, f"{dtype}_dense_flop_per_s")
 
 
@@ -219,50 +218,6 @@ def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bo
     return {"forward": fwd, "backward": bwd, "core_forward": core_f, "core_backward": core_b}
 
 
-def memory_bound_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: bool = False,
-                                 flash_attention: bool = True) -> tuple[float, float]:
-    """HBM bytes per token of one layer's forward pass outside its GEMMs, on one tensor-parallel rank:
-    ``(the layer without its attention core, the attention core)``.
-
-    2-byte activations, each operation reading its inputs and writing its output once (the tensors of
-    Korthikanti et al. 2022, §4.1): two norms ``8h``; two residual additions ``12h``, plus ``2h`` of 1-byte
-    dropout masks when the model has dropout (``bias=True``); the MLP activation ``4·ffn`` (``6·ffn`` gated)
-    ``/tp``; without FlashAttention, the softmax over ``a·s`` scores (``4·a·s``) and its dropout (``5·a·s``),
-    ``/tp``. Norms and residuals run on every tp rank unless sequence parallelism splits them (§4.2.2).
-    """
-    h = m.hidden
-    replicated = 8 * h + 12 * h + (2 * h if m.bias else 0)
-    layer = replicated / (tp if sequence_parallel else 1) + (6 if m.gated_ffn else 4) * m.ffn / tp
-    core = 0.0 if flash_attention else 9 * m.heads * m.seq / tp
-    return layer, core
-
-
-def loss_bytes_per_token(m: ModelConfig, tp: int) -> tuple[float, float]:
-    """HBM bytes per token of the loss over the vocabulary on one of ``tp`` ranks, ``(forward, backward)``:
-    :data:`LOSS_FORWARD_BYTES_PER_LOGIT` (38) and :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` (14) times the
-    ``ceil(V/tp)`` logits of the rank's vocabulary shard (under sequence parallelism every rank holds all the
-    tokens).
-
-    The passes of Megatron's vocabulary-parallel cross-entropy over fp32 logits
-    (``megatron/core/tensor_parallel/cross_entropy.py``; the same in Megatron-DeepSpeed): forward, the cast to
-    fp32 (2 + 4), the maximum (4), its subtraction (8), ``exp`` (8), the sum (4) and the division (8); backward,
-    the multiplication by the loss gradient (8) and the cast back (4 + 2). The target-logit gather and the TP
-    AllReduces of per-token scalars are left out. Book §11.2, the loss term.
-
-    Raises:
-        ValueError: ``tp`` not an int >= 1.
-    """
-    checks.integer("tp", tp)
-    logits = -(-m.vocab // tp)
-    return LOSS_FORWARD_BYTES_PER_LOGIT * logits, LOSS_BACKWARD_BYTES_PER_LOGIT * logits
-
-
-def optimizer_step_bytes(params_on_gpu: float, state_bytes: int, grad_bytes: int, param_bytes: int) -> float:
-    """HBM bytes of one Adam step over ``params_on_gpu`` parameters: read and write the optimizer state
-    (``state_bytes`` per parameter), read the gradient, write the parameter."""
-    return params_on_gpu * (2 * state_bytes + grad_bytes + param_bytes)
-
-
 def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float, executed_flop_per_token: float) -> float:
     """Share of peak the layout's executed FLOP run at, from its kernels (book §11.4, *Compute from kernels*).
@@ -288,7 +243,6 @@ def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: b
     """Seconds per token of one layer on one tp rank at the microbenchmarks' rates: ``(forward without the
     attention core, the core's forward, backward without the core, the core's backward)``, GEMMs and
     memory-bound bytes together."""
-    from commlab.parallel.planner.time_model import attention_flops_per_token
     table = load_gemm_table(device)
     ks = layer_kernels(m, micro_batch, tp, flash_attention)
     tokens = micro_batch * m.seq
@@ -322,7 +276,6 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     checks.share("share", share, zero=False, note="the stack's share of the microbenchmark rates")
-    from commlab import hardware
     parts = _layer_parts(m, tp, micro_batch, sequence_parallel, flash_attention, device,
                          _peak(device, "bf16"), hardware.value(device, "hbm_bytes_per_s"))
     forward, core, backward, core_backward = (x * micro_batch * m.seq / share for x in parts)
@@ -387,9 +340,6 @@ def _layer_time_entries(path: str | Path | None) -> dict:
             an unknown model, preset or profile, a tp that does not divide a node of its preset, no rows, or a
             row whose times are not finite numbers > 0 (each message names the entry).
     """
-    from commlab.parallel.planner.memory import load_model
-    from commlab.parallel.planner.software import load_software
-    from commlab.topology import load_preset
     table = data.load_table(path, _LAYER_TIMES)  # a top level that is not an object: ValueError
     out = {}
     for key, e in table.items():
@@ -429,9 +379,6 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
         ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
             recomputation policy.
     """
-    from commlab.collectives.ring import ring_all_reduce_seconds
-    from commlab.parallel.planner.time_model import (backward_tp_hidden_seconds, beside_seconds, slowdown_seconds,
-                                                     tp_all_reduce_nbytes)
     out = []
     for key, (e, cluster, m, sw) in _layer_time_entries(path).items():
         if device is not None and cluster.device != device:
@@ -552,7 +499,6 @@ def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
     (``commlab/data/attention_speed.json``), its memory bandwidth (``hbm_bytes_per_s`` in ``commlab/data/hardware.json``) and
     the stack's share of its microbenchmark rates (:func:`in_stack_share`). The planner's default compute
     model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
-    from commlab import hardware
     tables = data.load_table(None, _GEMM)
     entry = tables.get(device)
     if entry is None:

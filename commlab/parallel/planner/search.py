@@ -26,9 +26,8 @@ from commlab.parallel.planner.memory import (DEFAULT_FRAGILE_MARGIN, DEFAULT_MEM
                                              MemoryBreakdown, ModelConfig, is_fragile, load_model,
                                              memory_breakdown, usable_memory_bytes)
 from commlab.parallel.planner.software import SoftwareProfile, check_recompute_policy, load_software
-from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, compute_model,
-                                                 model_flops_per_step,
-                                                 step_time)
+from commlab.parallel.planner.counting import model_flops_per_step
+from commlab.parallel.planner.time_model import AUTO, DEFAULT_ACHIEVABLE_FRACTION, TimeBreakdown, compute_model, step_time
 from commlab.parallel.planner.timeline import rerank_by_timeline
 from commlab.topology import Cluster, load_preset
 

@@ -23,14 +23,15 @@ from typing import Sequence
 
 from commlab.parallel.pipeline.schedules import (BACKWARD, FORWARD, Op, gpipe_schedule, interleaved_schedule,
                                                  one_f_one_b_schedule)
-from commlab.parallel.planner.kernels import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_FORWARD_BYTES_PER_LOGIT
+from commlab import checks
+from commlab.parallel.planner.communication import (backward_tp_hidden_seconds, beside_seconds, dp_last_bucket_share,
+                                                    fsdp_head_share, slowdown_seconds)
+from commlab.parallel.planner.counting import (LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_FORWARD_BYTES_PER_LOGIT,
+                                               attention_flops_per_token, column_wgrad_flops_per_token,
+                                               executed_flops_per_token)
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers
 from commlab.parallel.planner.software import SoftwareProfile, load_software
-from commlab import checks
-from commlab.parallel.planner.time_model import (AUTO, TimeBreakdown, attention_flops_per_token, backward_tp_hidden_seconds,
-                                                 column_wgrad_flops_per_token, dp_last_bucket_share, fsdp_head_share,
-                                                 beside_seconds, executed_flops_per_token, slowdown_seconds,
-                                                 step_time)
+from commlab.parallel.planner.time_model import AUTO, TimeBreakdown, step_time
 from commlab.topology import Cluster
 
 __all__ = ["KINDS", "COMPUTE_LANE", "COMM_LANE", "TIMELINE_SCHEDULES", "Interval", "StageCosts", "StepCosts",
