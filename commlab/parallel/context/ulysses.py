@@ -5,8 +5,8 @@ and v gives each rank the whole sequence for ``heads / N`` query heads, ordinary
 a second AllToAll returns the output to sequence shards (the backward runs the inverses,
 :mod:`commlab.parallel.context.communications`). N must divide the query heads; grouped K/V heads (``a_kv``)
 that N does not divide are first replicated ``r = N / gcd(N, a_kv)`` times (:func:`kv_replication`), so that
-each rank receives whole K/V heads for its query heads, as DeepSpeed-Ulysses, InternEvo and verl do when N
-exceeds the K/V heads. Bytes per rank and pass: :func:`commlab.parallel.context.cost.ulysses_nbytes`.
+each rank receives whole K/V heads for its query heads (verl's rule, verl-project/verl#1226: N divides the
+query heads, and the K/V heads or is divided by them, K/V repeated when N exceeds them). Bytes per rank and pass: :func:`commlab.parallel.context.cost.ulysses_nbytes`.
 Contiguous layout only (the causal mask follows rank order).
 
 Book: chapter 13, §13.2 (*DeepSpeed-Ulysses*).

@@ -38,19 +38,15 @@ class AllToAllCounter:
         self.reset()
 
     def add(self, tensor: torch.Tensor, group, backward: bool) -> None:
-        size, me = group_size_and_rank(group, "AllToAllCounter")
-        row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-        self.sent_nbytes += row * (size - 1)
-        self.calls += 1
-        if backward:
-            self.backward_calls += 1
-        else:
-            self.forward_calls += 1
+        size, _ = group_size_and_rank(group, "AllToAllCounter")
+        self._count(_row_nbytes(tensor) * (size - 1), backward)
 
     def add_v(self, tensor: torch.Tensor, input_split_sizes, me: int, backward: bool) -> None:
         """Count one AllToAllV of ``tensor``'s rows, ``input_split_sizes[j]`` to rank j (rank ``me``'s own stay)."""
-        row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-        self.sent_nbytes += row * (sum(input_split_sizes) - input_split_sizes[me])
+        self._count(_row_nbytes(tensor) * (sum(input_split_sizes) - input_split_sizes[me]), backward)
+
+    def _count(self, nbytes: int, backward: bool) -> None:
+        self.sent_nbytes += nbytes
         self.calls += 1
         if backward:
             self.backward_calls += 1
@@ -61,6 +57,10 @@ class AllToAllCounter:
         """Forget the calls counted so far."""
         self.sent_nbytes = 0
         self.calls = self.forward_calls = self.backward_calls = 0
+
+
+def _row_nbytes(tensor: torch.Tensor) -> int:
+    return tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
 
 
 def _exchange(x: torch.Tensor, group, counter: AllToAllCounter | None, backward: bool) -> torch.Tensor:
