@@ -386,3 +386,17 @@ def test_dropless_cost_by_hand():
         moe_dropless_cost([[1, 1, 1], [1, 1, 1]], 2, 4)
     with pytest.raises(ValueError, match="tokens_per_expert\\[1\\]\\[0\\]"):
         moe_dropless_cost([[1, 1], [-1, 1]], 2, 4)
+
+
+def test_padded_cost_across_nodes_uses_the_two_level_alltoall():
+    from commlab.parallel.expert import two_level_all_to_all_seconds
+    nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)
+    one_link = moe_alltoall_cost(8192, 4096, 64, 2, 1.25, 16, 2, *ib)
+    two_level = moe_alltoall_cost(8192, 4096, 64, 2, 1.25, 16, 2, *ib, intra=(8, *nv))
+    assert two_level.step_sent_nbytes == one_link.step_sent_nbytes     # the same bytes, fewer over the NIC
+    assert two_level.step_seconds == pytest.approx(4 * two_level_all_to_all_seconds(two_level.buffer_nbytes, 16, 8,
+                                                                                    *nv, *ib))
+    # 8 of 15 peers across the NIC instead of 15: the NIC term falls to 8/15 of it.
+    nic_bytes_time = 15 / 16 * two_level.buffer_nbytes * ib[1]
+    assert two_level.step_seconds == pytest.approx(4 * (8 * ib[0] + nic_bytes_time * 8 / 15))
+    assert one_link.step_seconds == pytest.approx(4 * (15 * ib[0] + nic_bytes_time))

@@ -59,7 +59,8 @@ class MoEAllToAllCost:
 
 
 def moe_alltoall_cost(tokens: int, hidden: int, num_experts: int, k: int, capacity_factor: float, ep: int,
-                      element_nbytes: int, alpha_s: float = 0.0, beta_s_per_byte: float = 0.0) -> MoEAllToAllCost:
+                      element_nbytes: int, alpha_s: float = 0.0, beta_s_per_byte: float = 0.0, *,
+                      intra: tuple[int, float, float] | None = None) -> MoEAllToAllCost:
     """Dispatch + combine bytes (and α-β seconds) per step per rank of one expert-parallel MoE layer.
 
     Args:
@@ -71,6 +72,8 @@ def moe_alltoall_cost(tokens: int, hidden: int, num_experts: int, k: int, capaci
         ep: expert-parallel group size.
         element_nbytes: bytes per element (4 float32, 2 bf16, 1 fp8).
         alpha_s: α, seconds per message; beta_s_per_byte: β, seconds per byte (per direction).
+        intra: None: every peer over (α, β); ``(ranks_per_node, α_intra, β_intra)`` when the EP group spans
+            nodes: (α, β) is then the NIC's and each AllToAll :func:`two_level_all_to_all_seconds`.
 
     Returns:
         :class:`MoEAllToAllCost`.
@@ -84,7 +87,8 @@ def moe_alltoall_cost(tokens: int, hidden: int, num_experts: int, k: int, capaci
     capacity = expert_capacity(tokens, num_experts, k, capacity_factor)
     buffer = num_experts * capacity * hidden * element_nbytes
     sent = buffer // ep * (ep - 1)
-    one = all_to_all_seconds(buffer, ep, alpha_s, beta_s_per_byte)
+    one = (all_to_all_seconds(buffer, ep, alpha_s, beta_s_per_byte) if intra is None
+           else two_level_all_to_all_seconds(buffer, ep, intra[0], intra[1], intra[2], alpha_s, beta_s_per_byte))
     useful = tokens * k / (num_experts * capacity) if capacity else 0.0
     return MoEAllToAllCost(capacity=capacity, buffer_nbytes=buffer, sent_per_alltoall_nbytes=sent,
                            forward_sent_nbytes=2 * sent, backward_sent_nbytes=2 * sent, step_sent_nbytes=4 * sent,
