@@ -56,6 +56,9 @@ def _against_fully_shard(policy_name, stage, frozen_first=False):
     fully_shard(ref, mp_policy=torch_policy, reshard_after_forward=stage == 3)
     model = mlp(frozen_first=frozen_first)
     sdp = ShardedDataParallel(model, stage=stage, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
+    during = []   # inside unit 1's forward the module holds its unsharded parameters; the accessors do not move
+    model[2].register_forward_pre_hook(lambda m, a: during.append(
+        ([tuple(p.shape) for p in sdp.shard_parameters()], tuple(m.weight.shape))))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)   # built after wrapping, on the model itself
     g = torch.Generator().manual_seed(100 + rank)
@@ -82,7 +85,7 @@ def _against_fully_shard(policy_name, stage, frozen_first=False):
                 shard_dtypes={p.dtype for p in model.parameters()},
                 compute_dtypes={p.dtype for p in sdp.unsharded_parameters()},
                 is_shard=[p is s for p, s in zip(model.parameters(), sdp.shard_parameters())],
-                stats=sdp.last_step, moved=_gap(sdp.full_parameters(), list(mlp().parameters())))
+                during=during, stats=sdp.last_step, moved=_gap(sdp.full_parameters(), list(mlp().parameters())))
 
 
 def _errors():
@@ -136,6 +139,7 @@ def test_equal_to_fully_shard_with_the_same_policy(results, policy, stage):
         assert run["shapes"] == run["ref_shapes"]
         assert run["shapes"] == [(dim0_shard_rows(s[0], n, rank)[1], *s[1:]) for s in SHAPES]
         assert all(run["is_shard"])
+        assert run["during"] == [(run["shapes"], SHAPES[2])] * STEPS
         assert run["shard_dtypes"] == {torch.float32}
         assert run["compute_dtypes"] == {POLICIES[policy][0] or torch.float32}
 

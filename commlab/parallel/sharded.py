@@ -334,6 +334,8 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"ShardedDataParallel: parameters {scalars[:4]} have no dim 0 to shard (0-dim); make "
                              "them 1-element tensors (shape (1,))")
         self._units = self._build_units(module, units, named)
+        by_fqn = {sp.fqn: sp for u in self._units for sp in u.params}
+        self._ordered = [by_fqn[n] for n, _ in named]   # module.named_parameters() order, whatever is registered now
 
     def _build_units(self, module, units, named) -> list[_Unit]:
         if units is None:
@@ -604,8 +606,7 @@ class ShardedDataParallel(nn.Module):
         return [sp.shard for sp in self._params_in_order()]
 
     def _params_in_order(self) -> list[_Param]:
-        by_id = {id(sp.shard): sp for u in self._units for sp in u.params}
-        return [by_id[id(p)] for p in self.module.parameters() if id(p) in by_id]
+        return self._ordered
 
     def make_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
                        **kwargs: Any) -> torch.optim.Optimizer:
