@@ -2,10 +2,11 @@
 
 :class:`StepMeter` times one rank's step (host clock on the CPU, CUDA events on a GPU; TP's collectives one
 by one) and combines the ranks' times into a :class:`StepStats`, whose parts (:data:`SPLIT`) add up to the
-step. MFU's denominator is the GEMM rate every rank measures at start-up at the model's largest matrix
-product (:func:`measure_gemm_flops`), the slowest rank's. :func:`steady_means` and :func:`summary` read a
-run's steps; :class:`StepLog` writes them, one JSON line each; :func:`profiled` records a Chrome trace.
-Chapter 14 §14.5 explains the split.
+step. Two ratios of the model FLOP/s: MFU, over the datasheet peak (PaLM's definition) where
+:func:`peak_flop_per_s` knows the device, and the share of the GEMM rate every rank measures at start-up at
+the model's largest matrix product (:func:`measure_gemm_flops`, the slowest rank's). :func:`steady_means` and
+:func:`summary` read a run's steps; :class:`StepLog` writes them, one JSON line each; :func:`profiled` records
+a Chrome trace. Chapter 14 §14.5 explains the split.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import hardware
 from commlab.parallel.planner import model_flops_per_token
 from commlab.parallel.tensor.communications import CommTimer, timed
 
 from labs.capstone.model import MATMUL_DTYPE
 
-__all__ = ["SPLIT", "StepStats", "StepMeter", "gemm_shape", "measure_gemm_flops", "steady_means", "summary",
-           "StepLog", "profiled"]
+__all__ = ["SPLIT", "StepStats", "StepMeter", "gemm_shape", "measure_gemm_flops", "peak_flop_per_s",
+           "steady_means", "summary", "StepLog", "profiled"]
 
 #: The parts of a step, in the order the summary and the chapter's figure show them.
 SPLIT = ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_s")
@@ -51,8 +53,10 @@ class StepStats:
         exposed_comm_s: ``tp_s + pp_s + dp_s``. optimizer_s: the optimizer step (ZeRO-1's AllGather too).
         other_s: ``step_s`` less the mean parts: the slowest rank's lag and the bookkeeping between marks.
         tokens_per_s: the global batch's tokens per second of ``step_s``.
-        mfu: model FLOP/s (``6 P + 12 L h s`` per token, PaLM's accounting, Chowdhery et al. 2022, App. B)
-            over ``gemm_flop_per_s`` times the ranks.
+        mfu: model FLOP utilisation (Chowdhery et al. 2022, App. B): model FLOP/s (``6 P + 12 L h s`` per
+            token) over the ranks' datasheet peak (:func:`peak_flop_per_s`); None where no peak is known.
+        gemm_share: the same model FLOP/s over ``gemm_flop_per_s`` times the ranks: the share of the GEMM rate
+            measured at the model's own shape (higher than MFU; on a CPU, the only ratio there is).
         gemm_flop_per_s: the slowest rank's GEMM rate at the model's largest matrix product (FLOP/s).
         val_loss: the held-out loss after this step (nats) on ``--eval-every``'s steps and the last; else None.
     """
@@ -70,7 +74,8 @@ class StepStats:
     optimizer_s: float
     other_s: float
     tokens_per_s: float
-    mfu: float
+    mfu: float | None
+    gemm_share: float
     gemm_flop_per_s: float
     val_loss: float | None = None
 
@@ -112,6 +117,22 @@ def measure_gemm_flops(device: torch.device, dtype: torch.dtype, shape: tuple[in
     return best
 
 
+def peak_flop_per_s(device: torch.device, dtype: str) -> tuple[str, float] | None:
+    """``(what, FLOP/s)``: one GPU's dense datasheet peak for the capstone's matrix products under ``--dtype
+    dtype`` (bfloat16; float32 only with TF32 allowed), from the :mod:`commlab.hardware` presets; None where
+    they hold none (a CPU, float64, plain float32, a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    preset = ("H100-SXM" if "H100" in name and "PCIE" not in name.upper() else
+              "A100-PCIe" if "A100" in name and "PCIE" in name.upper() else "A100-SXM" if "A100" in name else None)
+    tf32 = dtype == "float32" and torch.backends.cuda.matmul.allow_tf32
+    figure = {"bfloat16": "bf16_dense_flop_per_s"}.get(dtype, "tf32_dense_flop_per_s" if tf32 else None)
+    if preset is None or figure is None:
+        return None
+    return f"{preset} {figure.split('_')[0]} dense peak", hardware.value(preset, figure)
+
+
 class StepMeter:
     """Times this rank's steps and combines the world's times into :class:`StepStats`.
 
@@ -129,6 +150,8 @@ class StepMeter:
                             dtype=torch.float64, device=device)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
         self.gemm_flop_per_s = float(rate.item())
+        known = peak_flop_per_s(device, opts.dtype)
+        self.peak_flop_per_s = None if known is None else known[1]
         self.marks: list = []
 
     def start(self) -> None:
@@ -167,33 +190,41 @@ class StepMeter:
         pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = (parts / dist.get_world_size()).tolist()
         other_s = max(0.0, step_s - (compute_s + tp_s + bubble_s + pp_s + dp_s + opt_s))
         tokens = opts.global_batch * opts.model.seq
-        mfu = self.model_flops_per_token * tokens / step_s / (self.gemm_flop_per_s * dist.get_world_size())
+        model_flop_per_s = self.model_flops_per_token * tokens / step_s / dist.get_world_size()   # per rank
+        mfu = None if self.peak_flop_per_s is None else model_flop_per_s / self.peak_flop_per_s
         return StepStats(step, loss, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s,
-                         other_s, tokens / step_s, mfu, self.gemm_flop_per_s)
+                         other_s, tokens / step_s, mfu, model_flop_per_s / self.gemm_flop_per_s,
+                         self.gemm_flop_per_s)
 
 
 def steady_means(stats: Sequence[StepStats]) -> dict[str, float]:
     """Means over the steps after the first (which pays for warm-up) of every timed field: means, not medians,
-    so that the split still adds up to the step. Tokens/s and MFU are those of the mean step."""
+    so that the split still adds up to the step. Tokens/s, MFU (None without a known peak) and the GEMM share
+    are those of the mean step."""
     steady = stats[1:] or stats
     keys = ("step_s", "pipeline_s", "exposed_comm_s") + SPLIT
     out = {k: sum(getattr(s, k) for s in steady) / len(steady) for k in keys}
-    out["tokens_per_s"] = steady[0].tokens_per_s * steady[0].step_s / out["step_s"]
-    out["mfu"] = steady[0].mfu * steady[0].step_s / out["step_s"]
+    scale = steady[0].step_s / out["step_s"]
+    out["tokens_per_s"] = steady[0].tokens_per_s * scale
+    out["mfu"] = None if steady[0].mfu is None else steady[0].mfu * scale
+    out["gemm_share"] = steady[0].gemm_share * scale
     return out | {"steps": len(steady), "gemm_flop_per_s": steady[0].gemm_flop_per_s}
 
 
 def summary(stats: Sequence[StepStats]) -> str:
-    """One line of the steady means: the step, its split, throughput and MFU."""
+    """One line of the steady means: the step, its split, throughput, MFU and the share of the GEMM rate."""
     mean = steady_means(stats)
     ms = {k: mean[k] * 1e3 for k in SPLIT + ("step_s", "exposed_comm_s")}
-    above = ("; MFU above 100 %: the GEMM rate measured at start-up was lower than what the steps reached "
-             "(a machine busy with other work), so read it as unreliable") if mean["mfu"] > 1 else ""
+    mfu = "unknown (no datasheet peak for this device and dtype)" if mean["mfu"] is None else \
+        f"{100 * mean['mfu']:.1f} % of the datasheet peak"
+    above = ("; above 100 %: the GEMM rate measured at start-up was lower than what the steps reached "
+             "(a machine busy with other work), so read it as unreliable") if mean["gemm_share"] > 1 else ""
     return (f"step {ms['step_s']:.1f} ms (mean of {mean['steps']}): compute {ms['compute_s']:.1f}, "
             f"TP {ms['tp_s']:.1f}, PP {ms['pp_s']:.1f}, bubble {ms['bubble_s']:.1f}, DP {ms['dp_s']:.1f}, "
             f"optimizer {ms['optimizer_s']:.1f}, other {ms['other_s']:.1f} ms "
             f"(exposed communication {ms['exposed_comm_s']:.1f} ms); "
-            f"{mean['tokens_per_s']:.0f} tokens/s, MFU {100 * mean['mfu']:.1f} % of the measured GEMM rate{above}")
+            f"{mean['tokens_per_s']:.0f} tokens/s, MFU {mfu}; {100 * mean['gemm_share']:.1f} % of the measured "
+            f"GEMM rate{above}")
 
 
 class StepLog:

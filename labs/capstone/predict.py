@@ -1,8 +1,8 @@
 """The planner beside the measurement: what chapter 11's planner predicts for the capstone's own run.
 
 After training (unless ``--no-plan``) every rank calibrates a cluster on the spot (:func:`calibrate_here`):
-the slowest rank's GEMM rate at the model's largest matrix product (MFU's denominator, the planner's peak at
-an achievable fraction of 1) and α-β of one ring step with every rank busy
+the slowest rank's GEMM rate at the model's largest matrix product (the denominator of the measured GEMM share,
+the planner's peak at an achievable fraction of 1) and α-β of one ring step with every rank busy
 (:func:`commlab.bench.calibrate.ring_exchange_here`), for every link. Rank 0 then prints (:func:`report`) the
 planner's step for the layout that ran (:func:`predict`) beside the measured mean, and the layout its search
 recommends among those the capstone can run (:func:`recommend`). Entry point: :func:`calibrate_and_report`.
