@@ -235,13 +235,15 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--compressor", "topk:0.1"], "--dp 1 has no other replica to send to"),
     (["--ckpt-dir", "{file}", "--ckpt-every", "1"], "is a file, not a directory"),
+    (["--ckpt-dir", "{file}/ckpt", "--ckpt-every", "1"], "/ckpt: cannot create it (Not a directory)"),
+    (["--ckpt-dir", "{dir}/ckpt", "--resume", "--overwrite"], "--overwrite deletes them: pass one"),
     (["--profile", "{file}"], "is a file, not a directory"),
     (["--log-file", "{dir}"], "is a directory; give a file name"),
     (["--log-file", "{dir}/no/such/run.jsonl"], "does not exist or is not writable"),
     (["--seq", "100000"], "is longer than the held-out split allows"),
     (["--dp", "2"], "the world has 1 rank but tp x pp x dp = 1 x 1 x 2 = 2 (start it with torchrun "
                     "--nproc-per-node 2"),
-], ids=["lr", "compressor-dp1", "ckpt-file", "profile-file", "log-dir", "log-missing", "seq", "world"])
+], ids=["lr", "compressor-dp1", "ckpt-file", "ckpt-uncreatable", "resume-overwrite", "profile-file", "log-dir", "log-missing", "seq", "world"])
 def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")

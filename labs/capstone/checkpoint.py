@@ -11,22 +11,40 @@ is stored per rank under its place in the mesh, and restored only into a run of 
 compressor, bucket cap): then resuming is the uninterrupted run, bitwise. Otherwise the compressor starts
 afresh with a warning (see :func:`load`). Batches are drawn from ``(seed, step)``, so data needs no state.
 
-Entry points: :func:`save`, :func:`load`, :func:`latest_step`; lab 14, part 3, resumes under another layout.
+A checkpoint is complete when rank 0 has written its ``manifest.json`` (each file's bytes and SHA-256, the
+run's model and settings) after DCP's save. :class:`RunDirectory` guards ``--ckpt-dir`` for a whole run: a lock
+that a dead run does not leave held, no fresh run over older checkpoints without ``--overwrite``, resume from
+the newest checkpoint that verifies and holds the same model, a checkpoint at the step boundary after SIGTERM
+or SIGUSR1, and a stop at the first non-finite loss (:class:`RunError` on every rank alike). Chapter 14 §14.4.
+
+Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`, :func:`verify`; lab 14, part 3, resumes
+under another layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import fcntl
+import hashlib
+import json
+import math
 import os
 import pickle
+import shutil
+import signal
+import socket
 import sys
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from commlab.collectives.agreement import gather
 from commlab.compress import CompressionHookState, PowerSGDState
+from commlab.launch.device import group_device
 from commlab.overlap import BucketedDataParallel
 from commlab.parallel import ZeroOneOptimizer
 from commlab.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -38,7 +56,8 @@ def _dcp():
     import torch.distributed.checkpoint as dcp
     return dcp
 
-__all__ = ["DPSync", "dp_sync_of", "save", "load", "latest_step", "resume"]
+__all__ = ["RunError", "RunDirectory", "DPSync", "dp_sync_of", "save", "load", "verify", "checkpoints",
+           "preempted_at", "MANIFEST", "LOCK", "PREEMPTION_SIGNALS"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -181,10 +200,42 @@ def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: i
         sync.state.load_state_dict(state_dict, {b.index: [by_name[n] for n in b.names] for b in sync.wrapper.buckets})
 
 
-# ---- save and load -----------------------------------------------------------------------------------
+# ---- save, verify and load -----------------------------------------------------------------------------
+
+#: Written by rank 0 after DCP's save, last: a step folder without it holds an unfinished save.
+MANIFEST = "manifest.json"
+#: The lock file of a ``--ckpt-dir``, held (``fcntl.flock``) by rank 0 of the run that uses the directory.
+LOCK = "run.lock"
+#: The signals that make a run save at the next step boundary and stop: SLURM's ``--signal=TERM@60`` or
+#: ``USR1@60``, and torchrun, which forwards SIGTERM to its workers (SIGUSR1 too when listed in
+#: ``TORCHELASTIC_SIGNALS_TO_HANDLE``).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: The run settings that change what training computes; a resume that changes one says so.
+_TRAINING_SETTINGS = ("seed", "lr", "dtype", "compressor", "error_feedback", "global_batch")
+
+
+class RunError(RuntimeError):
+    """The run cannot go on, for the reason the message names (its checkpoints, their directory, a non-finite
+    loss). Every rank raises it with the same message, so that all ranks leave together."""
+
+
+def run_config(opts) -> dict:
+    """What a checkpoint records of the run: ``{"model": GPTConfig's fields, "run": the other options}``."""
+    run = {k: v for k, v in dataclasses.asdict(opts).items() if k != "model"}
+    return {"model": dataclasses.asdict(opts.model), "run": run | {"global_batch": opts.global_batch}}
+
+
+def _refuse_non_finite(state: dict[str, torch.Tensor], step: int) -> None:
+    """RunError on every rank if any rank's ``state`` holds a NaN or an infinity (collective over the world)."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    named = [f"rank {r}: {', '.join(b)}" for r, b in enumerate(gather(bad[:3])) if b]
+    if named:
+        raise RunError(f"step {step}: not saving a checkpoint that holds non-finite values ({'; '.join(named)}); "
+                       "the newest checkpoint on disk stays the last good one")
+
 
 def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
-         dp_sync: DPSync | None = None) -> str:
+         dp_sync: DPSync | None = None, config: dict | None = None) -> str:
     """Write step ``step``'s checkpoint to ``directory/step_<step>``; every rank of the world must call it.
 
     Args:
@@ -193,9 +244,13 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
         optimizer: the stage's Adam, or a :class:`ZeroOneOptimizer` over it (its ``exp_avg``, ``exp_avg_sq``
             and ``step`` are saved, unsharded: gathered over DP for ZeRO-1, then over TP).
         dp_sync: this rank's DP compressor state, if the run compresses (None: nothing to save).
+        config: what the manifest records of the run (:func:`run_config`).
 
     Returns:
         The checkpoint's path.
+
+    Raises:
+        RunError: on every rank, before anything is written, if a tensor to save is not finite.
     """
     path = os.path.join(directory, f"step_{step:06d}")
     owners = _owners(model, stage)
@@ -209,25 +264,76 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
                 state[f"{name}.{moment}"] = _full(st[moment], layer, attr)
         if "step" in st:
             state[f"{name}.step"] = st["step"].detach().clone().reshape(1)
+    _refuse_non_finite(state, step)
     everything: dict[str, Any] = {"model": state, "meta": {"step": torch.tensor([step])}}
     if dp_sync is not None:
         everything["dp_sync"] = _dp_sync_entries(dp_sync)
+    if dist.get_rank() == 0 and os.path.exists(path):   # an unfinished or damaged save of this step, from before
+        os.replace(path, path + ".stale")                # a resume; no rank writes before rank 0 joins DCP's plan
+        shutil.rmtree(path + ".stale")
     _dcp().save(everything, checkpoint_id=path)
+    if dist.get_rank() == 0:   # DCP's save returns once every rank's files and the .metadata are written
+        _write_manifest(path, step, config)
     return path
 
 
-def latest_step(directory: str) -> int | None:
-    """The newest step saved in ``directory`` (None if there is none)."""
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(path: str, step: int, config: dict | None) -> None:
+    """Rank 0's record of a finished save: each file's size and SHA-256, and the run's configuration. Written
+    to a temporary name and renamed, so that it exists whole or not at all. (At scale, each writer would hash
+    its own files; here rank 0 reads them back, a few MB.)"""
+    files = {name: {"bytes": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
+             for name in sorted(os.listdir(path)) if not name.startswith(MANIFEST)}
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"step": step, "config": config, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def checkpoints(directory: str) -> list[tuple[int, str]]:
+    """Every ``step_<N>`` folder of ``directory``, finished or not, as ``(N, path)`` in step order."""
     if not os.path.isdir(directory):
-        return None
-    steps = [int(d[5:]) for d in os.listdir(directory)
-             if d.startswith("step_") and d[5:].isdigit() and os.path.exists(os.path.join(directory, d, ".metadata"))]
-    return max(steps) if steps else None
+        return []
+    found = [(int(d[5:]), os.path.join(directory, d)) for d in os.listdir(directory)
+             if d.startswith("step_") and d[5:].isdigit() and os.path.isdir(os.path.join(directory, d))]
+    return sorted(found)
 
 
-def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
+def verify(path: str) -> tuple[dict | None, str | None]:
+    """``(manifest, None)`` if every file the checkpoint at ``path`` lists in its manifest has its recorded size
+    and SHA-256; else ``(None, what is wrong)``, naming the file. Reads every file once (local, not collective)."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except FileNotFoundError:
+        return None, f"no {MANIFEST} (its save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name, want in files.items():
+        full = os.path.join(path, name)
+        if not os.path.exists(full):
+            return None, f"{name} is missing"
+        size = os.path.getsize(full)
+        if size != want["bytes"]:
+            return None, f"{name} has {size} bytes, its manifest says {want['bytes']} (truncated or overwritten)"
+        if _sha256(full) != want["sha256"]:
+            return None, f"{name} does not match its SHA-256 in the manifest (damaged)"
+    return manifest, None
+
+
+def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
          full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None) -> int:
-    """Load the newest checkpoint of ``directory`` into this rank's shard of ``model`` and ``optimizer``.
+    """Load the checkpoint at ``path`` into this rank's shard of ``model`` and ``optimizer``.
 
     Every rank of the world must call it. The layout it was saved under does not matter for the model and
     the optimizer (Adam or :class:`ZeroOneOptimizer`, whichever saved it); the compressor state is restored
@@ -242,15 +348,13 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
         The step it was saved at (training goes on from the next).
 
     Raises:
-        FileNotFoundError: ``directory`` holds no checkpoint.
-        RuntimeError: (from DCP) a key this rank needs is missing: the checkpoint is of another model.
+        RunError: on every rank, naming the step and the path, if DCP cannot read it (a file damaged after
+            :func:`verify`, or a key this rank needs is missing: the checkpoint is of another model). Nothing
+            is copied into the model or the optimizer then.
         ValueError: (from :meth:`ZeroOneOptimizer.load_full_state`) a checkpoint whose parameters of one
             ZeRO-1 param group were saved at different Adam steps.
     """
-    step = latest_step(directory)
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {directory!r} (expected step_NNNNNN folders written by --ckpt-dir)")
-    path = os.path.join(directory, f"step_{step:06d}")
+    step = int(os.path.basename(path)[5:])
     owners = _owners(model, stage)
     state: dict[str, torch.Tensor] = {}
     for name, (p, _, _) in owners.items():
@@ -261,12 +365,16 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
         state[f"{name}.step"] = torch.empty(1, dtype=torch.float32)
     meta: dict[str, Any] = {"step": torch.tensor([0])}
     everything: dict[str, Any] = {"model": state, "meta": meta}
-    has_sync = "dp_sync.setting" in _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
-    if dp_sync is not None and has_sync:
-        everything["dp_sync"] = {"setting": None}
-    _dcp().load(everything, checkpoint_id=path)
+    try:   # DCP raises on every rank when any rank fails to read (it gathers the ranks' results)
+        saved_keys = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+        if dp_sync is not None and "dp_sync.setting" in saved_keys:
+            everything["dp_sync"] = {"setting": None}
+        _dcp().load(everything, checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001  -- whatever DCP or pickle raised, said with the step and the path
+        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise RunError(f"the checkpoint of step {step} ({path}) cannot be read: {why}") from e
     if int(meta["step"]) != step:
-        raise RuntimeError(f"checkpoint {path!r} says step {int(meta['step'])}")
+        raise RunError(f"checkpoint {path!r} says step {int(meta['step'])}")
     opt_states: dict[nn.Parameter, dict] = {}
     with torch.no_grad():
         for name, (p, layer, attr) in owners.items():
@@ -284,15 +392,173 @@ def load(directory: str, model: nn.Module, stage: nn.Module, optimizer: torch.op
     return step
 
 
-def resume(directory: str, steps: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
-           full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None) -> int:
-    """:func:`load` the newest checkpoint of ``directory`` if there is one (every rank calls it); the step to
-    start from (0 without a checkpoint). Rank 0 says which, and when it already reaches ``steps``."""
-    start = 0 if latest_step(directory) is None else 1 + load(directory, model, stage, optimizer, full_shapes,
-                                                              dp_sync)
-    if dist.get_rank() == 0:
-        print(f"resume: no checkpoint in {directory!r}, starting at step 0" if start == 0 else
-              f"resume: from the checkpoint of step {start - 1} in {directory!r}" +
-              (f"; it already reaches --steps {steps}: nothing to do" if start >= steps else ""),
-              file=sys.stderr, flush=True)
-    return start
+# ---- the run's directory: lock, resume, saves, preemption ------------------------------------------------
+
+_preempted_at: int | None = None
+
+
+def preempted_at() -> int | None:
+    """The step after which this process's last run saved and stopped on a preemption signal (None: it did not)."""
+    return _preempted_at
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class RunDirectory:
+    """``--ckpt-dir`` for one run of ``opts`` (train.Options): its lock, its resume, its saves, its signals.
+
+    A context manager that every rank of the world enters (collective: rank 0 decides, every rank learns the
+    same, and raises the same :class:`RunError`). On entry, with a directory: take its lock (``fcntl.flock`` on
+    :data:`LOCK`, which the kernel releases when the holder dies: a live run's directory is refused, a dead
+    run's is not); without ``--resume`` refuse checkpoints already there unless ``--overwrite``, which deletes
+    them and says so; with ``--resume`` pick the newest checkpoint whose files :func:`verify` (saying which
+    were skipped and why; refusing, naming each, when checkpoints exist and none verifies) and refuse it if it
+    holds another model (naming the fields). Then :data:`PREEMPTION_SIGNALS` are caught until exit.
+
+    Per step, :meth:`end_of_step` stops the run at the first non-finite loss (the chosen behaviour: stop, not
+    skip the step) and saves every ``--ckpt-every`` steps, or at once when any rank got a preemption signal,
+    after which the run stops. Without a directory it only checks the loss (no collective, no handlers).
+    """
+
+    def __init__(self, opts):
+        self.opts, self.dir = opts, opts.ckpt_dir
+        self.path: str | None = None   # the checkpoint to resume from
+        self._lock = None
+        self._signal = 0
+        self._handlers: dict = {}
+
+    def __enter__(self) -> RunDirectory:
+        global _preempted_at
+        _preempted_at = None
+        if self.dir is None:
+            return self
+        verdict: tuple[str, str | None] = ("ok", None)
+        if dist.get_rank() == 0:
+            try:
+                verdict = ("ok", self._decide())
+            except (RunError, OSError) as e:
+                verdict = ("error", str(e) if isinstance(e, RunError) else f"--ckpt-dir {self.dir}: {e}")
+        kind, value = gather(verdict)[0]
+        if kind == "error":
+            self._release()
+            raise RunError(value)
+        self.path = value
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPTION_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._release()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = self._signal or signum   # a second signal changes nothing; SIGKILL still ends the run
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def _take_lock(self) -> None:
+        f = open(os.path.join(self.dir, LOCK), "a+", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "which has not said who it is"
+            f.close()
+            raise RunError(f"--ckpt-dir {self.dir} is in use by another run ({holder}); two runs in one directory "
+                           "overwrite each other's steps. Wait for it to end, or use another --ckpt-dir") from None
+        f.seek(0)
+        f.truncate()
+        since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n")
+        f.flush()
+        self._lock = f
+
+    def _decide(self) -> str | None:
+        """Rank 0: take the lock, then the checkpoint to resume from (None: start at step 0), or RunError."""
+        os.makedirs(self.dir, exist_ok=True)
+        self._take_lock()
+        found = checkpoints(self.dir)
+        steps = ", ".join(str(s) for s, _ in found)
+        if not self.opts.resume:
+            if found and not self.opts.overwrite:
+                raise RunError(f"--ckpt-dir {self.dir} holds checkpoints of an earlier run (steps {steps}); continue "
+                               "it with --resume, or pass --overwrite to delete them and start afresh")
+            for _, path in found:
+                shutil.rmtree(path)
+            if found:
+                _note(f"overwrite: deleted the checkpoints of an earlier run in {self.dir} (steps {steps})")
+            return None
+        damaged = []
+        for step, path in reversed(found):
+            manifest, problem = verify(path)
+            if problem is None:
+                self._check_config(manifest["config"] or {}, step)
+                for line in damaged:
+                    _note(f"resume: skipping the checkpoint of {line}")
+                return path
+            damaged.append(f"step {step} ({path}): {problem}")
+        if any(os.path.exists(os.path.join(p, MANIFEST)) for _, p in found):   # a finished save, now damaged
+            raise RunError(f"--resume: no checkpoint in {self.dir} can be loaded: " + "; ".join(damaged) +
+                           ". Move them away (or pass --overwrite without --resume to start afresh)")
+        for line in damaged:   # only unfinished saves, or none: nothing was ever confirmed, so start afresh
+            _note(f"resume: skipping the checkpoint of {line}")
+        return None
+
+    def _check_config(self, saved: dict, step: int) -> None:
+        """RunError naming the fields if the checkpoint's model is not this run's; a note for training settings."""
+        mine = run_config(self.opts)
+        theirs = saved.get("model", {})
+        differ = [f"{k} {theirs.get(k)} there, {v} here" for k, v in mine["model"].items() if theirs.get(k) != v]
+        if differ:
+            raise RunError(f"--resume: the checkpoint of step {step} in {self.dir} holds another model "
+                           f"({'; '.join(differ)}); resume with its model flags, or start afresh in another "
+                           "--ckpt-dir")
+        run = saved.get("run", {})
+        changed = [f"{k} {run[k]} -> {mine['run'][k]}" for k in _TRAINING_SETTINGS
+                   if k in run and run[k] != mine["run"][k]]
+        if changed:
+            _note(f"resume: note: this run changes training settings of the checkpoint: {', '.join(changed)}")
+
+    def resume(self, trainer) -> int:
+        """Load the chosen checkpoint into ``trainer`` (train.Trainer; every rank calls it); the step to start at."""
+        if not self.opts.resume:
+            return 0
+        start = 0 if self.path is None else 1 + load(self.path, trainer.model, trainer.stage, trainer.optimizer,
+                                                      trainer.full_shapes, trainer.dp_sync)
+        if dist.get_rank() == 0:
+            steps = self.opts.steps
+            _note(f"resume: no checkpoint in {self.dir!r}, starting at step 0" if start == 0 else
+                  f"resume: from the checkpoint of step {start - 1} in {self.dir!r}" +
+                  (f"; it already reaches --steps {steps}: nothing to do" if start >= steps else ""))
+        return start
+
+    def end_of_step(self, step: int, loss: float, trainer) -> bool:
+        """After step ``step`` (every rank, the same ``loss``): RunError if it is not finite; save if due or if
+        a rank got a preemption signal (one AllReduce a step, with a directory); True: stop now."""
+        if not math.isfinite(loss):
+            raise RunError(f"step {step}: the training loss is {loss}; stopping at the first non-finite loss, with "
+                           "nothing saved from this step on (lower --lr, or resume from an earlier checkpoint)")
+        if self.dir is None:
+            return False
+        got = torch.tensor([self._signal], dtype=torch.int64, device=group_device(None))
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)   # every rank stops at the same boundary
+        signum = int(got.item())
+        every = self.opts.ckpt_every
+        if signum or (every and (step + 1) % every == 0):
+            path = save(self.dir, step, trainer.model, trainer.stage, trainer.optimizer, trainer.dp_sync,
+                        run_config(self.opts))
+            if signum and dist.get_rank() == 0:
+                _note(f"preempted: {signal.Signals(signum).name} received; saved the checkpoint of step {step} "
+                      f"({path}) and stopping; continue with --resume")
+        if signum:
+            global _preempted_at
+            _preempted_at = step
+        return bool(signum)

@@ -1,9 +1,10 @@
 """The capstone's command line, checked before anything runs: what would fail later is a usage error now.
 
 A layout that does not fit the model, a compressor with no replica to send to, a log file in a missing
-directory: ``train.py`` refuses them at once (exit 2), naming the flag and the numbers, rather than after a
-process group, a training run or a profile. Entry points: :func:`check` (the options alone) and
-:func:`check_world` (against the launcher's world, before any process group exists).
+directory, a checkpoint directory that cannot be created or written: ``train.py`` refuses them at once (exit
+2), naming the flag and the numbers, rather than after a process group, a training run or a profile. Entry
+points: :func:`check` (the options alone) and :func:`check_world` (against the launcher's world, before any
+process group exists).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def check(opts) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(opts, name)}")
     if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
-    if (opts.ckpt_every or opts.resume) and not opts.ckpt_dir:
-        raise ValueError("--ckpt-every and --resume need --ckpt-dir")
+    if (opts.ckpt_every or opts.resume or opts.overwrite) and not opts.ckpt_dir:
+        raise ValueError("--ckpt-every and --resume need --ckpt-dir (and so does --overwrite)")
+    if opts.resume and opts.overwrite:
+        raise ValueError("--resume continues the checkpoints in --ckpt-dir and --overwrite deletes them: pass one")
     if opts.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--backend nccl needs CUDA GPUs and torch sees none here; use --backend gloo (the "
                          "default without CUDA)")
@@ -54,13 +57,15 @@ def _check_paths(opts) -> None:
     for flag, path in (("--ckpt-dir", opts.ckpt_dir), ("--profile", opts.profile)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path} is a file, not a directory")
-    if opts.profile is not None:
+    for flag, path in (("--ckpt-dir", opts.ckpt_dir), ("--profile", opts.profile)):
+        if path is None:
+            continue
         try:
-            os.makedirs(opts.profile, exist_ok=True)
+            os.makedirs(path, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--profile {opts.profile}: cannot create it ({e.strerror})") from None
-        if not os.access(opts.profile, os.W_OK):
-            raise ValueError(f"--profile {opts.profile}: not writable")
+            raise ValueError(f"{flag} {path}: cannot create it ({e.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path}: not writable")
     if opts.log_file is not None:
         parent = os.path.dirname(os.path.abspath(opts.log_file))
         if os.path.isdir(opts.log_file):

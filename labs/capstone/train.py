@@ -7,8 +7,8 @@ Every rank builds the whole model from the seed; :func:`parallelize` then applie
 torchtitan does. A step draws the same global batch on every rank (from the seed and the step), keeps this
 rank's DP share, runs the pipeline schedule inside the DP wrapper's ``no_sync``, averages the gradients over
 DP (once, after the flush; with pp = 1 overlapped with the last backward) and steps Adam. Measurement is in
-``measure.py``, the planner's prediction in ``predict.py``, checkpoints in ``checkpoint.py``. Chapter 14
-explains the script; lab 14 runs it.
+``measure.py``, the planner's prediction in ``predict.py``; checkpoints, their directory's lock, preemption
+signals and the stop at a non-finite loss in ``checkpoint.py``. Chapter 14 explains the script; lab 14 runs it.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ class Options:
     backend: str | None = flag(None, "default: NCCL when CUDA is present, else gloo", choices=("gloo", "nccl"))
     log_file: str | None = flag(None, "one JSON line per step, written by rank 0", metavar="FILE.jsonl")
     ckpt_dir: str | None = flag(None, "where checkpoints go, loadable under any layout", metavar="DIR")
-    ckpt_every: int = flag(0, "save every N steps; 0: never", metavar="N")
-    resume: bool = flag(False, "continue from the newest checkpoint in --ckpt-dir, if any, under this layout")
+    ckpt_every: int = flag(0, "save every N steps, and on SIGTERM or SIGUSR1 (then stop); 0: on those only",
+                           metavar="N")
+    resume: bool = flag(False, "continue from the newest checkpoint in --ckpt-dir that loads, under this layout")
+    overwrite: bool = flag(False, "start afresh in a --ckpt-dir that holds checkpoints, deleting them")
     profile: str | None = flag(None, "write a torch.profiler trace per rank to DIR/rank<R>.json", metavar="DIR")
     plan: bool = flag(True, "calibrate and print the planner's prediction after training")
 
@@ -273,30 +275,30 @@ class Trainer:
 
 def train(opts: Options, stats: list | None = None) -> list[float]:
     """Run the steps up to ``opts.steps`` in the current process group (with ``resume``, from the step after
-    the newest checkpoint); the losses of the steps it ran, the same on every rank. Each step's StepStats
-    is appended to ``stats`` if given, and written to ``--log-file`` by rank 0."""
-    trainer = Trainer(opts)
+    the newest checkpoint that loads); the losses of the steps it ran, the same on every rank. Each step's
+    StepStats is appended to ``stats`` if given, and written to ``--log-file`` by rank 0. RunError (every rank)
+    for a --ckpt-dir it may not use and at the first non-finite loss (checkpoint.RunDirectory)."""
     rank0 = dist.get_rank() == 0
-    start = checkpoint.resume(opts.ckpt_dir, opts.steps, trainer.model, trainer.stage, trainer.optimizer,
-                              trainer.full_shapes, trainer.dp_sync) if opts.resume else 0
-    losses = []
-    with tqdm(range(start, opts.steps), desc=f"tp={opts.tp} pp={opts.pp} dp={opts.dp}", unit="step",
-              disable=None if rank0 else True) as bar, \
-            StepLog(opts.log_file if rank0 else None, start) as log, profiled(opts.profile, trainer.device):
-        for step in bar:
-            with record_function(f"capstone::step{step}"):
-                measured = trainer.step(step)
-            if step == opts.steps - 1 or (opts.eval_every and (step + 1) % opts.eval_every == 0):
-                with record_function("capstone::validation"):
-                    measured = dataclasses.replace(measured, val_loss=trainer.validation_loss())
-            losses.append(measured.loss)
-            if stats is not None:
-                stats.append(measured)
-            log.write(measured)
-            bar.set_postfix(loss=f"{measured.loss:.3f}", tok_s=f"{measured.tokens_per_s:.0f}", refresh=False)
-            if opts.ckpt_every and (step + 1) % opts.ckpt_every == 0:
-                checkpoint.save(opts.ckpt_dir, step, trainer.model, trainer.stage, trainer.optimizer,
-                                trainer.dp_sync)
+    with checkpoint.RunDirectory(opts) as ckpt_dir:   # locked; checkpoints verified; SIGTERM/SIGUSR1 caught
+        trainer = Trainer(opts)
+        start = ckpt_dir.resume(trainer)
+        losses = []
+        with tqdm(range(start, opts.steps), desc=f"tp={opts.tp} pp={opts.pp} dp={opts.dp}", unit="step",
+                  disable=None if rank0 else True) as bar, \
+                StepLog(opts.log_file if rank0 else None, start) as log, profiled(opts.profile, trainer.device):
+            for step in bar:
+                with record_function(f"capstone::step{step}"):
+                    measured = trainer.step(step)
+                if step == opts.steps - 1 or (opts.eval_every and (step + 1) % opts.eval_every == 0):
+                    with record_function("capstone::validation"):
+                        measured = dataclasses.replace(measured, val_loss=trainer.validation_loss())
+                losses.append(measured.loss)
+                if stats is not None:
+                    stats.append(measured)
+                log.write(measured)
+                bar.set_postfix(loss=f"{measured.loss:.3f}", tok_s=f"{measured.tokens_per_s:.0f}", refresh=False)
+                if ckpt_dir.end_of_step(step, measured.loss, trainer):   # saved on a preemption signal: stop
+                    break
     return losses
 
 
@@ -311,12 +313,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     ctx = init_from_env(backend=opts.backend)
     stats: list[StepStats] = []
-    losses = train(opts, stats)
+    try:
+        losses, code = train(opts, stats), 0
+    except checkpoint.RunError as e:   # raised on every rank alike: all leave together below
+        if ctx.rank == 0:
+            print(f"labs/capstone/train.py: error: {e}", file=sys.stderr, flush=True)
+        losses, stats, code = [], [], 1
     if ctx.rank == 0 and losses:
+        val = "" if stats[-1].val_loss is None else f"; validation loss {stats[-1].val_loss:.4f}"
         print(f"tp={opts.tp} pp={opts.pp} dp={opts.dp}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"in {len(losses)} steps; validation loss {stats[-1].val_loss:.4f}", flush=True)
+              f"in {len(losses)} steps{val}", flush=True)
         print(summary(stats), flush=True)
-    if opts.plan and stats:
+    if opts.plan and stats and checkpoint.preempted_at() is None:
         report = predict.calibrate_and_report(opts, steady_means(stats)["step_s"], stats[-1].gemm_flop_per_s,
                                               ctx.local_world_size, group_device(None))
         if report is not None:
@@ -324,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if created:   # every rank leaves together: a rank gone with its gloo pairs open can fail a peer's thread
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
