@@ -12,6 +12,7 @@ PaLM App. B. Book: chapter 11, §11.2.
 from __future__ import annotations
 
 from commlab import checks
+from commlab.parallel.context.cost import ATTENTION_BACKWARD_OVER_FORWARD
 from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, parameter_count, stage_params
 from commlab.parallel.planner.software import check_recompute_policy
 
@@ -53,15 +54,15 @@ def attention_flops_per_token(m: ModelConfig, flash_attention: bool = True, caus
     Without FlashAttention: ``4·s·h`` forward, ``8·s·h`` backward (the full s × s scores are computed and
     masked; PaLM, Appendix B). With FlashAttention (FlashAttention-2's benchmark accounting,
     Dao-AILab/flash-attention ``benchmarks/benchmark_flash_attention.py``): forward ``4·s·h``, halved
-    when causal (the masked blocks are skipped), backward 2.5 times the forward (its kernel recomputes
-    the scores).
+    when causal (the masked blocks are skipped), backward :data:`ATTENTION_BACKWARD_OVER_FORWARD` (2.5) times
+    the forward (its kernel recomputes the scores).
     """
     fwd = 4.0 * m.seq * m.hidden
     if not flash_attention:
         return fwd, 2.0 * fwd
     if causal:
         fwd /= 2.0
-    return fwd, 2.5 * fwd
+    return fwd, ATTENTION_BACKWARD_OVER_FORWARD * fwd
 
 
 def _matmul_params(m: ModelConfig) -> float:
