@@ -433,16 +433,21 @@ class ShardedDataParallel(nn.Module):
         with record_function(f"{RANGE_WAIT_GATHER}{u.index}"):
             if work is not None:
                 work.wait()
-        per_rank = out.view(self.n, -1)
-        offset = 0
-        for sp in u.params:
-            part = per_rank[:, offset:offset + sp.padded_numel].reshape(self.n * sp.c, *sp.shape[1:])
+        for sp, whole in self._unpadded(u, out):
             p = sp.unsharded.data
             p.untyped_storage().resize_(p.numel() * p.element_size())
-            p.copy_(part[:sp.shape[0]])
-            offset += sp.padded_numel
+            p.copy_(whole)
         u.gather, u.unsharded = None, True
         u.versions = u.shard_versions()
+
+    def _unpadded(self, u: _Unit, out: torch.Tensor):
+        """``(param, its whole tensor)`` from a unit's AllGather output: N blocks (one per rank) of the
+        parameters' padded shards side by side, FSDP2's layout; each parameter's N c rows cut to its d0."""
+        per_rank, offset = out.view(self.n, -1), 0
+        for sp in u.params:
+            whole = per_rank[:, offset:offset + sp.padded_numel].reshape(self.n * sp.c, *sp.shape[1:])
+            yield sp, whole[:sp.shape[0]]
+            offset += sp.padded_numel
 
     @torch.no_grad()
     def _free(self, u: _Unit) -> None:
@@ -655,11 +660,8 @@ class ShardedDataParallel(nn.Module):
                 all_gather_single(out, inp, group=self.shard_group)
             else:
                 out.copy_(inp)
-            per_rank, offset = out.view(self.n, -1), 0
-            for sp in u.params:
-                part = per_rank[:, offset:offset + sp.padded_numel].reshape(self.n * sp.c, *sp.shape[1:])
-                by_param[id(sp)] = part[:sp.shape[0]].clone()
-                offset += sp.padded_numel
+            for sp, whole in self._unpadded(u, out):
+                by_param[id(sp)] = whole.clone()
         return [by_param[id(sp)] for sp in self._params_in_order()]
 
     def named_units(self) -> list[tuple[str, nn.Module]]:
