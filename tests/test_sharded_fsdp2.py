@@ -15,7 +15,7 @@ from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import ShardedDataParallel
 from commlab.parallel.sharded import MixedPrecisionPolicy, dim0_shard_rows, sharded_step_nbytes
 
-pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
+slow = pytest.mark.slow  # seconds a test (processes on 2 and 3 ranks): not in the fast lane
 
 STEPS = 3
 WIDTHS = (8, 6, 5, 4)          # weights of 6, 5 and 4 rows: on 3 ranks 2+2+2, 2+2+1 and 2+2+0 rows
@@ -123,6 +123,7 @@ def results(request):
     return request.param, launch(_job, request.param, timeout=180)
 
 
+@slow
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("stage", [3, 2])
 def test_equal_to_fully_shard_with_the_same_policy(results, policy, stage):
@@ -144,6 +145,7 @@ def test_equal_to_fully_shard_with_the_same_policy(results, policy, stage):
         assert run["compute_dtypes"] == {POLICIES[policy][0] or torch.float32}
 
 
+@slow
 def test_three_ranks_shard_unevenly_and_one_is_empty(results):
     n, per_rank = results
     if n == 3:
@@ -153,6 +155,7 @@ def test_three_ranks_shard_unevenly_and_one_is_empty(results):
             [(2, 8), (2,), (1, 6), (1,), (0, 5), (0,)]]
 
 
+@slow
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_allgather_moves_param_dtype_and_the_reducescatter_reduce_dtype(results, policy):
     """Bytes per rank per step as counted by the wrapper, equal to sharded_step_nbytes: under the bf16 policy the
@@ -172,6 +175,7 @@ def test_the_allgather_moves_param_dtype_and_the_reducescatter_reduce_dtype(resu
     assert bf16["all_gather"] == fp32["all_gather"] / 2 and bf16["reduce_scatter"] == fp32["reduce_scatter"]
 
 
+@slow
 def test_frozen_parameters_are_sharded_and_not_reduced(results):
     """A frozen first layer (FSDP2 shards it with the rest; only the trainable ones have gradients to reduce)."""
     n, per_rank = results
@@ -183,6 +187,7 @@ def test_frozen_parameters_are_sharded_and_not_reduced(results):
         assert run["stats"].reduce_scatter_nbytes == full["reduce_scatter"] - (n - 1) / n * padded_first * 4
 
 
+@slow
 def test_bad_policies_and_parameters_are_named(results):
     _, per_rank = results
     for r in per_rank:
