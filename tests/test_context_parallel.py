@@ -389,7 +389,7 @@ def test_ring_hiding_splits_attention_time_by_the_backward_ratio():
 def test_two_level_all_to_all_prices_intra_node_peers_on_the_intra_link():
     from commlab.collectives import all_to_all_seconds
     from commlab.parallel.context.cost import ulysses_seconds
-    from commlab.parallel.expert.cost import two_level_all_to_all_seconds
+    from commlab.collectives import two_level_all_to_all_seconds
     nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)
     nbytes = 16 * 2**20
     # 16 ranks on 2 nodes of 8: 7 peers over NVLink, 8 over the NIC, at the same time.

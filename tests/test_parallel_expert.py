@@ -389,7 +389,7 @@ def test_dropless_cost_by_hand():
 
 
 def test_padded_cost_across_nodes_uses_the_two_level_alltoall():
-    from commlab.parallel.expert import two_level_all_to_all_seconds
+    from commlab.collectives import two_level_all_to_all_seconds
     nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)
     one_link = moe_alltoall_cost(8192, 4096, 64, 2, 1.25, 16, 2, *ib)
     two_level = moe_alltoall_cost(8192, 4096, 64, 2, 1.25, 16, 2, *ib, intra=(8, *nv))

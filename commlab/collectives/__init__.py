@@ -18,7 +18,8 @@ from commlab.collectives.halving_doubling import (rhd_all_reduce, rhd_all_reduce
 from commlab.collectives.tree import (binomial_tree_all_reduce_seconds,
                                       double_binary_tree_all_reduce_seconds, optimal_pipeline_chunks,
                                       pipelined_binary_tree_all_reduce_seconds, tree_all_reduce)
-from commlab.collectives.all_to_all import all_to_all, all_to_all_seconds, all_to_all_v, all_to_all_v_seconds
+from commlab.collectives.all_to_all import (all_to_all, all_to_all_seconds, all_to_all_v, all_to_all_v_seconds,
+                                            two_level_all_to_all_seconds)
 from commlab.collectives.hierarchical import (HierarchyGroups, hierarchical_all_reduce,
                                               hierarchical_all_reduce_seconds, make_hierarchy_groups,
                                               ring_all_reduce_seconds_on)
@@ -30,5 +31,5 @@ __all__ += [
     "double_binary_tree_all_reduce_seconds", "optimal_pipeline_chunks",
     "HierarchyGroups", "make_hierarchy_groups", "hierarchical_all_reduce",
     "hierarchical_all_reduce_seconds", "ring_all_reduce_seconds_on", "all_to_all", "all_to_all_seconds",
-    "all_to_all_v", "all_to_all_v_seconds",
+    "all_to_all_v", "all_to_all_v_seconds", "two_level_all_to_all_seconds",
 ]

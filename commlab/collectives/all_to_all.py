@@ -22,14 +22,15 @@ import torch.distributed as dist
 import math
 from typing import Sequence
 
+from commlab import checks
 from commlab.collectives import p2p
 from commlab.collectives.common import as_int64, check_cost_args, global_rank, group_size_and_rank
 from commlab.collectives.agreement import check_agreement
 from commlab.launch.device import group_device
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["all_to_all", "all_to_all_v", "all_to_all_seconds", "all_to_all_v_seconds", "pairwise_step_nbytes",
-           "all_to_all_v_bytes_sent"]
+__all__ = ["all_to_all", "all_to_all_v", "all_to_all_seconds", "all_to_all_v_seconds", "two_level_all_to_all_seconds",
+           "pairwise_step_nbytes", "all_to_all_v_bytes_sent"]
 
 
 def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -245,6 +246,36 @@ def all_to_all_seconds(nbytes: float, n: int, alpha_s: float, beta_s_per_byte: f
     """
     check_cost_args(nbytes, n, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
     return (n - 1) * alpha_s + (n - 1) / n * nbytes * beta_s_per_byte
+
+
+def two_level_all_to_all_seconds(nbytes: float, n: int, ranks_per_node: int, intra_alpha_s: float,
+                                 intra_beta_s_per_byte: float, inter_alpha_s: float,
+                                 inter_beta_s_per_byte: float) -> float:
+    """α-β time of an AllToAll of ``nbytes`` per rank over ``n`` ranks placed ``ranks_per_node`` to a node.
+
+    Each rank sends ``nbytes / n`` to each peer: ``g - 1`` peers share its node (``g = min(n,
+    ranks_per_node)``), ``n - g`` do not. The intra-node blocks go over the intra-node link and the others
+    over the NIC at the same time (NCCL posts all of an AllToAll's sends in one group), so
+
+    ``max((g-1)·α_intra + (g-1)/n·B·β_intra,  (n-g)·α_inter + (n-g)/n·B·β_inter)``.
+
+    One node gives :func:`all_to_all_seconds` on the intra link; were every byte to cross
+    the NIC, it would be ``(n-1)·α_inter + (n-1)/n·B·β_inter``.
+
+    Raises:
+        ValueError: ``nbytes`` or a rate negative or not finite; ``n`` or ``ranks_per_node`` not an int >= 1;
+            ``n`` more than one node and not a multiple of ``ranks_per_node`` (ranks fill whole nodes).
+    """
+    check_cost_args(nbytes, n, intra_alpha_s=intra_alpha_s, intra_beta_s_per_byte=intra_beta_s_per_byte,
+                    inter_alpha_s=inter_alpha_s, inter_beta_s_per_byte=inter_beta_s_per_byte)
+    checks.integer("ranks_per_node", ranks_per_node)
+    if n > ranks_per_node and n % ranks_per_node:
+        raise ValueError(f"n ({n}) must be a multiple of ranks_per_node ({ranks_per_node}) when the group spans "
+                         "nodes (every node holds the same number of the group's ranks)")
+    g = min(n, ranks_per_node)
+    intra = (g - 1) * intra_alpha_s + (g - 1) / n * nbytes * intra_beta_s_per_byte
+    inter = (n - g) * inter_alpha_s + (n - g) / n * nbytes * inter_beta_s_per_byte
+    return max(intra, inter)
 
 
 def all_to_all_v_seconds(split_nbytes: Sequence[Sequence[float]], alpha_s: float, beta_s_per_byte: float) -> float:

@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 
 from commlab.collectives.common import check_cost_args, check_counts
-from commlab.collectives.all_to_all import all_to_all_seconds
+from commlab.collectives.all_to_all import all_to_all_seconds, two_level_all_to_all_seconds
 from commlab.collectives.ring import (ring_all_gather_seconds, ring_all_reduce_seconds, ring_bytes_sent_per_rank,
                                       ring_reduce_scatter_seconds)
 from commlab.parallel.context.ulysses import kv_replication
-from commlab.parallel.expert.cost import two_level_all_to_all_seconds
 
 __all__ = ["METHODS", "ATTENTION_BACKWARD_OVER_FORWARD", "ring_attention_nbytes", "all_gather_attention_nbytes",
            "ulysses_nbytes", "ring_attention_seconds", "all_gather_attention_seconds", "ulysses_seconds", "CPCost",
@@ -174,7 +173,7 @@ def ulysses_seconds(batch: int, seq: int, heads: int, head_dim: int, n: int, ele
     Args:
         intra: None when the whole group shares one link (α, β); ``(ranks_per_node, α_intra, β_intra)`` when
             it spans nodes: (α, β) is then the NIC's and each AllToAll is
-            :func:`commlab.parallel.expert.cost.two_level_all_to_all_seconds`.
+            :func:`commlab.collectives.all_to_all.two_level_all_to_all_seconds`.
 
     Raises:
         ValueError: as :func:`ulysses_nbytes`, or a negative or non-finite α/β.

@@ -15,8 +15,8 @@ every rank (its own row stays) and costs :func:`commlab.collectives.all_to_all_s
 Dropless (Megatron-Core's default, ``moe_expert_capacity_factor=None``; DeepSeek-V3 §2.1.2), each dispatch is
 an AllToAllV of exactly the routed rows: :func:`moe_dropless_cost` prices it from every rank's tokens per
 expert, the time set by the busiest port (sender or receiver) and the experts' GEMMs by the busiest rank.
-:func:`two_level_all_to_all_seconds`: an AllToAll whose group spans nodes, the intra-node blocks on the
-intra-node link and the rest on the NIC.
+A group that spans nodes is priced two-level (:func:`commlab.collectives.two_level_all_to_all_seconds`: the
+intra-node blocks on the intra-node link, the rest on the NIC).
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 
 from commlab import checks
-from commlab.collectives import all_to_all_seconds
+from commlab.collectives import all_to_all_seconds, two_level_all_to_all_seconds
 from commlab.collectives.common import check_cost_args, check_counts
 from commlab.parallel.expert.layers import check_ep_size
 from commlab.parallel.expert.router import expert_capacity
 
-__all__ = ["MoEAllToAllCost", "moe_alltoall_cost", "MoEDroplessCost", "moe_dropless_cost",
-           "two_level_all_to_all_seconds"]
+__all__ = ["MoEAllToAllCost", "moe_alltoall_cost", "MoEDroplessCost", "moe_dropless_cost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,36 +92,6 @@ def moe_alltoall_cost(tokens: int, hidden: int, num_experts: int, k: int, capaci
     return MoEAllToAllCost(capacity=capacity, buffer_nbytes=buffer, sent_per_alltoall_nbytes=sent,
                            forward_sent_nbytes=2 * sent, backward_sent_nbytes=2 * sent, step_sent_nbytes=4 * sent,
                            step_seconds=4 * one, useful_fraction=useful)
-
-
-def two_level_all_to_all_seconds(nbytes: float, n: int, ranks_per_node: int, intra_alpha_s: float,
-                                 intra_beta_s_per_byte: float, inter_alpha_s: float,
-                                 inter_beta_s_per_byte: float) -> float:
-    """α-β time of an AllToAll of ``nbytes`` per rank over ``n`` ranks placed ``ranks_per_node`` to a node.
-
-    Each rank sends ``nbytes / n`` to each peer: ``g - 1`` peers share its node (``g = min(n,
-    ranks_per_node)``), ``n - g`` do not. The intra-node blocks go over the intra-node link and the others
-    over the NIC at the same time (NCCL posts all of an AllToAll's sends in one group), so
-
-    ``max((g-1)·α_intra + (g-1)/n·B·β_intra,  (n-g)·α_inter + (n-g)/n·B·β_inter)``.
-
-    One node gives :func:`commlab.collectives.all_to_all_seconds` on the intra link; were every byte to cross
-    the NIC, it would be ``(n-1)·α_inter + (n-1)/n·B·β_inter``.
-
-    Raises:
-        ValueError: ``nbytes`` or a rate negative or not finite; ``n`` or ``ranks_per_node`` not an int >= 1;
-            ``n`` more than one node and not a multiple of ``ranks_per_node`` (ranks fill whole nodes).
-    """
-    check_cost_args(nbytes, n, intra_alpha_s=intra_alpha_s, intra_beta_s_per_byte=intra_beta_s_per_byte,
-                    inter_alpha_s=inter_alpha_s, inter_beta_s_per_byte=inter_beta_s_per_byte)
-    checks.integer("ranks_per_node", ranks_per_node)
-    if n > ranks_per_node and n % ranks_per_node:
-        raise ValueError(f"n ({n}) must be a multiple of ranks_per_node ({ranks_per_node}) when the group spans "
-                         "nodes (every node holds the same number of the group's ranks)")
-    g = min(n, ranks_per_node)
-    intra = (g - 1) * intra_alpha_s + (g - 1) / n * nbytes * intra_beta_s_per_byte
-    inter = (n - g) * inter_alpha_s + (n - g) / n * nbytes * inter_beta_s_per_byte
-    return max(intra, inter)
 
 
 @dataclasses.dataclass(frozen=True)
