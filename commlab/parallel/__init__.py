@@ -36,10 +36,11 @@ from commlab.parallel.data_parallel import ZeroOneOptimizer, ZeroStepStats
 __all__ += ["PipelineResult", "bubble_fraction", "ideal_timeline", "make_schedule", "pipeline_step",
             "split_sequential", "ZeroOneOptimizer", "ZeroStepStats"]
 
-from commlab.parallel.sharded import (ShardedDataParallel, ShardedStepStats, held_memory_bytes,
-                                      zero_memory_bytes)
+from commlab.parallel.sharded import (MixedPrecisionPolicy, ShardedDataParallel, ShardedStepStats, dim0_shard_rows,
+                                      held_memory_bytes, sharded_step_nbytes, zero_memory_bytes)
 
-__all__ += ["ShardedDataParallel", "ShardedStepStats", "held_memory_bytes", "zero_memory_bytes"]
+__all__ += ["MixedPrecisionPolicy", "ShardedDataParallel", "ShardedStepStats", "dim0_shard_rows",
+            "held_memory_bytes", "sharded_step_nbytes", "zero_memory_bytes"]
 
 from commlab.parallel.planner import Layout as PlanLayout, search as plan_search, validate_published
 
