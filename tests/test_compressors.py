@@ -176,6 +176,26 @@ def test_exact_payload_bytes():
     assert p.ratio == 1024 * 4 / (128 + 4)
 
 
+def test_sign_with_segments_scales_each_segment_by_its_own_mean():
+    # Karimireddy et al.'s ||v||_1/d * sign(v), applied to each segment (a bucket's parameter tensors) on its own.
+    x = torch.cat([_x((5,)) * 1e-3, _x((0,)), _x((12,), seed=1) * 10.0])
+    comp = SignCompressor(segments=[5, 0, 12])
+    p = comp.compress(x)
+    want = torch.cat([torch.where(part >= 0, 1.0, -1.0) * part.abs().mean() for part in (x[:5], x[5:])])
+    assert torch.allclose(comp.decompress(p), want, rtol=1e-6, atol=0)
+    assert p.nbytes == 3 + 3 * 4 and p.tensors["scale"][1] == 0 and p.meta == {"segments": (5, 0, 12)}
+    whole = SignCompressor(segments=[17])
+    assert torch.equal(whole.decompress(whole.compress(x)), SignCompressor().decompress(SignCompressor().compress(x)))
+    with pytest.raises(ValueError, match="add up to 16 elements, the input has 17"):
+        SignCompressor(segments=[4, 12]).compress(x)
+    with pytest.raises(ValueError, match="segments\\[1\\]"):
+        SignCompressor(segments=[4, -1])
+    bad = x.clone()
+    bad[7] = float("nan")
+    with pytest.raises(FloatingPointError):
+        comp.compress(bad)
+
+
 def test_int4_really_sends_half_of_int8():
     x = _x((1000,))
     p4, p8 = RoundingQuantizer(4).compress(x), RoundingQuantizer(8).compress(x)

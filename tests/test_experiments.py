@@ -24,7 +24,7 @@ from commlab.topology import Link
 # ----------------------------------------------------------------------------------------- specs and config
 
 @pytest.mark.parametrize("spec", ["dense", "cast:fp16", "cast:bf16", "int:8", "int:4", "qsgd:4", "qsgd:8:all",
-                                  "qsgd:4:1024", "sign", "topk:0.01", "randomk:0.5", "powersgd:2"])
+                                  "qsgd:4:1024", "sign", "sign:tensor", "topk:0.01", "randomk:0.5", "powersgd:2"])
 def test_specs_parse(spec):
     kind, arg = parse_spec(spec)
     assert kind == spec.split(":")[0]
@@ -36,7 +36,7 @@ def test_specs_parse(spec):
                                          ("cast:fp8", "fp16 or bf16"), ("powersgd:0", "rank"), ("powersgd:x", "rank"),
                                          ("qsgd:2", "4 or 8"), ("qsgd:4:", "one bucket"), ("qsgd:4:0", "per norm"),
                                          ("qsgd:4:some", "per norm"), ("qsgd:4:512", "write it 'qsgd:4'"),
-                                         ("qsgd:4:0100", "write it 'qsgd:4:100'")])
+                                         ("qsgd:4:0100", "write it 'qsgd:4:100'"), ("sign:all", "tensor")])
 def test_bad_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_spec(spec)
@@ -52,6 +52,26 @@ def test_labels():
         "QSGD 4-bit", "QSGD 4-bit, one bucket", "QSGD 8-bit, buckets of 64"]
     assert [compressor_for(s).bucket_size for s in ("qsgd:4", "qsgd:4:all", "qsgd:8:64")] == [512, None, 64]
     assert compressor_for("qsgd:8:all").bits == 8
+    assert describe("sign:tensor", True) == "sign (1-bit, per-tensor scale) + EF"
+    with pytest.raises(ValueError, match="segments"):
+        compressor_for("sign:tensor")
+    with pytest.raises(ValueError, match="cut across"):
+        RunConfig("charlm", "sign:tensor", aggregation="two_phase")
+
+
+def _sign_per_tensor_average():
+    """sign:tensor averages a list of tensors with one scale per tensor: the mean over ranks of each rank's
+    mean|g| * sign(g), tensor by tensor (integer-valued data: the float32 sums are exact)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    grads = [torch.tensor([1.0, -3.0]) * (rank + 1), torch.tensor([[0.5, -0.5, 1.5]]) * (rank + 1)]
+    avg, cost = make_method("sign:tensor").average(grads)
+    want = [sum(torch.where(g >= 0, 1.0, -1.0) * g.abs().mean() * (r + 1) for r in range(n)) / n for g in
+            (torch.tensor([1.0, -3.0]), torch.tensor([[0.5, -0.5, 1.5]]))]
+    return all(torch.allclose(a, w) for a, w in zip(avg, want)), cost.payload_nbytes
+
+
+def test_sign_per_tensor_scales_each_tensor_of_the_step():
+    assert launch(_sign_per_tensor_average, 2, timeout=60) == [(True, 1 + 2 * 4)] * 2
 
 
 def test_recorded_qsgd_runs_have_the_payload_of_their_spec():

@@ -1,7 +1,8 @@
 """Gradient-averaging methods named by short specs, each timing its encode/decode and its communication.
 
 A spec names a method (:func:`parse_spec`): ``dense``, ``cast:fp16``, ``cast:bf16``, ``int:8``, ``int:4``,
-``qsgd:4`` (buckets of 512), ``qsgd:4:all`` (one bucket), ``qsgd:4:D``, ``sign``, ``topk:0.01``,
+``qsgd:4`` (buckets of 512), ``qsgd:4:all`` (one bucket), ``qsgd:4:D``, ``sign`` (one scale for the bucket),
+``sign:tensor`` (one scale per parameter tensor of the bucket), ``topk:0.01``,
 ``randomk:0.01`` and ``powersgd:R``; ``aggregation`` (:data:`AGGREGATIONS`) is ``"auto"`` or ``"two_phase"``.
 :func:`make_method` builds a :class:`Method`, the comm hook (:func:`method_hook`) of a
 :class:`commlab.overlap.BucketedDataParallel` that averages each bucket and records per bucket the payload
@@ -43,8 +44,11 @@ __all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "StepComm", "Bucke
 #: Spec prefix -> what its argument means.
 METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)",
                 "qsgd": "bits (4 or 8), optionally :all (one bucket) or :D (D entries per norm; default 512)",
-                "sign": None, "topk": "share kept in (0, 1]", "randomk": "share kept in (0, 1]",
-                "powersgd": "rank >= 1"}
+                "sign": "nothing, or tensor (one scale per parameter tensor)", "topk": "share kept in (0, 1]",
+                "randomk": "share kept in (0, 1]", "powersgd": "rank >= 1"}
+
+#: Spec kinds whose argument may be left out.
+OPTIONAL_ARGUMENT = ("sign",)
 
 #: The spec kinds whose compressors are not linear: those the two-phase AllReduce applies to.
 TWO_PHASE_KINDS = ("int", "qsgd", "sign", "topk")
@@ -101,13 +105,15 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
         raise ValueError(f"method {spec!r}: no spaces around the argument")
     if kind not in METHOD_KINDS:
         raise ValueError(f"unknown method {spec!r}; kinds: {', '.join(f'{k}:<{v}>' if v else k for k, v in METHOD_KINDS.items())}")
-    if (METHOD_KINDS[kind] is None) != (arg == ""):
+    if kind not in OPTIONAL_ARGUMENT and (METHOD_KINDS[kind] is None) != (arg == ""):
         want = f"{kind}:<{METHOD_KINDS[kind]}>" if METHOD_KINDS[kind] else kind
         raise ValueError(f"method {spec!r} must be written {want}")
     try:
         if kind == "cast" and arg not in ("fp16", "bf16"):
             raise ValueError
         if kind == "int" and arg not in ("8", "4"):
+            raise ValueError
+        if kind == "sign" and arg not in ("", "tensor"):
             raise ValueError
         if kind == "qsgd":
             _qsgd_settings(arg)
@@ -137,6 +143,9 @@ def check_aggregation(spec: str, aggregation: str) -> None:
     kind, _ = parse_spec(spec)
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "two_phase" and spec == "sign:tensor":
+        raise ValueError(f"method {spec!r} scales each parameter tensor of a bucket, and the two-phase AllReduce "
+                         "compresses chunks that cut across them; use 'sign' for two-phase aggregation")
     if aggregation == "two_phase" and kind not in TWO_PHASE_KINDS:
         why = ("has its own two AllReduces (P, then Q)" if kind == "powersgd" else
                "sends nothing compressed" if kind == "dense" else "is linear: its payloads ride the ring AllReduce")
@@ -176,7 +185,7 @@ def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0, agg
     """A label for tables: ``"Top-K 1% + EF"``, ``"PowerSGD r=4"``, ``"sign + EF, 30 dense steps"``,
     ``"sign (1-bit) + EF, two-phase"`` (error feedback on workers and chunk owners)."""
     kind, arg = parse_spec(spec)
-    base = {"dense": "dense fp32", "sign": "sign (1-bit)"}.get(kind)
+    base = {"dense": "dense fp32", "sign": "sign (1-bit)" if arg is None else "sign (1-bit, per-tensor scale)"}.get(kind)
     if base is None:
         base = {"cast": lambda a: a.upper() if a == "fp16" else "BF16",
                 "int": lambda a: f"INT{a}",
@@ -225,6 +234,9 @@ def compressor_for(spec: str, seed: int = 0):
         ValueError: a spec :func:`parse_spec` refuses.
     """
     kind, arg = parse_spec(spec)
+    if spec == "sign:tensor":
+        raise ValueError("'sign:tensor' takes its segments from each bucket's parameters (Method sets them); "
+                         "build SignCompressor(segments=[sizes of the bucket's tensors]) instead")
     return None if kind in ("dense", "powersgd") else _compressor(kind, arg, seed)
 
 
@@ -237,7 +249,7 @@ def _compressor(kind: str, arg: str | None, seed: int):
         bits, bucket_size = _qsgd_settings(arg)
         return QSGD(bits=bits, seed=seed, bucket_size=bucket_size)
     if kind == "sign":
-        return SignCompressor()
+        return SignCompressor()  # sign:tensor: Method sets the segments for each bucket
     if kind == "topk":
         return TopK(ratio=float(arg))
     return RandomK(ratio=float(arg), seed=seed)
@@ -265,6 +277,7 @@ class Method:
     def __init__(self, spec: str, error_feedback: bool, warmup_steps: int, seed: int,
                  emulate: EmulatedTopology | None, clock: Clock | None = None, aggregation: str = "auto"):
         self.kind, arg = parse_spec(spec)
+        self.spec = spec
         check_aggregation(spec, aggregation)
         self.aggregation = aggregation
         if self.kind == "powersgd" and emulate is not None:
@@ -298,6 +311,7 @@ class Method:
             avg, cost = self._powersgd(list(grads), list(range(len(grads))), None)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
+            self._set_segments(grads)
             total, cost = self._flat_sum(flat, "flat")
             avg = (total / dist.get_world_size()).split([g.numel() for g in grads])
             avg = [a.view_as(g) for a, g in zip(avg, grads)]
@@ -316,12 +330,18 @@ class Method:
         else:
             # One error-feedback residual per bucket (the buckets of a step differ in size).
             key = "flat" if bucket.index() == 0 else f"flat/{bucket.index()}"
+            self._set_segments(bucket.gradients())
             total, cost = self._flat_sum(bucket.buffer(), key)
             result = total / dist.get_world_size()
         self.costs.append(cost)
         if bucket.is_last():
             self.step += 1
         return result
+
+    def _set_segments(self, grads: Sequence[torch.Tensor]) -> None:
+        """``sign:tensor``: one scale per tensor of the flat buffer about to be compressed."""
+        if self.spec == "sign:tensor":
+            self.compressor.inner.segments = [g.numel() for g in grads]
 
     def take_costs(self) -> list[BucketCost]:
         """The :class:`BucketCost` of every bucket averaged since the last call (one step's, in training)."""
