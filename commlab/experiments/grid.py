@@ -2,8 +2,8 @@
 
 ``python -m commlab experiments run --grid full`` trains every method of :data:`FULL_METHODS` on both
 tasks for :data:`FULL_SEEDS`, and :data:`SGD_CONTRAST_METHODS` on the character LM with SGD instead of Adam,
-then the same for the two-phase rows (:data:`TWO_PHASE_METHODS`, :data:`TWO_PHASE_SGD_CONTRAST_METHODS`),
-appending one JSON line per finished run (its whole :class:`RunRecord`,
+then the same for the two-phase rows (:data:`TWO_PHASE_METHODS`, :data:`TWO_PHASE_SGD_CONTRAST_METHODS`) and
+sign with a scale per tensor on the character LM (:data:`PER_TENSOR_SIGN_METHODS`, under both optimizers), appending one JSON line per finished run (its whole :class:`RunRecord`,
 config included) to ``commlab/data/experiments/full.jsonl``; runs already in the file are skipped, so an
 interrupted grid resumes where it stopped (``--fresh`` starts over). ``--grid quick`` is the lab's short
 version. Progress: a tqdm bar over runs and one line per finished run.
@@ -22,7 +22,8 @@ from typing import Iterable
 from commlab import data as package_data
 from commlab.experiments.harness import RunConfig, RunRecord, run
 
-__all__ = ["FULL_METHODS", "SGD_CONTRAST_METHODS", "TWO_PHASE_METHODS", "TWO_PHASE_SGD_CONTRAST_METHODS", "FULL_SEEDS",
+__all__ = ["FULL_METHODS", "SGD_CONTRAST_METHODS", "TWO_PHASE_METHODS", "TWO_PHASE_SGD_CONTRAST_METHODS",
+           "PER_TENSOR_SIGN_METHODS", "FULL_SEEDS",
            "QUICK_METHODS", "grid_configs", "run_grid", "load_records", "default_path", "DATA_DIR"]
 
 #: The recorded grids: ``experiments/`` of the package data (a Traversable; see :mod:`commlab.data`).
@@ -66,6 +67,11 @@ TWO_PHASE_SGD_CONTRAST_METHODS: list[tuple[str, bool, float]] = [
     ("int:8", False, 0.0), ("sign", False, 0.0), ("sign", True, 0.0), ("topk:0.01", False, 0.0),
     ("topk:0.01", True, 0.0)]
 
+#: Sign with one scale per parameter tensor instead of one for the whole gradient, on the character LM under Adam
+#: and under SGD + momentum: the contrast that separates the single scale from the optimizer (chapter 8, §8.5).
+#: Recorded last, so that the grid resumes with them alone.
+PER_TENSOR_SIGN_METHODS: list[tuple[str, bool, float]] = [("sign:tensor", False, 0.0), ("sign:tensor", True, 0.0)]
+
 #: The lab's grid: a few methods, one seed, the digits task on 2 ranks, short runs.
 QUICK_METHODS: list[tuple[str, bool, float]] = [
     ("dense", False, 0.0), ("cast:fp16", False, 0.0), ("topk:0.01", False, 0.0), ("topk:0.01", True, 0.0),
@@ -98,6 +104,10 @@ def grid_configs(name: str) -> list[RunConfig]:
             for spec, ef, _ in TWO_PHASE_SGD_CONTRAST_METHODS:
                 out.append(RunConfig("charlm", spec, ef, seed=seed, world_size=4, optimizer="sgd-momentum", lr=0.3,
                                      aggregation="two_phase"))
+        for seed in FULL_SEEDS:
+            for spec, ef, _ in PER_TENSOR_SIGN_METHODS:
+                out.append(RunConfig("charlm", spec, ef, seed=seed, world_size=4))
+                out.append(RunConfig("charlm", spec, ef, seed=seed, world_size=4, optimizer="sgd-momentum", lr=0.3))
         return out
     if name == "quick":
         return [RunConfig("digits", spec, ef, int(round(warm * 60)), seed=0, world_size=2, steps=60)
