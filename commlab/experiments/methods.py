@@ -44,7 +44,7 @@ __all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "StepComm", "Bucke
 #: Spec prefix -> what its argument means.
 METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)",
                 "qsgd": "bits (4 or 8), optionally :all (one bucket) or :D (D entries per norm; default 512)",
-                "sign": "nothing, or tensor (one scale per parameter tensor)", "topk": "share kept in (0, 1]",
+                "sign": "tensor (one scale per parameter tensor), or nothing", "topk": "share kept in (0, 1]",
                 "randomk": "share kept in (0, 1]", "powersgd": "rank >= 1"}
 
 #: Spec kinds whose argument may be left out.
@@ -104,7 +104,7 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     if arg != arg.strip():
         raise ValueError(f"method {spec!r}: no spaces around the argument")
     if kind not in METHOD_KINDS:
-        raise ValueError(f"unknown method {spec!r}; kinds: {', '.join(f'{k}:<{v}>' if v else k for k, v in METHOD_KINDS.items())}")
+        raise ValueError(f"unknown method {spec!r}; kinds: {', '.join(_usage(k) for k in METHOD_KINDS)}")
     if kind not in OPTIONAL_ARGUMENT and (METHOD_KINDS[kind] is None) != (arg == ""):
         want = f"{kind}:<{METHOD_KINDS[kind]}>" if METHOD_KINDS[kind] else kind
         raise ValueError(f"method {spec!r} must be written {want}")
@@ -134,6 +134,14 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
             short = f"qsgd:{bits}" if int(bucket) == QSGD_BUCKET_SIZE else f"qsgd:{bits}:{int(bucket)}"
             raise ValueError(f"method {spec!r}: write it '{short}'")
     return kind, arg or None
+
+
+def _usage(kind: str) -> str:
+    """How a kind is written: ``topk:<share kept in (0, 1]>``, ``dense``, ``sign[:<tensor ...>]``."""
+    arg = METHOD_KINDS[kind]
+    if arg is None:
+        return kind
+    return f"{kind}[:<{arg}>]" if kind in OPTIONAL_ARGUMENT else f"{kind}:<{arg}>"
 
 
 def check_aggregation(spec: str, aggregation: str) -> None:
@@ -185,7 +193,8 @@ def describe(spec: str, error_feedback: bool = False, warmup_steps: int = 0, agg
     """A label for tables: ``"Top-K 1% + EF"``, ``"PowerSGD r=4"``, ``"sign + EF, 30 dense steps"``,
     ``"sign (1-bit) + EF, two-phase"`` (error feedback on workers and chunk owners)."""
     kind, arg = parse_spec(spec)
-    base = {"dense": "dense fp32", "sign": "sign (1-bit)" if arg is None else "sign (1-bit, per-tensor scale)"}.get(kind)
+    sign = "sign (1-bit)" if arg is None else "sign (1-bit, per-tensor scale)"
+    base = {"dense": "dense fp32", "sign": sign}.get(kind)
     if base is None:
         base = {"cast": lambda a: a.upper() if a == "fp16" else "BF16",
                 "int": lambda a: f"INT{a}",
