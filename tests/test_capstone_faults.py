@@ -122,6 +122,25 @@ def test_a_damaged_newest_checkpoint_is_named_and_resume_goes_back_to_one_that_l
 
 
 @pytest.mark.slow
+def test_a_file_damaged_behind_its_manifest_fails_on_every_rank_naming_the_step_and_never_hangs(saved, tmp_path):
+    """A .distcp truncated and its manifest rewritten to match, so that only DCP finds it: the ranks that read it
+    fail, and both ranks stop with one error naming the step, the path and the failing ranks, instead of a bare
+    unpickling error (or a rank left waiting)."""
+    from labs.capstone.checkpoint import MANIFEST, _write_manifest
+    ckpt, _ = saved
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    newest = tmp_path / "ckpt" / "step_000005"
+    _truncate(newest / "__1_0.distcp", 5000)
+    _write_manifest(str(newest), 5, json.loads((newest / MANIFEST).read_text())["config"])
+    proc = _torchrun(tmp_path, "--steps", "8", "--ckpt-dir", "ckpt", "--resume", "--log-file", "run.jsonl")
+    assert proc.returncode != 0 and _no_worker_traceback(proc.stderr) and not proc.stopped
+    assert "error: the checkpoint of step 5 (ckpt/step_000005) cannot be read (rank " in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "rank 1: EOFError" in proc.stderr
+    assert _steps(tmp_path / "run.jsonl") == []
+
+
+@pytest.mark.slow
 def test_resuming_with_another_model_is_refused_before_any_step_naming_the_fields(saved, tmp_path):
     ckpt, _ = saved
     shutil.copytree(ckpt, tmp_path / "ckpt")

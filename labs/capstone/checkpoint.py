@@ -11,14 +11,10 @@ is stored per rank under its place in the mesh, and restored only into a run of 
 compressor, bucket cap): then resuming is the uninterrupted run, bitwise. Otherwise the compressor starts
 afresh with a warning (see :func:`load`). Batches are drawn from ``(seed, step)``, so data needs no state.
 
-A checkpoint is complete when rank 0 has written its ``manifest.json`` (each file's bytes and SHA-256, the
-run's model and settings) after DCP's save. :class:`RunDirectory` guards ``--ckpt-dir`` for a whole run: a lock
-that a dead run does not leave held, no fresh run over older checkpoints without ``--overwrite``, resume from
-the newest checkpoint that verifies and holds the same model, a checkpoint at the step boundary after SIGTERM
-or SIGUSR1, and a stop at the first non-finite loss (:class:`RunError` on every rank alike). Chapter 14 §14.4.
-
-Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`, :func:`verify`; lab 14, part 3, resumes
-under another layout.
+A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
+and the run). :class:`RunDirectory` guards ``--ckpt-dir`` for a run: lock, resume, saves, preemption signals
+and the stop at a non-finite loss (chapter 14 §14.4). Entry points: :class:`RunDirectory`, :func:`save`,
+:func:`load`, :func:`verify`; lab 14, part 3, resumes under another layout.
 """
 
 from __future__ import annotations
@@ -370,9 +366,15 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
         if dp_sync is not None and "dp_sync.setting" in saved_keys:
             everything["dp_sync"] = {"setting": None}
         _dcp().load(everything, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001  -- whatever DCP or pickle raised, said with the step and the path
-        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise RunError(f"the checkpoint of step {step} ({path}) cannot be read: {why}") from e
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: its ranks' errors, said here
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        failures = getattr(e, "failures", {})   # rank -> (exception, traceback)
+        causes = [(f"rank {r}: ", f[0]) for r, f in sorted(failures.items())] or [("", e)]
+        why = "; ".join(f"{who}{type(c).__name__}" + (f": {str(c).splitlines()[0][:200]}" if str(c).strip() else "")
+                        for who, c in causes)
+        raise RunError(f"the checkpoint of step {step} ({path}) cannot be read ({why}); move it away and resume "
+                       "from an earlier one") from e
     if int(meta["step"]) != step:
         raise RunError(f"checkpoint {path!r} says step {int(meta['step'])}")
     opt_states: dict[nn.Parameter, dict] = {}
