@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 
 import torch
 import torch.distributed as dist
@@ -68,7 +67,7 @@ def max_over_world(value: float, device: torch.device) -> float:
 
 
 def _ring_checks(device: torch.device) -> list[Check]:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     rows = []
     for count in RING_SIZES:
         g = torch.Generator().manual_seed(1000 * rank + count)

@@ -435,7 +435,7 @@ class RingModelReport:
 
     def format(self) -> str:
         """The rows as a table (times in microseconds)."""
-        lines = [f"# ring AllReduce: measured vs alpha-beta model (+ reduction term)",
+        lines = ["# ring AllReduce: measured vs alpha-beta model (+ reduction term)",
                  f"#{'N':>3} {'size (B)':>10} {'measured':>11} {'alpha-beta':>11} {'+ reduce':>10}"
                  f" {'predicted':>11} {'error':>8}"]
         for r in self.rows:

@@ -11,12 +11,10 @@ version. Progress: a tqdm bar over runs and one line per finished run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
 import sys
-import time
 from typing import Iterable
 
 from commlab import data as package_data

@@ -20,7 +20,6 @@ import dataclasses
 import os
 import re
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch

@@ -26,7 +26,7 @@ import numpy as np
 
 from commlab import checks
 from commlab.bench.metrics import algbw_bytes_per_s, busbw_bytes_per_s
-from commlab.collectives.cost import FLAT_ALGORITHMS, predict_flat, predict_on_cluster
+from commlab.collectives.cost import predict_flat, predict_on_cluster
 from commlab.collectives.in_network import HDR_SWITCH_PORTS
 from commlab.topology import Link, list_presets, load_preset
 

@@ -80,7 +80,7 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                    "move the heads before the sequence (e.g. x.view(b, s, h, d).transpose(1, 2))")
     elif k.shape != v.shape or (k.shape != q.shape and not (
             grouped_kv and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and q.shape[1] % k.shape[1] == 0)):
-        problem = (f"k and v must have q's shape [batch, heads, seq_local, head_dim]"
+        problem = ("k and v must have q's shape [batch, heads, seq_local, head_dim]"
                    + (" (or fewer heads, a divisor of q's: grouped-query attention)" if grouped_kv else "")
                    + f", got {shapes}")
     elif len({q.dtype, k.dtype, v.dtype}) > 1 or not q.dtype.is_floating_point:

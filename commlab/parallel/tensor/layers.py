@@ -17,7 +17,6 @@ Book: chapter 10, §10.2 and §10.9; chapter 13, §13.1.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
