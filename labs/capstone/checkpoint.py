@@ -419,6 +419,9 @@ class RunDirectory:
     were skipped and why; refusing, naming each, when checkpoints exist and none verifies) and refuse it if it
     holds another model (naming the fields). Then :data:`PREEMPTION_SIGNALS` are caught until exit.
 
+    (``flock`` holds across nodes on NFS, where Linux maps it to a POSIX lock; Lustre needs its ``flock`` mount
+    option.)
+
     Per step, :meth:`end_of_step` stops the run at the first non-finite loss (the chosen behaviour: stop, not
     skip the step) and saves every ``--ckpt-every`` steps, or at once when any rank got a preemption signal,
     after which the run stops. Without a directory it only checks the loss (no collective, no handlers).
