@@ -349,8 +349,7 @@ class ShardedDataParallel(nn.Module):
                                  "wrapped module")
             for p in m.parameters():
                 if id(p) in owner and owner[id(p)] != i:
-                    raise ValueError(f"ShardedDataParallel: units {owner[id(p)]} and {i} share a parameter; a "
-                                     "parameter belongs to one unit (wrap the inner or the outer module, not both)")
+                    raise ValueError(self._shared_message(module, units, names_of, owner[id(p)], i, p))
                 owner[id(p)] = i
         outside = [n for n, p in named if id(p) not in owner]
         if outside:
@@ -372,6 +371,21 @@ class ShardedDataParallel(nn.Module):
                                  f"({sorted(f'{d}@{v}' for d, v in kinds)}); its AllGather needs one of each")
             built.append(_Unit(i, names_of[id(m)], m, [_Param(n, places[id(p)], p) for n, p in mine]))
         return built
+
+    @staticmethod
+    def _shared_message(module, units, names_of, i: int, j: int, p: nn.Parameter) -> str:
+        """Why units i and j may not both hold ``p``: nested units, or a parameter tied across two units."""
+        a, b = (names_of[id(units[k])] for k in (i, j))
+        names = [n for n, q in module.named_parameters(remove_duplicate=False) if q is p]
+        nested = any(m is units[j] for m in units[i].modules()) or any(m is units[i] for m in units[j].modules())
+        if nested:
+            return (f"ShardedDataParallel: units {i} ({a or 'the module'}) and {j} ({b or 'the module'}) are nested "
+                    f"and both hold {names[0]!r}; a parameter belongs to one unit (wrap the inner or the outer "
+                    "module, not both)")
+        return (f"ShardedDataParallel: parameter {names[0]!r} is shared (tied) with {names[1:]} across units {i} "
+                f"({a}) and {j} ({b}); shared/tied parameters must be in the same unit, as fully_shard requires: "
+                "pass units=[...] in which one module holds every use of it (a common parent, e.g. the wrapped "
+                "module itself, units=[module]) and the modules under it are not units of their own")
 
     def _layout(self) -> list[tuple]:
         rows = [("stage", self.stage, "mp_policy", _name(self.mp_policy.param_dtype),
