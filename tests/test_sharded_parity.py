@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from commlab import launch
+from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import ShardedDataParallel
 
 slow = pytest.mark.slow  # seconds: processes on 2 and 4 ranks
@@ -73,8 +74,25 @@ def _tied():
     return out
 
 
+def _buffers():
+    """Buffers that differ between ranks in number, or in shape (a per-rank config value such as max_seq_len)."""
+    out = {}
+    for case in ("count", "shape"):
+        model = mlp()
+        if case == "count" and dist.get_rank() == 1:
+            model.register_buffer("extra", torch.zeros(4))
+        if case == "shape":
+            model.register_buffer("pos", torch.zeros(16 if dist.get_rank() == 0 else 32))
+        try:
+            ShardedDataParallel(model)
+            out[case] = "no error"
+        except CollectiveMismatchError as exc:
+            out[case] = str(exc)
+    return out
+
+
 def _job():
-    return {"tied": _tied()}
+    return {"tied": _tied(), "buffers": _buffers()}
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +107,13 @@ def test_tied_weights_in_two_units_are_refused_as_fully_shard_does_and_one_unit_
         assert "shared/tied parameters must be in the same unit" in t["ours"] and "'emb.weight'" in t["ours"]
         assert "units=[module]" in t["ours"] and "same FSDP group" in t["torch"]
         assert max(t["gaps"]) < 1e-6 and t["still_tied"]
+
+
+@slow
+def test_buffers_that_differ_between_ranks_are_refused_on_every_rank(two):
+    """Before: a rank with one buffer more waited in __init__'s broadcast forever; buffers of different sizes were
+    broadcast without a word (each rank kept its own size)."""
+    for r in two:
+        assert "buffer extra" in r["buffers"]["count"]
+        assert "buffer pos" in r["buffers"]["shape"] and "(32,)" in r["buffers"]["shape"]
+    assert two[0]["buffers"] == two[1]["buffers"]

@@ -258,7 +258,8 @@ class ShardedDataParallel(nn.Module):
         ValueError: a bad stage or policy, no trainable parameter, a 0-dim parameter, parameters off the group's
             device, bad units, a replicate group sharing another rank with the shard group.
         RuntimeError: not initialised / not a member.
-        CollectiveMismatchError: the ranks hold different models, units or policies (on every rank).
+        CollectiveMismatchError: the ranks hold different models (parameters or buffers: names, shapes, dtypes),
+            units or policies (on every rank).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, shard_group: dist.ProcessGroup | None = None,
@@ -393,6 +394,9 @@ class ShardedDataParallel(nn.Module):
         for u in self._units:
             rows += [(f"unit {u.index} ({u.name}): {sp.fqn}{'' if sp.requires_grad else ' (frozen)'}",
                       tuple(sp.shape), _name(sp.orig_dtype)) for sp in u.params]
+        # The buffers are broadcast too (_broadcast): ranks whose buffers differ in number, shape or dtype would
+        # wait in, or silently mis-pair, those broadcasts.
+        rows += [(f"buffer {name}", tuple(b.shape), _name(b.dtype)) for name, b in self.module.named_buffers()]
         return rows
 
     def _compute_dtype(self, u: _Unit) -> torch.dtype:
