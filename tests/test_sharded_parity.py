@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
 from commlab import launch
 from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import ShardedDataParallel
+from commlab.parallel.sharded import MixedPrecisionPolicy, gradient_divide_factors
 
 slow = pytest.mark.slow  # seconds: processes on 2 and 4 ranks
 
@@ -91,13 +94,37 @@ def _buffers():
     return out
 
 
+def _fp16_big():
+    """fp16 compute and reduction (reduce_dtype None), gradients near fp16's top (65504) on every rank: the sum over
+    4 ranks overflows unless divided by about sqrt(4) first, as fully_shard does."""
+    pd = torch.float16
+    ref, model = mlp().to(pd), mlp().to(pd)
+    torch_sharded(ref, mp_policy=TorchPolicy(pd))
+    sdp = ShardedDataParallel(model, mp_policy=MixedPrecisionPolicy(pd))
+    for m in (ref, sdp):
+        (m(torch.full((4, 8), 30.0, dtype=pd)).float().sum() * 250.0).backward()
+    theirs = [p.grad.to_local().float() for p in ref.parameters()]
+    ours = [p.grad.float() for p in model.parameters()]
+    return {"finite": [bool(torch.isfinite(g).all()) for g in ours],
+            "torch_finite": [bool(torch.isfinite(g).all()) for g in theirs],
+            "largest": max(float(g.abs().max()) for g in theirs if g.numel()),
+            "gap": max(float((a - b).abs().max()) for a, b in zip(theirs, ours) if a.numel())}
+
+
 def _job():
+    if dist.get_world_size() == 4:
+        return {"fp16": _fp16_big()}
     return {"tied": _tied(), "buffers": _buffers()}
 
 
 @pytest.fixture(scope="module")
 def two():
     return launch(_job, 2, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return launch(_job, 4, timeout=180)
 
 
 @slow
@@ -117,3 +144,28 @@ def test_buffers_that_differ_between_ranks_are_refused_on_every_rank(two):
         assert "buffer extra" in r["buffers"]["count"]
         assert "buffer pos" in r["buffers"]["shape"] and "(32,)" in r["buffers"]["shape"]
     assert two[0]["buffers"] == two[1]["buffers"]
+
+
+@slow
+def test_fp16_gradients_are_divided_before_and_after_the_reduction_as_fully_shard_does(four):
+    """Before: the float16 sum over 4 ranks reached inf in a weight whose average fully_shard keeps finite."""
+    assert max(r["fp16"]["largest"] for r in four) > 2 ** 14    # a quarter of float16's range, averaged
+    for r in four:
+        f = r["fp16"]
+        assert all(f["torch_finite"]) and all(f["finite"])
+        assert f["gap"] <= 2 ** -10 * f["largest"]   # one float16 rounding of the largest gradient
+
+
+class _Group:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_divide_factors_are_fsdp2s(dtype):
+    for n in range(1, 33):
+        pre, post, _, _ = _get_gradient_divide_factors(_Group(n), None, dtype)
+        assert gradient_divide_factors(n, dtype) == (pre or 1.0, post or float(n)), n

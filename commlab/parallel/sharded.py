@@ -35,7 +35,7 @@ from commlab.collectives.common import all_gather_single, group_size_and_rank, r
 from commlab.launch.device import group_device
 
 __all__ = ["ShardedDataParallel", "ShardedStepStats", "MixedPrecisionPolicy", "sharded_step_nbytes",
-           "dim0_shard_rows", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
+           "dim0_shard_rows", "gradient_divide_factors", "zero_memory_bytes", "held_memory_bytes", "STAGES"]
 
 #: The ZeRO stages :class:`ShardedDataParallel` runs (stage 1 is :class:`~commlab.parallel.ZeroOneOptimizer`).
 STAGES = (2, 3)
@@ -62,7 +62,8 @@ class MixedPrecisionPolicy:
     Attributes:
         param_dtype: dtype of the AllGather and of the unsharded parameters, hence of the forward and backward
             compute (floating inputs of each unit are cast to it); None: the parameters' own.
-        reduce_dtype: dtype of the gradients' ReduceScatter (and HSDP's AllReduce); None: ``param_dtype``.
+        reduce_dtype: dtype of the gradients' ReduceScatter (and HSDP's AllReduce); None: ``param_dtype``. A
+            float16 reduction divides by about sqrt(N) before and after it (:func:`gradient_divide_factors`).
     The shards, their gradients and the optimizer stay in the parameters' own dtype.
 
     Raises:
@@ -214,6 +215,22 @@ class _Unit:
 
     def shard_versions(self) -> list[int]:
         return [sp.shard._version for sp in self.params]
+
+
+def gradient_divide_factors(ranks: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """``(pre, post)``: a gradient is divided by ``pre`` before the ReduceScatter (and HSDP's AllReduce) of its sum
+    over ``ranks`` data-parallel ranks and by ``post`` after, ``pre * post == ranks``, for the average.
+
+    FSDP2's rule (``_get_gradient_divide_factors`` in ``_fully_shard/_fsdp_collectives.py``, torch 2.13): float32
+    and bfloat16 have the range to sum first (pre = 1, post = N); other dtypes (float16) would overflow or
+    underflow, so pre is the smallest power of 2 dividing N with ``N / pre <= pre`` (about sqrt(N)), post ``N / pre``.
+    """
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return 1.0, float(ranks)
+    pre = 1
+    while ranks % pre == 0 and ranks / pre > pre:
+        pre *= 2
+    return float(pre), ranks / pre
 
 
 def _check_stage(stage) -> int:
@@ -562,6 +579,9 @@ class ShardedDataParallel(nn.Module):
                 sp.unsharded.grad = None   # the full gradient is freed: only the shard's survives (ZeRO-2's P_g)
                 offset += sp.padded_numel
             flat = flat.view(-1)
+            pre, _ = gradient_divide_factors(self.n * self.replicas, dtype)
+            if pre != 1:
+                flat.div_(pre)
             out = torch.empty(numel, dtype=dtype, device=device)
             if self.n > 1:
                 work = reduce_scatter_single(out, flat, group=self.shard_group, async_op=True)
@@ -579,7 +599,6 @@ class ShardedDataParallel(nn.Module):
         try:
             for u in self._units:   # a unit whose gradients never all arrived (unused): zeros for the missing
                 self._reduce_start(u)
-            total = self.n * self.replicas
             with record_function(RANGE_WAIT_REDUCE):
                 for u in self._units:
                     if u.reduce is None:
@@ -593,7 +612,7 @@ class ShardedDataParallel(nn.Module):
                         self.last_step.all_reduces += 1
                         self.last_step.all_reduce_nbytes += 2 * (self.replicas - 1) / self.replicas * \
                             out.numel() * out.element_size()
-                    out.div_(total)
+                    out.div_(gradient_divide_factors(self.n * self.replicas, out.dtype)[1])
                     grads = out.to(u.params[0].orig_dtype)
                     offset = 0
                     for sp in u.trainable:
