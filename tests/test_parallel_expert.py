@@ -366,6 +366,61 @@ def test_errors_reach_every_rank_with_reasons(job):
         assert e["after"] is True
 
 
+def _dropless_edge(k, tokens_of, force, x_grad=True):
+    """Dropless EP over the world vs the full MoE on every rank's tokens (``tokens_of(rank)`` each); ``force``:
+    None or the expert every token's first choice goes to (a router biased hard). Returns the largest
+    differences (output, input gradient, summed router gradient, this rank's expert gradients)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = MoE.from_seed(H, FFN, E, k, float(E), seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(tokens_of(r), H, generator=gen, dtype=torch.float64) for r in range(world)]
+    if force is not None:
+        for x in xs:
+            x[:, -1] = 1.0
+        with torch.no_grad():
+            full.router.weight[force, -1] += 100.0
+    ep = ExpertParallelMoE(full, None, dropless=True)
+    ref_x = [x.clone().requires_grad_(x_grad) for x in xs]
+    ref_out = [full(x) if x.shape[0] else x * 0 for x in ref_x]
+    sum(o.pow(2).sum() for o in ref_out).backward()
+    x = xs[rank].clone().requires_grad_(x_grad)
+    out = ep(x)
+    out.pow(2).sum().backward()
+    router_grad = ep.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    ref_router_grad = full.router.weight.grad if full.router.weight.grad is not None else torch.zeros_like(router_grad)
+
+    def grad(p):
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    return {"output": (out - ref_out[rank]).abs().max().item() if out.numel() else 0.0,
+            "input_grad": (grad(x) - grad(ref_x[rank])).abs().max().item() if x_grad and x.numel() else 0.0,
+            "router_grad": (router_grad - ref_router_grad).abs().max().item(),
+            "expert_grads": max((grad(p) - grad(q)).abs().max().item() for i, e in enumerate(ep.expert_ids)
+                                for p, q in zip(ep.experts[i].parameters(), full.experts[e].parameters())),
+            "tokens_per_expert": ep.last_routing.tokens_per_expert.tolist()}
+
+
+_DROPLESS_EDGES = {
+    # Every first choice to expert 0: rank 1's experts (2, 3) receive no rows at all.
+    "all_to_expert0_ep2": (2, lambda: _dropless_edge(1, lambda r: 6, force=0)),
+    # One token a rank, k = 2, first choices forced to expert 0, over 4 ranks of one expert each.
+    "one_token_ep4": (4, lambda: _dropless_edge(2, lambda r: 1, force=0)),
+    # The same with an input that needs no gradient: the expert weights alone tie the graph together.
+    "all_to_expert0_no_input_grad": (2, lambda: _dropless_edge(1, lambda r: 6, force=0, x_grad=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(_DROPLESS_EDGES))
+def test_dropless_with_idle_experts_runs_backward_on_every_rank(case):
+    # Before the fix a rank whose experts got no rows built no autograd path through the two AllToAllVs, so it
+    # skipped both backward exchanges while its peers waited in them: the launch timed out.
+    world, call = _DROPLESS_EDGES[case]
+    for rank, res in enumerate(launch(call, world, timeout=60)):
+        worst = {key: v for key, v in res.items() if key != "tokens_per_expert"}
+        assert max(worst.values()) < TOL, (case, rank, res)
+
+
 def test_dropless_cost_by_hand():
     # EP = 2, E = 4 (experts 0, 1 on rank 0; 2, 3 on rank 1), h = 2, 4-byte elements: a row is 8 bytes.
     counts = [[3, 1, 2, 0],     # rank 0 routes 4 rows to itself, 2 to rank 1

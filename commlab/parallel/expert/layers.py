@@ -261,10 +261,12 @@ class ExpertParallelMoE(nn.Module):
         received = all_to_all_v_autograd(x2[t], recv_splits, send_splits, self.group, self.counter)
         # Received rows come source-major, each source's rows by local expert.
         local = torch.arange(per_rank).repeat(self.ep).repeat_interleave(received_counts.reshape(-1)).to(x2.device)
+        # Every expert runs, on no rows if none came: the combine's input is then in the autograd graph on every
+        # rank (through the received rows and the expert weights), so every rank runs both AllToAllV backwards
+        # even when its experts got nothing; skipping them there would leave its peers waiting in theirs.
         outputs = received.new_zeros(received.shape)
         for i, expert in enumerate(self.experts):
             rows = (local == i).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                outputs = outputs.index_copy(0, rows, expert(received[rows]))
+            outputs = outputs.index_copy(0, rows, expert(received[rows]))
         returned = all_to_all_v_autograd(outputs, send_splits, recv_splits, self.group, self.counter)
         return x2.new_zeros(x2.shape[0], self.hidden).index_add(0, t, routing.weight[t, j, None] * returned)
