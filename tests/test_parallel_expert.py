@@ -367,8 +367,8 @@ def test_errors_reach_every_rank_with_reasons(job):
 
 
 def _dropless_edge(k, tokens_of, force, x_grad=True):
-    """Dropless EP over the world vs the full MoE on every rank's tokens (``tokens_of(rank)`` each); ``force``:
-    None or the expert every token's first choice goes to (a router biased hard). Returns the largest
+    """Dropless EP over the world vs the full MoE on all ranks' tokens concatenated (``tokens_of(rank)`` each);
+    ``force``: None or the expert every token's first choice goes to (a router biased hard). Returns the largest
     differences (output, input gradient, summed router gradient, this rank's expert gradients)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     full = MoE.from_seed(H, FFN, E, k, float(E), seed=3, dtype=torch.float64)
@@ -381,7 +381,8 @@ def _dropless_edge(k, tokens_of, force, x_grad=True):
             full.router.weight[force, -1] += 100.0
     ep = ExpertParallelMoE(full, None, dropless=True)
     ref_x = [x.clone().requires_grad_(x_grad) for x in xs]
-    ref_out = [full(x) if x.shape[0] else x * 0 for x in ref_x]
+    everyone = torch.cat(ref_x)   # capacity factor E: capacity = all tokens * k, nothing dropped
+    ref_out = (full(everyone) if everyone.shape[0] else everyone * 0).split([x.shape[0] for x in xs])
     sum(o.pow(2).sum() for o in ref_out).backward()
     x = xs[rank].clone().requires_grad_(x_grad)
     out = ep(x)
@@ -408,13 +409,18 @@ _DROPLESS_EDGES = {
     "one_token_ep4": (4, lambda: _dropless_edge(2, lambda r: 1, force=0)),
     # The same with an input that needs no gradient: the expert weights alone tie the graph together.
     "all_to_expert0_no_input_grad": (2, lambda: _dropless_edge(1, lambda r: 6, force=0, x_grad=False)),
+    # An AllToAllV takes any split sizes: ranks with different numbers of tokens, one with none, none anywhere.
+    "uneven_tokens_ep4": (4, lambda: _dropless_edge(2, lambda r: 3 + 2 * r, force=None)),
+    "rank1_no_tokens_ep2": (2, lambda: _dropless_edge(2, lambda r: 0 if r == 1 else 6, force=None)),
+    "no_tokens_anywhere_ep2": (2, lambda: _dropless_edge(2, lambda r: 0, force=None)),
 }
 
 
 @pytest.mark.parametrize("case", list(_DROPLESS_EDGES))
-def test_dropless_with_idle_experts_runs_backward_on_every_rank(case):
+def test_dropless_with_idle_experts_or_uneven_tokens_equals_single_process_moe(case):
     # Before the fix a rank whose experts got no rows built no autograd path through the two AllToAllVs, so it
-    # skipped both backward exchanges while its peers waited in them: the launch timed out.
+    # skipped both backward exchanges while its peers waited in them: the launch timed out. Uneven token
+    # counts were refused with a CollectiveMismatchError although the AllToAllV needs no equal counts.
     world, call = _DROPLESS_EDGES[case]
     for rank, res in enumerate(launch(call, world, timeout=60)):
         worst = {key: v for key, v in res.items() if key != "tokens_per_expert"}

@@ -6,7 +6,7 @@ of its kept choices' outputs. :class:`ExpertParallelMoE` is made from a full :cl
 on every EP rank: each rank keeps the router and its ``E / EP`` experts, routes its own tokens, dispatches
 them in capacity-padded ``[EP, E/EP, C, h]`` buffers by AllToAll, runs its experts, and combines by the
 inverse AllToAll, so its output is exactly :class:`MoE` on its tokens. Every rank routes the same number of
-tokens. Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank, the backward two more
+tokens (dropless: any number). Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank, the backward two more
 (:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
 Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2. With ``dropless=True`` nothing is dropped and nothing
 padded: the rows go sorted by expert in an AllToAllV whose split sizes come from the routing (one small
@@ -199,13 +199,15 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """This rank's tokens ``x`` ``(..., hidden)`` through the experts of the whole group.
 
-        Every rank of the group must call it together, with the same number of tokens, hidden size and dtype.
+        Every rank of the group must call it together, with the same hidden size and dtype, and (capacity-padded
+        only) the same number of tokens; dropless, each rank may pass any number of tokens, 0 included.
         ``routing`` (None: routed here by this rank's router) can be one computed earlier by :meth:`route`.
 
         Raises:
             CollectiveMismatchError: on every rank (the message names the ranks and shows each one's signature
                 ``[tokens, hidden, experts, k, capacity, non-finite router logits, input and routing fit]``), when
-                the ranks disagree on tokens, hidden size or dtype; when some rank's router logits hold NaN or
+                the ranks disagree on tokens (padded only: dropless shows -1 for tokens and capacity), hidden size
+                or dtype; when some rank's router logits hold NaN or
                 infinite values (sixth entry: how many); when some rank's input is not ``(..., hidden)`` or its
                 ``routing`` was made for other tokens (seventh entry 0); when some rank's input is not on the
                 group's device. A one-rank group raises it with the problem in words. It is a ValueError.
@@ -223,9 +225,11 @@ class ExpertParallelMoE(nn.Module):
             problem = f"{bad_logits} NaN or infinite router logit(s) (check the layer's input and router)"
         # One agreement for the whole call: a rank that stopped here alone would leave its peers waiting inside
         # the AllToAll; this way every rank raises the same error instead.
+        # Dropless, the AllToAllV takes any split sizes: ranks may route different numbers of tokens (shown -1).
+        sized = (-1, -1) if self.dropless else (tokens, capacity)
         check_agreement(_AGREEMENT_NAME, x2, self.group,
-                        (tokens, x2.shape[1], self.num_experts, self.k, capacity, bad_logits, int(problem is None)),
-                        "signature", problem, _AGREEMENT_RULE)
+                        (sized[0], x2.shape[1], self.num_experts, self.k, sized[1], bad_logits, int(problem is None)),
+                        "signature", problem, _AGREEMENT_RULE, same_numel=not self.dropless)
         if routing is None:
             routing = route(logits, self.k, self.capacity_factor, normalize=self.normalize, capacity=capacity)
         self.last_routing = routing
