@@ -449,6 +449,23 @@ def test_dropless_cost_by_hand():
         moe_dropless_cost([[1, 1], [-1, 1]], 2, 4)
 
 
+@pytest.mark.parametrize("counts, shown", [
+    (torch.tensor([1, 2, 3, 4]), "got shape [4]"),
+    (torch.ones(2, 2, 2, dtype=torch.int64), "got shape [2, 2, 2]"),
+    ([1, 2, 3, 4], "got shape [4]"),
+    (None, "got None"),
+    ([], "got shape [0]"),
+    ([[1, 2], [3]], "(row lengths [2, 1])"),
+    ([[[1, 1], [1, 1]], [[1, 1], [1, 1]]], "got shape [2, 2, '...']"),
+])
+def test_dropless_cost_names_the_argument_and_shape_it_refuses(counts, shown):
+    # Before: a 1-D or None matrix raised TypeError from Python's internals; a 3-D one "must be an int >= 0,
+    # got [1, 1]" for an entry.
+    with pytest.raises(ValueError, match="tokens_per_expert must be an \\[EP\\]\\[E\\] matrix") as err:
+        moe_dropless_cost(counts, 2, 4)
+    assert shown in str(err.value)
+
+
 def test_padded_cost_across_nodes_uses_the_two_level_alltoall():
     from commlab.collectives import two_level_all_to_all_seconds
     nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)

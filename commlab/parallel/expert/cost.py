@@ -126,6 +126,33 @@ class MoEDroplessCost:
     no_drop_capacity: int
 
 
+class _Shape(list):
+    def __repr__(self):
+        return f"shape {list(self)}"
+
+
+_COUNTS_ALLOWED = "an [EP][E] matrix of counts: EP rows of E ints >= 0 (lists, or an [EP, E] tensor or array)"
+
+
+def _count_rows(value) -> list[list]:
+    """``tokens_per_expert`` as EP lists of E entries (checked one by one by the caller); ValueError naming its
+    shape otherwise."""
+    if hasattr(value, "shape") and hasattr(value, "tolist"):
+        if len(value.shape) != 2 or 0 in tuple(value.shape):
+            checks.fail("tokens_per_expert", _Shape(value.shape), _COUNTS_ALLOWED)
+        return value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        checks.fail("tokens_per_expert", _Shape([0]) if isinstance(value, (list, tuple)) else value, _COUNTS_ALLOWED)
+    if not all(isinstance(r, (list, tuple)) for r in value):
+        checks.fail("tokens_per_expert", _Shape([len(value)]), _COUNTS_ALLOWED)
+    lengths = [len(r) for r in value]
+    if not lengths[0] or len(set(lengths)) != 1:
+        checks.fail("tokens_per_expert", value, _COUNTS_ALLOWED, note=f"row lengths {lengths}")
+    if any(isinstance(c, (list, tuple)) or hasattr(c, "shape") and len(c.shape) for r in value for c in r):
+        checks.fail("tokens_per_expert", _Shape([len(value), lengths[0], "..."]), _COUNTS_ALLOWED)
+    return [list(r) for r in value]
+
+
 def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha_s: float = 0.0,
                       beta_s_per_byte: float = 0.0) -> MoEDroplessCost:
     """Bytes, α-β seconds and load of a dropless expert-parallel MoE layer from its routing.
@@ -140,15 +167,12 @@ def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha
         :class:`MoEDroplessCost`.
 
     Raises:
-        ValueError: an empty or ragged matrix, a negative or non-integer count, E not divisible by EP, a size
-            or rate out of range.
+        ValueError: ``tokens_per_expert`` not an ``[EP][E]`` matrix (the message gives its shape), a negative or
+            non-integer count, E not divisible by EP, a size or rate out of range.
     """
-    rows = tokens_per_expert.tolist() if hasattr(tokens_per_expert, "tolist") else [list(r) for r in tokens_per_expert]
+    rows = _count_rows(tokens_per_expert)
     check_counts(hidden=hidden, element_nbytes=element_nbytes)
     check_cost_args(0, None, alpha_s=alpha_s, beta_s_per_byte=beta_s_per_byte)
-    if not rows or not rows[0] or len({len(r) for r in rows}) != 1:
-        raise ValueError(f"tokens_per_expert must be EP rows of E counts each, got row lengths "
-                         f"{[len(r) for r in rows]}")
     for i, row in enumerate(rows):
         for e, c in enumerate(row):
             checks.integer(f"tokens_per_expert[{i}][{e}]", c, least=0)
