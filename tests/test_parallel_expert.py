@@ -438,7 +438,8 @@ def test_dropless_cost_by_hand():
     # The busiest port: rank 0 receives 48 bytes (and rank 1 sends them): α + 48 β per AllToAll.
     assert c.alltoall_seconds == pytest.approx(1e-6 + 48e-9) and c.step_seconds == pytest.approx(4 * c.alltoall_seconds)
     assert c.rows_per_rank == [10, 4] and c.compute_slowdown == pytest.approx(10 / 7)
-    assert c.alltoall_slowdown == pytest.approx(48 / 32) and c.no_drop_capacity == 5
+    # Even routing of the same 14 rows: 7 a rank, half of them (28 bytes) through each port.
+    assert c.alltoall_slowdown == pytest.approx(48 / 28) and c.no_drop_capacity == 5
     # Even routing: the padded formula's time, all_to_all_seconds of the rows a rank routes.
     even = moe_dropless_cost([[2, 2, 2, 2]] * 4, 2, 4, 1e-6, 1e-9)
     assert even.alltoall_seconds == pytest.approx(all_to_all_seconds(8 * 8, 4, 1e-6, 1e-9))
@@ -447,6 +448,23 @@ def test_dropless_cost_by_hand():
         moe_dropless_cost([[1, 1, 1], [1, 1, 1]], 2, 4)
     with pytest.raises(ValueError, match="tokens_per_expert\\[1\\]\\[0\\]"):
         moe_dropless_cost([[1, 1], [-1, 1]], 2, 4)
+
+
+@pytest.mark.parametrize("counts, slowdown", [
+    ([[0, 8], [8, 0]], 2.0),      # every row crosses: each port carries twice the even routing's 4 rows
+    ([[8, 0], [0, 8]], 0.0),      # every row stays: no AllToAll time at all
+    ([[4, 4], [4, 4]], 1.0),
+    ([[0, 0], [0, 0]], 1.0),      # no rows: nothing to compare, 1 by convention
+    ([[5, 7]], 1.0),              # EP = 1: nothing moves either way
+])
+def test_dropless_alltoall_slowdown_is_against_even_routing_of_the_same_rows(counts, slowdown):
+    # Before, the mean of the bytes actually sent was the reference: all-cross routing read 1.0 and all-local 1.0.
+    c = moe_dropless_cost(counts, 2, 4, 0.0, 1e-9)
+    assert c.alltoall_slowdown == pytest.approx(slowdown)
+    rows = sum(map(sum, counts))
+    if rows and len(counts) > 1:   # the ratio of the AllToAll's β time to an even routing's
+        even = all_to_all_seconds(rows // len(counts) * 8, len(counts), 0.0, 1e-9)
+        assert c.alltoall_seconds == pytest.approx(slowdown * even)
 
 
 @pytest.mark.parametrize("counts, shown", [

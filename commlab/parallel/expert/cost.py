@@ -108,8 +108,10 @@ class MoEDroplessCost:
         step_seconds: four of them.
         rows_per_rank: (token, choice) rows each rank's experts process, own rows included.
         compute_slowdown: ``max / mean`` of ``rows_per_rank``: the expert GEMMs wait for the busiest rank.
-        alltoall_slowdown: ``max_i max(sent_i, received_i) / mean_i sent_i``: the AllToAll against an even
-            routing of the same rows.
+        alltoall_slowdown: the busiest port's bytes over the port bytes of an even routing of the same rows
+            (every rank routing the mean number of rows, ``1/EP`` of them to each rank: ``(EP-1)/EP²`` of all
+            rows per port): 2.0 for ``[[0, 8], [8, 0]]``, 0.0 when every row stays local; 1.0 if no row moves
+            either way (no rows, or EP = 1).
         no_drop_capacity: the capacity a padded layer would need to drop nothing here, the most rows one rank
             routes to one expert.
     """
@@ -186,10 +188,11 @@ def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha
     port = max(max(s_, r_) for s_, r_ in zip(sent, received))
     one = (ep - 1) * alpha_s + port * beta_s_per_byte
     load = [sum(pairs[i][j] for i in range(ep)) for j in range(ep)]
-    mean_load, mean_sent = sum(load) / ep, sum(sent) / ep
+    mean_load = sum(load) / ep
+    even_port = (ep - 1) * sum(load) * row_nbytes / ep ** 2
     return MoEDroplessCost(split_nbytes=split, sent_nbytes=sent, received_nbytes=received,
                            step_sent_nbytes=[2 * (s_ + r_) for s_, r_ in zip(sent, received)],
                            alltoall_seconds=one, step_seconds=4 * one, rows_per_rank=load,
                            compute_slowdown=max(load) / mean_load if mean_load else 1.0,
-                           alltoall_slowdown=port / mean_sent if mean_sent else 1.0,
+                           alltoall_slowdown=port / even_port if even_port else 1.0,
                            no_drop_capacity=max(max(r) for r in rows))
