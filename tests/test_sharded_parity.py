@@ -111,10 +111,54 @@ def _fp16_big():
             "gap": max(float((a - b).abs().max()) for a, b in zip(theirs, ours) if a.numel())}
 
 
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u, self.v = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+
+    def forward(self, h, use_v):
+        return h * self.u * self.v if use_v else h * self.u
+
+
+class TwoHeads(nn.Module):
+    """A multi-task model: a step uses one head, the other's unit gets no gradient; ``gate.v`` only with head b."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.body, self.gate, self.a, self.b = nn.Linear(8, 6), Gate(), nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x, head):
+        h = self.gate(torch.tanh(self.body(x)), head == "b")
+        return self.a(h) if head == "a" else self.b(h)
+
+
+def _unused(stage):
+    """AdamW with weight decay, head a only for two steps, then head b: fully_shard leaves the unused head's and
+    gate.v's gradients None, so AdamW neither moves nor decays them."""
+    ref, model = TwoHeads(), TwoHeads()
+    torch_sharded(ref, reshard_after_forward=stage == 3)
+    sdp = ShardedDataParallel(model, stage=stage)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    gaps, none = [], []
+    for head in "aab":
+        x = torch.randn(4, 8, generator=g)
+        for m in (ref, sdp):
+            m(x, head).pow(2).mean().backward()
+        none.append(([p.grad is None for p in ref.parameters()], [p.grad is None for p in model.parameters()]))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        gaps.append(_gap(ref, model))
+    return {"gaps": gaps, "none": none, "stats": sdp.last_step}
+
+
 def _job():
     if dist.get_world_size() == 4:
         return {"fp16": _fp16_big()}
-    return {"tied": _tied(), "buffers": _buffers()}
+    return {"tied": _tied(), "buffers": _buffers(), "unused": {stage: _unused(stage) for stage in (3, 2)}}
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +213,17 @@ def test_divide_factors_are_fsdp2s(dtype):
     for n in range(1, 33):
         pre, post, _, _ = _get_gradient_divide_factors(_Group(n), None, dtype)
         assert gradient_divide_factors(n, dtype) == (pre or 1.0, post or float(n)), n
+
+
+@slow
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_parameter_without_gradient_keeps_none_as_under_fully_shard(two, stage):
+    """Before: the unused head's shards got zero gradients, which AdamW's weight decay then moved."""
+    for r in two:
+        u = r["unused"][stage]
+        assert max(u["gaps"]) < 1e-6
+        for theirs, ours in u["none"]:
+            assert ours == theirs
+        # named_parameters order: body.w, body.b, gate.u, gate.v, a.w, a.b, b.w, b.b
+        assert u["none"][0][1] == [False, False, False, True, False, False, True, True]
+        assert u["stats"].reduce_scatters == 3 and u["none"][2][1] == [False] * 4 + [True] * 2 + [False] * 2

@@ -141,7 +141,7 @@ def sharded_step_nbytes(shapes: Sequence[Sequence[int]], n: int, stage: int = 3,
     P its padded elements summed over ``shapes``: AllGather ``k (N-1)/N P`` elements of ``param_dtype`` (k = 2
     under ZeRO-3: forward and backward; 1 under ZeRO-2), ReduceScatter ``(N-1)/N P`` of ``reduce_dtype`` (None:
     ``param_dtype``), HSDP's AllReduce ``2 (R-1)/R P/N`` of ``reduce_dtype``. What :class:`ShardedStepStats`
-    counts for one forward and backward, every parameter trainable.
+    counts for one forward and backward, every parameter trainable and given a gradient.
 
     Returns:
         ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` in bytes.
@@ -208,7 +208,7 @@ class _Unit:
         self.unsharded = True       # the unsharded parameters hold this step's values
         self.versions: list[int] = []   # ZeRO-2: the shards' version counters at the last gather
         self.gather: tuple[Any, torch.Tensor] | None = None    # (work, output) of a launched AllGather
-        self.reduce: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output, input)
+        self.reduce: tuple[Any, torch.Tensor, torch.Tensor, list[_Param]] | None = None  # work, out, in, params
         self.ready = 0              # gradients accumulated in this backward
         self.reduced = False        # its ReduceScatter was launched in this backward
         self.backward_gathered = False
@@ -255,7 +255,11 @@ class ShardedDataParallel(nn.Module):
     ``.grad`` the average over every DP rank (``shard_group`` x ``replicate_group``) of its rows, accumulated
     over backwards, in the parameter's own dtype. Read the whole model with :meth:`full_parameters` and
     :meth:`full_gradients` (collective). Every rank must run the same units in the same order (their collectives
-    pair up); a backward that raises loses its gradients; NaN/inf are reduced like any number.
+    pair up); a backward that raises loses its gradients; NaN/inf are reduced like any number. As under
+    fully_shard, a parameter that gets no gradient in a backward is left out of its unit's ReduceScatter (its
+    shard's ``.grad`` stays as it was: None after ``zero_grad()``, so the optimizer skips it) and a unit with none
+    reduces nothing; hence every rank must give gradients to the same parameters in a backward (one that differs
+    leaves its peers' ReduceScatters unpaired).
 
     Args:
         module: the model, on the group's device, equal on every rank; modified in place (its parameters become
@@ -560,22 +564,24 @@ class ShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _reduce_start(self, u: _Unit) -> None:
-        """Lay u's gradients out as FSDP2 does (rank r's rows of every parameter together, each padded to c rows;
-        None: zeros), in reduce_dtype, free them, launch the ReduceScatter; ZeRO-3 frees u again."""
-        if u.reduced or not u.trainable:
+        """Lay out u's gradients as FSDP2 does (rank r's rows of every parameter together, each padded to c rows;
+        a parameter without a gradient is left out, as FSDP2 leaves it), in reduce_dtype, free them, launch the
+        ReduceScatter; ZeRO-3 frees u again. No gradient at all: nothing is launched."""
+        if u.reduced:
+            return
+        with_grad = [sp for sp in u.trainable if sp.unsharded.grad is not None]
+        if not with_grad:
             return
         dtype = self._reduce_dtype(u)
         with record_function(f"{RANGE_REDUCE_SCATTER}{u.index}"):
-            numel = sum(sp.padded_numel for sp in u.trainable)
-            device = u.trainable[0].padded.device
+            numel = sum(sp.padded_numel for sp in with_grad)
+            device = with_grad[0].padded.device
             flat = torch.zeros(self.n, numel, dtype=dtype, device=device)
             offset = 0
-            for sp in u.trainable:
-                g = sp.unsharded.grad
-                if g is not None:
-                    padded = torch.zeros(self.n * sp.c, *sp.shape[1:], dtype=dtype, device=device)
-                    padded[:sp.shape[0]].copy_(g)
-                    flat[:, offset:offset + sp.padded_numel].copy_(padded.view(self.n, -1))
+            for sp in with_grad:
+                padded = torch.zeros(self.n * sp.c, *sp.shape[1:], dtype=dtype, device=device)
+                padded[:sp.shape[0]].copy_(sp.unsharded.grad)
+                flat[:, offset:offset + sp.padded_numel].copy_(padded.view(self.n, -1))
                 sp.unsharded.grad = None   # the full gradient is freed: only the shard's survives (ZeRO-2's P_g)
                 offset += sp.padded_numel
             flat = flat.view(-1)
@@ -588,7 +594,7 @@ class ShardedDataParallel(nn.Module):
             else:
                 work = None
                 out.copy_(flat)
-        u.reduce, u.reduced = (work, out, flat), True
+        u.reduce, u.reduced = (work, out, flat, with_grad), True
         self.last_step.reduce_scatters += 1
         self.last_step.reduce_scatter_nbytes += (self.n - 1) * numel * out.element_size()
         self._free(u)
@@ -597,13 +603,13 @@ class ShardedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward (an autograd engine callback): reduce what no hook reduced, wait, set the shards' grads."""
         try:
-            for u in self._units:   # a unit whose gradients never all arrived (unused): zeros for the missing
+            for u in self._units:   # a unit whose gradients did not all arrive: those that did
                 self._reduce_start(u)
             with record_function(RANGE_WAIT_REDUCE):
                 for u in self._units:
                     if u.reduce is None:
                         continue
-                    work, out, _ = u.reduce
+                    work, out, _, with_grad = u.reduce
                     if work is not None:
                         work.wait()
                     if self.replicate_group is not None and self.replicas > 1:
@@ -615,7 +621,7 @@ class ShardedDataParallel(nn.Module):
                     out.div_(gradient_divide_factors(self.n * self.replicas, out.dtype)[1])
                     grads = out.to(u.params[0].orig_dtype)
                     offset = 0
-                    for sp in u.trainable:
+                    for sp in with_grad:
                         g = grads[offset:offset + sp.padded_numel].view(sp.c, *sp.shape[1:])[:sp.rows]
                         sp.shard.grad = g if sp.shard.grad is None else sp.shard.grad.add_(g)
                         offset += sp.padded_numel
