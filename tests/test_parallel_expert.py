@@ -484,6 +484,24 @@ def test_dropless_cost_names_the_argument_and_shape_it_refuses(counts, shown):
     assert shown in str(err.value)
 
 
+def test_dropless_cost_across_nodes_prices_local_and_remote_blocks_apart():
+    from commlab.collectives import two_level_all_to_all_seconds
+    nv, ib = (1e-7, 1e-10), (1e-6, 1e-9)
+    # Even routing, 16 ranks on 2 nodes: exactly the two-level AllToAll of the rows a rank routes.
+    even = moe_dropless_cost([[2] * 32] * 16, 2, 4, *ib, intra=(8, *nv))
+    assert even.alltoall_seconds == pytest.approx(two_level_all_to_all_seconds(64 * 8, 16, 8, *nv, *ib))
+    assert even.step_seconds == pytest.approx(4 * even.alltoall_seconds)
+    # 4 ranks, 2 a node, 8-byte rows; rank 0 sends its 4 rows to rank 2 (the other node), the rest route evenly.
+    # Rank 2's NIC port is the busiest: it receives 32 + 8 bytes from node 0, so 2 α + 40 β; its NVLink port 8.
+    skew = moe_dropless_cost([[0, 0, 4, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], 2, 4, *ib, intra=(2, *nv))
+    assert skew.alltoall_seconds == pytest.approx(2 * ib[0] + 40 * ib[1])
+    one_link = moe_dropless_cost([[0, 0, 4, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], 2, 4, *ib)
+    assert one_link.alltoall_seconds == pytest.approx(3 * ib[0] + 48 * ib[1])   # rank 2 receives 32 + 8 + 8
+    assert skew.step_sent_nbytes == one_link.step_sent_nbytes
+    with pytest.raises(ValueError, match="multiple of ranks_per_node"):
+        moe_dropless_cost([[1] * 6] * 6, 2, 4, *ib, intra=(4, *nv))
+
+
 def test_padded_cost_across_nodes_uses_the_two_level_alltoall():
     from commlab.collectives import two_level_all_to_all_seconds
     nv, ib = (2e-6, 1 / 400e9), (5e-6, 1 / 50e9)

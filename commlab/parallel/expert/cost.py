@@ -104,7 +104,9 @@ class MoEDroplessCost:
         step_sent_nbytes: per rank, forward + backward: ``2 · (sent + received)`` (dispatch sends ``sent``, the
             combine ``received``, and the backward the same).
         alltoall_seconds: one dispatch (or combine): ``(EP-1)·α + β · max_i max(sent_i, received_i)``, the
-            busiest port; with even routing :func:`commlab.collectives.all_to_all_seconds`.
+            busiest port; two-level (``intra``) each rank's node-local and remote bytes on their own links, the
+            slower of the two, the slowest rank. With even routing :func:`commlab.collectives.all_to_all_seconds`
+            (two-level: :func:`commlab.collectives.two_level_all_to_all_seconds`).
         step_seconds: four of them.
         rows_per_rank: (token, choice) rows each rank's experts process, own rows included.
         compute_slowdown: ``max / mean`` of ``rows_per_rank``: the expert GEMMs wait for the busiest rank.
@@ -155,8 +157,25 @@ def _count_rows(value) -> list[list]:
     return [list(r) for r in value]
 
 
+def _two_level_seconds(split, ep, intra, alpha_s, beta_s_per_byte) -> float:
+    """The slowest rank's dispatch with node-local and remote blocks on their own links, at the same time."""
+    g, (_, intra_alpha, intra_beta) = min(ep, intra[0]), intra
+    times = []
+    for i in range(ep):
+        local = [j for j in range(ep) if j != i and j // g == i // g]
+        remote = [j for j in range(ep) if j // g != i // g]
+
+        def port(peers):
+            return max(sum(split[i][j] for j in peers), sum(split[j][i] for j in peers))
+
+        times.append(max((g - 1) * intra_alpha + port(local) * intra_beta,
+                         (ep - g) * alpha_s + port(remote) * beta_s_per_byte))
+    return max(times)
+
+
 def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha_s: float = 0.0,
-                      beta_s_per_byte: float = 0.0) -> MoEDroplessCost:
+                      beta_s_per_byte: float = 0.0, *,
+                      intra: tuple[int, float, float] | None = None) -> MoEDroplessCost:
     """Bytes, α-β seconds and load of a dropless expert-parallel MoE layer from its routing.
 
     Args:
@@ -164,13 +183,16 @@ def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha
             (token, choice) pairs per expert (its :attr:`Routing.tokens_per_expert`); rank j holds experts
             ``j·E/EP .. (j+1)·E/EP - 1``.
         hidden: h. element_nbytes: bytes per element. alpha_s, beta_s_per_byte: the EP group's link.
+        intra: None: every peer over (α, β); ``(ranks_per_node, α_intra, β_intra)`` when the EP group spans
+            nodes (rank j on node ``j // ranks_per_node``): (α, β) is then the NIC's.
 
     Returns:
         :class:`MoEDroplessCost`.
 
     Raises:
         ValueError: ``tokens_per_expert`` not an ``[EP][E]`` matrix (the message gives its shape), a negative or
-            non-integer count, E not divisible by EP, a size or rate out of range.
+            non-integer count, E not divisible by EP, a size or rate out of range; as
+            :func:`~commlab.collectives.two_level_all_to_all_seconds` for ``intra``.
     """
     rows = _count_rows(tokens_per_expert)
     check_counts(hidden=hidden, element_nbytes=element_nbytes)
@@ -180,13 +202,16 @@ def moe_dropless_cost(tokens_per_expert, hidden: int, element_nbytes: int, alpha
             checks.integer(f"tokens_per_expert[{i}][{e}]", c, least=0)
     ep, num_experts = len(rows), len(rows[0])
     per = check_ep_size(num_experts, ep)
+    if intra is not None:   # its checks: ranks per node, rates, whole nodes
+        two_level_all_to_all_seconds(0, ep, intra[0], intra[1], intra[2], alpha_s, beta_s_per_byte)
     row_nbytes = hidden * element_nbytes
     pairs = [[sum(r[j * per:(j + 1) * per]) for j in range(ep)] for r in rows]
     split = [[p * row_nbytes for p in r] for r in pairs]
     sent = [sum(split[i]) - split[i][i] for i in range(ep)]
     received = [sum(split[i][j] for i in range(ep)) - split[j][j] for j in range(ep)]
     port = max(max(s_, r_) for s_, r_ in zip(sent, received))
-    one = (ep - 1) * alpha_s + port * beta_s_per_byte
+    one = ((ep - 1) * alpha_s + port * beta_s_per_byte if intra is None
+           else _two_level_seconds(split, ep, intra, alpha_s, beta_s_per_byte))
     load = [sum(pairs[i][j] for i in range(ep)) for j in range(ep)]
     mean_load = sum(load) / ep
     even_port = (ep - 1) * sum(load) * row_nbytes / ep ** 2
