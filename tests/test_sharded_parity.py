@@ -155,10 +155,39 @@ def _unused(stage):
     return {"gaps": gaps, "none": none, "stats": sdp.last_step}
 
 
+def _data_updates():
+    """The tutorial update ``p.data -= lr * p.grad`` on the shards, the same batch on every rank: |loss - the
+    unsharded model's loss| per step, ours (stages 3 and 2) and fully_shard's (reshard_after_forward False)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name in (3, 2, "torch"):
+        ref, model = mlp(), mlp()
+        run = torch_sharded(model, reshard_after_forward=False) if name == "torch" \
+            else ShardedDataParallel(model, stage=name)
+        losses = []
+        for _ in range(3):
+            ref_loss, loss = ref(x).pow(2).mean(), run(x).pow(2).mean()
+            losses.append(abs(float(ref_loss) - float(loss)))
+            ref_loss.backward()
+            loss.backward()
+            for m in (ref, model):
+                for p in m.parameters():
+                    p.data -= 0.5 * p.grad
+                    p.grad = None
+        out[name] = losses
+        if name == 2:   # two micro-batches forwarded before either backward: one AllGather per unit per forward
+            run(x)
+            first = run.last_step.all_gathers
+            run(x).pow(2).mean().backward()
+            out["gathers"] = (first, run.last_step.all_gathers)
+    return out
+
+
 def _job():
     if dist.get_world_size() == 4:
         return {"fp16": _fp16_big()}
-    return {"tied": _tied(), "buffers": _buffers(), "unused": {stage: _unused(stage) for stage in (3, 2)}}
+    return {"tied": _tied(), "buffers": _buffers(), "unused": {stage: _unused(stage) for stage in (3, 2)},
+            "data": _data_updates()}
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +256,13 @@ def test_a_parameter_without_gradient_keeps_none_as_under_fully_shard(two, stage
         # named_parameters order: body.w, body.b, gate.u, gate.v, a.w, a.b, b.w, b.b
         assert u["none"][0][1] == [False, False, False, True, False, False, True, True]
         assert u["stats"].reduce_scatters == 3 and u["none"][2][1] == [False] * 4 + [True] * 2 + [False] * 2
+
+
+@slow
+def test_zero2_gathers_in_every_forward_so_data_updates_are_seen(two):
+    """Before: ZeRO-2 kept its whole copy while the shards' version counters stood still, and a write through
+    ``.data`` does not move them: the next forwards computed with the old weights."""
+    for r in two:
+        d = r["data"]
+        assert max(d["torch"]) < 1e-6 and max(d[3]) < 1e-6 and max(d[2]) < 1e-6
+        assert d["gathers"] == (3, 3)

@@ -6,7 +6,7 @@ its *shard*: rows ``[r c, (r + 1) c)`` of dim 0 on rank r, ``c = ceil(d0 / N)`` 
 stored in a buffer of ``c`` rows so that every rank's AllGather input has one size; ``model.parameters()`` are
 then the shards, their ``.grad`` the reduce-scattered average, and any optimizer built on them steps them.
 A *unit* (a submodule) AllGathers its parameters' padded shards in one collective before its forward (ZeRO-3:
-again before its backward, freeing them in between; ZeRO-2: once per step, kept whole) and reduce-scatters
+again before its backward, freeing them in between; ZeRO-2: once per forward, kept whole) and reduce-scatters
 their gradients in one when backward completes them; HSDP (``replicate_group``) then all-reduces the shards'
 gradients across replicas. :class:`MixedPrecisionPolicy` (FSDP2's): ``param_dtype`` for the AllGather and the
 compute, ``reduce_dtype`` for the ReduceScatter. Collectives: :mod:`commlab.collectives.common`'s asynchronous
@@ -205,16 +205,14 @@ class _Unit:
     def __init__(self, index: int, name: str, module: nn.Module, params: list[_Param]):
         self.index, self.name, self.module, self.params = index, name, module, params
         self.trainable = [sp for sp in params if sp.requires_grad]
-        self.unsharded = True       # the unsharded parameters hold this step's values
-        self.versions: list[int] = []   # ZeRO-2: the shards' version counters at the last gather
+        # The unsharded parameters hold the shards' values (ZeRO-3: are allocated); ZeRO-2 sets it False after each
+        # forward, its copy kept whole for the backward, so that the next forward gathers the shards again.
+        self.unsharded = True
         self.gather: tuple[Any, torch.Tensor] | None = None    # (work, output) of a launched AllGather
         self.reduce: tuple[Any, torch.Tensor, torch.Tensor, list[_Param]] | None = None  # work, out, in, params
         self.ready = 0              # gradients accumulated in this backward
         self.reduced = False        # its ReduceScatter was launched in this backward
         self.backward_gathered = False
-
-    def shard_versions(self) -> list[int]:
-        return [sp.shard._version for sp in self.params]
 
 
 def gradient_divide_factors(ranks: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -264,7 +262,9 @@ class ShardedDataParallel(nn.Module):
     Args:
         module: the model, on the group's device, equal on every rank; modified in place (its parameters become
             shards). stage: 3 (parameters freed after each unit's forward and backward, FSDP2's
-            ``reshard_after_forward=True``) or 2 (kept whole, gathered once per step in the forward).
+            ``reshard_after_forward=True``) or 2 (kept whole, gathered again in every forward, as FSDP2's
+            ``reshard_after_forward=False`` gathers after each backward, so that any change to the shards, by the
+            optimizer, through ``.data`` or by ``load_state_dict``, is in the next forward).
         shard_group: the group that shards (N = its size; None: the world). replicate_group: HSDP's group over
             which shards are replicated (e.g. a 2-D DeviceMesh's ``"dp_replicate"``); None: none.
         units: the submodules that are units, in forward order (default: ``module``'s children that hold
@@ -441,12 +441,12 @@ class ShardedDataParallel(nn.Module):
     # ---- unshard / reshard ----------------------------------------------------------------------------------
 
     def _needs_gather(self, u: _Unit) -> bool:
-        return not u.unsharded or (self.stage == 2 and u.versions != u.shard_versions())
+        return not u.unsharded
 
     @torch.no_grad()
     def _gather_start(self, u: _Unit, prefetch: bool = False) -> None:
-        """Launch u's AllGather (async) of its parameters' padded shards, cast to param_dtype, unless it is gathered
-        (and, under ZeRO-2, no shard changed since) or on its way."""
+        """Launch u's AllGather (async) of its parameters' padded shards, cast to param_dtype, unless the unsharded
+        parameters hold their values (ZeRO-2: only until the end of u's forward) or the gather is on its way."""
         if u.gather is not None or not self._needs_gather(u):
             return
         dtype = self._compute_dtype(u)
@@ -477,7 +477,6 @@ class ShardedDataParallel(nn.Module):
             p.untyped_storage().resize_(p.numel() * p.element_size())
             p.copy_(whole)
         u.gather, u.unsharded = None, True
-        u.versions = u.shard_versions()
 
     def _unpadded(self, u: _Unit, out: torch.Tensor):
         """``(param, its whole tensor)`` from a unit's AllGather output: N blocks (one per rank) of the
@@ -530,6 +529,8 @@ class ShardedDataParallel(nn.Module):
             for sp in u.params:
                 sp.register(sp.shard)
             self._free(u)
+            if self.stage == 2:
+                u.unsharded = False   # kept whole for the backward; the next forward gathers the shards again
             if self.stage == 3 and torch.is_grad_enabled():
                 u.backward_gathered = False
                 for t in tree_flatten(output)[0]:
