@@ -183,11 +183,41 @@ def _data_updates():
     return out
 
 
+def _clip(stage, norm_type):
+    """SGD with the gradients clipped to norm 0.05 (every step clips): fully_shard + torch's clip_grad_norm_ against
+    sdp.clip_grad_norm_; per step the parameter gap and the two total norms."""
+    ref, model = mlp(), mlp()
+    torch_sharded(ref, reshard_after_forward=stage == 3)
+    sdp = ShardedDataParallel(model, stage=stage)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    gaps, norms = [], []
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        for m in (ref, sdp):
+            m(x).pow(2).mean().backward()
+        theirs = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.05, norm_type)
+        ours = sdp.clip_grad_norm_(0.05, norm_type)
+        norms.append((float(theirs.full_tensor()), float(ours)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        gaps.append(_gap(ref, model))
+    errors = []
+    for kwargs in ({"max_norm": -1.0}, {"max_norm": 1.0, "norm_type": 0}):
+        try:
+            sdp.clip_grad_norm_(**kwargs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return {"gaps": gaps, "norms": norms, "errors": errors}
+
+
 def _job():
     if dist.get_world_size() == 4:
         return {"fp16": _fp16_big()}
     return {"tied": _tied(), "buffers": _buffers(), "unused": {stage: _unused(stage) for stage in (3, 2)},
-            "data": _data_updates()}
+            "data": _data_updates(),
+            "clip": {(stage, p): _clip(stage, p) for stage in (3, 2) for p in (2.0, float("inf"))}}
 
 
 @pytest.fixture(scope="module")
@@ -266,3 +296,17 @@ def test_zero2_gathers_in_every_forward_so_data_updates_are_seen(two):
         d = r["data"]
         assert max(d["torch"]) < 1e-6 and max(d[3]) < 1e-6 and max(d[2]) < 1e-6
         assert d["gathers"] == (3, 3)
+
+
+@slow
+@pytest.mark.parametrize("stage", [3, 2])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_uses_the_global_norm_as_fully_shard(two, stage, norm_type):
+    """Before: there was no such method, and torch's clip_grad_norm_ on the plain-tensor shards clips each rank by
+    its own shard's norm, so the parameters drift from fully_shard's."""
+    for r in two:
+        c = r["clip"][(stage, norm_type)]
+        assert max(c["gaps"]) < 1e-6
+        assert all(abs(a - b) <= 1e-6 * a and a > 0.05 for a, b in c["norms"])   # every step clipped
+        assert "max_norm" in c["errors"][0] and "norm_type" in c["errors"][1]
+    assert two[0]["clip"][(stage, norm_type)]["norms"] == two[1]["clip"][(stage, norm_type)]["norms"]

@@ -252,7 +252,8 @@ class ShardedDataParallel(nn.Module):
     optimizer on ``sdp.parameters()`` (or :meth:`make_optimizer`) and train as usual: backward leaves each shard's
     ``.grad`` the average over every DP rank (``shard_group`` x ``replicate_group``) of its rows, accumulated
     over backwards, in the parameter's own dtype. Read the whole model with :meth:`full_parameters` and
-    :meth:`full_gradients` (collective). Every rank must run the same units in the same order (their collectives
+    :meth:`full_gradients` (collective); clip by the global norm with :meth:`clip_grad_norm_` (torch's
+    ``clip_grad_norm_`` on these plain-tensor shards would use each rank's local norm). Every rank must run the same units in the same order (their collectives
     pair up); a backward that raises loses its gradients; NaN/inf are reduced like any number. As under
     fully_shard, a parameter that gets no gradient in a backward is left out of its unit's ReduceScatter (its
     shard's ``.grad`` stays as it was: None after ``zero_grad()``, so the optimizer skips it) and a unit with none
@@ -662,7 +663,8 @@ class ShardedDataParallel(nn.Module):
         """``optimizer_cls(self.parameters(), **kwargs)``: the same as building it on the wrapped model's parameters.
 
         The optimizer must be element-wise (SGD, Adam, AdamW): its state then has the shard's size, 1/N of the
-        model's (ZeRO's P_os); clipping by the global norm inside it, or LAMB, would need the whole gradient.
+        model's (ZeRO's P_os); clipping by the global norm inside it, or LAMB, would need the whole gradient (clip
+        before ``step()`` with :meth:`clip_grad_norm_`, one AllReduce).
 
         Raises:
             ValueError: ``optimizer_cls`` is not a ``torch.optim.Optimizer`` subclass.
@@ -671,6 +673,42 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), "
                              f"got {optimizer_cls!r}")
         return optimizer_cls(self.parameters(), **kwargs)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale the shards' gradients by ``min(1, max_norm / (total + 1e-6))``, ``total`` the ``norm_type``-norm of
+        the whole model's gradient; returns ``total`` (0-dim float32, float64 for float64 gradients; equal on
+        every rank). What ``torch.nn.utils.clip_grad_norm_`` does on ``fully_shard``'s DTensor parameters.
+
+        Collective over ``shard_group``: one AllReduce of this rank's sum of ``|g|^p`` (a MAX of ``max |g|`` for
+        ``inf``); HSDP's replicas hold equal shards. ``clip_grad_norm_(model.parameters(), c)`` on these plain
+        tensors would instead clip each rank's shard by that shard's own norm.
+
+        Raises:
+            ValueError: ``max_norm`` not a finite number >= 0, ``norm_type`` not > 0 (``inf`` allowed).
+            RuntimeError: ``error_if_nonfinite`` and the total norm is NaN or infinite (on every rank).
+        """
+        max_norm = checks.number("max_norm", max_norm, least=0, where="clip_grad_norm_")
+        norm_type = checks.number("norm_type", norm_type, above=0, finite=False, where="clip_grad_norm_")
+        grads = [sp.shard.grad for sp in self._ordered if sp.shard.grad is not None]
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        local = torch.zeros((), dtype=dtype, device=group_device(self.shard_group))
+        for g in grads:
+            if g.numel():
+                norm = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+                local = torch.maximum(local, norm) if math.isinf(norm_type) else local + norm ** norm_type
+        if self.n > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
+                            group=self.shard_group)
+        total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"ShardedDataParallel.clip_grad_norm_: the total {norm_type}-norm of the gradients "
+                               f"is {float(total)}; pass error_if_nonfinite=False to clip anyway")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     @torch.no_grad()
     def full_parameters(self) -> list[torch.Tensor]:
