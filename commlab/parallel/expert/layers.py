@@ -6,8 +6,8 @@ of its kept choices' outputs. :class:`ExpertParallelMoE` is made from a full :cl
 on every EP rank: each rank keeps the router and its ``E / EP`` experts, routes its own tokens, dispatches
 them in capacity-padded ``[EP, E/EP, C, h]`` buffers by AllToAll, runs its experts, and combines by the
 inverse AllToAll, so its output is exactly :class:`MoE` on its tokens. Every rank routes the same number of
-tokens (dropless: any number). Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank, the backward two more
-(:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
+tokens (dropless: any number). Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank,
+the backward two more (:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
 Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2. With ``dropless=True`` nothing is dropped and nothing
 padded: the rows go sorted by expert in an AllToAllV whose split sizes come from the routing (one small
 AllToAll of the counts first), as Megatron-Core's AllToAll dispatcher does by default.
