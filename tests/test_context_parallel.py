@@ -57,9 +57,10 @@ def _compare(group, n, rank, method, causal, seed):
     return dict(diffs=diffs, stats=stats, out=out.detach())
 
 
-def _compare_gqa(group, n, rank, kv_heads, causal, seed):
-    """Ulysses with ``kv_heads`` K/V heads (replicated when N does not divide them) against full attention whose
+def _compare_gqa(group, n, rank, kv_heads, causal, seed, heads=H, seq=S):
+    """Ulysses with ``kv_heads`` K/V heads (each rank sent those its query heads use) against full attention whose
     K/V heads are repeated to the query heads (grouped-query attention by definition)."""
+    H, S = heads, seq   # the module's shape unless given
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(B, H, S, D, dtype=torch.float64, generator=g) for _ in range(2))
     k, v = (torch.randn(B, kv_heads, S, D, dtype=torch.float64, generator=g) for _ in range(2))
@@ -174,6 +175,21 @@ def test_ulysses_with_replicated_kv_heads_equals_full_attention(job, label, kv_h
     for rank, res in enumerate(job):
         diffs = res["results"][(label, f"ulysses-gqa{kv_heads}", causal)]
         assert all(ok for _, ok in diffs.values()), (rank, diffs)
+
+
+def _gqa_outside_verl(causal):
+    rank = dist.get_rank()
+    return {f"h{h}_kv{kv}": _compare_gqa(None, 3, rank, kv, causal, seed=5, heads=h, seq=12)
+            for h, kv in ((12, 4), (6, 2), (12, 6), (6, 1))}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_where_n_and_kv_heads_do_not_divide_equals_full_attention(causal):
+    # N = 3 with 4 or 2 K/V heads: neither divides the other (outside verl's rule). Each rank is sent only the
+    # K/V heads its query heads use (2 of 4 for 12 heads, not the 4 that N / gcd(N, a_kv) = 3 copies gave).
+    for rank, res in enumerate(launch(_gqa_outside_verl, 3, causal, timeout=90)):
+        for case, diffs in res.items():
+            assert all(ok for _, ok in diffs.values()), (rank, case, diffs)
 
 
 def test_ring_bytes_and_exchanges_are_the_formula(job):
@@ -331,9 +347,18 @@ def test_which_method_wins_where():
 
 def test_ulysses_replicates_grouped_kv_heads_in_its_bytes():
     from commlab.parallel.context.cost import compare_context_parallel, ulysses_nbytes
-    from commlab.parallel.context.ulysses import kv_replication
-    assert [kv_replication(kv, 16) for kv in (1, 2, 8, 16, 32)] == [16, 8, 2, 1, 1]
-    assert kv_replication(12, 8) == 2                  # lcm(12, 8) = 24 K/V heads, 3 a rank
+    from commlab.parallel.context.ulysses import kv_heads_per_rank
+    # verl's cases: N divides a_kv (a_kv / N a rank) or a_kv divides N (one a rank, r = N / a_kv).
+    assert [kv_heads_per_rank(32, kv, 16) for kv in (1, 2, 8, 16, 32)] == [1, 1, 1, 1, 2]
+    # Neither divides the other: only the heads a rank's queries use. 12 heads, 4 K/V heads, N = 3: 4 queries a
+    # rank span 2 K/V heads (N / gcd(N, a_kv) copies would send 4); 24 heads, 12 K/V, N = 8: 3 queries span 2.
+    assert kv_heads_per_rank(12, 4, 3) == 2 and kv_heads_per_rank(24, 12, 8) == 2
+    # 12 heads, 4 K/V heads, N = 6: 2 queries a rank span 1 or 2 K/V heads; the AllToAll's blocks take the most.
+    assert kv_heads_per_rank(12, 4, 6) == 2
+    # h=12, h_kv=4, N=3 (b=1, s=6, d=4, bf16): Q = 12*2*4*2 = 192 bytes, one head 16; r K = 3*2 heads = 96.
+    assert ulysses_nbytes(1, 6, 12, 4, 3, 2, kv_heads=4)["forward"] == 2 / 3 * (2 * 192 + 2 * 96)
+    with pytest.raises(ValueError, match=r"heads \(12\) must be a multiple of n \(5\)"):
+        kv_heads_per_rank(12, 4, 5)
     # h=4, h_kv=1, N=4 (b=1, s=8, d=4, bf16): Q = 1*4*2*4*2 = 64, K = 16, r = 4: 3/4 (2*64 + 2*4*16) = 192.
     assert ulysses_nbytes(1, 8, 4, 4, 4, 2, kv_heads=1)["forward"] == 3 / 4 * (2 * 64 + 2 * 4 * 16)
     # Llama 3 405B's attention at CP 16: a = 128, a_kv = 8; feasible, K/V inflated by N / a_kv = 2.

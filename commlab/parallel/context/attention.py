@@ -93,7 +93,8 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                    f"{2 * n}); pad it, or use load_balance=False")
     elif heads_multiple and q.shape[1] % n:
         problem = (f"DeepSpeed-Ulysses gives each rank heads / N of the query heads: heads ({q.shape[1]}) must be a "
-                   f"multiple of the context-parallel size N = {n} (K/V heads need not be: they are replicated); "
+                   f"multiple of the context-parallel size N = {n} (K/V heads need not be: each rank is sent those "
+                   "its query heads use); "
                    f"use a group whose size divides {q.shape[1]}, or ring attention, which has no such limit")
     if not check:
         if problem:

@@ -3,15 +3,16 @@
 ``K = b·h_kv·(s/N)·d·e`` bytes is one rank's K block (V the same), ``Q = b·h·(s/N)·d·e`` its q block, ``K'``
 the dK block as it travels (float32 for half-precision inputs); α in s/message, β in s/byte, single port.
 With ``tp`` > 1 beside CP, ``h`` and ``h_kv`` are one TP shard's heads (``h/tp``; ``h_kv/tp``, at least 1:
-K/V heads are replicated when tp exceeds them), so every figure is per GPU. Ulysses replicates K/V heads
-``r = N / gcd(N, h_kv)`` times (:func:`commlab.parallel.context.ulysses.kv_replication`).
+K/V heads are replicated when tp exceeds them), so every figure is per GPU. Ulysses sends each rank the
+``kvn`` K/V heads its query heads use (:func:`commlab.parallel.context.ulysses.kv_heads_per_rank`), so K and V
+grow by ``r = N·kvn / h_kv`` (``N / h_kv`` when ``h_kv`` divides N, 1 when N divides ``h_kv``).
 
 =============== ================================= ============================== ================
 method          bytes per rank, forward           backward                       K/V held
 =============== ================================= ============================== ================
 ring attention  ``(N-1)·2K``                      ``(N-1)·2K + N·2K'``           2 blocks
 all-gathered    ``(N-1)·2K`` (AllGather)          ``(N-1)·2K`` (ReduceScatter)   whole seq
-Ulysses         ``(N-1)/N·(2Q+2rK)`` (2 AllToAll) the same                       whole seq, r·h_kv/N
+Ulysses         ``(N-1)/N·(2Q+2rK)`` (2 AllToAll) the same                       whole seq, kvn
 =============== ================================= ============================== ================
 
 Entry points: ``*_nbytes``/``*_seconds`` per method, :func:`compare_context_parallel` (``exposed_s``; the
@@ -27,7 +28,7 @@ from commlab.collectives.common import check_cost_args, check_counts
 from commlab.collectives.all_to_all import all_to_all_seconds, two_level_all_to_all_seconds
 from commlab.collectives.ring import (ring_all_gather_seconds, ring_all_reduce_seconds, ring_bytes_sent_per_rank,
                                       ring_reduce_scatter_seconds)
-from commlab.parallel.context.ulysses import kv_replication
+from commlab.parallel.context.ulysses import kv_heads_per_rank
 
 __all__ = ["METHODS", "ATTENTION_BACKWARD_OVER_FORWARD", "ring_attention_nbytes", "all_gather_attention_nbytes",
            "ulysses_nbytes", "ring_attention_seconds", "all_gather_attention_seconds", "ulysses_seconds", "CPCost",
@@ -100,35 +101,35 @@ def all_gather_attention_nbytes(batch: int, seq: int, heads: int, head_dim: int,
 
 
 def _ulysses_blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp):
-    """(Q, K, r): one GPU's q and K blocks and the K/V replication; ValueError when N does not divide the
-    query heads of a TP shard."""
+    """(Q, rK): one GPU's q block and the K bytes it sends in one AllToAll, ``N·kvn`` heads of s/N tokens;
+    ValueError when N does not divide the query heads of a TP shard."""
     q, k = _blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp)
     h, h_kv = _heads_per_gpu(heads, heads if kv_heads is None else kv_heads, tp)
     why = _ulysses_feasible(h, n)
     if why:
         raise ValueError(why)
-    return q, k, kv_replication(h_kv, n)
+    return q, k // h_kv * n * kv_heads_per_rank(h, h_kv, n)
 
 
 def ulysses_nbytes(batch: int, seq: int, heads: int, head_dim: int, n: int, element_nbytes: int, *,
                    kv_heads: int | None = None, tp: int = 1) -> dict[str, float]:
     """Bytes one GPU sends in DeepSpeed-Ulysses (:func:`commlab.parallel.context.ulysses_attention`):
     ``(N-1)/N · (2Q + 2rK)`` each way (q, k, v out in one AllToAll, the output back in another; the gradients
-    the same in reverse; the pairwise AllToAll keeps 1/N of each tensor at home). ``r = N / gcd(N, h_kv)``: K/V
-    heads are replicated when N does not divide them (``r = N / h_kv`` when ``h_kv`` < N divides N).
+    the same in reverse; the pairwise AllToAll keeps 1/N of each tensor at home). ``r = N·kvn / h_kv``: each
+    rank is sent the ``kvn`` K/V heads its query heads use (``r = N / h_kv`` when ``h_kv`` divides N).
 
     Raises:
         ValueError: as :func:`ring_attention_nbytes`, or ``heads / tp`` not a multiple of ``n``.
     """
-    q, k, r = _ulysses_blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp)
-    one = (n - 1) / n * (2 * q + 2 * r * k)
+    q, rk = _ulysses_blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp)
+    one = (n - 1) / n * (2 * q + 2 * rk)
     return {"forward": one, "backward": one}
 
 
 def _ulysses_feasible(heads, n) -> str | None:
     if heads % n:
         return (f"Ulysses needs the query heads ({heads} per GPU) to be a multiple of N = {n} (each rank attends "
-                "with heads / N of them; K/V heads that N does not divide are replicated)")
+                "with heads / N of them and is sent the K/V heads those use)")
     return None
 
 
@@ -178,14 +179,14 @@ def ulysses_seconds(batch: int, seq: int, heads: int, head_dim: int, n: int, ele
     Raises:
         ValueError: as :func:`ulysses_nbytes`, or a negative or non-finite α/β.
     """
-    q, k, r = _ulysses_blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp)
+    q, rk = _ulysses_blocks(batch, seq, heads, head_dim, n, element_nbytes, kv_heads, tp)
     if intra is None:
         def a2a(nbytes):
             return all_to_all_seconds(nbytes, n, alpha_s, beta_s_per_byte)
     else:
         def a2a(nbytes):
             return two_level_all_to_all_seconds(nbytes, n, intra[0], intra[1], intra[2], alpha_s, beta_s_per_byte)
-    one = a2a(q + 2 * r * k) + a2a(q)
+    one = a2a(q + 2 * rk) + a2a(q)
     return {"forward": one, "backward": one}
 
 
@@ -201,7 +202,7 @@ class CPCost:
             not overlapped (their results are needed before the arithmetic starts), so all of ``seconds``.
         kv_nbytes_held: K/V bytes one GPU holds during the forward pass (the ring: the block it computes with
             and the one arriving; the all-gather: the whole sequence; Ulysses: the whole sequence of
-            ``r·h_kv / N`` heads).
+            ``kvn = r·h_kv / N`` heads).
     """
 
     method: str
@@ -264,10 +265,10 @@ def compare_context_parallel(batch: int, seq: int, heads: int, head_dim: int, n:
     if why:
         rows.append(CPCost("ulysses", False, why, float("nan"), float("nan"), float("nan"), float("nan")))
     else:
-        _, _, r = _ulysses_blocks(*args, kv_heads, tp)
+        _, rk = _ulysses_blocks(*args, kv_heads, tp)
         u_s = ulysses_seconds(*args, alpha_s, beta_s_per_byte, kv_heads=kv_heads, tp=tp, intra=intra)
         rows.append(CPCost("ulysses", True, None, sum(ulysses_nbytes(*args, kv_heads=kv_heads, tp=tp).values()),
-                           sum(u_s.values()), sum(u_s.values()), 2 * r * k))  # r·h_kv/N heads, whole seq
+                           sum(u_s.values()), sum(u_s.values()), 2 * rk))  # kvn heads, whole seq
     return rows
 
 
