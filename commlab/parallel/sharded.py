@@ -253,8 +253,9 @@ class ShardedDataParallel(nn.Module):
     ``.grad`` the average over every DP rank (``shard_group`` x ``replicate_group``) of its rows, accumulated
     over backwards, in the parameter's own dtype. Read the whole model with :meth:`full_parameters` and
     :meth:`full_gradients` (collective); clip by the global norm with :meth:`clip_grad_norm_` (torch's
-    ``clip_grad_norm_`` on these plain-tensor shards would use each rank's local norm). Every rank must run the same units in the same order (their collectives
-    pair up); a backward that raises loses its gradients; NaN/inf are reduced like any number. As under
+    ``clip_grad_norm_`` on these plain-tensor shards would use each rank's local norm). Every rank must run the
+    same units in the same order (their collectives pair up); a backward that raises loses its gradients; NaN/inf
+    are reduced like any number. As under
     fully_shard, a parameter that gets no gradient in a backward is left out of its unit's ReduceScatter (its
     shard's ``.grad`` stays as it was: None after ``zero_grad()``, so the optimizer skips it) and a unit with none
     reduces nothing; hence every rank must give gradients to the same parameters in a backward (one that differs
