@@ -212,11 +212,62 @@ def _clip(stage, norm_type):
     return {"gaps": gaps, "norms": norms, "errors": errors}
 
 
+class OutOfOrder(nn.Module):
+    """Units run in another order than they are listed (b before c): unit c's forward prefetches b, which has
+    already run, and nobody uses that gather."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.a, self.c, self.b = nn.Linear(8, 6), nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h)
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant) around the first two units: their forwards run again in the
+    backward, with their hooks."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.l0, self.l1, self.l2 = nn.Linear(8, 6), nn.Linear(6, 5), nn.Linear(5, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for layer in (self.l0, self.l1):
+            x = checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), x, use_reentrant=False)
+        return self.l2(x)
+
+
+def _unused_prefetch(make, stage):
+    ref, model = make(), make()
+    torch_sharded(ref, reshard_after_forward=stage == 3)
+    sdp = ShardedDataParallel(model, stage=stage)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    gaps = []
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        for m, opt in zip((ref, sdp), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        gaps.append(_gap(ref, model))
+    return gaps
+
+
 def _job():
     if dist.get_world_size() == 4:
         return {"fp16": _fp16_big()}
     return {"tied": _tied(), "buffers": _buffers(), "unused": {stage: _unused(stage) for stage in (3, 2)},
             "data": _data_updates(),
+            "prefetch": {(make.__name__, stage): _unused_prefetch(make, stage)
+                         for make in (OutOfOrder, Checkpointed) for stage in (3, 2)},
             "clip": {(stage, p): _clip(stage, p) for stage in (3, 2) for p in (2.0, float("inf"))}}
 
 
@@ -310,3 +361,14 @@ def test_clip_grad_norm_uses_the_global_norm_as_fully_shard(two, stage, norm_typ
         assert all(abs(a - b) <= 1e-6 * a and a > 0.05 for a, b in c["norms"])   # every step clipped
         assert "max_norm" in c["errors"][0] and "norm_type" in c["errors"][1]
     assert two[0]["clip"][(stage, norm_type)]["norms"] == two[1]["clip"][(stage, norm_type)]["norms"]
+
+
+@slow
+@pytest.mark.parametrize("stage", [3, 2])
+@pytest.mark.parametrize("make", ["OutOfOrder", "Checkpointed"])
+def test_an_unused_prefetch_is_dropped_not_taken_for_the_next_steps_weights(two, make, stage):
+    """Once ZeRO-2 gathered in every forward, a prefetch left unused (a unit run out of order, or a checkpointed
+    unit's recomputation prefetching the next one) was finished at the end of backward and then passed for the
+    next step's weights, before the optimizer had stepped them."""
+    for r in two:
+        assert max(r["prefetch"][(make, stage)]) < 1e-6

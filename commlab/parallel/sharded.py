@@ -506,6 +506,8 @@ class ShardedDataParallel(nn.Module):
             # The previous backward raised before its end-of-backward callback: its gradients are lost (each
             # rank's error has reached its caller); wait for what it launched and start clean.
             self._end_backward()
+        for u in self._units:   # prefetches of an earlier forward without backward (under no_grad, say)
+            self._drop_gather(u)
         self.last_step = ShardedStepStats()
         args, kwargs = self._cast_inputs((args, kwargs))
         return self.module(*args, **kwargs)
@@ -644,10 +646,19 @@ class ShardedDataParallel(nn.Module):
             # backward_gathered too: a second backward of an earlier forward (two micro-batches forwarded
             # before either backward) must gather the units again, which this backward freed.
             u.reduce, u.reduced, u.ready, u.backward_gathered = None, False, 0, False
-            if u.gather is not None:   # a prefetch nobody used: wait for it so that nothing is left in flight
-                self._gather_finish(u)
+            self._drop_gather(u)
             self._free(u)
+            if self.stage == 2:
+                u.unsharded = False   # as FSDP2 reshards after backward: the next forward gathers the new shards
         self._in_backward = False
+
+    def _drop_gather(self, u: _Unit) -> None:
+        """A prefetch nobody used (the unit did not run after it, or ran in a recomputation): wait for it, so that
+        nothing is left in flight, and drop it, since the shards may change before the unit's next forward."""
+        if u.gather is not None:
+            if u.gather[0] is not None:
+                u.gather[0].wait()
+            u.gather = None
 
     # ---- the optimizer and the whole model --------------------------------------------------------------------
 
