@@ -503,13 +503,14 @@ def _plan(args, parser) -> int:
     print(f"# step s: the replayed step timeline where the search replayed the plan (every one of the top "
           f"{TIMELINE_TOP_K}), else the analytical sum of terms (marked ~); the term columns are the analytical ones, "
           f"exposed only (slow = compute slowed by the communication hidden beside it, opt = the optimizer step)")
-    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} "
+    width = max([34] + [len(p.layout.short()) for p in result.plans[:args.top]])  # HSDP labels are longer
+    head = (f"{'#':>2} {'layout':<{width}} {'step s':>8} {'compute':>8} {'loss':>6} {'TP':>7} {'PP':>7} {'bubble':>7} "
             f"{'DP':>7} {'slow':>6} {'opt':>6} {'mem GB':>7} {'tokens/s':>11} {'TFLOP/s/GPU':>12}")
     print(head)
     for i, p in enumerate(result.plans[:args.top], 1):
         r = p.row()
         by_sum = "~" if p.timeline_step_s is None else " "
-        print(f"{i:>2} {r['layout']:<34} {r['step_s']:>8.3f}{by_sum}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
+        print(f"{i:>2} {r['layout']:<{width}} {r['step_s']:>8.3f}{by_sum}{r['compute_s']:>8.3f} {r['loss_s']:>6.3f} {r['tp_s']:>7.3f} "
               f"{r['pp_s']:>7.3f} "
               f"{r['bubble_s']:>7.3f} {r['dp_s']:>7.3f} {r['slowdown_s']:>6.3f} {r['optimizer_s']:>6.3f} "
               f"{r['memory_gb']:>6.1f}{'!' if r['fragile'] else ' '} "

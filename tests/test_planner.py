@@ -272,7 +272,7 @@ def test_bloom_176b_runs_on_its_own_stack_with_the_knobs_of_its_script(validatio
 def test_published_ranks_count_each_split_once_and_match_the_fixed_knobs():
     from types import SimpleNamespace
 
-    from commlab.parallel.planner.search import _published_ranks
+    from commlab.parallel.planner.validation import _published_ranks
     rows = [(4, 2, 1, 4, "none", 1.0), (4, 2, 2, 4, "none", 1.1), (4, 2, 1, 2, "full", 1.2),
             (8, 1, 1, 1, "none", 1.3), (8, 1, 2, 1, "full", 1.4), (8, 1, 8, 1, "full", 1.4), (2, 4, 1, 1, "none", 1.5)]
     plans = [SimpleNamespace(layout=Layout(tp=t, pp=p, dp=1, micro_batch=b, interleave=v, recompute=r), step_s=sec)
@@ -288,7 +288,7 @@ def test_published_ranks_count_each_split_once_and_match_the_fixed_knobs():
 
 
 def test_published_labels_star_the_knobs_the_planner_chose(validation):
-    assert validation["llama3-405b-8k-16384gpus"].published == "tp8 pp16 dp128 b1* v4* recompute*"
+    assert validation["llama3-405b-8k-16384gpus"].published == "tp8 pp16 dp128 b1* v4* zero1* recompute*"
     assert validation["megatron-76.1b"].published == "tp8 pp4 dp32 b2 v3 recompute"
     table = validation_table(list(validation.values()))
     assert " n/a " in table and "each split counted once" in table

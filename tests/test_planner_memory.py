@@ -8,7 +8,7 @@ import pytest
 
 from commlab.__main__ import main
 from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, activation_bytes_per_layer,
-                                      dp_all_reduce_seconds, dp_gradient_nbytes, fsdp_exposed_seconds,
+                                      dp_all_reduce_seconds, dp_gradient_nbytes, op_times,
                                       fsdp_head_share, interleave_memory_factor, is_fragile, layer_params,
                                       load_model, load_software, make_cluster, memory_breakdown,
                                       model_state_bytes_per_param, search, stage_params, step_time,
@@ -111,16 +111,28 @@ def test_zero3_moves_three_passes_per_micro_batch_and_zero2_moves_what_zero1_doe
     assert t3.dp_reduce_scatter_s == pytest.approx(2 * one_rs)
     assert t3.dp_all_gather_s == pytest.approx(2 * 2 * one_ag)
     # By hand: AG 1 s, RS 2 s, forward 0.5 s, backward 1 s, both fully overlappable: hidden 0.5 + 1.
-    assert fsdp_exposed_seconds(1.0, 2.0, 0.5, 1.0, 1.0, 1.0) == (4.0 - 1.5, 1.5)
-    assert fsdp_exposed_seconds(1.0, 2.0, 5.0, 5.0, 0.0, 0.0) == (4.0, 0.0)
-    with pytest.raises(ValueError, match="gather_overlap"):
-        fsdp_exposed_seconds(1.0, 1.0, 1.0, 1.0, 1.5, 0.0)
+    assert _fsdp(1.0, 2.0, 0.5, 1.0, 1.0, 1.0) == (4.0 - 1.5, 1.5)
+    assert _fsdp(1.0, 2.0, 5.0, 5.0, 0.0, 0.0) == (4.0, 0.0)
+    with pytest.raises(ValueError, match="gather_hidable_s"):
+        _fsdp(1.0, 1.0, 1.0, 1.0, 1.5, 0.0)
     # With a head share: 0.1 of the forward AllGather and of the ReduceScatter are exposed whatever the
     # windows: hidden 0.9 + (1 + 1.8), exposed 0.1 + 0.2.
-    exposed, hidden = fsdp_exposed_seconds(1.0, 2.0, 5.0, 5.0, 1.0, 1.0, 0.1)
+    exposed, hidden = _fsdp(1.0, 2.0, 5.0, 5.0, 1.0, 1.0, 0.1)
     assert (exposed, hidden) == pytest.approx((0.3, 3.7))
-    with pytest.raises(ValueError, match="head_share"):
-        fsdp_exposed_seconds(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2)
+    with pytest.raises(ValueError, match="hidable_s must be finite seconds >= 0"):
+        _fsdp(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2)
+
+
+def _fsdp(gather_s, reduce_s, forward_s, backward_s, gather_overlap, reduce_overlap, head_share=0.0):
+    """``(exposed, hidden)`` of one micro-batch's ZeRO-3 communication as the time model prices it: one
+    forward and one backward op (:func:`op_times`), the head share exposed in the forward's AllGather and
+    the ReduceScatter."""
+    g, r, h = gather_s, reduce_s, head_share
+    fwd = op_times(forward_s, gather_s=g, gather_hidable_s=gather_overlap * (1 - h) * g)
+    bwd = op_times(backward_s, gather_s=g, gather_hidable_s=gather_overlap * g, reduce_s=r,
+                   reduce_hidable_s=reduce_overlap * (1 - h) * r)
+    hidden = fwd.gather_hidden_s + bwd.gather_hidden_s + bwd.reduce_hidden_s
+    return fwd.wait_s + bwd.wait_s + bwd.reduce_exposed_s, hidden
 
 
 def test_fsdp_head_share_by_hand():

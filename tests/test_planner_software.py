@@ -20,8 +20,9 @@ from commlab.parallel.planner import (FLOP_DEFINITIONS, RECOMPUTE_POLICIES, Layo
                                       memory_breakdown, model_flops_per_step, model_flops_per_token,
                                       parameter_count, pp_message_nbytes, search, step_time)
 from commlab.parallel.planner.communication import backward_tp_hidden_seconds, beside_seconds, slowdown_seconds
+from commlab.parallel.planner.time_model import loss_seconds
 from commlab.parallel.planner.counting import column_wgrad_flops_per_token, input_grad_share
-from commlab.parallel.planner.search import _reported_tflops
+from commlab.parallel.planner.validation import _reported_tflops
 from commlab.parallel.planner.software import _FIELDS
 
 TINY = ModelConfig(name="tiny", layers=2, hidden=8, heads=2, ffn=32, vocab=16, seq=4)
@@ -323,13 +324,17 @@ def test_dp_is_reduce_scatter_plus_all_gather_hidden_behind_the_last_backward_an
     ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, layout, 2), layout, c) / 2
     assert (t.dp_reduce_scatter_s, t.dp_all_gather_s) == pytest.approx((rs, ag))
     assert t.dp_s == pytest.approx(rs + ag)
-    # Windows: the last micro-batch's backward and the first one's forward (executed-FLOP shares).
+    # Windows: the last micro-batch's backward and the first one's forward (executed-FLOP shares, and the
+    # loss over the vocabulary, split as its bytes are).
     L, s, h, V = m.layers, m.seq, m.hidden, m.vocab
     fwd_attn = 4 * s * h / 2
     forward = 2 * (L * layer_params(m) + V * h) + L * fwd_attn
     executed = executed_flops_per_token(m, "full", flash_attention=True)
     per_micro = t.compute_s / t.micro_batches
-    bwd_window, fwd_window = per_micro * (1 - forward / executed), per_micro * forward / executed
+    loss_f, loss_b = loss_seconds(m, 1, 8, c.device)
+    assert t.loss_s == pytest.approx(t.micro_batches * (loss_f + loss_b)) and loss_f > 0
+    bwd_window = per_micro * (1 - forward / executed) + loss_b
+    fwd_window = per_micro * forward / executed + loss_f
     # The bucket the backward completes last (and the first gathered): the first chunk's ceil(126/64) = 2
     # layers fill a 128M-element bucket each (400M elements per tp rank), so it holds the input embedding
     # alone; that share of each is exposed whatever the window.

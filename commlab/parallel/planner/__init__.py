@@ -8,7 +8,8 @@
 * :mod:`~.time_model` -- seconds per step, term by term;
 * :mod:`~.kernels` -- compute priced from a layer's kernels (the default where the GPU has the data);
 * :mod:`~.timeline` -- one step replayed in the schedule's order, per pipeline stage;
-* :mod:`~.search` -- the search over layouts and :func:`validate_published` against published runs.
+* :mod:`~.search` -- the search over layouts;
+* :mod:`~.validation` -- :func:`validate_published`: the planner against published runs.
 
 ``python -m commlab plan --model llama3-405b --preset dgx-h100-ndr --gpus 16384 --global-batch 2048``
 prints the top layouts. Book: chapter 11 (all of it) and chapter 12, §12.4.
@@ -26,14 +27,16 @@ from commlab.parallel.planner.counting import (FLOP_DEFINITIONS, attention_flops
                                                megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
                                                pp_message_nbytes, tp_all_reduce_nbytes)
 from commlab.parallel.planner.communication import (dp_all_reduce_seconds, dp_exposed_seconds, dp_last_bucket_share,
-                                                    fsdp_exposed_seconds, fsdp_head_share, group_all_reduce_seconds)
+                                                    fsdp_head_share, group_all_reduce_seconds,
+                                                    op_times)
 from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, KERNELS, TimeBreakdown, compute_model,
                                                  loss_seconds, step_time)
 from commlab.parallel.planner.timeline import (StepCosts, StageCosts, StepTimeline, step_costs, step_timeline,
                                                timeline_from_costs)
-from commlab.parallel.planner.search import (TIMELINE_TOP_K, WITHIN_PCT, Plan, Rejected, SearchResult, ValidationRow, divisors,
-                                             load_published, make_cluster, search, validate_published,
-                                             validation_summary, validation_table)
+from commlab.parallel.planner.search import (TIMELINE_TOP_K, Plan, Rejected, SearchResult, divisors, load_published,
+                                             make_cluster, search)
+from commlab.parallel.planner.validation import (WITHIN_PCT, ValidationRow, validate_published, validation_summary,
+                                                 validation_table)
 
 __all__ = [
     "SoftwareProfile", "DEFAULT_SOFTWARE", "RECOMPUTE_POLICIES", "ZERO_STAGES", "OPTIMIZER_DTYPES", "OptimizerDtypes",
@@ -47,7 +50,7 @@ __all__ = [
     "megatron_eq3_flops", "megatron_2024_flops", "korthikanti_eq7_flops", "model_flops_per_step",
     "attention_flops_per_token",
     "FLOP_DEFINITIONS",
-    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "fsdp_exposed_seconds", "fsdp_head_share",
+    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "op_times", "fsdp_head_share",
     "tp_all_reduce_nbytes",
     "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "group_all_reduce_seconds", "step_time",

@@ -1,18 +1,13 @@
 """Compute time of one GPU from its kernels (the planner's kernel model): each GEMM at a measured efficiency
-for its shape, the memory-bound operations at the memory's bandwidth.
+for its shape, FlashAttention at its measured speed, the memory-bound operations at the memory's bandwidth.
 
 Entry points: :func:`gemm_efficiency` (``commlab/data/gemm_efficiency.json``, interpolated by shape),
-:func:`attention_flop_per_s` (FlashAttention-2's measured speed, ``commlab/data/attention_speed.json``), the
-memory-bound bytes of :mod:`~.counting` priced at ``hbm_bytes_per_s`` of ``commlab/data/hardware.json``,
-:func:`layer_kernels` (one layer's GEMM
-shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the time model uses in
-place of one constant), :func:`layer_seconds` and :func:`validate_layer_times` (one layer against
-Korthikanti et al. 2022, Table 4), and :func:`in_stack_share` (the stack's share of the microbenchmark
-rates, measured on that single layer). Nothing is fitted to end-to-end runs.
-
-Book: chapter 11, §11.4, *Compute from kernels* and *Inside one layer*.
+:func:`attention_flop_per_s` (``commlab/data/attention_speed.json``), :func:`layer_kernels` (one layer's GEMM
+shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the step model uses),
+:func:`layer_seconds` and :func:`validate_layer_times` (one layer against Korthikanti et al. 2022, Table 4),
+:func:`in_stack_share` (the stack's share of the microbenchmark rates, measured on that layer). Nothing is
+fitted to end-to-end runs. Book: chapter 11, §11.4, *Compute from kernels* and *Inside one layer*.
 """
-
 from __future__ import annotations
 
 import bisect
@@ -23,7 +18,7 @@ from pathlib import Path
 
 from commlab import checks, data, hardware
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.communication import backward_tp_hidden_seconds, beside_seconds, slowdown_seconds
+from commlab.parallel.planner.communication import backward_tp_hidden_seconds, op_times
 from commlab.parallel.planner.counting import (attention_flops_per_token, memory_bound_bytes_per_token,
                                                tp_all_reduce_nbytes)
 from commlab.parallel.planner.memory import Layout, ModelConfig, load_model
@@ -261,12 +256,10 @@ def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recomp
                   sequence_parallel: bool = False, flash_attention: bool = True,
                   share: float = 1.0) -> tuple[float, float]:
     """Seconds of one transformer layer's ``(forward, backward)`` for one micro-batch on one of ``tp`` GPUs,
-    from its kernels alone: its GEMMs (:func:`layer_kernels`) at the table's efficiency, the attention core,
-    and the memory-bound bytes at the datasheet's bandwidth, the parts :func:`effective_fraction` adds up. The
-    backward includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention
-    core's forward). No communication: the TP collectives are the time model's. ``share`` divides every
-    kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates;
-    ``in_stack_share(device).share`` at the rate the time model's kernel model uses.
+    from its kernels alone (the parts :func:`effective_fraction` adds up; no communication). The backward
+    includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention core's).
+    ``share`` divides every kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates,
+    ``in_stack_share(device).share`` at the rate the step model uses.
 
     Raises:
         ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; ``share`` not in (0, 1];
@@ -367,13 +360,10 @@ def _layer_time_entries(path: str | Path | None) -> dict:
 def validate_layer_times(path: str | Path | None = None, device: str | None = None) -> list[LayerTimeRow]:
     """The kernel model against measured single-layer times (``commlab/data/published_layer_times.json``:
     Korthikanti et al. 2022, Table 4), its kernels at the microbenchmarks' own rates (``share=1`` in
-    :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference).
-
-    Each row adds the layer's TP collectives as the time model prices them (rings on the preset's NVLink):
-    two forward, two backward less what ``overlap_tp_backward`` hides
-    (:func:`~.time_model.backward_tp_hidden_seconds`), two more for a fully recomputed forward, and the
-    slowdown of compute beside the hidden ones. Nothing is fitted. ``device``: only the entries whose preset
-    has that GPU (None: all). Book §11.4, *Inside one layer*.
+    :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference), each row with
+    the layer's TP collectives as the step model prices them (:func:`~.communication.op_times`; two more for
+    a fully recomputed forward). Nothing is fitted. ``device``: only the entries whose preset has that GPU
+    (None: all). Book §11.4, *Inside one layer*.
 
     Raises:
         ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
@@ -397,14 +387,13 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
                                          e["flash_attention"])
             except ValueError as err:
                 raise ValueError(f"layer-time entry {key!r}, row {r.get('experiment')!r}: {err}") from None
-            overlap_tp = sw.overlap_tp if sp else 0.0
-            # What hides still slows the compute beside it (the profile's overlap_compute_slowdown).
-            slow = sw.overlap_compute_slowdown
-            hidden_f = beside_seconds(overlap_tp * 2 * one, fwd, slow)
-            tp_f = 2 * one - hidden_f + slowdown_seconds(hidden_f, slow)
-            hidden = beside_seconds(backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad,
-                                                               slow), bwd, slow)
-            tp_b = 2 * one - hidden + slowdown_seconds(hidden, slow) + (tp_f if r.get("recompute") == "full" else 0.0)
+            overlap_tp, slow = (sw.overlap_tp if sp else 0.0), sw.overlap_compute_slowdown
+            # The time model's rule for one op (op_times): what hides still slows the compute beside it.
+            f = op_times(fwd, 2 * one, overlap_tp * 2 * one, slowdown=slow)
+            tp_f = f.tp_exposed_s + f.slowdown_s
+            b_ = op_times(bwd, 2 * one, backward_tp_hidden_seconds(one, sp, overlap_tp, sw.overlap_tp_backward, wgrad,
+                                                                   slow), slowdown=slow)
+            tp_b = b_.tp_exposed_s + b_.slowdown_s + (tp_f if r.get("recompute") == "full" else 0.0)
             out.append(LayerTimeRow(key, r.get("experiment", ""), r.get("recompute", "none"), sp, r["forward_ms"],
                                     r["backward_ms"], (fwd + tp_f) * 1e3, (bwd + tp_b) * 1e3, tp_f * 1e3,
                                     tp_b * 1e3))
@@ -435,21 +424,17 @@ class InStackShare:
 
 @lru_cache(maxsize=8)
 def in_stack_share(device: str, path: str | None = None) -> InStackShare:
-    """The stack's share of the microbenchmark rates on ``device`` (book §11.4, *Inside one layer*).
-
-    ``share = sum(kernel seconds) / sum(measured - modelled TP seconds)`` over the forward and backward of
-    every measured layer on the GPU (:func:`validate_layer_times` over ``path``, default
-    :data:`LAYER_TIMES_PATH`), kernel seconds at ``share=1``. A GPU with none takes the share of the GPU its
-    ``commlab/data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop), with the entry's
-    ``in_stack_assumption``. The share holds whatever the model misses on that layer; using it for other
-    stacks, models or GPUs is an assumption, and the loss and the optimizer step are not divided by it.
+    """The stack's share of the microbenchmark rates on ``device`` (book §11.4, *Inside one layer*):
+    ``sum(kernel seconds) / sum(measured - modelled TP seconds)`` over the forward and backward of every
+    measured layer on the GPU (:func:`validate_layer_times` over ``path``), or, for a GPU with none, the share
+    of the GPU its ``commlab/data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop; an
+    assumption the entry states). Using it for other stacks, models or GPUs is an assumption; the loss and
+    the optimizer step are not divided by it.
 
     Raises:
-        ValueError: ``device`` has no measured layer and no GEMM-table entry naming an
-            ``in_stack_share_from`` GPU that has them; a measured number not larger than its modelled TP
-            time; measured layers that give a share above 1 (the stack faster than its microbenchmarks);
-            what :func:`validate_layer_times` raises for a malformed entry anywhere in the file (every entry
-            is checked, whichever GPU it is on).
+        ValueError: no measured layer on ``device`` or on the GPU it names; a measured number not larger than
+            its modelled TP time; a share above 1 (the stack faster than its microbenchmarks); a malformed
+            entry anywhere in the file.
     """
     rows = validate_layer_times(path, device)
     if rows:

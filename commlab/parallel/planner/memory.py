@@ -138,7 +138,8 @@ class Layout:
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "micro_batch", "interleave", "recompute_every"):
-            checks.integer(f, getattr(self, f))
+            if type(getattr(self, f)) is not int or getattr(self, f) < 1:  # (the search builds thousands)
+                checks.integer(f, getattr(self, f))
         object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
         if self.zero_stage is None:
             object.__setattr__(self, "zero_stage", 1 if self.zero1 else 0)
@@ -215,22 +216,14 @@ class MemoryBreakdown:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
 
     def fits(self, device_memory_bytes: float, usable_fraction: float = 1.0) -> bool:
-        """Whether ``total_bytes <= usable_fraction × device_memory_bytes``; ``usable_fraction < 1`` (e.g. 0.9)
-        keeps room for what no term counts (workspaces, NCCL buffers, fragmentation).
+        """Whether ``total_bytes <= usable_fraction × device_memory_bytes`` (:func:`usable_memory_bytes`).
 
         Raises:
             ValueError: ``device_memory_bytes <= 0`` or ``usable_fraction`` not in (0, 1].
         """
-        if not device_memory_bytes > 0:
-            raise ValueError(f"device_memory_bytes must be > 0, got {device_memory_bytes!r}")
         if not 0 < usable_fraction <= 1:
             raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
-        return self.total_bytes <= usable_fraction * device_memory_bytes
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["total_bytes"] = self.total_bytes
-        return d
+        return self.total_bytes <= usable_memory_bytes(device_memory_bytes, 1 - usable_fraction)
 
 
 # ----------------------------------------------------------------------------------------- the table

@@ -102,6 +102,8 @@ def check_zero_stage(stage) -> int:
     Raises:
         ValueError: anything else (a bool included); the message names it and the allowed stages.
     """
+    if type(stage) is int and stage in ZERO_STAGES:
+        return stage
     return checks.one_of("zero_stage", stage, ZERO_STAGES, note="the ZeRO stage: 0 none, 1 optimizer states, "
                          "2 + gradients, 3 + parameters / FSDP")
 
@@ -205,11 +207,6 @@ class SoftwareProfile:
     def optimizer_state_bytes(self) -> int:
         """Optimizer-state bytes per parameter (master copies + Adam moments) of :attr:`optimizer`."""
         return self.optimizer.state_bytes
-
-    @property
-    def distributed_optimizer(self) -> bool:
-        """Optimizer states sharded over the DP ranks (ZeRO stage >= 1)."""
-        return self.zero_stage >= 1
 
     def replace(self, **changes) -> "SoftwareProfile":
         """A copy with some fields changed (validated again)."""

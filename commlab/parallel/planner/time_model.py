@@ -1,38 +1,37 @@
-"""Time of one training step of a 3D-parallel layout: compute, loss, TP, PP, bubble, DP and slowdown terms.
+"""Time of one training step of a 3D-parallel layout, and the per-op costs the step timeline replays.
 
-:func:`step_time` returns a :class:`TimeBreakdown` (seconds on one GPU's critical path) for a model
-(:class:`~.memory.ModelConfig`), a layout (:class:`~.memory.Layout`), a cluster
-(:class:`~commlab.topology.Cluster`: α in s, β in s/byte per direction), a global batch (sequences) and a
-software profile (:class:`~.software.SoftwareProfile`). Compute is priced by one share of peak
-(:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks per device:
-:func:`compute_model`). Executed FLOP (:func:`executed_flops_per_token`) and published model FLOP
-(:func:`model_flops_per_step`, :data:`FLOP_DEFINITIONS`) are kept apart. Terms are summed, not scheduled;
-:mod:`~.timeline` replays them. Sources: Kaplan et al. 2020; Shoeybi et al. 2019 §3; Narayanan et al. 2021
-§2.2, §3.2, §4.1; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3; PaLM App. B; Lee et al.
-2025 (arXiv:2507.03114). Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4.
+:func:`step_costs` prices one micro-batch's ops on one GPU of every pipeline stage (:class:`StepCosts`:
+computation, TP, pipeline messages, DP and ZeRO collectives, seconds); :func:`step_time` sums them for a
+pipeline whose every stage is as heavy as the heaviest (:class:`TimeBreakdown`, seconds on one GPU's
+critical path). What hides beside what is decided by :mod:`~.communication` (``chunk_ops``, ``dp_times``),
+for the sum and for the replay (:mod:`~.timeline`) alike. Compute is priced by one share
+of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks per device).
+Sources: Narayanan et al. 2021 §2.2, §3.2, §4.1; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020
+§5.3. Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 
 from commlab import checks, hardware
 from commlab.collectives.ring import ring_all_reduce_seconds
-from commlab.parallel.planner.communication import (backward_tp_hidden_seconds, beside_seconds, dp_exposed_seconds,
-                                                    dp_last_bucket_share, fsdp_exposed_seconds, fsdp_head_share,
-                                                    group_all_reduce_seconds, slowdown_seconds, tp_link)
-from commlab.parallel.planner.counting import (column_wgrad_flops_per_token, dp_gradient_nbytes,
-                                               executed_flops_per_token, forward_flops_per_token,
+from commlab.parallel.planner.communication import (StageCosts, StepCosts, backward_tp_hidden_seconds, chunk_ops,
+                                                    dp_last_bucket_share, dp_times, fsdp_head_share,
+                                                    group_all_reduce_seconds, send_times, slowdown_seconds, tp_link)
+from commlab.parallel.planner.counting import (attention_flops_per_token, column_wgrad_flops_per_token,
+                                               dp_gradient_nbytes, executed_flops_per_token, forward_flops_per_token,
                                                loss_bytes_per_token, model_flops_per_token, optimizer_step_bytes,
                                                pp_message_nbytes, tp_all_reduce_nbytes)
 from commlab.parallel.planner.kernels import effective_fraction, kernel_model_gap
-from commlab.parallel.planner.memory import Layout, ModelConfig, stage_layers, stage_params
+from commlab.parallel.planner.memory import Layout, ModelConfig, layer_params, stage_layers, stage_params
 from commlab.parallel.planner.software import SoftwareProfile, load_software
 from commlab.topology import Cluster, flows_per_nic
 
-__all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "AUTO", "compute_model", "loss_seconds",
-           "step_time"]
+__all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "AUTO", "chunk_layers", "compute_model",
+           "loss_seconds", "step_costs", "step_time", "sum_of_terms"]
 
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (why 0.5: book §11.2).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
@@ -134,152 +133,240 @@ class TimeBreakdown:
         """FLOP/s per GPU in another accounting (e.g. :func:`model_flops_per_step`), given its FLOP per step."""
         return flop_per_step / self.total_s / self.gpus
 
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.update(total_s=self.total_s, tokens_per_s=self.tokens_per_s,
-                 model_flop_per_s_per_gpu=self.model_flop_per_s_per_gpu)
-        return d
+
+def chunk_layers(layers: int, pp: int, interleave: int = 1) -> list[list[int]]:
+    """Layers of each chunk of each stage: ``out[s][c]`` for virtual stage ``c·pp + s``.
+
+    Every virtual stage gets ``ceil(L/(pp·v))`` layers, and the surplus is taken off one layer at a time
+    from virtual stages 0, ``pp·v - 1``, 1, ``pp·v - 2``, ...: the first and last stages also carry the
+    embedding and the output layer (Llama 3 405B took its two surplus layers off those, Llama 3 paper
+    §3.3.2). The heaviest stage holds :func:`~.memory.stage_layers` layers.
+
+    Raises:
+        ValueError: as :func:`~.memory.stage_layers` (a count < 1, or ``pp·v > L``).
+    """
+    stage_layers(layers, pp, interleave)  # validates
+    n = pp * interleave
+    per = [math.ceil(layers / n)] * n
+    order = [i // 2 if i % 2 == 0 else n - 1 - i // 2 for i in range(n)]
+    for k in order[:sum(per) - layers]:
+        per[k] -= 1
+    return [[per[c * pp + s] for c in range(interleave)] for s in range(pp)]
 
 
+# ----------------------------------------------------------------------------------------- pricing
 
+def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
+               software: SoftwareProfile | str | None = None, achievable_fraction: float | str = AUTO,
+               dp_overlap: float | None = None, dtype: str = "bf16", grad_bytes: int | None = None,
+               optimizer_s: float | None = None, uniform: bool = False) -> tuple[StepCosts, TimeBreakdown]:
+    """The per-stage, per-micro-batch costs of a plan and its :func:`step_time` (arguments as there).
 
-# ----------------------------------------------------------------------------------------- the step
+    Each stage holds its own layers (:func:`chunk_layers`), the last chunk the output layer and the loss;
+    ``uniform=True``: every chunk of every stage as the heaviest stage's average chunk, the pipeline
+    :func:`step_time` sums. ``optimizer_s``: the optimizer step's seconds (None: the time model's).
+
+    Raises:
+        ValueError: what :func:`step_time` raises; a negative ``optimizer_s``.
+    """
+    p = _price(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype, grad_bytes)
+    return _costs(p, uniform, optimizer_s), _breakdown(p)
+
 
 def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int,
               achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
               dtype: str = "bf16", grad_bytes: int | None = None,
               software: SoftwareProfile | str | None = None) -> TimeBreakdown:
-    """Predicted time of one training step (seconds), term by term (book §11.2).
+    """Predicted time of one training step (seconds), term by term (book §11.2): the ops of
+    :func:`step_costs` with ``uniform=True``, ``m·v`` chunk forwards and backwards with their sends, the
+    bubble ``(p-1)/v`` of one micro-batch's ops (Narayanan et al. 2021 §2.2), the DP communication of
+    :func:`~.communication.dp_times` and the optimizer step.
 
     Args:
         m: the model (its ``seq`` is the training sequence length).
-        layout: tp, pp, dp, micro-batch, recomputation policy, interleaving, ZeRO stage, sequence parallelism,
-            FlashAttention.
-        cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used: the
-            layout says how many GPUs run).
+        layout: tp, pp, dp, micro-batch, recomputation, interleaving, ZeRO stage, sequence parallelism, ...
+        cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used).
         global_batch: sequences per step; must be a multiple of ``dp·micro_batch``.
-        achievable_fraction: share of peak the matmuls sustain, in (0, 1]; or :data:`KERNELS` to price
-            compute from the layout's kernels (:func:`~.kernels.effective_fraction`) and add the optimizer
-            step (:func:`~.kernels.optimizer_step_bytes` over the GPU's memory bandwidth); or :data:`AUTO`
+        achievable_fraction: share of peak the matmuls sustain, in (0, 1]; :data:`KERNELS` (compute from the
+            layout's kernels, :func:`~.kernels.effective_fraction`, plus the optimizer step); or :data:`AUTO`
             (the default): the kernel model where the device has it, else 0.5 (:func:`compute_model`).
         dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
-        dtype: key of ``cluster.peak_flop_per_s``.
-        grad_bytes: if given, replaces the profile's bytes per gradient element (2 or 4).
-        software: a :class:`~.software.SoftwareProfile` or the name of one in ``commlab/data/software.json``;
-            None = :data:`~.software.DEFAULT_SOFTWARE` (nothing overlapped).
+        dtype: key of ``cluster.peak_flop_per_s``. grad_bytes: replaces the profile's (2 or 4).
+        software: a :class:`~.software.SoftwareProfile` or a name in ``commlab/data/software.json``; None:
+            :data:`~.software.DEFAULT_SOFTWARE` (nothing overlapped).
 
     Raises:
-        ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of
-            range; ``dtype`` not in the cluster's peak table; an unknown software profile; with
-            :data:`KERNELS`, a cluster whose device has no GEMM table or memory bandwidth, or no share of the
-            microbenchmark rates (:func:`~.kernels.in_stack_share`).
+        ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of range;
+            ``dtype`` not in the cluster's peak table; an unknown software profile; with :data:`KERNELS`, a
+            device without what the kernel model needs.
     """
+    return _breakdown(_price(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype,
+                             grad_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prices:
+    """What :func:`_price` finds for a plan (seconds per micro-batch on one GPU unless said)."""
+
+    m: ModelConfig
+    layout: Layout
+    sw: SoftwareProfile
+    micro: int
+    tokens: int
+    executed: float
+    fraction: float
+    sec_per_flop: float  # per executed FLOP on one GPU, per token of the micro-batch on that GPU
+    optimizer_s: float
+    loss_s: tuple
+    tp_one_s: float
+    pp_message_s: float
+    ov_grad: float
+    ov_param: float
+    dp_reduce: tuple
+    dp_gather_s: float
+    fsdp_gather_s: float
+    fsdp_reduce_s: float
+
+
+def _price(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype, grad_bytes) -> _Prices:
+    """The plan's prices (arguments and errors as :func:`step_time`)."""
     checks.integer("global_batch", global_batch, note="sequences per step")
-    if global_batch % (layout.dp * layout.micro_batch):
+    L = layout
+    if global_batch % (L.dp * L.micro_batch):
         raise ValueError(f"global_batch={global_batch} sequences is not a multiple of dp·micro_batch = "
-                         f"{layout.dp}·{layout.micro_batch}; choose a micro-batch or dp that divides it")
+                         f"{L.dp}·{L.micro_batch}; choose a micro-batch or dp that divides it")
     achievable_fraction = compute_model(achievable_fraction, cluster.device, dtype)  # checks it, too
-    kernels = achievable_fraction == KERNELS
-    if dp_overlap is not None and not 0 <= dp_overlap <= 1:
-        raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
+    if dp_overlap is not None:
+        checks.share("dp_overlap", dp_overlap)
     if dtype not in cluster.peak_flop_per_s:
         raise ValueError(f"cluster {cluster.name!r} has no peak FLOP/s for dtype {dtype!r}; it has "
                          f"{sorted(cluster.peak_flop_per_s)}")
     sw = load_software(software)
     g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
-    if g_bytes not in (2, 4):
-        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {g_bytes!r}")
-    ov_grad = sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap
-    ov_param = sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap
-
-    L = layout
+    checks.one_of("grad_bytes", g_bytes, (2, 4), note="bf16 or fp32")
     micro = global_batch // (L.dp * L.micro_batch)
-    tokens = global_batch * m.seq
-    gpus = L.gpus
-    layers_per_stage = stage_layers(m.layers, L.pp, L.interleave)
-    imbalance = layers_per_stage * L.pp / m.layers
     executed = executed_flops_per_token(m, L.recompute, L.flash_attention, True, L.recompute_every)
     optimizer = 0.0
-    if kernels:
+    if achievable_fraction == KERNELS:
         fraction, optimizer = _kernel_terms(m, L, cluster, dtype, executed, sw, g_bytes)
     else:
         fraction = achievable_fraction
-    rate = cluster.peak_flop_per_s[dtype] * fraction
-    compute = executed * tokens / (gpus * rate) * imbalance
-    forward_share = forward_flops_per_token(m, L.flash_attention) / executed
+    # Seconds per FLOP on one GPU: the tp ranks split each matmul, so a token costs 1/tp of its FLOP there.
+    sec_per_flop = L.micro_batch * m.seq / L.tp / (cluster.peak_flop_per_s[dtype] * fraction)
 
-    tp_total, recomputed = 0.0, 0
+    tp_one = 0.0
     if L.tp > 1:
         link, share = tp_link(L, cluster)
-        one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, L.micro_batch), L.tp, link.alpha_s,
-                                      link.beta_s_per_byte * share)
-        recomputed = {"full": layers_per_stage, "every-k": layers_per_stage // L.recompute_every}.get(L.recompute, 0)
-        tp_total = one * (4 * layers_per_stage + 2 * recomputed) * micro
-    # Megatron overlaps TP communication with the GEMMs only under sequence parallelism (validate_args in
-    # megatron/training/arguments.py asserts it): without it the profile's share does not apply.
-    overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0
-    slow = sw.overlap_compute_slowdown
-    tp_backward, backward_hidden = 0.0, 0.0
-    if L.tp > 1:
-        tp_backward = 2 * one * layers_per_stage * micro
-        # Each layer's column-parallel weight gradients, in this model's seconds (one micro-batch, one GPU).
-        per_flop = compute / (executed * layers_per_stage * micro / m.layers)
-        wgrad = tuple(f * per_flop for f in column_wgrad_flops_per_token(m))
-        backward_hidden = layers_per_stage * micro * backward_tp_hidden_seconds(
-            one, L.sequence_parallel, overlap_tp, sw.overlap_tp_backward, wgrad, slow)
-    tp_hidden = beside_seconds(overlap_tp * (tp_total - tp_backward) + backward_hidden, compute, slow)
-
-    pp_total = 0.0
+        tp_one = ring_all_reduce_seconds(tp_all_reduce_nbytes(m, L.micro_batch), L.tp, link.alpha_s,
+                                         link.beta_s_per_byte * share)
+    pp_one = 0.0
     if L.pp > 1:
         if L.tp * L.pp <= cluster.devices_per_node:
             link, share = cluster.intra, 1.0
         else:
             link, share = cluster.inter, flows_per_nic(min(L.tp, cluster.devices_per_node), cluster.nics_per_node)
         split = sw.pp_scatter_gather or L.sequence_parallel
-        one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
-        pp_total = 2 * one * micro * L.interleave
-    pp_hidden = min(sw.pp_overlap(L.interleave) * pp_total, slow * compute - tp_hidden)
-    tp_s, pp_s = tp_total - tp_hidden, pp_total - pp_hidden
-
-    loss = micro * sum(loss_seconds(m, L.micro_batch, L.tp, cluster.device))
+        pp_one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
 
     # ZeRO's ReduceScatter and AllGather run over the shard group (all of dp, or HSDP's dp_shard ranks);
     # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups.
     shard, stride = L.shard_ranks, L.tp * L.pp
-    grad_bytes_gpu = dp_gradient_nbytes(m, L, g_bytes)
-    grad_ar = group_all_reduce_seconds(grad_bytes_gpu, shard if L.zero_stage >= 1 else L.dp, stride, cluster)
-    replica_ar = group_all_reduce_seconds(grad_bytes_gpu / shard, L.replicas, stride * shard, cluster)
-    per_micro = compute / micro
-    if L.zero_stage >= 3:  # FSDP: per micro-batch, AllGather before forward and backward, ReduceScatter after
-        one_rs = grad_ar / 2 + replica_ar  # FSDP2's HSDP all-reduces after every backward's ReduceScatter
-        one_ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
-        exposed, hidden = fsdp_exposed_seconds(one_ag, one_rs, per_micro * forward_share,
-                                               per_micro * (1 - forward_share), ov_param, ov_grad,
-                                               fsdp_head_share(m, L), slow)
-        rs, ag, dp_exposed, dp_hidden = micro * one_rs, micro * 2 * one_ag, micro * exposed, micro * hidden
+    grad = dp_gradient_nbytes(m, L, g_bytes)
+    grad_ar = group_all_reduce_seconds(grad, shard if L.zero_stage >= 1 else L.dp, stride, cluster)
+    reduce_scatter = grad_ar / 2 + group_all_reduce_seconds(grad / shard, L.replicas, stride * shard, cluster)
+    gather = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
+    fsdp_g = fsdp_r = 0.0
+    reduce, dp_gather = (), 0.0
+    if L.zero_stage >= 3:  # per micro-batch: AllGather before forward and backward, ReduceScatter after
+        fsdp_g, fsdp_r = gather, reduce_scatter  # FSDP2's HSDP all-reduces after each ReduceScatter
+    elif L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
+        reduce, dp_gather = (("dp_reduce_scatter", reduce_scatter),), gather
+    else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
+        reduce = (("dp_reduce_scatter", grad_ar / 2), ("dp_all_gather", grad_ar / 2))
+    return _Prices(m, L, sw, micro, global_batch * m.seq, executed, fraction, sec_per_flop, optimizer,
+                   loss_seconds(m, L.micro_batch, L.tp, cluster.device), tp_one, pp_one,
+                   sw.overlap_dp_grad_reduce if dp_overlap is None else dp_overlap,
+                   sw.overlap_dp_param_gather if dp_overlap is None else dp_overlap,
+                   reduce, dp_gather, fsdp_g, fsdp_r)
+
+
+def _costs(p: _Prices, uniform: bool, optimizer_s: float | None) -> StepCosts:
+    """The :class:`StepCosts` of priced plan ``p`` (see :func:`step_costs`)."""
+    m, L, sw = p.m, p.layout, p.sw
+    v, heavy, sec = L.interleave, stage_layers(m.layers, L.pp, L.interleave), p.sec_per_flop
+    att_f, att_b = attention_flops_per_token(m, L.flash_attention, True)
+    lp = layer_params(m)
+    rec_layer = p.executed - executed_flops_per_token(m, "none", L.flash_attention)
+    every = {"full": 1, "every-k": L.recompute_every}.get(L.recompute)
+    rec_tp = 0.0 if every is None else (heavy // every) / heavy
+    overlap_tp = sw.overlap_tp if L.sequence_parallel else 0.0  # Megatron's --tp-comm-overlap needs SP
+    wgrad = tuple(w * sec for w in column_wgrad_flops_per_token(m))
+    tp_hidden = (backward_tp_hidden_seconds(p.tp_one_s, L.sequence_parallel, overlap_tp, sw.overlap_tp_backward, wgrad,
+                                            sw.overlap_compute_slowdown) if L.tp > 1 else 0.0)
+    loss_f, loss_b = p.loss_s
+    if uniform:  # the heaviest stage's FLOP (the output layer spread over the stages), the whole loss
+        fwd = forward_flops_per_token(m, L.flash_attention)
+        n = heavy / v
+        chunk = ((fwd * heavy / m.layers / v * sec + loss_f / v,), ((p.executed - fwd - rec_layer) * heavy
+                 / m.layers / v * sec + loss_b / v,), (rec_layer * heavy / m.layers / v * sec,),
+                 (2 * n * p.tp_one_s,), (2 * n * p.tp_one_s,), (2 * n * rec_tp * p.tp_one_s,), (n * tp_hidden,))
+        stages = [StageCosts(*(x * v for x in chunk))] * L.pp
     else:
-        if L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
-            rs = grad_ar / 2 + replica_ar
-            ag = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
-            reduce_s, gather_s = rs, ag
-        else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
-            rs = ag = grad_ar / 2
-            reduce_s, gather_s = grad_ar, 0.0
-        tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp)) if ov_grad or ov_param else 1.0
-        dp_exposed, dp_hidden = dp_exposed_seconds(reduce_s, per_micro * (1 - forward_share), ov_grad,
-                                                   gather_s, per_micro * forward_share, ov_param, tail, tail, slow)
-    slowdown = slowdown_seconds(tp_hidden + pp_hidden + dp_hidden, slow)
-    # The bubble idles a stage for (p-1)/(v m) of its per-micro-batch work: the compute and what of TP and PP
-    # is exposed, and the slowdown that hidden TP, PP and ZeRO-3's per-op collectives add to each op (the DP
-    # reduction of ZeRO 0-2 slows only the step's last backward pass).
-    per_op_slowdown = slowdown_seconds(tp_hidden + pp_hidden + (dp_hidden if L.zero_stage >= 3 else 0.0), slow)
-    bubble = (L.pp - 1) / (L.interleave * micro) * (compute + tp_s + pp_s + loss + per_op_slowdown)
-    return TimeBreakdown(compute_s=compute, tp_s=tp_s, pp_s=pp_s, bubble_s=bubble, dp_s=rs + ag,
-                         dp_exposed_s=dp_exposed, micro_batches=micro, tokens_per_step=tokens,
-                         model_flop_per_step=model_flops_per_token(m) * tokens, gpus=gpus,
-                         tp_hidden_s=tp_hidden, pp_hidden_s=pp_hidden, dp_reduce_scatter_s=rs, dp_all_gather_s=ag,
-                         overlap_slowdown_s=slowdown, executed_flop_per_step=executed * tokens, software=sw.name,
-                         optimizer_s=optimizer, compute_fraction=fraction, loss_s=loss)
+        out_f, out_b = 2.0 * m.vocab * m.hidden * sec, 4.0 * m.vocab * m.hidden * sec  # never recomputed
+        stages = []
+        for s, counts in enumerate(chunk_layers(m.layers, L.pp, v)):
+            cols = [[] for _ in range(7)]
+            for c, n in enumerate(counts):
+                last = (c * L.pp + s) == L.pp * v - 1
+                for col, x in zip(cols, ((2 * lp + att_f) * n * sec + (out_f + loss_f if last else 0.0),
+                                         (4 * lp + att_b) * n * sec + (out_b + loss_b if last else 0.0),
+                                         rec_layer / m.layers * n * sec, 2 * n * p.tp_one_s, 2 * n * p.tp_one_s,
+                                         2 * n * rec_tp * p.tp_one_s, n * tp_hidden)):
+                    col.append(x)
+            stages.append(StageCosts(*map(tuple, cols)))
+    fsdp = L.zero_stage >= 3
+    tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp))
+    return StepCosts(stages=tuple(stages), micro_batches=p.micro, pp_message_s=p.pp_message_s, overlap_tp=overlap_tp,
+                     overlap_pp=sw.pp_overlap(v), compute_slowdown=sw.overlap_compute_slowdown,
+                     dp_reduce=p.dp_reduce, dp_gather_s=p.dp_gather_s, overlap_dp_grad_reduce=p.ov_grad,
+                     overlap_dp_param_gather=p.ov_param if L.zero1 else 0.0,
+                     optimizer_s=p.optimizer_s if optimizer_s is None else optimizer_s,
+                     dp_reduce_tail=tail, dp_gather_head=tail,
+                     fsdp_gather_s=p.fsdp_gather_s / v, fsdp_reduce_s=p.fsdp_reduce_s / v,
+                     fsdp_head_share=fsdp_head_share(m, L) if fsdp else 0.0)
+
+
+def _breakdown(p: _Prices) -> TimeBreakdown:
+    return sum_of_terms(_costs(p, True, None), p.micro * sum(p.loss_s),
+                        tokens_per_step=p.tokens, model_flop_per_step=model_flops_per_token(p.m) * p.tokens,
+                        gpus=p.layout.gpus, executed_flop_per_step=p.executed * p.tokens, software=p.sw.name,
+                        compute_fraction=p.fraction)
+
+
+def sum_of_terms(costs: StepCosts, loss_s: float = 0.0, **fields) -> TimeBreakdown:
+    """The step time of ``costs`` (its first stage taken for every stage): ``m`` micro-batches of every
+    chunk's ops (:func:`~.communication.chunk_ops`) and sends, the bubble ``(p-1)/v`` of one micro-batch's, the DP
+    communication (:func:`~.communication.dp_times`) and the optimizer step. ``loss_s``: of the ops' work, the loss
+    (reported apart from ``compute_s``); ``fields``: the :class:`TimeBreakdown` fields about the plan."""
+    m, pp, v, slow = costs.micro_batches, costs.pp, costs.interleave, costs.compute_slowdown
+    ops = [op for c in range(v) for op in chunk_ops(costs, 0, c)]
+    send_x, send_slow = send_times(costs.pp_message_s, costs.overlap_pp, slow) if pp > 1 else (0.0, 0.0)
+    sends = 2 * v if pp > 1 else 0
+    per_micro = sum(op.seconds for op in ops) + sends * (send_x + send_slow)
+    g_exp, g_hid, r_exp, r_hid = dp_times(costs, 0)
+    rs = sum(d for k, d in costs.dp_reduce if k == "dp_reduce_scatter") + m * v * costs.fsdp_reduce_s
+    ag = (sum(d for k, d in costs.dp_reduce if k == "dp_all_gather") + costs.dp_gather_s
+          + 2 * m * v * costs.fsdp_gather_s)
+    fields = {"tokens_per_step": 0, "model_flop_per_step": 0.0, "gpus": 1, **fields}
+    return TimeBreakdown(
+        compute_s=m * sum(op.work_s for op in ops) - loss_s, loss_s=loss_s,
+        tp_s=m * sum(op.tp_exposed_s for op in ops), tp_hidden_s=m * sum(op.tp_hidden_s for op in ops),
+        pp_s=m * sends * send_x, pp_hidden_s=m * sends * costs.overlap_pp * costs.pp_message_s,
+        bubble_s=(pp - 1) / v * per_micro, dp_s=rs + ag, dp_reduce_scatter_s=rs, dp_all_gather_s=ag,
+        dp_exposed_s=m * sum(op.wait_s + op.reduce_exposed_s for op in ops) + g_exp + r_exp,
+        overlap_slowdown_s=(m * (sum(op.slowdown_s for op in ops) + sends * send_slow)
+                            + slowdown_seconds(g_hid + r_hid, slow)),
+        micro_batches=m, optimizer_s=costs.optimizer_s, **fields)
 
 
 @lru_cache(maxsize=32)
