@@ -298,7 +298,7 @@ def test_published_labels_star_the_knobs_the_planner_chose(validation):
     ({"micro_batch": 3}, r"'megatron-1\.7b': micro_batch = 3 is not one of the values the validation searches"),
     ({"micro_batch": 0}, r"micro_batch = 0 is not one of"),
     ({"interleave": 2}, r"'megatron-1\.7b': interleave = 2 needs pp > 1"),
-    ({"zero1": True}, r"zero1 is true but software 'megatron-lm-2021-torch-ddp' has zero_stage 0"),
+    ({"zero1": True}, r"zero1 is true but software 'megatron-lm-2021-torch-ddp' offers ZeRO stages \[0\]"),
     ({"recompute": "every-k"}, r"recompute 'every-k' is not tried with software"),
     ({"recompute": False}, r"published row 'megatron-1\.7b'.*needs .* GB per GPU"),
 ])

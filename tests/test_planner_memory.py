@@ -4,11 +4,14 @@ activations by recompute policy (Korthikanti et al. 2022, §4-5, Table 2), the i
 docs/user-guide/features/dist_optimizer.md), ZeRO-2/3 memory and the bytes ZeRO-3 moves (Rajbhandari et al.
 2020, §5), the memory reserve and the fragile flag; bad input named in the error."""
 
+import dataclasses
+
 import pytest
 
 from commlab.__main__ import main
 from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, activation_bytes_per_layer,
                                       dp_all_reduce_seconds, dp_gradient_nbytes, op_times,
+                                      fsdp_units,
                                       fsdp_head_share, interleave_memory_factor, is_fragile, layer_params,
                                       load_model, load_software, make_cluster, memory_breakdown,
                                       model_state_bytes_per_param, search, stage_params, step_time,
@@ -96,20 +99,43 @@ def test_zero_stages_shard_states_then_grads_then_params():
     assert Layout(8, 16, 128, zero_stage=3).short().endswith("zero3")
 
 
-def test_zero3_moves_three_passes_per_micro_batch_and_zero2_moves_what_zero1_does():
-    m = DEEP
-    c = make_cluster("dgx-a100-hdr", 16)
-    base = dict(tp=1, pp=1, dp=16, micro_batch=1, recompute="none")
-    t1 = step_time(m, Layout(**base, zero_stage=1), c, 32)
-    t2 = step_time(m, Layout(**base, zero_stage=2), c, 32)
-    t3 = step_time(m, Layout(**base, zero_stage=3), c, 32, software="torchtitan")
-    assert (t2.dp_reduce_scatter_s, t2.dp_all_gather_s) == (t1.dp_reduce_scatter_s, t1.dp_all_gather_s)
+def _ring_ag(nbytes, n, link):
+    """A ring AllGather (or ReduceScatter) of ``nbytes`` over ``n`` ranks: (n-1)·α + (n-1)/n·nbytes·β."""
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+
+
+def test_zero2_reduce_scatters_every_micro_batch_and_zero3_gathers_per_unit():
+    # One node of 8 GPUs, dp = 8, two micro-batches. DEEP has 8 blocks: torchtitan's FSDP units are the
+    # blocks, the embedding and the norm with the output layer, 10, each its own collective with its own
+    # latency (N-1)·α (a ring; Thakur et al. 2005), the bytes split among them.
+    m, c = DEEP, make_cluster("dgx-a100-hdr", 8)
+    base = dict(tp=1, pp=1, dp=8, micro_batch=1, recompute="none")
     lay = Layout(**base, zero_stage=3)
-    one_rs = dp_all_reduce_seconds(dp_gradient_nbytes(m, lay, 4), lay, c) / 2
-    one_ag = dp_all_reduce_seconds(dp_gradient_nbytes(m, lay, 2), lay, c) / 2
-    assert t3.micro_batches == 2
-    assert t3.dp_reduce_scatter_s == pytest.approx(2 * one_rs)
-    assert t3.dp_all_gather_s == pytest.approx(2 * 2 * one_ag)
+    units, micro = 10, 2
+    assert fsdp_units(m, lay) == units
+    g4, g2 = dp_gradient_nbytes(m, lay, 4), dp_gradient_nbytes(m, lay, 2)
+    rs, ag = units * _ring_ag(g4 / units, 8, c.intra), units * _ring_ag(g2 / units, 8, c.intra)
+    # (the default profile reduces bf16 gradients, 2 bytes; torchtitan's fp32, 4)
+    t1 = step_time(m, Layout(**base, zero_stage=1), c, 16)
+    assert (t1.dp_reduce_scatter_s, t1.dp_all_gather_s) == pytest.approx((_ring_ag(g2, 8, c.intra),
+                                                                           _ring_ag(g2, 8, c.intra)))
+    # ZeRO-2 as DeepSpeed runs it (runtime/engine.py: stage >= 2 reduces at every micro-batch, not only at the
+    # accumulation boundary): a ReduceScatter after each backward, the parameters gathered once per step.
+    t2 = step_time(m, Layout(**base, zero_stage=2), c, 16)
+    assert t2.dp_reduce_scatter_s == pytest.approx(micro * ag) and t2.dp_all_gather_s == t1.dp_all_gather_s
+    # ZeRO-2 as FSDP2 runs it (reshard_after_forward=False; reshard_after_backward by default): gathered
+    # again before each micro-batch's forward too.
+    assert load_software("torchtitan").zero2_reshard_after_backward
+    t2f = step_time(m, Layout(**base, zero_stage=2), c, 16, software="torchtitan")
+    assert (t2f.dp_reduce_scatter_s, t2f.dp_all_gather_s) == pytest.approx((micro * rs, micro * ag))
+    # ZeRO-3 (FSDP): per micro-batch each unit's AllGather before the forward and the backward, its
+    # ReduceScatter after: the latency 3·units·(N-1)·α per micro-batch, not 3·(N-1)·α.
+    t3 = step_time(m, lay, c, 16, software="torchtitan")
+    assert t3.micro_batches == micro
+    assert t3.dp_reduce_scatter_s == pytest.approx(micro * rs)
+    assert t3.dp_all_gather_s == pytest.approx(2 * micro * ag)
+    bandwidth = micro * 7 / 8 * (g4 + 2 * g2) * c.intra.beta_s_per_byte
+    assert t3.dp_s - bandwidth == pytest.approx(3 * micro * units * 7 * c.intra.alpha_s)
     # By hand: AG 1 s, RS 2 s, forward 0.5 s, backward 1 s, both fully overlappable: hidden 0.5 + 1.
     assert _fsdp(1.0, 2.0, 0.5, 1.0, 1.0, 1.0) == (4.0 - 1.5, 1.5)
     assert _fsdp(1.0, 2.0, 5.0, 5.0, 0.0, 0.0) == (4.0, 0.0)
@@ -169,18 +195,17 @@ def test_hsdp_shards_inside_the_group_and_all_reduces_across_replicas():
     mb = memory_breakdown(TINY, lay, 16, grad_bytes=4, optimizer="bf16-fp32-adam")
     assert mb.weights_bytes == 2 * p / 8 + 2 * 2 * lp
     assert mb.optimizer_bytes == 12 * p / 8
-    # Time, by hand: per micro-batch a ReduceScatter over the 8 GPUs of a node (half a ring AllReduce on NVLink),
-    # then an AllReduce of the 1/8 shard across the 2 nodes (one GPU per node in each replica group, all 8 GPUs
-    # of a node sending at once through its NICs).
+    # Time, by hand: per micro-batch and FSDP unit (10 of them) a ReduceScatter over the 8 GPUs of a node (half a
+    # ring AllReduce on NVLink), then an AllReduce of the 1/8 shard across the 2 nodes (one GPU per node in each
+    # replica group, all 8 GPUs of a node sending at once through its NICs).
     m, c = DEEP, make_cluster("dgx-a100-hdr", 16)
     t = step_time(m, Layout(1, 1, 16, zero_stage=3, dp_shard=8), c, 32, software="generic-no-overlap")
-    g = dp_gradient_nbytes(m, lay, 2)
-    intra = ring_all_reduce_seconds(g, 8, c.intra.alpha_s, c.intra.beta_s_per_byte) / 2
-    across = ring_all_reduce_seconds(g / 8, 2, c.inter.alpha_s, c.inter.beta_s_per_byte * 8 / c.nics_per_node)
+    g, u = dp_gradient_nbytes(m, lay, 2), 10
+    intra = u * ring_all_reduce_seconds(g / u, 8, c.intra.alpha_s, c.intra.beta_s_per_byte) / 2
+    across = u * ring_all_reduce_seconds(g / 8 / u, 2, c.inter.alpha_s, c.inter.beta_s_per_byte * 8 / c.nics_per_node)
     assert t.micro_batches == 2
     assert t.dp_reduce_scatter_s == pytest.approx(2 * (intra + across))
-    assert t.dp_all_gather_s == pytest.approx(2 * 2 * ring_all_reduce_seconds(g, 8, c.intra.alpha_s,
-                                                                              c.intra.beta_s_per_byte) / 2)
+    assert t.dp_all_gather_s == pytest.approx(2 * 2 * intra)
     assert group_all_reduce_seconds(g, 16, 1, c) == dp_all_reduce_seconds(g, Layout(1, 1, 16), c)
     # the search tries the in-node shard group under ZeRO-3
     res = search(DEEP, "dgx-a100-hdr", 16, 32, software="torchtitan", pp_values=[1], tp_values=[1])
@@ -190,6 +215,26 @@ def test_hsdp_shards_inside_the_group_and_all_reduces_across_replicas():
     with pytest.raises(ValueError, match="needs a ZeRO stage"):
         Layout(1, 1, 16, dp_shard=8)
     assert Layout(1, 1, 16, zero_stage=3, dp_shard=16).dp_shard is None
+
+
+def test_hsdp_shard_groups_span_1_2_4_nodes():
+    # 8 nodes, dp = 64 (tp = pp = 1): the search shards over the 8 ranks of 1 node, 16 of 2, 32 of 4 (FSDP2's
+    # 2-D mesh takes any shard degree; torchtitan's data_parallel_shard_degree).
+    res = search(DEEP, "dgx-a100-hdr", 64, 128, software="torchtitan", pp_values=[1], tp_values=[1],
+                 micro_batches=[1], recompute=["none"])
+    assert sorted({pl.layout.dp_shard for pl in res.plans} - {None}) == [8, 16, 32]
+    # A shard group of 2 nodes (16 ranks, stride 1): a ring ReduceScatter inside each node, then one of the
+    # 1/8 slice across the 2 nodes, all 8 GPUs of a node sending through its NICs (hierarchical); then the
+    # 1/16 shard all-reduced across the 4 replicas, 16 ranks apart: one GPU per node, a ring over 4 nodes.
+    c = make_cluster("dgx-a100-hdr", 64)
+    lay = Layout(1, 1, 64, zero_stage=3, dp_shard=16)
+    g, u, share = dp_gradient_nbytes(DEEP, lay, 2), 10, 8 / c.nics_per_node
+    inter = dataclasses.replace(c.inter, beta_s_per_byte=c.inter.beta_s_per_byte * share)
+    rs = u * (_ring_ag(g / u, 8, c.intra) + _ring_ag(g / 8 / u, 2, inter))
+    replicas = u * 2 * _ring_ag(g / 16 / u, 4, inter)
+    t = step_time(DEEP, lay, c, 128, software="generic-no-overlap")
+    assert t.dp_reduce_scatter_s == pytest.approx(t.micro_batches * (rs + replicas))
+    assert t.dp_all_gather_s == pytest.approx(2 * t.micro_batches * rs)
 
 
 # ----------------------------------------------------------------------------------------- reserve, fragile

@@ -55,6 +55,17 @@ def test_the_published_stacks_are_there():
                                overlap_dp_grad_reduce=0.0, dp_bucket_params=0.0) == old
 
 
+def test_each_stack_offers_only_its_zero_stages():
+    # torchtitan's docs/fsdp.md maps FSDP2 to ZeRO-2, ZeRO-3, MiCS (HSDP) and hpZ: no ZeRO-1, which its
+    # search therefore never tries; Megatron-LM of 2021 had no distributed optimizer.
+    titan = load_software("torchtitan")
+    assert titan.zero_stages == (0, 2, 3) and "docs/fsdp.md" in titan.sources["zero_stages"]
+    res = search("megatron-39.1b", "dgx-h100-ndr", 512, 1536, software=titan, timeline_top=0)
+    assert {p.layout.zero_stage for p in res.plans} | {r.layout.zero_stage for r in res.rejected} == {0, 2, 3}
+    assert load_software("megatron-lm-2021").zero_stages == (0,)
+    assert load_software("megatron-core").zero_stages == (0, 1)
+
+
 def test_the_megatron_deepspeed_profile_states_bloom_176b_s_stack():
     # DeepSpeed's PipelineEngine (2022) splits the boundary activation over the tp ranks (PartitionedTensor),
     # reduces the gradients only after the last micro-batch and sends with blocking send/recv; the
@@ -63,7 +74,7 @@ def test_the_megatron_deepspeed_profile_states_bloom_176b_s_stack():
     assert mds.pp_scatter_gather and not mds.sequence_parallel and not mds.flash_attention
     assert (mds.overlap_dp_grad_reduce, mds.overlap_dp_param_gather, mds.overlap_tp, mds.overlap_pp) == (0, 0, 0, 0)
     assert mds.grad_bytes == 4 and mds.optimizer_dtypes == "bf16-fp32-adam" and mds.optimizer_state_bytes == 12
-    assert (mds.recompute, mds.recompute_every, mds.zero_stage) == ("full", 1, 1)
+    assert (mds.recompute, mds.recompute_every, mds.zero_stages) == ("full", 1, (0, 1))
     assert "56c5223868" in mds.sources["pp_scatter_gather"] and "CUDA_LAUNCH_BLOCKING" in mds.sources[
         "overlap_dp_grad_reduce"]
 
@@ -107,8 +118,10 @@ def test_bad_profiles_name_the_value_and_the_allowed_ones():
         Layout(1, 1, 1, recompute="sometimes")
     with pytest.raises(ValueError, match="slowdown"):
         SoftwareProfile(name="x", overlap_compute_slowdown=0.5)
-    with pytest.raises(ValueError, match=r"zero_stage must be one of \[0, 1, 2, 3\].*got 4"):
-        SoftwareProfile(name="x", zero_stage=4)
+    with pytest.raises(ValueError, match=r"zero_stages = \(4,\) must list distinct ZeRO stages of \[0, 1, 2, 3\]"):
+        SoftwareProfile(name="x", zero_stages=(4,))
+    with pytest.raises(ValueError, match=r"zero_stages = \[2, 1\]"):
+        SoftwareProfile(name="x", zero_stages=[2, 1])
     with pytest.raises(ValueError, match=r"optimizer_dtypes = 'fp8-adam' .*bf16-fp32-adam"):
         SoftwareProfile(name="x", optimizer_dtypes="fp8-adam")
     with pytest.raises(ValueError, match=r"\[0, 1\]"):

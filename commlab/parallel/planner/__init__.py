@@ -27,7 +27,7 @@ from commlab.parallel.planner.counting import (FLOP_DEFINITIONS, attention_flops
                                                megatron_eq3_flops, model_flops_per_step, model_flops_per_token,
                                                pp_message_nbytes, tp_all_reduce_nbytes)
 from commlab.parallel.planner.communication import (dp_all_reduce_seconds, dp_exposed_seconds, dp_last_bucket_share,
-                                                    fsdp_head_share, group_all_reduce_seconds,
+                                                    fsdp_head_share, fsdp_units, group_all_reduce_seconds,
                                                     op_times)
 from commlab.parallel.planner.time_model import (AUTO, DEFAULT_ACHIEVABLE_FRACTION, KERNELS, TimeBreakdown, compute_model,
                                                  loss_seconds, step_time)
@@ -50,7 +50,7 @@ __all__ = [
     "megatron_eq3_flops", "megatron_2024_flops", "korthikanti_eq7_flops", "model_flops_per_step",
     "attention_flops_per_token",
     "FLOP_DEFINITIONS",
-    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "op_times", "fsdp_head_share",
+    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "op_times", "fsdp_head_share", "fsdp_units",
     "tp_all_reduce_nbytes",
     "pp_message_nbytes", "dp_gradient_nbytes",
     "dp_all_reduce_seconds", "group_all_reduce_seconds", "step_time",

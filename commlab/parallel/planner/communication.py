@@ -2,7 +2,7 @@
 
 :func:`group_all_reduce_seconds` and :func:`dp_all_reduce_seconds` (α-β rings, hierarchical across nodes with
 the NICs shared), :func:`tp_link`; the overlap rules, each written once: :func:`op_times` (one op's compute
-with its TP and ZeRO-3 collectives beside it), :func:`send_times` (a pipeline send),
+with its TP and ZeRO-2/3 collectives beside it), :func:`send_times` (a pipeline send),
 :func:`dp_exposed_seconds` (the once-per-step DP communication), :func:`backward_tp_hidden_seconds`;
 :func:`chunk_ops` and :func:`dp_times` apply them to a :class:`StepCosts`, for the step time and the timeline
 alike. Compute beside communication runs ``1/overlap_compute_slowdown`` as fast: an assumption (Lee et al.
@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from commlab import checks
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.counting import dp_gradient_nbytes, input_grad_share
-from commlab.parallel.planner.memory import Layout, ModelConfig, embedding_params, layer_params, stage_params
+from commlab.parallel.planner.memory import (Layout, ModelConfig, embedding_params, layer_params, stage_layers,
+                                             stage_params)
 from commlab.topology import Cluster, Link, flows_per_nic
 
 __all__ = ["beside_seconds", "slowdown_seconds", "backward_tp_hidden_seconds", "dp_all_reduce_seconds",
            "group_all_reduce_seconds", "dp_exposed_seconds", "dp_last_bucket_share", "OpTimes", "op_times",
-           "send_times", "fsdp_head_share", "tp_link", "StageCosts", "StepCosts", "chunk_ops",
+           "send_times", "fsdp_head_share", "fsdp_units", "tp_link", "StageCosts", "StepCosts", "chunk_ops",
            "dp_times"]
 
 
@@ -260,6 +261,14 @@ def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
     return min(1.0, (embedding_params(m) + block) / first if first >= last else block / last)
 
 
+def fsdp_units(m: ModelConfig, layout: Layout) -> int:
+    """FSDP units on one GPU of the heaviest stage, each with its own AllGather and ReduceScatter (and their
+    latency) every micro-batch: torchtitan's ``apply_fsdp`` wraps every block, the token embedding (first
+    stage) and the final norm with the output layer (last stage): ``stage_layers + 2`` with one stage, ``+ 1``
+    with several (the root holds nothing more). Book: chapter 12, §12.4."""
+    return stage_layers(m.layers, layout.pp, layout.interleave) + (2 if layout.pp == 1 else 1)
+
+
 def tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
     """The link a TP group of ``layout.tp`` ranks uses and the share of it each rank gets: the intra-node link
     (share 1) when the group fits in a node, else the NIC shared by :func:`~commlab.topology.flows_per_nic`."""
@@ -325,9 +334,9 @@ class StepCosts:
         overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares; optimizer_s: the step, s.
         dp_reduce_tail, dp_gather_head: shares (0..1) of the bucket reduced after the last backward
             (:func:`~.communication.dp_last_bucket_share`) and of the AllGather the first forward waits for.
-        fsdp_gather_s, fsdp_reduce_s, fsdp_head_share: ZeRO-3 per-chunk AllGather (before each forward and
-            backward) and ReduceScatter (after each backward), s, and the share no prefetch hides
-            (:func:`~.communication.fsdp_head_share`); 0 without ZeRO-3.
+        fsdp_gather_s, fsdp_reduce_s, fsdp_head_share: ZeRO-2/3 per-chunk AllGather (before each forward, and
+            each backward if ``fsdp_gather_backward``) and ReduceScatter (after each backward), s, and the share
+            no prefetch hides (:func:`~.communication.fsdp_head_share`); 0 where nothing is per micro-batch.
 
     Raises:
         ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside
@@ -350,6 +359,7 @@ class StepCosts:
     fsdp_gather_s: float = 0.0
     fsdp_reduce_s: float = 0.0
     fsdp_head_share: float = 0.0
+    fsdp_gather_backward: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -391,6 +401,7 @@ def chunk_ops(costs: StepCosts, stage: int, chunk: int) -> tuple[OpTimes, OpTime
     tb = ov * sc.tp_backward_s[c] if sc.tp_backward_hidden_s is None else sc.tp_backward_hidden_s[c]
     forward = op_times(sc.forward_s[c], sc.tp_forward_s[c], ov * sc.tp_forward_s[c], g,
                        costs.overlap_dp_param_gather * (1 - h) * g, 0.0, 0.0, slow)
+    g = g if costs.fsdp_gather_backward else 0.0
     backward = op_times(sc.recompute_s[c] + sc.backward_s[c], sc.tp_recompute_s[c] + sc.tp_backward_s[c],
                         ov * sc.tp_recompute_s[c] + tb, g, costs.overlap_dp_param_gather * g, r,
                         costs.overlap_dp_grad_reduce * (1 - h) * r, slow)

@@ -1,7 +1,7 @@
 """Search the TP × PP × DP layouts of a cluster for the fastest one that fits in memory.
 
 :func:`search` enumerates tp (divisors of the node), pp (uneven stages allowed), micro-batch, interleaving,
-the ZeRO stages of the software profile (ZeRO-3 also as HSDP inside a node) and recomputation,
+the ZeRO stages the software profile offers (ZeRO-3 also as HSDP over 1, 2, 4, ... nodes) and recomputation,
 rejects what does not fit or cannot split the global batch (each with its reason), and ranks the rest by step
 time: the sum of terms, then the replayed timelines of the first places (:func:`~.timeline.rerank_by_timeline`:
 the replay decides). It returns a :class:`SearchResult` of :class:`Plan` s; a 16,384-GPU cluster is searched in
@@ -162,7 +162,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
         model, cluster: a :class:`ModelConfig` / :class:`~commlab.topology.Cluster` or a name.
         gpus: a multiple of ``devices_per_node``. global_batch: sequences per step.
         micro_batches, interleave, zero1, recompute, tp_values, pp_values: the values to try; defaults: every
-            ZeRO stage up to the profile's (with HSDP inside a node under ZeRO-3), ``none``/``full`` plus the
+            ZeRO stage the profile offers (ZeRO-3 also as HSDP over 1, 2, 4, ... nodes), ``none``/``full`` plus the
             profile's recompute policy, tp dividing ``devices_per_node``, every pp <= L with tp·pp dividing
             ``gpus`` (divisors of L with ``even_stages``); v > 1 only when pp > 1 and it fits L and m.
         even_stages, sequence_parallel, flash_attention: default the software profile's (see :class:`Layout`).
@@ -185,7 +185,7 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
     even_stages = sw.even_stages if even_stages is None else even_stages
     flash_attention = sw.flash_attention if flash_attention is None else flash_attention
     g_bytes = sw.grad_bytes if grad_bytes is None else grad_bytes
-    stages = tuple(range(sw.zero_stage + 1)) if zero1 is None else tuple(sorted({int(bool(z)) for z in zero1}))
+    stages = sw.zero_stages if zero1 is None else tuple(sorted({int(bool(z)) for z in zero1}))
     if recompute is None:
         recompute = ("none", "full") + ((sw.recompute,) if sw.recompute not in ("none", "full") else ())
     m = load_model(model) if isinstance(model, str) else model
@@ -222,8 +222,10 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
                 for v in interleave:
                     if v > 1 and (pp == 1 or pp * v > m.layers or (even_stages and m.layers % (pp * v))):
                         continue
+                    # HSDP: shard groups of the DP ranks of 1, 2, 4, ... nodes (FSDP2's 2-D mesh, MiCS)
                     in_node = d // (tp * pp) if (tp * pp < d and d % (tp * pp) == 0) else 1
-                    hsdp = (in_node,) if 1 < in_node < dp and dp % in_node == 0 else ()
+                    hsdp = [in_node << j for j in range(dp.bit_length()) if 1 < in_node << j < dp
+                            and dp % (in_node << j) == 0]
                     for z, shard in [(z, None) for z in stages] + [(3, k) for k in hsdp if 3 in stages]:
                         if z and dp == 1:
                             continue

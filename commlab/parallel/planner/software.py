@@ -147,11 +147,14 @@ class SoftwareProfile:
         even_stages: every (virtual) stage holds the same number of layers, as Megatron-LM asserts.
         dp_bucket_params, dp_bucket_params_per_dp_rank: gradient bucket in elements, ``max(first, second·dp)``
             (Megatron-Core's ``max(40M, 1M·dp)``; :meth:`bucket_params`); 0 = no buckets.
-        overlap_compute_slowdown: compute slowdown (>= 1) while communication overlaps (presets: 1.189, Lee et
-            al. 2025, arXiv:2507.03114; hand-made profiles: 1.0).
+        overlap_compute_slowdown: compute slowdown (>= 1) while communication overlaps, an assumption (presets:
+            1.189, the average Lee et al. 2025, arXiv:2507.03114, measured inside a node; hand-made: 1.0).
         grad_bytes, optimizer_dtypes: bytes per gradient element (2 or 4); a key of :data:`OPTIMIZER_DTYPES`.
-        recompute, recompute_every, zero_stage: the stack's recomputation policy (and its k), and the most it
-            shards over dp (:data:`ZERO_STAGES`); the search tries up to / beside them.
+        recompute, recompute_every: the stack's recomputation policy (and its k); the search tries it beside
+            none and full.
+        zero_stages: the ZeRO stages the stack offers (:data:`ZERO_STAGES`; FSDP2 has no ZeRO-1), all tried.
+        zero2_reshard_after_backward: ZeRO-2 frees the unsharded parameters after each backward and gathers
+            them again before the next forward (FSDP2's default), else once per step (DeepSpeed).
 
     Raises:
         ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO
@@ -176,7 +179,8 @@ class SoftwareProfile:
     optimizer_dtypes: str = "bf16-fp32-adam"
     recompute: str = "full"
     recompute_every: int = 1
-    zero_stage: int = 1
+    zero_stages: tuple = (0, 1)
+    zero2_reshard_after_backward: bool = False
     description: str = ""
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -184,7 +188,7 @@ class SoftwareProfile:
         where = f"software {self.name!r}"
         for f in _FRACTIONS:
             checks.share(f, getattr(self, f), note="0 = not overlapped, 1 = fully hidden behind compute", where=where)
-        for f in ("overlap_pp_needs_interleave", "even_stages"):
+        for f in ("overlap_pp_needs_interleave", "even_stages", "zero2_reshard_after_backward"):
             checks.flag(f, getattr(self, f), where=where)
         for f in ("dp_bucket_params", "dp_bucket_params_per_dp_rank"):
             checks.number(f, getattr(self, f), least=0, note="gradient elements; 0 = no buckets", where=where)
@@ -192,7 +196,12 @@ class SoftwareProfile:
                       note="1 = compute does not slow down while communication overlaps it")
         object.__setattr__(self, "recompute", check_recompute_policy(self.recompute))
         checks.integer("recompute_every", self.recompute_every, where=where)
-        checks.one_of("zero_stage", self.zero_stage, ZERO_STAGES, where=where)
+        stages = tuple(self.zero_stages) if isinstance(self.zero_stages, (list, tuple)) else ()
+        if not stages or list(stages) != sorted(set(stages)) or any(type(z) is not int or z not in ZERO_STAGES
+                                                                     for z in stages):
+            raise ValueError(f"{where}: zero_stages = {self.zero_stages!r} must list distinct ZeRO stages of "
+                             f"{list(ZERO_STAGES)} in increasing order")
+        object.__setattr__(self, "zero_stages", stages)
         if not isinstance(self.optimizer_dtypes, str) or self.optimizer_dtypes not in OPTIMIZER_DTYPES:
             raise ValueError(f"software {self.name!r}: optimizer_dtypes = {self.optimizer_dtypes!r} is not one of "
                              f"{sorted(OPTIMIZER_DTYPES)}")

@@ -19,7 +19,7 @@ from functools import lru_cache
 from commlab import checks, hardware
 from commlab.collectives.ring import ring_all_reduce_seconds
 from commlab.parallel.planner.communication import (StageCosts, StepCosts, backward_tp_hidden_seconds, chunk_ops,
-                                                    dp_last_bucket_share, dp_times, fsdp_head_share,
+                                                    dp_last_bucket_share, dp_times, fsdp_head_share, fsdp_units,
                                                     group_all_reduce_seconds, send_times, slowdown_seconds, tp_link)
 from commlab.parallel.planner.counting import (attention_flops_per_token, column_wgrad_flops_per_token,
                                                dp_gradient_nbytes, executed_flops_per_token, forward_flops_per_token,
@@ -269,17 +269,27 @@ def _price(m, layout, cluster, global_batch, software, achievable_fraction, dp_o
         pp_one = link.alpha_s + pp_message_nbytes(m, L.micro_batch, L.tp, split) * link.beta_s_per_byte * share
 
     # ZeRO's ReduceScatter and AllGather run over the shard group (all of dp, or HSDP's dp_shard ranks);
-    # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups.
+    # HSDP then all-reduces each rank's 1/dp_shard gradient shard across the replica groups. ZeRO-2 and -3
+    # run them every micro-batch, one per FSDP unit (fsdp_units: each pays its latency), the others once.
     shard, stride = L.shard_ranks, L.tp * L.pp
+    units = fsdp_units(m, L) if L.zero_stage >= 2 else 1
+
+    def ring(nbytes, n, apart):  # AllReduce seconds of nbytes per GPU, in `units` collectives
+        return units * group_all_reduce_seconds(nbytes / units, n, apart, cluster)
+
     grad = dp_gradient_nbytes(m, L, g_bytes)
-    grad_ar = group_all_reduce_seconds(grad, shard if L.zero_stage >= 1 else L.dp, stride, cluster)
-    reduce_scatter = grad_ar / 2 + group_all_reduce_seconds(grad / shard, L.replicas, stride * shard, cluster)
-    gather = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
+    grad_ar = ring(grad, shard if L.zero_stage >= 1 else L.dp, stride)
+    reduce_scatter = grad_ar / 2 + ring(grad / shard, L.replicas, stride * shard)
+    gather = ring(dp_gradient_nbytes(m, L, 2), shard, stride) / 2
     fsdp_g = fsdp_r = 0.0
     reduce, dp_gather = (), 0.0
-    if L.zero_stage >= 3:  # per micro-batch: AllGather before forward and backward, ReduceScatter after
-        fsdp_g, fsdp_r = gather, reduce_scatter  # FSDP2's HSDP all-reduces after each ReduceScatter
-    elif L.zero_stage >= 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
+    if L.zero_stage >= 2:  # per micro-batch: ReduceScatter after each backward (DeepSpeed engine.py; FSDP2)
+        fsdp_r = reduce_scatter
+        if L.zero_stage == 3 or sw.zero2_reshard_after_backward:  # AllGather before each forward (ZeRO-3:
+            fsdp_g = gather                                          # and each backward)
+        else:  # DeepSpeed's stage 2: the parameters AllGathered once, after the optimizer step
+            dp_gather = group_all_reduce_seconds(dp_gradient_nbytes(m, L, 2), shard, stride, cluster) / 2
+    elif L.zero_stage == 1:  # distributed optimizer: ReduceScatter the gradients, AllGather the bf16 params
         reduce, dp_gather = (("dp_reduce_scatter", reduce_scatter),), gather
     else:  # AllReduce = ReduceScatter + AllGather of the gradients, both during the backward pass
         reduce = (("dp_reduce_scatter", grad_ar / 2), ("dp_all_gather", grad_ar / 2))
@@ -324,7 +334,7 @@ def _costs(p: _Prices, uniform: bool, optimizer_s: float | None) -> StepCosts:
                                          2 * n * rec_tp * p.tp_one_s, n * tp_hidden)):
                     col.append(x)
             stages.append(StageCosts(*map(tuple, cols)))
-    fsdp = L.zero_stage >= 3
+    fsdp = L.zero_stage >= 2
     tail = dp_last_bucket_share(m, L, sw.bucket_params(L.dp))
     return StepCosts(stages=tuple(stages), micro_batches=p.micro, pp_message_s=p.pp_message_s, overlap_tp=overlap_tp,
                      overlap_pp=sw.pp_overlap(v), compute_slowdown=sw.overlap_compute_slowdown,
@@ -333,7 +343,7 @@ def _costs(p: _Prices, uniform: bool, optimizer_s: float | None) -> StepCosts:
                      optimizer_s=p.optimizer_s if optimizer_s is None else optimizer_s,
                      dp_reduce_tail=tail, dp_gather_head=tail,
                      fsdp_gather_s=p.fsdp_gather_s / v, fsdp_reduce_s=p.fsdp_reduce_s / v,
-                     fsdp_head_share=fsdp_head_share(m, L) if fsdp else 0.0)
+                     fsdp_head_share=fsdp_head_share(m, L) if fsdp else 0.0, fsdp_gather_backward=L.zero_stage >= 3)
 
 
 def _breakdown(p: _Prices) -> TimeBreakdown:
@@ -356,7 +366,7 @@ def sum_of_terms(costs: StepCosts, loss_s: float = 0.0, **fields) -> TimeBreakdo
     g_exp, g_hid, r_exp, r_hid = dp_times(costs, 0)
     rs = sum(d for k, d in costs.dp_reduce if k == "dp_reduce_scatter") + m * v * costs.fsdp_reduce_s
     ag = (sum(d for k, d in costs.dp_reduce if k == "dp_all_gather") + costs.dp_gather_s
-          + 2 * m * v * costs.fsdp_gather_s)
+          + (1 + costs.fsdp_gather_backward) * m * v * costs.fsdp_gather_s)
     fields = {"tokens_per_step": 0, "model_flop_per_step": 0.0, "gpus": 1, **fields}
     return TimeBreakdown(
         compute_s=m * sum(op.work_s for op in ops) - loss_s, loss_s=loss_s,

@@ -177,8 +177,9 @@ def _fixed_knobs(key: str, e: dict, sw: SoftwareProfile) -> dict:
                              f"(it tries 'none', 'full' and its own {sw.recompute!r})")
         fixed["recompute"] = (policy,)
     if "zero1" in e:
-        if e["zero1"] and sw.zero_stage < 1:
-            raise ValueError(f"published row {key!r}: zero1 is true but software {sw.name!r} has zero_stage 0")
+        if e["zero1"] and 1 not in sw.zero_stages:
+            raise ValueError(f"published row {key!r}: zero1 is true but software {sw.name!r} offers ZeRO stages "
+                             f"{list(sw.zero_stages)}")
         fixed["zero1"] = (bool(e["zero1"]),)
     for field, arg, allowed in (("micro_batch", "micro_batches", VALIDATION_MICRO_BATCHES),
                                 ("interleave", "interleave", VALIDATION_INTERLEAVE)):
