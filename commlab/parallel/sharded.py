@@ -248,41 +248,28 @@ def _name(dtype: torch.dtype | None) -> str:
 class ShardedDataParallel(nn.Module):
     """ZeRO-2 or ZeRO-3 / FSDP2 (with HSDP) around ``module`` (book §12.3), used as ``fully_shard`` is.
 
-    After wrapping, ``module``'s parameters are this rank's dim-0 shards (:func:`dim0_shard_rows`); build the
-    optimizer on ``sdp.parameters()`` (or :meth:`make_optimizer`) and train as usual: backward leaves each shard's
-    ``.grad`` the average over every DP rank (``shard_group`` x ``replicate_group``) of its rows, accumulated
-    over backwards, in the parameter's own dtype. Read the whole model with :meth:`full_parameters` and
-    :meth:`full_gradients` (collective); clip by the global norm with :meth:`clip_grad_norm_` (torch's
-    ``clip_grad_norm_`` on these plain-tensor shards would use each rank's local norm). Every rank must run the
-    same units in the same order (their collectives pair up); a backward that raises loses its gradients; NaN/inf
-    are reduced like any number. As under
-    fully_shard, a parameter that gets no gradient in a backward is left out of its unit's ReduceScatter (its
-    shard's ``.grad`` stays as it was: None after ``zero_grad()``, so the optimizer skips it) and a unit with none
-    reduces nothing; hence every rank must give gradients to the same parameters in a backward (one that differs
-    leaves its peers' ReduceScatters unpaired).
+    After wrapping, ``module``'s parameters are this rank's dim-0 shards (:func:`dim0_shard_rows`): build the
+    optimizer on ``sdp.parameters()`` and train as usual; backward leaves each shard's ``.grad`` the average over
+    every DP rank of its rows. Clip with :meth:`clip_grad_norm_` (the global norm); read the whole model with
+    :meth:`full_parameters`. As under ``fully_shard``: every rank runs the same units in the same order, and
+    gives gradients to the same parameters (one that gets none is left out of the ReduceScatter, its ``.grad``
+    stays None); chapter 12 §12.3 lists what differs from FSDP2 (plain-tensor shards, not DTensors).
 
     Args:
-        module: the model, on the group's device, equal on every rank; modified in place (its parameters become
-            shards). stage: 3 (parameters freed after each unit's forward and backward, FSDP2's
-            ``reshard_after_forward=True``) or 2 (kept whole, gathered again in every forward, as FSDP2's
-            ``reshard_after_forward=False`` gathers after each backward, so that any change to the shards, by the
-            optimizer, through ``.data`` or by ``load_state_dict``, is in the next forward).
-        shard_group: the group that shards (N = its size; None: the world). replicate_group: HSDP's group over
-            which shards are replicated (e.g. a 2-D DeviceMesh's ``"dp_replicate"``); None: none.
-        units: the submodules that are units, in forward order (default: ``module``'s children that hold
-            parameters); every parameter belongs to exactly one unit (frozen ones are sharded and gathered too).
-        prefetch: launch the next unit's AllGather while the current one computes (default True).
-        broadcast_from_rank0: broadcast the parameters from rank 0 of the groups first (default True).
-        mp_policy: :class:`MixedPrecisionPolicy` or torch's (None: compute and reduce in the parameters' dtype).
+        module: the model, equal on every rank; modified in place. stage: 3 (``reshard_after_forward=True``)
+            or 2 (kept whole after the forward; gathered again in every forward). shard_group: the group that
+            shards (None: the world); replicate_group: HSDP's replica group (None: none). units: the submodules
+            that are units, in forward order (default: the children holding parameters). prefetch: gather the
+            next unit while this one computes. broadcast_from_rank0: broadcast the parameters first.
+            mp_policy: :class:`MixedPrecisionPolicy` or torch's (None: the parameters' dtype throughout).
 
     Attributes: ``units``, ``n``, ``group_rank``, ``replicas`` (1 without HSDP), ``mp_policy``, ``last_step``.
 
     Raises:
-        ValueError: a bad stage or policy, no trainable parameter, a 0-dim parameter, parameters off the group's
-            device, bad units, a replicate group sharing another rank with the shard group.
+        ValueError: a bad stage, policy or units, no trainable parameter, a 0-dim parameter, parameters off the
+            group's device, a replicate group sharing a rank with the shard group.
         RuntimeError: not initialised / not a member.
-        CollectiveMismatchError: the ranks hold different models (parameters or buffers: names, shapes, dtypes),
-            units or policies (on every rank).
+        CollectiveMismatchError: the ranks hold different parameters, buffers, units or policies (on every rank).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, shard_group: dist.ProcessGroup | None = None,

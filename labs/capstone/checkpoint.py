@@ -1,20 +1,15 @@
 """Checkpoints of the capstone in ``torch.distributed.checkpoint`` (DCP), readable under any TP x PP x DP layout.
 
-What is stored is the *unsharded* model: every parameter and its Adam moments under the full model's name
-(``blocks.2.attn.qkv.weight``, ``.exp_avg``, ``.exp_avg_sq``, ``.step``). Saving, each rank gathers its stage's
-tensors over TP (and ZeRO-1's moments over DP first); DCP writes a key that several ranks hold once. Loading,
-each rank reads its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x2x4 (a
-production system would save DTensor shards and let DCP reshard them; at this size the copy is small).
-
-The DP compressor's state (:class:`DPSync`: PowerSGD's residuals and Q matrices, error-feedback residuals)
-is stored per rank under its place in the mesh, and restored only into a run of the same setting (layout,
-compressor, bucket cap): then resuming is the uninterrupted run, bitwise. Otherwise the compressor starts
-afresh with a warning (see :func:`load`). Batches are drawn from ``(seed, step)``, so data needs no state.
+What is stored is the *unsharded* model: every parameter and its Adam moments under the full model's name.
+Saving, each rank gathers its stage's tensors over TP (and ZeRO-1's moments over DP); loading, each rank reads
+its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x2x4. The DP compressor's
+state (:class:`DPSync`) is stored per rank and restored only into a run of the same setting, where resuming
+is the uninterrupted run, bitwise; otherwise it starts afresh with a warning.
 
 A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
-and the run). :class:`RunDirectory` guards ``--ckpt-dir`` for a run: lock, resume, saves, preemption signals
-and the stop at a non-finite loss (chapter 14 §14.4). Entry points: :class:`RunDirectory`, :func:`save`,
-:func:`load`, :func:`verify`; lab 14, part 3, resumes under another layout.
+and the run). :class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and
+the stop at a non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`,
+:func:`verify`. Book: chapter 14, §14.4; lab 14, part 3, resumes under another layout.
 """
 
 from __future__ import annotations

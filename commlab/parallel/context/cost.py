@@ -2,22 +2,15 @@
 
 ``K = b·h_kv·(s/N)·d·e`` bytes is one rank's K block (V the same), ``Q = b·h·(s/N)·d·e`` its q block, ``K'``
 the dK block as it travels (float32 for half-precision inputs); α in s/message, β in s/byte, single port.
-With ``tp`` > 1 beside CP, ``h`` and ``h_kv`` are one TP shard's heads (``h/tp``; ``h_kv/tp``, at least 1:
-K/V heads are replicated when tp exceeds them), so every figure is per GPU. Ulysses sends each rank the
-``kvn`` K/V heads its query heads use (:func:`commlab.parallel.context.ulysses.kv_heads_per_rank`), so K and V
-grow by ``r = N·kvn / h_kv`` (``N / h_kv`` when ``h_kv`` divides N, 1 when N divides ``h_kv``).
-
-=============== ================================= ============================== ================
-method          bytes per rank, forward           backward                       K/V held
-=============== ================================= ============================== ================
-ring attention  ``(N-1)·2K``                      ``(N-1)·2K + N·2K'``           2 blocks
-all-gathered    ``(N-1)·2K`` (AllGather)          ``(N-1)·2K`` (ReduceScatter)   whole seq
-Ulysses         ``(N-1)/N·(2Q+2rK)`` (2 AllToAll) the same                       whole seq, kvn
-=============== ================================= ============================== ================
+With ``tp`` > 1 beside CP, ``h`` and ``h_kv`` are one TP shard's heads, so every figure is per GPU. Per rank,
+forward / backward: ring attention ``(N-1)·2K`` / ``(N-1)·2K + N·2K'``, holding 2 K/V blocks; all-gathered
+K/V ``(N-1)·2K`` each way (AllGather, ReduceScatter), holding the whole sequence; Ulysses ``(N-1)/N·(2Q+2rK)``
+each way (two AllToAlls), with K and V grown by ``r = N·kvn/h_kv`` for the ``kvn`` K/V heads each rank's
+query heads use (:func:`commlab.parallel.context.ulysses.kv_heads_per_rank`).
 
 Entry points: ``*_nbytes``/``*_seconds`` per method, :func:`compare_context_parallel` (``exposed_s``; the
 attention's backward :data:`ATTENTION_BACKWARD_OVER_FORWARD` times its forward), :func:`fastest_context_parallel`,
-:func:`sequence_parallel_vs_tp`. Book: chapter 13, §13.1 and §13.2.
+:func:`sequence_parallel_vs_tp`. Book: chapter 13, §13.1 and §13.2 (the table of the three methods).
 """
 
 from __future__ import annotations

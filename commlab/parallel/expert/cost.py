@@ -1,22 +1,14 @@
 """Bytes and α-β time of expert parallelism's AllToAlls, per step and per rank.
 
-With capacity-padded buffers (Switch Transformer, Fedus et al. 2021, §2.2 and Figure 3) every AllToAll of an
-expert-parallel MoE layer moves a tensor of the same shape whatever the routing: ``[EP, E/EP, C, h]`` with
-``C = ceil(capacity_factor * T * k / E)`` slots per expert for the ``T`` tokens a rank routes. Per layer and
-micro-batch, each rank runs four of them:
+Capacity-padded (Switch Transformer, Fedus et al. 2021, §2.2): every AllToAll moves ``[EP, E/EP, C, h]`` with
+``C = ceil(capacity_factor * T * k / E)`` slots per expert, whatever the routing; four per layer and
+micro-batch (dispatch and combine, forward and backward), each ``(EP-1) α + (EP-1)/EP · B · β`` for
+``B = E * C * h * e`` bytes per rank (:func:`moe_alltoall_cost`).
 
-* forward: dispatch (tokens to the experts' ranks) and combine (outputs back);
-* backward: the combine's gradient (to the experts' ranks) and the dispatch's gradient (back).
-
-Each AllToAll of ``B = E * C * h * e`` bytes per rank (``e`` bytes per element) sends ``(EP-1)/EP * B`` from
-every rank (its own row stays) and costs :func:`commlab.collectives.all_to_all_seconds`
-``(EP-1) α + (EP-1)/EP · B · β`` in the single-port α-β model.
-
-Dropless (Megatron-Core's default, ``moe_expert_capacity_factor=None``; DeepSeek-V3 §2.1.2), each dispatch is
-an AllToAllV of exactly the routed rows: :func:`moe_dropless_cost` prices it from every rank's tokens per
-expert, the time set by the busiest port (sender or receiver) and the experts' GEMMs by the busiest rank.
-A group that spans nodes is priced two-level (:func:`commlab.collectives.two_level_all_to_all_seconds`: the
-intra-node blocks on the intra-node link, the rest on the NIC).
+Dropless (Megatron-Core's default, ``moe_expert_capacity_factor=None``; DeepSeek-V3 §2.1.2): each dispatch is
+an AllToAllV of exactly the routed rows; :func:`moe_dropless_cost` prices it from every rank's tokens per
+expert, the time set by the busiest port and the experts' GEMMs by the busiest rank. A group that spans
+nodes is priced two-level (:func:`commlab.collectives.two_level_all_to_all_seconds`). Book: chapter 13, §13.3.
 """
 
 from __future__ import annotations
