@@ -141,6 +141,83 @@ def test_a_file_damaged_behind_its_manifest_fails_on_every_rank_naming_the_step_
 
 
 @pytest.mark.slow
+def test_resume_loads_a_checkpoint_without_manifest_and_survives_a_torn_log_a_stale_folder_and_a_bad_manifest(
+        saved, tmp_path):
+    """The leftovers of old versions and killed jobs, all at once: step 5's manifest lists its files as a list
+    (malformed: skipped), step 3 has no manifest.json but DCP's .metadata (saved before manifests: loaded
+    unverified, with a note), a step_000005.stale folder (a crash during a re-save) and a torn last line in the
+    log. The run goes on from step 3 with the uninterrupted losses, re-saves step 5, and saves step 6, its last
+    step, although --ckpt-every 2 does not divide 7 steps."""
+    from labs.capstone.checkpoint import verify
+    ckpt, whole = saved
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    manifest = tmp_path / "ckpt" / "step_000005" / "manifest.json"
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "files": list(listed["files"])}))
+    (tmp_path / "ckpt" / "step_000003" / "manifest.json").unlink()
+    (tmp_path / "ckpt" / "step_000005.stale").mkdir()
+    (tmp_path / "ckpt" / "step_000005.stale" / "__0_0.distcp").write_text("x")
+    (tmp_path / "run.jsonl").write_text(whole.read_text() + '{"step": 6, "loss": 3.4')
+    unchanged = (tmp_path / "ckpt" / "step_000001" / "__0_0.distcp").read_bytes()
+    proc = _torchrun(tmp_path, "--steps", "7", "--ckpt-dir", "ckpt", "--resume", "--ckpt-every", "2",
+                     "--log-file", "run.jsonl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping the checkpoint of step 5 (ckpt/step_000005): manifest.json is malformed" in proc.stderr
+    assert ("note: the checkpoint of step 3 (ckpt/step_000003) has no manifest.json (saved before manifests, or "
+            "the manifest was lost) but DCP's .metadata: loading it without verifying") in proc.stderr
+    assert "resume: from the checkpoint of step 3" in proc.stderr
+    assert "dropping the incomplete last line of --log-file run.jsonl" in proc.stderr
+    assert _steps(tmp_path / "run.jsonl") == list(range(7))
+    assert _losses(tmp_path / "run.jsonl")[:6] == _losses(whole)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["run.lock", "step_000001", "step_000003", "step_000005",
+                                                     "step_000006"]
+    assert (tmp_path / "ckpt" / "step_000001" / "__0_0.distcp").read_bytes() == unchanged
+    assert verify(str(tmp_path / "ckpt" / "step_000006"))[1] is None
+    manifest = tmp_path / "ckpt" / "step_000006" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": {}}))
+    assert "manifest.json is malformed" in verify(str(manifest.parent))[1]
+
+
+@pytest.mark.slow
+def test_foreign_step_folders_are_never_deleted_and_a_checkpoint_is_not_a_ckpt_dir(saved, tmp_path):
+    """--overwrite deletes only the folders this script writes (step_NNNNNN holding DCP's files and a manifest):
+    step_1 with notes and step_000002 holding a folder are named and kept, and the run is refused. --resume
+    with --ckpt-dir naming a checkpoint is refused, naming its parent, and nothing is written inside it."""
+    mine = tmp_path / "mine"
+    shutil.copytree(saved[0] / "step_000001", mine / "step_000001")
+    (mine / "step_1").mkdir()
+    (mine / "step_1" / "notes.txt").write_text("my notes")
+    (mine / "step_000002" / "sub").mkdir(parents=True)
+    proc = _torchrun(tmp_path, "--steps", "2", "--ckpt-dir", "mine", "--overwrite")
+    assert proc.returncode != 0 and _no_worker_traceback(proc.stderr)
+    assert "--ckpt-dir mine holds step_000002, step_1, named like checkpoints but holding what" in proc.stderr
+    assert sorted(os.listdir(mine)) == ["run.lock", "step_000001", "step_000002", "step_1"]
+    assert (mine / "step_1" / "notes.txt").read_text() == "my notes"
+
+    shutil.copytree(saved[0], tmp_path / "ckpt")
+    before = sorted(os.listdir(tmp_path / "ckpt" / "step_000005"))
+    proc = _torchrun(tmp_path, "--steps", "8", "--ckpt-dir", "ckpt/step_000005", "--resume", "--ckpt-every", "2")
+    assert proc.returncode != 0 and _no_worker_traceback(proc.stderr)
+    assert ("--ckpt-dir ckpt/step_000005 is a checkpoint, not the directory of a run's checkpoints; pass its "
+            "parent: --ckpt-dir ckpt") in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step_000005")) == before
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_mid_run_stops_every_rank_with_one_error_naming_the_step_and_the_path(tmp_path):
+    """Step 3's folder cannot be made (a dangling symlink in its place: the tests run as root, for whom chmod
+    does not make a folder read-only; a read-only or full disk fails the same way inside DCP, on every rank):
+    the run stops with one error naming the step, the path and the OS error, and no worker traceback."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_000003").symlink_to(tmp_path / "nowhere")
+    proc = _torchrun(tmp_path, "--steps", "6", "--ckpt-dir", "ckpt", "--ckpt-every", "2", "--log-file", "run.jsonl")
+    assert proc.returncode != 0 and _no_worker_traceback(proc.stderr), proc.stderr[-3000:]
+    assert ("error: step 3: the checkpoint could not be written to ckpt/step_000003 (FileExistsError: [Errno 17] "
+            "File exists") in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("error: step 3:") == 1 and _steps(tmp_path / "run.jsonl") == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
 def test_resuming_with_another_model_is_refused_before_any_step_naming_the_fields(saved, tmp_path):
     ckpt, _ = saved
     shutil.copytree(ckpt, tmp_path / "ckpt")
@@ -215,7 +292,12 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_nothing_non_finite_sa
     assert proc.returncode != 0 and _no_worker_traceback(proc.stderr)
     assert "error: step 1: the training loss is nan; stopping at the first non-finite loss" in proc.stderr
     assert _steps(tmp_path / "run.jsonl") == [0, 1]
+    assert json.loads((tmp_path / "run.jsonl").read_text().splitlines()[1], parse_constant=_bare)["loss"] == "nan"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["run.lock", "step_000000"]
+
+
+def _bare(constant):
+    raise AssertionError(f"the log holds a bare {constant}, which strict JSON parsers refuse")
 
 
 def _save_with_an_infinity():

@@ -7,7 +7,7 @@ state (:class:`DPSync`) is stored per rank and restored only into a run of the s
 is the uninterrupted run, bitwise; otherwise it starts afresh with a warning.
 
 A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
-and the run). :class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and
+and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified. :class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and
 the stop at a non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`,
 :func:`verify`. Book: chapter 14, §14.4; lab 14, part 3, resumes under another layout.
 """
@@ -15,6 +15,7 @@ the stop at a non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -259,13 +261,37 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
     everything: dict[str, Any] = {"model": state, "meta": {"step": torch.tensor([step])}}
     if dp_sync is not None:
         everything["dp_sync"] = _dp_sync_entries(dp_sync)
-    if dist.get_rank() == 0 and os.path.exists(path):   # an unfinished or damaged save of this step, from before
-        os.replace(path, path + ".stale")                # a resume; no rank writes before rank 0 joins DCP's plan
-        shutil.rmtree(path + ".stale")
-    _dcp().save(everything, checkpoint_id=path)
-    if dist.get_rank() == 0:   # DCP's save returns once every rank's files and the .metadata are written
-        _write_manifest(path, step, config)
+    with _agreed_write(step, path):
+        if dist.get_rank() == 0:   # a leftover of an earlier crash, then an unfinished or damaged save of this step
+            for old in (path + ".stale", path):   # from before a resume; no rank writes before rank 0 joins DCP
+                if os.path.exists(old):
+                    if old == path:
+                        os.replace(path, path + ".stale")
+                    shutil.rmtree(path + ".stale")
+    with _agreed_write(step, path):   # DCP raises on every rank when any rank fails to write
+        _dcp().save(everything, checkpoint_id=path)
+    with _agreed_write(step, path):
+        if dist.get_rank() == 0:   # DCP's save returns once every rank's files and the .metadata are written
+            _write_manifest(path, step, config)
     return path
+
+
+@contextlib.contextmanager
+def _agreed_write(step: int, path: str):
+    """Run the block on every rank, then RunError on every rank (collective) naming the step, the path and the
+    first OS error if any rank's block failed (a read-only or full disk): one message, not a traceback a rank."""
+    problem = None
+    try:
+        yield
+    except BaseException as e:   # DCP's CheckpointException is a BaseException holding each rank's error
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        causes = [f[0] for _, f in sorted(getattr(e, "failures", {}).items())] or [e]
+        problem = "; ".join(dict.fromkeys(f"{type(c).__name__}: {c}" for c in causes))
+    problems = [p for p in gather(problem) if p]
+    if problems:
+        raise RunError(f"step {step}: the checkpoint could not be written to {path} ({problems[0]}); the run "
+                       "stops, and the newest checkpoint on disk stays the last good one")
 
 
 def _sha256(path: str) -> str:
@@ -290,12 +316,36 @@ def _write_manifest(path: str, step: int, config: dict | None) -> None:
     os.replace(tmp, os.path.join(path, MANIFEST))
 
 
+_STEP_DIR = re.compile(r"step_(\d{6,})(\.stale)?")
+#: The files a checkpoint folder holds: DCP's (and their temporary names), and the manifest.
+_OURS = re.compile(r"(\.metadata|__\d+_\d+\.distcp|manifest\.json)(\.tmp)?")
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint folder this script wrote: named ``step_NNNNNN`` (as :func:`save` names
+    it, or ``.stale`` after it), holding DCP's files or a manifest (or nothing) and no other file or folder."""
+    name = os.path.basename(os.path.normpath(path))
+    m = _STEP_DIR.fullmatch(name)
+    if not m or name[5:5 + len(m[1])] != f"{int(m[1]):06d}" or not os.path.isdir(path) or os.path.islink(path):
+        return False
+    return all(_OURS.fullmatch(entry) and os.path.isfile(os.path.join(path, entry)) for entry in os.listdir(path))
+
+
+def foreign(directory: str) -> list[str]:
+    """The ``step_<digits>`` folders of ``directory`` that are not :func:`is_checkpoint`: never deleted."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(d for d in os.listdir(directory) if re.fullmatch(r"step_\d+(\.stale)?", d)
+                  and os.path.isdir(os.path.join(directory, d)) and not is_checkpoint(os.path.join(directory, d)))
+
+
 def checkpoints(directory: str) -> list[tuple[int, str]]:
-    """Every ``step_<N>`` folder of ``directory``, finished or not, as ``(N, path)`` in step order."""
+    """Every checkpoint folder of ``directory`` (:func:`is_checkpoint`, not ``.stale``), finished or not, as
+    ``(N, path)`` in step order."""
     if not os.path.isdir(directory):
         return []
     found = [(int(d[5:]), os.path.join(directory, d)) for d in os.listdir(directory)
-             if d.startswith("step_") and d[5:].isdigit() and os.path.isdir(os.path.join(directory, d))]
+             if d[5:].isdigit() and is_checkpoint(os.path.join(directory, d))]
     return sorted(found)
 
 
@@ -310,6 +360,12 @@ def verify(path: str) -> tuple[dict | None, str | None]:
         return None, f"no {MANIFEST} (its save did not finish)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    well_formed = (isinstance(files, dict) and ".metadata" in files and any(n.endswith(".distcp") for n in files)
+                   and all(isinstance(w, dict) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+                           for w in files.values()))
+    if not well_formed:
+        return None, (f"{MANIFEST} is malformed (its \"files\" must map .metadata and the .distcp files to their "
+                      "bytes and sha256)")
     for name, want in files.items():
         full = os.path.join(path, name)
         if not os.path.exists(full):
@@ -409,8 +465,9 @@ class RunDirectory:
     A context manager that every rank of the world enters (collective: rank 0 decides, every rank learns the
     same, and raises the same :class:`RunError`). On entry, with a directory: take its lock (``fcntl.flock`` on
     :data:`LOCK`, which the kernel releases when the holder dies: a live run's directory is refused, a dead
-    run's is not); without ``--resume`` refuse checkpoints already there unless ``--overwrite``, which deletes
-    them and says so; with ``--resume`` pick the newest checkpoint whose files :func:`verify` (saying which
+    run's is not); refuse ``step_<digits>`` folders this script did not write (:func:`foreign`), and a directory
+    that is itself a checkpoint; without ``--resume`` refuse checkpoints already there unless ``--overwrite``,
+    which deletes them and says so; with ``--resume`` pick the newest checkpoint whose files :func:`verify` (saying which
     were skipped and why; refusing, naming each, when checkpoints exist and none verifies) and refuse it if it
     holds another model (naming the fields). Then :data:`PREEMPTION_SIGNALS` are caught until exit.
 
@@ -419,7 +476,8 @@ class RunDirectory:
 
     Per step, :meth:`end_of_step` stops the run at the first non-finite loss (the chosen behaviour: stop, not
     skip the step) and saves every ``--ckpt-every`` steps, or at once when any rank got a preemption signal,
-    after which the run stops. Without a directory it only checks the loss (no collective, no handlers).
+    after which the run stops; with ``--ckpt-every`` also after the last step. Without a directory it only
+    checks the loss (no collective, no handlers).
     """
 
     def __init__(self, opts):
@@ -483,9 +541,16 @@ class RunDirectory:
 
     def _decide(self) -> str | None:
         """Rank 0: take the lock, then the checkpoint to resume from (None: start at step 0), or RunError."""
+        if is_checkpoint(self.dir) and os.listdir(self.dir):
+            raise RunError(f"--ckpt-dir {self.dir} is a checkpoint, not the directory of a run's checkpoints; pass "
+                           f"its parent: --ckpt-dir {os.path.dirname(os.path.normpath(self.dir)) or '.'}")
         os.makedirs(self.dir, exist_ok=True)
         self._take_lock()
-        found = checkpoints(self.dir)
+        found, others = checkpoints(self.dir), foreign(self.dir)
+        if others:
+            raise RunError(f"--ckpt-dir {self.dir} holds {', '.join(others)}, named like checkpoints but holding "
+                           "what this script does not write; it deletes and overwrites only its own. Move them "
+                           "away, or use another --ckpt-dir")
         steps = ", ".join(str(s) for s, _ in found)
         if not self.opts.resume:
             if found and not self.opts.overwrite:
@@ -504,8 +569,14 @@ class RunDirectory:
                 for line in damaged:
                     _note(f"resume: skipping the checkpoint of {line}")
                 return path
+            if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.exists(os.path.join(path, ".metadata")):
+                for line in damaged:   # DCP writes .metadata last: a finished save, from before manifests
+                    _note(f"resume: skipping the checkpoint of {line}")
+                _note(f"resume: note: the checkpoint of step {step} ({path}) has no {MANIFEST} (saved before "
+                      "manifests, or the manifest was lost) but DCP's .metadata: loading it without verifying")
+                return path
             damaged.append(f"step {step} ({path}): {problem}")
-        if any(os.path.exists(os.path.join(p, MANIFEST)) for _, p in found):   # a finished save, now damaged
+        if any(os.path.exists(os.path.join(p, f)) for _, p in found for f in (MANIFEST, ".metadata")):
             raise RunError(f"--resume: no checkpoint in {self.dir} can be loaded: " + "; ".join(damaged) +
                            ". Move them away (or pass --overwrite without --resume to start afresh)")
         for line in damaged:   # only unfinished saves, or none: nothing was ever confirmed, so start afresh
@@ -552,7 +623,7 @@ class RunDirectory:
         dist.all_reduce(got, op=dist.ReduceOp.MAX)   # every rank stops at the same boundary
         signum = int(got.item())
         every = self.opts.ckpt_every
-        if signum or (every and (step + 1) % every == 0):
+        if signum or (every and ((step + 1) % every == 0 or step == self.opts.steps - 1)):   # and the last step
             path = save(self.dir, step, trainer.model, trainer.stage, trainer.optimizer, trainer.dp_sync,
                         run_config(self.opts))
             if signum and dist.get_rank() == 0:

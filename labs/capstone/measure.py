@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import sys
 import time
 from typing import Iterator, Sequence
 
@@ -227,11 +229,20 @@ def summary(stats: Sequence[StepStats]) -> str:
             f"GEMM rate{above}")
 
 
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 class StepLog:
     """The run's JSON-lines log, one :class:`StepStats` a line; nothing when ``path`` is None.
 
     From step 0 the file starts empty; resuming at ``start`` it keeps the lines of the steps before it and
-    drops the rest (a run that died after its last checkpoint had logged steps the resumed run does again).
+    drops the rest (a run that died after its last checkpoint had logged steps the resumed run does again), and
+    an incomplete last line, with a note. Strict JSON: a non-finite value is written as the string "nan"/"inf".
     """
 
     def __init__(self, path: str | None, start: int = 0):
@@ -241,14 +252,20 @@ class StepLog:
         kept = []
         if start > 0 and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", start) < start]
+                lines = [line for line in f if line.strip()]
+            if lines and not lines[-1].endswith("\n") and not _parses(lines[-1]):   # killed while writing it
+                print(f"resume: note: dropping the incomplete last line of --log-file {path}: {lines.pop()[:60]!r}",
+                      file=sys.stderr, flush=True)
+            kept = [line for line in lines if json.loads(line).get("step", start) < start]
         self.file = open(path, "w", encoding="utf-8")
         self.file.writelines(kept)
         self.file.flush()
 
     def write(self, stats: StepStats) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(dataclasses.asdict(stats)) + "\n")
+            row = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v)   # strict JSON: "nan", "inf"
+                   for k, v in dataclasses.asdict(stats).items()}
+            self.file.write(json.dumps(row, allow_nan=False) + "\n")
             self.file.flush()
 
     def __enter__(self) -> StepLog:

@@ -6,9 +6,8 @@
 Every rank builds the whole model from the seed; :func:`parallelize` then applies TP, PP and DP in turn, as
 torchtitan does. A step draws the same global batch on every rank (from the seed and the step), keeps this
 rank's DP share, runs the pipeline schedule inside the DP wrapper's ``no_sync``, averages the gradients over
-DP (once, after the flush; with pp = 1 overlapped with the last backward) and steps Adam. Measurement is in
-``measure.py``, the planner's prediction in ``predict.py``; checkpoints, their directory's lock, preemption
-signals and the stop at a non-finite loss in ``checkpoint.py``. Chapter 14 explains the script; lab 14 runs it.
+DP (once, after the flush; with pp = 1 overlapped with the last backward) and steps Adam. Measurement: ``measure.py``;
+prediction: ``predict.py``; checkpoints, lock, signals, loss check: ``checkpoint.py``. Chapter 14; lab 14 runs it.
 """
 
 from __future__ import annotations
@@ -92,8 +91,9 @@ class Options:
     backend: str | None = flag(None, "default: NCCL when CUDA is present, else gloo", choices=("gloo", "nccl"))
     log_file: str | None = flag(None, "one JSON line per step, written by rank 0", metavar="FILE.jsonl")
     ckpt_dir: str | None = flag(None, "where checkpoints go, loadable under any layout", metavar="DIR")
-    ckpt_every: int = flag(0, "save every N steps, and on SIGTERM or SIGUSR1 (then stop); 0: on those only",
-                           metavar="N")
+    ckpt_every: int = flag(0, "save every N steps and after the last; on SIGTERM or SIGUSR1 save and stop (0: only "
+                           "then); under torchrun the save must end within its 30 s before SIGKILL, and SIGUSR1 "
+                           "needs --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", metavar="N")
     resume: bool = flag(False, "continue from the newest checkpoint in --ckpt-dir that loads, under this layout")
     overwrite: bool = flag(False, "start afresh in a --ckpt-dir that holds checkpoints, deleting them")
     profile: str | None = flag(None, "write a torch.profiler trace per rank to DIR/rank<R>.json", metavar="DIR")
