@@ -7,9 +7,10 @@ state (:class:`DPSync`) is stored per rank and restored only into a run of the s
 is the uninterrupted run, bitwise; otherwise it starts afresh with a warning.
 
 A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
-and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified. :class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and
-the stop at a non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`,
-:func:`verify`. Book: chapter 14, §14.4; lab 14, part 3, resumes under another layout.
+and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified.
+:class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and the stop at a
+non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`, :func:`verify`.
+Book: chapter 14, §14.4; lab 14, part 3, resumes under another layout.
 """
 
 from __future__ import annotations
@@ -467,9 +468,10 @@ class RunDirectory:
     :data:`LOCK`, which the kernel releases when the holder dies: a live run's directory is refused, a dead
     run's is not); refuse ``step_<digits>`` folders this script did not write (:func:`foreign`), and a directory
     that is itself a checkpoint; without ``--resume`` refuse checkpoints already there unless ``--overwrite``,
-    which deletes them and says so; with ``--resume`` pick the newest checkpoint whose files :func:`verify` (saying which
-    were skipped and why; refusing, naming each, when checkpoints exist and none verifies) and refuse it if it
-    holds another model (naming the fields). Then :data:`PREEMPTION_SIGNALS` are caught until exit.
+    which deletes them and says so; with ``--resume`` pick the newest checkpoint whose files :func:`verify`
+    (saying which were skipped and why; refusing, naming each, when checkpoints exist and none verifies; one
+    without manifest but with DCP's ``.metadata`` is loaded unverified, with a note) and refuse it if it holds
+    another model (naming the fields). Then :data:`PREEMPTION_SIGNALS` are caught until exit.
 
     (``flock`` holds across nodes on NFS, where Linux maps it to a POSIX lock; Lustre needs its ``flock`` mount
     option.)
