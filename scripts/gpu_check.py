@@ -260,10 +260,13 @@ def _sharded_rows(device: torch.device) -> list[Check]:
         rows.append(Check(f"ZeRO-{stage} (ShardedDataParallel, Adam, {n} shard(s)), 3 steps: parameters",
                           max_over_world(err, device), 1e-4, "vs torch.optim.Adam on the whole batch"))
         if stage == 3:
-            held = float(sum(p.untyped_storage().nbytes() for p in sdp.module.parameters()))
-            rows.append(Check("ZeRO-3: the module's parameter bytes held outside forward and backward",
-                              max_over_world(held, device), 0.0,
-                              f"shards: {sum(s.numel() for s in sdp.shard_parameters())} elements on this rank"))
+            # FSDP2's layout: outside forward and backward the module's parameters are this rank's shards.
+            held = sum(p.untyped_storage().nbytes() for p in sdp.module.parameters())
+            shard = sum(s.numel() * s.element_size() for s in sdp.shard_parameters())
+            full = sum(p.numel() * p.element_size() for p in ref.parameters())
+            rows.append(Check("ZeRO-3: outside forward and backward the module holds only its shards (bytes)",
+                              max_over_world(float(abs(held - shard)), device), 0.0,
+                              f"{held} of the model's {full} bytes on this rank"))
     return rows
 
 
