@@ -2,15 +2,13 @@
 
 A spec names a method (:func:`parse_spec`): ``dense``, ``cast:fp16``, ``cast:bf16``, ``int:8``, ``int:4``,
 ``qsgd:4`` (buckets of 512), ``qsgd:4:all`` (one bucket), ``qsgd:4:D``, ``sign`` (one scale for the bucket),
-``sign:tensor`` (one scale per parameter tensor of the bucket), ``topk:0.01``,
-``randomk:0.01`` and ``powersgd:R``; ``aggregation`` (:data:`AGGREGATIONS`) is ``"auto"`` or ``"two_phase"``.
-:func:`make_method` builds a :class:`Method`, the comm hook (:func:`method_hook`) of a
-:class:`commlab.overlap.BucketedDataParallel` that averages each bucket and records per bucket the payload
-bytes, the bytes sent per rank, ``codec_s`` (inside compress and decompress; PowerSGD's products and
-orthogonalisation) and ``comm_s`` (the rest: collectives, agreement, error-feedback bookkeeping), timed with
-a :class:`commlab.launch.Clock`. The experiments put the whole gradient in one bucket (Top-K is then a global
-selection); PowerSGD sees each parameter's gradient, as its DDP hook does. :meth:`Method.average` does the
-same for a list of tensors. :func:`compressor_for` gives the compressor of a spec.
+``sign:tensor`` (one scale per parameter tensor), ``topk:0.01``, ``randomk:0.01`` and ``powersgd:R``;
+``aggregation`` (:data:`AGGREGATIONS`) is ``"auto"`` or ``"two_phase"``. :func:`make_method` builds a
+:class:`Method`, the comm hook (:func:`method_hook`) of a :class:`commlab.overlap.BucketedDataParallel` that
+averages each bucket and records per bucket the payload bytes, the bytes sent per rank, ``codec_s`` and
+``comm_s``, timed with a :class:`commlab.launch.Clock`. The experiments put the whole gradient in one bucket;
+PowerSGD sees each parameter's gradient, as its DDP hook does. :meth:`Method.average` does the same for a
+list of tensors; :func:`compressor_for` gives the compressor of a spec.
 
 Book: chapter 8, §8.2 (the experiment).
 """

@@ -1,17 +1,14 @@
 """Sharded data parallelism as FSDP2 does it: ZeRO-2, ZeRO-3 / FSDP and HSDP, with per-parameter dim-0 shards.
 
-Rajbhandari et al. 2020, "ZeRO" (SC'20), §5; FSDP2 (``torch.distributed.fsdp.fully_shard``,
-``torch/distributed/fsdp/_fully_shard/``). :class:`ShardedDataParallel` replaces each parameter of the module by
-its *shard*: rows ``[r c, (r + 1) c)`` of dim 0 on rank r, ``c = ceil(d0 / N)`` (``torch.chunk``, as FSDP2),
-stored in a buffer of ``c`` rows so that every rank's AllGather input has one size; ``model.parameters()`` are
-then the shards, their ``.grad`` the reduce-scattered average, and any optimizer built on them steps them.
-A *unit* (a submodule) AllGathers its parameters' padded shards in one collective before its forward (ZeRO-3:
-again before its backward, freeing them in between; ZeRO-2: once per forward, kept whole) and reduce-scatters
-their gradients in one when backward completes them; HSDP (``replicate_group``) then all-reduces the shards'
-gradients across replicas. :class:`MixedPrecisionPolicy` (FSDP2's): ``param_dtype`` for the AllGather and the
-compute, ``reduce_dtype`` for the ReduceScatter. Collectives: :mod:`commlab.collectives.common`'s asynchronous
-single-tensor AllGather / ReduceScatter. :func:`sharded_step_nbytes` prices a step's bytes;
-:func:`zero_memory_bytes` and :func:`held_memory_bytes` count model-state bytes.
+:class:`ShardedDataParallel` replaces each parameter of the module by its *shard*: rows ``[r c, (r + 1) c)`` of
+dim 0 on rank r, ``c = ceil(d0 / N)`` (``torch.chunk``, as FSDP2), so ``model.parameters()`` are the shards and
+any optimizer built on them steps them. A *unit* (a submodule) AllGathers its parameters' padded shards before
+its forward (ZeRO-3: again before its backward) and reduce-scatters their gradients when backward completes
+them; HSDP (``replicate_group``) then all-reduces the shards' gradients across replicas.
+:class:`MixedPrecisionPolicy`: ``param_dtype`` for the AllGather and the compute, ``reduce_dtype`` for the
+ReduceScatter. :func:`sharded_step_nbytes` prices a step's bytes; :func:`zero_memory_bytes` and
+:func:`held_memory_bytes` count model-state bytes. Sources: Rajbhandari et al. 2020 (ZeRO), §5; torch's
+``torch/distributed/fsdp/_fully_shard/``.
 
 Book: chapter 12 (§12.1 memory, §12.2 communication, §12.3 FSDP2's per-parameter shards and schedule).
 """

@@ -1,16 +1,13 @@
 """A small mixture-of-experts layer, and the same layer with its experts spread over an expert-parallel group.
 
 :class:`MoE` is the single-process reference: a linear router (:func:`commlab.parallel.expert.router.route`)
-and E experts, each a :class:`commlab.parallel.tensor.TransformerMLP`; token t's output is the weighted sum
-of its kept choices' outputs. :class:`ExpertParallelMoE` is made from a full :class:`MoE` held identically
-on every EP rank: each rank keeps the router and its ``E / EP`` experts, routes its own tokens, dispatches
-them in capacity-padded ``[EP, E/EP, C, h]`` buffers by AllToAll, runs its experts, and combines by the
-inverse AllToAll, so its output is exactly :class:`MoE` on its tokens. Every rank routes the same number of
-tokens (dropless: any number). Each forward sends two AllToAlls of ``(EP-1)/EP · E·C·h·e`` bytes per rank,
-the backward two more (:mod:`commlab.parallel.expert.cost`). Sources: Fedus et al. 2021 (Switch), §2.1-2.2 and Figure 3;
-Lepikhin et al. 2020 (GShard), §2.2 and Algorithm 2. With ``dropless=True`` nothing is dropped and nothing
-padded: the rows go sorted by expert in an AllToAllV whose split sizes come from the routing (one small
-AllToAll of the counts first), as Megatron-Core's AllToAll dispatcher does by default.
+and E experts, each a :class:`commlab.parallel.tensor.TransformerMLP`. :class:`ExpertParallelMoE` is made from
+a full :class:`MoE` held identically on every EP rank: each rank keeps the router and its ``E / EP`` experts,
+dispatches its tokens by AllToAll in capacity-padded ``[EP, E/EP, C, h]`` buffers (Switch, Fedus et al. 2021,
+§2.1-2.2; GShard, Lepikhin et al. 2020, §2.2), runs its experts and combines by the inverse AllToAll, so its
+output is exactly :class:`MoE` on its tokens. With ``dropless=True`` nothing is dropped or padded: the rows go
+sorted by expert in an AllToAllV whose split sizes come from the routing, as Megatron-Core's AllToAll
+dispatcher does by default. Bytes: :mod:`commlab.parallel.expert.cost`.
 
 Book: chapter 13, §13.3 (*Dispatch and combine*).
 """

@@ -8,8 +8,7 @@
 * :mod:`~.time_model` -- seconds per step, term by term;
 * :mod:`~.kernels` -- compute priced from a layer's kernels (the default where the GPU has the data);
 * :mod:`~.timeline` -- one step replayed in the schedule's order, per pipeline stage;
-* :mod:`~.search` -- the search over layouts;
-* :mod:`~.validation` -- :func:`validate_published`: the planner against published runs.
+* :mod:`~.search` and :mod:`~.validation` -- the search over layouts; :func:`validate_published` against runs.
 
 ``python -m commlab plan --model llama3-405b --preset dgx-h100-ndr --gpus 16384 --global-batch 2048``
 prints the top layouts. Book: chapter 11 (all of it) and chapter 12, §12.4.
