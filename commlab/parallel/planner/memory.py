@@ -484,14 +484,15 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     logits = 4 * m.seq * L.micro_batch * m.vocab / L.tp
     z = L.zero_stage
     shard = {k: (L.shard_ranks if z >= s else 1) for k, s in (("opt", 1), ("grad", 2), ("param", 3))}
-    # ZeRO-3 gathers whole layers for compute: two layers' bf16 weights at once (the one running and the one
-    # prefetched) and one layer's unsharded gradients before their ReduceScatter (an assumption about FSDP's prefetch depth).
+    # ZeRO-3 gathers whole layers: two layers' bf16 weights at once (the one running and the one prefetched; an
+    # assumption about the prefetch depth), and one layer's unsharded gradients in the parameter dtype beside
+    # the ReduceScatter input it copies them into, in the reduce dtype (FSDP2 foreach_reduce).
     gathered = layer_params(m) / L.tp if z >= 3 and L.shard_ranks > 1 else 0.0
 
     def build(stage: str, in_flight: float, extra_act: float) -> MemoryBreakdown:
         p = stage_params(m, L.pp, stage, L.interleave) / L.tp
         return MemoryBreakdown(params=p, weights_bytes=param_bytes * p / shard["param"] + 2 * 2 * gathered,
-                               gradients_bytes=grad_bytes * p / shard["grad"] + grad_bytes * gathered,
+                               gradients_bytes=grad_bytes * p / shard["grad"] + (param_bytes + grad_bytes) * gathered,
                                optimizer_bytes=state_bytes * p / shard["opt"],
                                activations_bytes=layers * per_layer * in_flight + working + extra_act,
                                in_flight=in_flight, stage=stage)
