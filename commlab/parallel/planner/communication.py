@@ -1,14 +1,12 @@
-"""Communication seconds of a layout's collectives and the overlap arithmetic: what hides beside what.
+"""Collective seconds of a layout and the overlap arithmetic: what hides beside what, written once.
 
-:func:`group_all_reduce_seconds` and :func:`dp_all_reduce_seconds` (α-β rings, hierarchical across nodes with
-the NICs shared), :func:`tp_link`; the overlap rules, each written once: :func:`op_times` (one op's compute
-with its TP and ZeRO-2/3 collectives beside it), :func:`send_times` (a pipeline send),
-:func:`dp_exposed_seconds` (the once-per-step DP communication), :func:`backward_tp_hidden_seconds`;
-:func:`chunk_ops` and :func:`dp_times` apply them to a :class:`StepCosts`, for the step time and the timeline
-alike. Compute beside communication runs ``1/overlap_compute_slowdown`` as fast: an assumption (Lee et al.
-2025, arXiv:2507.03114, measured it on NVLink collectives inside a node). Sources: Korthikanti et al. 2022
-§6.2; Rajbhandari et al. 2020 §5.3. Book: chapter 11, §11.2; chapter 12, §12.4.
-"""
+:func:`group_all_reduce_seconds` and :func:`dp_all_reduce_seconds` (α-β rings, hierarchical across nodes),
+:func:`tp_link`; the overlap rules :func:`op_times` (one op with its TP and ZeRO-2/3 collectives beside it),
+:func:`send_times`, :func:`dp_exposed_seconds`, :func:`backward_tp_hidden_seconds`; :func:`chunk_ops` and
+:func:`dp_times` apply them to a :class:`StepCosts` for the step time and the timeline alike. Compute beside
+communication runs ``1/overlap_compute_slowdown`` as fast: an assumption (Lee et al. 2025, arXiv:2507.03114,
+measured inside a node). Sources: Korthikanti et al. 2022 §6.2; Rajbhandari et al. 2020 §5.3. Book: chapter 11,
+§11.2; chapter 12, §12.4."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,11 +27,8 @@ __all__ = ["beside_seconds", "slowdown_seconds", "backward_tp_hidden_seconds", "
 
 
 def beside_seconds(comm_s: float, work_s: float, slowdown: float = 1.0) -> float:
-    """Seconds of ``comm_s`` of communication that run beside ``work_s`` seconds of compute (its time alone),
-    when compute runs ``1/slowdown`` as fast beside communication (the profile's ``overlap_compute_slowdown``):
-    ``min(comm_s, slowdown·work_s)``. The compute then takes ``beside·(1 - 1/slowdown)`` longer
-    (:func:`slowdown_seconds`); a compute entirely beside communication takes ``slowdown`` times as long,
-    the slowdown Lee et al. 2025 (arXiv:2507.03114) measure, and what of ``comm_s`` is left runs exposed.
+    """Seconds of ``comm_s`` of communication that run beside ``work_s`` seconds of compute slowed ``slowdown``
+    times (>= 1): ``min(comm_s, slowdown·work_s)``; the rest is exposed.
 
     Raises:
         ValueError: a negative or non-finite time; a slowdown below 1.
@@ -45,26 +40,21 @@ def beside_seconds(comm_s: float, work_s: float, slowdown: float = 1.0) -> float
 
 
 def slowdown_seconds(beside_s: float, slowdown: float) -> float:
-    """What ``beside_s`` seconds of compute beside communication add to the step: compute runs ``1/slowdown``
-    as fast there, so ``beside_s·(1 - 1/slowdown)``."""
+    """Seconds ``beside_s`` of compute beside communication add to the step: ``beside_s·(1 - 1/slowdown)``."""
     return beside_s * (1 - 1 / slowdown) if beside_s > 0 else 0.0
 
 
 def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp: float, overlap_tp_backward: float,
                                wgrad_s: Sequence[float], slowdown: float = 1.0) -> float:
-    """Seconds of one layer's backward TP communication (two AllReduce-equivalents of ``one_s`` each, for one
-    micro-batch) that hide behind its computation.
+    """Seconds of one layer's backward TP communication (two AllReduce-equivalents of ``one_s``, one micro-batch)
+    that hide behind its compute.
 
-    Each column-parallel linear's input-gradient reduction, ``c = input_grad_share·one_s``, hides for the
-    larger of ``overlap_tp`` (``--tp-comm-overlap``, which needs sequence parallelism; the caller passes 0
-    without it) and ``overlap_tp_backward`` (the asynchronous reduction), the latter at most that linear's
-    weight-gradient time (``wgrad_s``: QKV's, then the MLP's first linear's, seconds), which ``slowdown``
-    (:func:`beside_seconds`) stretches; the rest of the backward's bytes (the AllGathers under sequence
-    parallelism) hide for ``overlap_tp`` only.
+    Each column-parallel input-gradient reduction (``input_grad_share·one_s``) hides for the larger of
+    ``overlap_tp`` and ``overlap_tp_backward``, the latter at most its weight-gradient GEMM's time (``wgrad_s``:
+    QKV's, the MLP's first linear's, s); the rest hides for ``overlap_tp`` only (Korthikanti et al. 2022 §6.2).
 
     Raises:
-        ValueError: a negative or non-finite time, a share outside [0, 1], not two weight-gradient times, a
-            slowdown below 1.
+        ValueError: a negative time, a share outside [0, 1], not two ``wgrad_s``, a slowdown below 1.
     """
     wgrad_s = tuple(wgrad_s)
     if len(wgrad_s) != 2:
@@ -79,13 +69,8 @@ def backward_tp_hidden_seconds(one_s: float, sequence_parallel: bool, overlap_tp
 
 
 def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> float:
-    """α-β time (seconds) of the DP gradient AllReduce of ``nbytes`` bytes per GPU.
-
-    The DP group is strided by tp·pp, so ``k = devices_per_node // (tp·pp)`` of its members share a node
-    (at least 1). One node: a ring on the intra-node link. Otherwise hierarchical: a ring AllReduce over the k
-    members of a node (standing in for the ReduceScatter + AllGather pair of
-    :func:`~commlab.collectives.hierarchical.hierarchical_all_reduce_seconds`; same bytes), then a ring of
-    ``nbytes/k`` across the ``dp/k`` nodes with every device of a node sending through its NICs at once.
+    """α-β seconds of the DP gradient AllReduce of ``nbytes`` per GPU: :func:`group_all_reduce_seconds` over the
+    dp ranks, stride tp·pp.
 
     Raises:
         ValueError: ``nbytes < 0``.
@@ -94,9 +79,10 @@ def dp_all_reduce_seconds(nbytes: float, layout: Layout, cluster: Cluster) -> fl
 
 
 def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
-    """α-β time of an AllReduce of ``nbytes`` per GPU over ``n`` ranks ``stride`` apart in the rank order
-    (the model of :func:`dp_all_reduce_seconds`, for any such group: the DP group has stride tp·pp, an HSDP
-    shard group the same, its replica group tp·pp·dp_shard).
+    """α-β seconds of an AllReduce of ``nbytes`` per GPU over ``n`` ranks ``stride`` apart in rank order.
+
+    One node: a ring on the intra-node link. Else hierarchical: a ring over the ``k`` members of a node, then a ring
+    of ``nbytes/k`` across ``n/k`` nodes with every device of a node sending through its NICs at once.
 
     Raises:
         ValueError: ``nbytes < 0``; ``n`` or ``stride`` not an int >= 1.
@@ -119,52 +105,34 @@ def group_all_reduce_seconds(nbytes: float, n: int, stride: int, cluster: Cluste
     return t_intra + t_inter
 
 
-def _check_times_and_shares(times: dict[str, float], shares: dict[str, float]) -> None:
-    """The argument check of the overlap functions: every time finite and >= 0 s, every share in [0, 1]."""
-    for name, v in times.items():
-        checks.seconds(name, v)
-    for name, v in shares.items():
-        checks.share(name, v)
-
-
 def dp_exposed_seconds(reduce_s: float, reduce_window_s: float, reduce_overlap: float, gather_s: float = 0.0,
                        gather_window_s: float = 0.0, gather_overlap: float = 0.0, reduce_tail: float = 0.0,
                        gather_head: float = 0.0, slowdown: float = 1.0) -> tuple[float, float]:
-    """``(exposed, hidden)`` seconds of the DP communication.
+    """``(exposed, hidden)`` seconds of the once-per-step DP communication.
 
-    The gradient reduction (``reduce_s``) may hide up to ``reduce_overlap × (1 - reduce_tail) × reduce_s``
-    behind ``reduce_window_s`` (the last micro-batch's backward pass): ``reduce_tail`` is the share in the
-    bucket reduced last, which the backward completes only as it ends. The parameter all-gather
-    (``gather_s``) may hide up to ``gather_overlap × (1 - gather_head) × gather_s`` behind ``gather_window_s``
-    (the first micro-batch's forward pass): ``gather_head`` is the share gathered first, which that forward
-    waits for. What does not fit in its window, and the share not overlapped, is exposed. ``slowdown``
-    (>= 1, the profile's ``overlap_compute_slowdown``): compute beside communication runs ``1/slowdown`` as
-    fast, so a window of ``w`` seconds of compute holds up to ``slowdown·w`` of it (:func:`beside_seconds`;
-    the caller charges the ``hidden·(1 - 1/slowdown)`` this costs), as in the step timeline's replay.
+    The reduction (``reduce_s``) hides up to ``reduce_overlap·(1 - reduce_tail)·reduce_s`` beside
+    ``reduce_window_s`` (the last backward; ``reduce_tail``: the bucket reduced last); the AllGather
+    (``gather_s``) up to ``gather_overlap·(1 - gather_head)·gather_s`` beside ``gather_window_s`` (the first
+    forward), each window holding :func:`beside_seconds`.
 
     Raises:
-        ValueError: a time that is negative or not finite, an overlap, tail or head share outside [0, 1], a
-            slowdown below 1.
+        ValueError: a negative or non-finite time, a share outside [0, 1], a slowdown below 1.
     """
-    _check_times_and_shares(dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
-                                 gather_window_s=gather_window_s),
-                            dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap,
-                                 reduce_tail=reduce_tail, gather_head=gather_head))
+    for name, v in dict(reduce_s=reduce_s, reduce_window_s=reduce_window_s, gather_s=gather_s,
+                        gather_window_s=gather_window_s).items():
+        checks.seconds(name, v)
+    for name, v in dict(reduce_overlap=reduce_overlap, gather_overlap=gather_overlap, reduce_tail=reduce_tail,
+                        gather_head=gather_head).items():
+        checks.share(name, v)
     hidden = (beside_seconds(reduce_overlap * (1 - reduce_tail) * reduce_s, reduce_window_s, slowdown)
               + beside_seconds(gather_overlap * (1 - gather_head) * gather_s, gather_window_s, slowdown))
     return reduce_s + gather_s - hidden, hidden
 
 
 def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -> float:
-    """Share (0..1) of a GPU's DP gradient (:func:`dp_gradient_nbytes`) in the bucket the backward pass
-    completes last -- and that a distributed optimizer all-gathers first.
-
-    Buckets of about ``bucket_params`` elements are filled over the parameters in reverse order (Megatron-Core
-    ``megatron/core/distributed/param_and_grad_buffer.py``; PyTorch DDP likewise): on one tp rank, the output
-    layer (pp = 1), then the first chunk's ``ceil(L/(pp·v))`` layers from the last, one whole layer at a time,
-    then the embedding. ``bucket_params <= 0`` (no buckets in the profile): share 0, so that the overlap share
-    alone says what hides. Book: §11.2, the DP term.
-    """
+    """Share (0..1) of a GPU's DP gradient in the bucket the backward completes last (and a distributed optimizer
+    all-gathers first): buckets of ``bucket_params`` elements filled in reverse parameter order, one layer at a
+    time (Megatron-Core ``param_and_grad_buffer.py``); 0 without buckets."""
     if bucket_params <= 0:
         return 0.0
     tp = layout.tp
@@ -182,10 +150,8 @@ def dp_last_bucket_share(m: ModelConfig, layout: Layout, bucket_params: float) -
 
 @dataclasses.dataclass(frozen=True)
 class OpTimes:
-    """One op (a chunk's forward, or its recomputation and backward, for one micro-batch) on its GPU's
-    compute stream, seconds: the exposed AllGather it waits for (``wait_s``, ZeRO-3), its computation
-    (``work_s``), the slowdown hidden communication adds (``slowdown_s``), exposed TP (``tp_exposed_s``), the
-    exposed ReduceScatter after it (``reduce_exposed_s``); and what hides beside it (``*_hidden_s``)."""
+    """One op (a chunk's forward, or its recomputation and backward, for one micro-batch) on the compute stream, s:
+    the exposed AllGather it waits for, its compute, the slowdown, exposed TP and ReduceScatter, and what hides."""
 
     wait_s: float
     work_s: float
@@ -207,11 +173,9 @@ def op_times(work_s: float, tp_s: float = 0.0, tp_hidable_s: float = 0.0, gather
              slowdown: float = 1.0) -> OpTimes:
     """The overlap rule of one op (the step time sums it, the timeline lays it out; book §11.2).
 
-    Of ``tp_s`` seconds of TP communication, ``tp_hidable_s`` may hide beside the op's ``work_s`` of
-    compute (:func:`beside_seconds`); of its ZeRO-3 AllGather (``gather_s``, before the compute) and
-    ReduceScatter (``reduce_s``, after it), ``gather_hidable_s`` and then ``reduce_hidable_s`` may hide
-    beside the same compute, on their own link. What hides slows the compute (:func:`slowdown_seconds`);
-    the rest is exposed.
+    Of ``tp_s`` of TP, ``tp_hidable_s`` may hide beside ``work_s`` (:func:`beside_seconds`); of the ZeRO-3
+    AllGather before it and the ReduceScatter after it, ``gather_hidable_s`` then ``reduce_hidable_s`` beside the
+    same compute, on their own link. What hides slows the compute (:func:`slowdown_seconds`).
 
     Raises:
         ValueError: a negative or non-finite time; a hidable part above its whole; a slowdown below 1.
@@ -236,23 +200,16 @@ def op_times(work_s: float, tp_s: float = 0.0, tp_hidable_s: float = 0.0, gather
 
 
 def send_times(message_s: float, overlap_pp: float, slowdown: float = 1.0) -> tuple[float, float]:
-    """``(exposed, slowdown)`` seconds a pipeline send of ``message_s`` costs its sender's stream: the
-    ``1 - overlap_pp`` share in series, and the hidden rest slows the sender's next compute
-    (:func:`slowdown_seconds`). The message arrives ``message_s`` after it leaves, whatever hides."""
+    """``(exposed, slowdown)`` seconds a pipeline send of ``message_s`` costs its sender: ``1 - overlap_pp`` of it
+    in series, the rest slowing the next compute. It arrives ``message_s`` after it leaves."""
     checks.seconds("message_s", message_s)
     checks.share("overlap_pp", overlap_pp)
     return (1 - overlap_pp) * message_s, slowdown_seconds(overlap_pp * message_s, slowdown)
 
 
 def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
-    """Share of one GPU's ZeRO-3 / FSDP parameters whose forward AllGather and whose ReduceScatter no
-    prefetch can hide (the embedding's and the first block's), for :func:`chunk_ops`.
-
-    Units as torchtitan's ``apply_fsdp`` (``torchtitan/models/llama3/infra/parallelize.py``): the token
-    embedding, each block, the final norm with the output layer, the root. With pipeline stages, the heavier
-    of the first stage (the embedding and a block) and the last (a block). Pessimistic for pp > 1, where
-    PyTorch's pipeline stages gather and reduce-scatter about once per step, not per micro-batch. Book: §12.4.
-    """
+    """Share of a GPU's ZeRO-3 parameters whose AllGather and ReduceScatter no prefetch hides: the embedding's and
+    the first block's (torchtitan ``apply_fsdp`` units); with pp > 1 the heavier of the first and last stage's."""
     block = layer_params(m)
     if layout.pp == 1:
         return min(1.0, (embedding_params(m) + block) / stage_params(m, 1, "only"))
@@ -262,16 +219,14 @@ def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
 
 
 def fsdp_units(m: ModelConfig, layout: Layout) -> int:
-    """FSDP units on one GPU of the heaviest stage, each with its own AllGather and ReduceScatter (and their
-    latency) every micro-batch: torchtitan's ``apply_fsdp`` wraps every block, the token embedding (first
-    stage) and the final norm with the output layer (last stage): ``stage_layers + 2`` with one stage, ``+ 1``
-    with several (the root holds nothing more). Book: chapter 12, §12.4."""
+    """FSDP units on one GPU of the heaviest stage, each with its own collectives every micro-batch (torchtitan
+    ``apply_fsdp``: each block, the embedding, the norm with the output layer): ``stage_layers + 2`` (pp = 1)
+    or ``+ 1``."""
     return stage_layers(m.layers, layout.pp, layout.interleave) + (2 if layout.pp == 1 else 1)
 
 
 def tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
-    """The link a TP group of ``layout.tp`` ranks uses and the share of it each rank gets: the intra-node link
-    (share 1) when the group fits in a node, else the NIC shared by :func:`~commlab.topology.flows_per_nic`."""
+    """``(link, share)`` of a TP group: the intra-node link (share 1) within a node, else the shared NIC."""
     d = cluster.devices_per_node
     if layout.tp <= d and d % layout.tp == 0:
         return cluster.intra, 1.0
@@ -282,17 +237,13 @@ def tp_link(layout: Layout, cluster: Cluster) -> tuple[Link, float]:
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
-    """Per-micro-batch seconds of one GPU of a pipeline stage, one entry per model chunk (v of them).
+    """Per-micro-batch seconds of one GPU of a pipeline stage, a tuple entry per model chunk.
 
-    Attributes:
-        forward_s, backward_s, recompute_s: computation of one micro-batch on the chunk.
-        tp_forward_s, tp_backward_s, tp_recompute_s: the TP collectives of that computation, in full.
-        tp_backward_hidden_s: of the backward's TP, what may hide behind its computation
-            (:func:`~.communication.backward_tp_hidden_seconds` for each of the chunk's layers); None: the
-            ``overlap_tp`` share of ``tp_backward_s``, as for the forward.
+    ``tp_backward_hidden_s``: the backward TP that may hide (:func:`backward_tp_hidden_seconds` per layer); None:
+    ``overlap_tp`` of ``tp_backward_s``.
 
     Raises:
-        ValueError: a negative or non-finite time; the tuples of unequal length or empty.
+        ValueError: a negative or non-finite time; tuples of unequal length or empty.
     """
 
     forward_s: tuple
@@ -322,25 +273,15 @@ class StageCosts:
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-    """Everything the step time and the replay need (seconds, shares), independent of how it was priced.
+    """Everything the step time and the replay need (seconds, shares), however it was priced.
 
-    Attributes:
-        stages, micro_batches: one :class:`StageCosts` per pipeline stage (all with ``interleave`` chunks); m.
-        pp_message_s: one pipeline message (activation forward or gradient backward), s.
-        overlap_tp, overlap_pp: shares of TP and PP communication that may run beside compute.
-        compute_slowdown: factor (>= 1) by which compute slows while communication runs beside it.
-        dp_reduce: ``((kind, seconds), ...)`` of the gradient reduction (``dp_reduce_scatter``, then
-            ``dp_all_gather`` for an AllReduce); dp_gather_s: the distributed optimizer's AllGather (0: none).
-        overlap_dp_grad_reduce, overlap_dp_param_gather: their overlapped shares; optimizer_s: the step, s.
-        dp_reduce_tail, dp_gather_head: shares (0..1) of the bucket reduced after the last backward
-            (:func:`~.communication.dp_last_bucket_share`) and of the AllGather the first forward waits for.
-        fsdp_gather_s, fsdp_reduce_s, fsdp_head_share: ZeRO-2/3 per-chunk AllGather (before each forward, and
-            each backward if ``fsdp_gather_backward``) and ReduceScatter (after each backward), s, and the share
-            no prefetch hides (:func:`~.communication.fsdp_head_share`); 0 where nothing is per micro-batch.
+    ``dp_reduce``: ``((kind, s), ...)`` of the once-per-step gradient reduction; ``dp_gather_s``: the distributed
+    optimizer's AllGather; ``dp_reduce_tail``/``dp_gather_head``: :func:`dp_last_bucket_share`; ``fsdp_*``:
+    ZeRO-2/3 per-chunk AllGather and ReduceScatter and the share no prefetch hides (:func:`fsdp_head_share`).
 
     Raises:
-        ValueError: no stage, stages with different chunk counts, m < 1, a negative time, a share outside
-            [0, 1], a slowdown below 1, an unknown DP kind.
+        ValueError: no stage, unequal chunk counts, m < 1, a negative time, a share outside [0, 1], a slowdown
+            below 1, an unknown DP kind.
     """
 
     stages: tuple
@@ -391,10 +332,7 @@ class StepCosts:
 
 
 def chunk_ops(costs: StepCosts, stage: int, chunk: int) -> tuple[OpTimes, OpTimes]:
-    """The forward and the backward (recomputation first) of one chunk for one micro-batch, as
-    :func:`~.communication.op_times` prices them: TP hides for ``overlap_tp`` (the backward for its
-    ``tp_backward_hidden_s``), the ZeRO-3 AllGather for ``overlap_dp_param_gather`` and the ReduceScatter for
-    ``overlap_dp_grad_reduce``, less the forward gather's and the ReduceScatter's head share."""
+    """The forward and the backward (recomputation first) of one chunk for one micro-batch (:func:`op_times`)."""
     sc, c = costs.stages[stage], chunk
     ov, slow, h = costs.overlap_tp, costs.compute_slowdown, costs.fsdp_head_share
     g, r = costs.fsdp_gather_s, costs.fsdp_reduce_s
@@ -410,11 +348,8 @@ def chunk_ops(costs: StepCosts, stage: int, chunk: int) -> tuple[OpTimes, OpTime
 
 def dp_times(costs: StepCosts, stage: int) -> tuple[float, float, float, float]:
     """``(gather exposed, gather hidden, reduce exposed, reduce hidden)`` seconds of the once-per-step DP
-    communication of ZeRO 0-2 on one GPU of ``stage`` (:func:`~.communication.dp_exposed_seconds`): the
-    AllGather beside the first micro-batch's forwards; the reduction, launched as the first chunk's last
-    backward starts, beside the backwards from there: that one, and with v chunks the p of each other chunk
-    that interleaved 1F1B's cool-down runs after it (Megatron-LM's order), ``(1 + (v-1)·p)/v`` of a
-    micro-batch's backward."""
+    communication on one GPU of ``stage`` (:func:`dp_exposed_seconds`): the AllGather beside the first forwards,
+    the reduction beside ``(1 + (v-1)·p)/v`` of a micro-batch's backward (interleaved 1F1B's cool-down)."""
     sc, p, v = costs.stages[stage], costs.pp, costs.interleave
     slow = costs.compute_slowdown
     g_exp, g_hid = dp_exposed_seconds(0.0, 0.0, 0.0, costs.dp_gather_s, sum(sc.forward_s),

@@ -1,14 +1,11 @@
-"""Time of one training step of a 3D-parallel layout, and the per-op costs the step timeline replays.
+"""Seconds of one training step of a 3D-parallel layout, and the per-op costs the step timeline replays.
 
-:func:`step_costs` prices one micro-batch's ops on one GPU of every pipeline stage (:class:`StepCosts`:
-computation, TP, pipeline messages, DP and ZeRO collectives, seconds); :func:`step_time` sums them for a
-pipeline whose every stage is as heavy as the heaviest (:class:`TimeBreakdown`, seconds on one GPU's
-critical path). What hides beside what is decided by :mod:`~.communication` (``chunk_ops``, ``dp_times``),
-for the sum and for the replay (:mod:`~.timeline`) alike. Compute is priced by one share
-of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks per device).
-Sources: Narayanan et al. 2021 §2.2, §3.2, §4.1; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020
-§5.3. Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4.
-"""
+:func:`step_costs` prices one micro-batch's ops on one GPU of every pipeline stage (:class:`StepCosts`);
+:func:`step_time` sums them for a pipeline whose stages are all as heavy as the heaviest (:class:`TimeBreakdown`).
+What hides beside what is decided by :mod:`~.communication` for the sum and the replay alike. Compute is priced
+by one share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks).
+Sources: Narayanan et al. 2021 §2.2, §3.2; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3.
+Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4."""
 
 from __future__ import annotations
 
@@ -36,25 +33,20 @@ __all__ = ["TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "AUTO", "c
 #: Share of dense peak FLOP/s the model's matrix multiplications achieve (why 0.5: book §11.2).
 DEFAULT_ACHIEVABLE_FRACTION = 0.5
 
-#: ``achievable_fraction="kernels"``: price compute from the layer's kernels instead of one share of peak
-#: (:mod:`~commlab.parallel.planner.kernels`: GEMM efficiency by shape, memory-bound operations, the
-#: optimizer step).
+#: ``achievable_fraction="kernels"``: price compute from the layer's kernels (:mod:`~.kernels`).
 KERNELS = "kernels"
-
-#: ``achievable_fraction="auto"``, the default of every planner function and of ``python -m commlab plan``:
-#: :data:`KERNELS` where the device has what the kernel model needs (:func:`~.kernels.kernel_model_gap`),
-#: else :data:`DEFAULT_ACHIEVABLE_FRACTION` (:func:`compute_model` resolves it).
+#: ``achievable_fraction="auto"`` (the default): :data:`KERNELS` where the device has the data, else
+#: :data:`DEFAULT_ACHIEVABLE_FRACTION` (:func:`compute_model`).
 AUTO = "auto"
 
 
 def compute_model(achievable_fraction: float | str, device: str, dtype: str = "bf16") -> float | str:
-    """What compute is priced with on ``device``: for :data:`AUTO`, :data:`KERNELS` where
-    :func:`~.kernels.kernel_model_gap` finds nothing missing for ``dtype``, else
-    :data:`DEFAULT_ACHIEVABLE_FRACTION`; :data:`KERNELS` and a share of peak in (0, 1] as given.
+    """What prices compute on ``device``: :data:`AUTO` gives :data:`KERNELS` where :func:`~.kernels.kernel_model_gap`
+    finds nothing missing for ``dtype``, else :data:`DEFAULT_ACHIEVABLE_FRACTION`; others as given.
 
     Raises:
-        ValueError: :data:`KERNELS` where the device lacks what the kernel model needs for ``dtype`` (the
-            message says what); anything else that is not :data:`AUTO` or a share in (0, 1].
+        ValueError: :data:`KERNELS` where the device lacks what it needs (says what); not :data:`AUTO` and not a
+            share in (0, 1].
     """
     if isinstance(achievable_fraction, str) and achievable_fraction in (AUTO, KERNELS):
         gap = kernel_model_gap(device, dtype)
@@ -73,23 +65,13 @@ def compute_model(achievable_fraction: float | str, device: str, dtype: str = "b
 
 @dataclasses.dataclass(frozen=True)
 class TimeBreakdown:
-    """One step, seconds, and what it yields.
+    """One step on one GPU's critical path, seconds, and what it yields.
 
-    Attributes:
-        compute_s: matrix multiplications of all micro-batches on one GPU (executed FLOP).
-        tp_s, pp_s: TP communication and pipeline sends/receives of all micro-batches left on the critical
-            path; tp_hidden_s, pp_hidden_s: the parts hidden behind compute.
-        bubble_s: pipeline fill and drain.
-        dp_s: the gradient ReduceScatter + AllGather (or AllReduce) in full (ZeRO-3: per micro-batch), split
-            into dp_reduce_scatter_s and dp_all_gather_s; dp_exposed_s: the part not hidden.
-        micro_batches, tokens_per_step, gpus: m, global batch × sequence length, tp·pp·dp.
-        model_flop_per_step: ``(6·P + 12·L·h·s) × tokens`` FLOP; executed_flop_per_step: what the GPUs run.
-        overlap_slowdown_s: what compute loses while hidden communication shares the GPU.
-        software: the software profile's name.
-        optimizer_s: the optimizer step (kernel model only; 0 otherwise).
-        compute_fraction: the share of peak the executed FLOP run at.
-        loss_s: the vocabulary cross-entropy on a last-stage GPU (0 without the device's memory bandwidth).
-    """
+    ``compute_s``: the matmuls of all micro-batches; ``tp_s``, ``pp_s``, ``dp_exposed_s``: exposed communication
+    (``*_hidden_s`` the hidden parts; ``dp_s`` the DP/ZeRO traffic in full, split into ReduceScatter and AllGather);
+    ``bubble_s``: fill and drain; ``overlap_slowdown_s``: what hidden communication costs compute; ``loss_s``,
+    ``optimizer_s``: the cross-entropy and the optimizer step; ``compute_fraction``: share of peak of the
+    executed FLOP; ``model_flop_per_step``: ``(6·P + 12·L·h·s) × tokens``."""
 
     compute_s: float
     tp_s: float
@@ -114,8 +96,7 @@ class TimeBreakdown:
 
     @property
     def total_s(self) -> float:
-        """Step time, s: compute + loss + overlap slowdown + exposed TP + exposed PP + bubble + exposed DP +
-        the optimizer step."""
+        """Step time, s: compute, loss, slowdown, exposed TP, PP and DP, bubble and optimizer step."""
         return (self.compute_s + self.loss_s + self.overlap_slowdown_s + self.tp_s + self.pp_s + self.bubble_s
                 + self.dp_exposed_s + self.optimizer_s)
 
@@ -126,24 +107,21 @@ class TimeBreakdown:
 
     @property
     def model_flop_per_s_per_gpu(self) -> float:
-        """Achieved model FLOP/s per GPU (``"model"`` definition): model FLOP per step / step time / GPUs."""
+        """Model FLOP/s per GPU (``"model"`` definition)."""
         return self.model_flop_per_step / self.total_s / self.gpus
 
     def flop_per_s_per_gpu(self, flop_per_step: float) -> float:
-        """FLOP/s per GPU in another accounting (e.g. :func:`model_flops_per_step`), given its FLOP per step."""
+        """FLOP/s per GPU for ``flop_per_step`` in another accounting (:func:`~.counting.model_flops_per_step`)."""
         return flop_per_step / self.total_s / self.gpus
 
 
 def chunk_layers(layers: int, pp: int, interleave: int = 1) -> list[list[int]]:
-    """Layers of each chunk of each stage: ``out[s][c]`` for virtual stage ``c·pp + s``.
-
-    Every virtual stage gets ``ceil(L/(pp·v))`` layers, and the surplus is taken off one layer at a time
-    from virtual stages 0, ``pp·v - 1``, 1, ``pp·v - 2``, ...: the first and last stages also carry the
-    embedding and the output layer (Llama 3 405B took its two surplus layers off those, Llama 3 paper
-    §3.3.2). The heaviest stage holds :func:`~.memory.stage_layers` layers.
+    """Layers of each chunk of each stage, ``out[s][c]`` for virtual stage ``c·pp + s``: ``ceil(L/(pp·v))`` each, the
+    surplus taken off virtual stages 0, ``pp·v - 1``, 1, ... (the stages with the embedding and the output layer,
+    as Llama 3 405B, Llama 3 paper §3.3.2).
 
     Raises:
-        ValueError: as :func:`~.memory.stage_layers` (a count < 1, or ``pp·v > L``).
+        ValueError: as :func:`~.memory.stage_layers`.
     """
     stage_layers(layers, pp, interleave)  # validates
     n = pp * interleave
@@ -160,14 +138,12 @@ def step_costs(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: i
                software: SoftwareProfile | str | None = None, achievable_fraction: float | str = AUTO,
                dp_overlap: float | None = None, dtype: str = "bf16", grad_bytes: int | None = None,
                optimizer_s: float | None = None, uniform: bool = False) -> tuple[StepCosts, TimeBreakdown]:
-    """The per-stage, per-micro-batch costs of a plan and its :func:`step_time` (arguments as there).
-
-    Each stage holds its own layers (:func:`chunk_layers`), the last chunk the output layer and the loss;
-    ``uniform=True``: every chunk of every stage as the heaviest stage's average chunk, the pipeline
-    :func:`step_time` sums. ``optimizer_s``: the optimizer step's seconds (None: the time model's).
+    """``(StepCosts, TimeBreakdown)`` of a plan (arguments as :func:`step_time`): each stage with its own layers
+    (:func:`chunk_layers`), or with ``uniform=True`` every chunk as the heaviest stage's average, as
+    :func:`step_time` sums. ``optimizer_s``: the optimizer step, s (None: the time model's).
 
     Raises:
-        ValueError: what :func:`step_time` raises; a negative ``optimizer_s``.
+        ValueError: what :func:`step_time` raises.
     """
     p = _price(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype, grad_bytes)
     return _costs(p, uniform, optimizer_s), _breakdown(p)
@@ -177,28 +153,17 @@ def step_time(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch: in
               achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
               dtype: str = "bf16", grad_bytes: int | None = None,
               software: SoftwareProfile | str | None = None) -> TimeBreakdown:
-    """Predicted time of one training step (seconds), term by term (book §11.2): the ops of
-    :func:`step_costs` with ``uniform=True``, ``m·v`` chunk forwards and backwards with their sends, the
-    bubble ``(p-1)/v`` of one micro-batch's ops (Narayanan et al. 2021 §2.2), the DP communication of
-    :func:`~.communication.dp_times` and the optimizer step.
+    """Predicted seconds of one training step, term by term (book §11.2): the ops of :func:`step_costs`
+    (``uniform=True``) summed by :func:`sum_of_terms`.
 
-    Args:
-        m: the model (its ``seq`` is the training sequence length).
-        layout: tp, pp, dp, micro-batch, recomputation, interleaving, ZeRO stage, sequence parallelism, ...
-        cluster: links, devices and NICs per node, peak FLOP/s per dtype (its ``nodes`` is not used).
-        global_batch: sequences per step; must be a multiple of ``dp·micro_batch``.
-        achievable_fraction: share of peak the matmuls sustain, in (0, 1]; :data:`KERNELS` (compute from the
-            layout's kernels, :func:`~.kernels.effective_fraction`, plus the optimizer step); or :data:`AUTO`
-            (the default): the kernel model where the device has it, else 0.5 (:func:`compute_model`).
-        dp_overlap: if given, replaces both DP overlap shares of the profile (0..1).
-        dtype: key of ``cluster.peak_flop_per_s``. grad_bytes: replaces the profile's (2 or 4).
-        software: a :class:`~.software.SoftwareProfile` or a name in ``commlab/data/software.json``; None:
-            :data:`~.software.DEFAULT_SOFTWARE` (nothing overlapped).
+    ``achievable_fraction``: a share of peak in (0, 1], :data:`KERNELS` or :data:`AUTO` (:func:`compute_model`);
+    ``dp_overlap``: replaces both DP overlap shares; ``grad_bytes``: the profile's (2 or 4) unless given;
+    ``software``: a :class:`~.software.SoftwareProfile` or its name (None: nothing overlapped).
 
     Raises:
         ValueError: ``global_batch`` not a positive multiple of ``dp·micro_batch``; a fraction out of range;
-            ``dtype`` not in the cluster's peak table; an unknown software profile; with :data:`KERNELS`, a
-            device without what the kernel model needs.
+            ``dtype`` not in the cluster's peak table; an unknown profile; :data:`KERNELS` on a device without
+            what the kernel model needs.
     """
     return _breakdown(_price(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype,
                              grad_bytes))
@@ -354,10 +319,10 @@ def _breakdown(p: _Prices) -> TimeBreakdown:
 
 
 def sum_of_terms(costs: StepCosts, loss_s: float = 0.0, **fields) -> TimeBreakdown:
-    """The step time of ``costs`` (its first stage taken for every stage): ``m`` micro-batches of every
-    chunk's ops (:func:`~.communication.chunk_ops`) and sends, the bubble ``(p-1)/v`` of one micro-batch's, the DP
-    communication (:func:`~.communication.dp_times`) and the optimizer step. ``loss_s``: of the ops' work, the loss
-    (reported apart from ``compute_s``); ``fields``: the :class:`TimeBreakdown` fields about the plan."""
+    """The step time of ``costs``, its first stage taken for every stage: ``m`` micro-batches of every chunk's ops
+    and sends, the bubble ``(p-1)/v`` of one micro-batch's (Narayanan et al. 2021 §2.2), the DP communication
+    (:func:`~.communication.dp_times`) and the optimizer step. ``loss_s``: the part of the work that is the loss;
+    ``fields``: the :class:`TimeBreakdown` fields about the plan."""
     m, pp, v, slow = costs.micro_batches, costs.pp, costs.interleave, costs.compute_slowdown
     ops = [op for c in range(v) for op in chunk_ops(costs, 0, c)]
     send_x, send_slow = send_times(costs.pp_message_s, costs.overlap_pp, slow) if pp > 1 else (0.0, 0.0)
@@ -381,17 +346,16 @@ def sum_of_terms(costs: StepCosts, loss_s: float = 0.0, **fields) -> TimeBreakdo
 
 @lru_cache(maxsize=32)
 def _memory_bandwidth(device: str) -> float | None:
-    """The device's ``hbm_bytes_per_s`` from ``commlab/data/hardware.json``, bytes/s; None where it has none."""
+    """The device's ``hbm_bytes_per_s`` in ``commlab/data/hardware.json``, bytes/s; None where it has none."""
     try:
         return hardware.value(device, "hbm_bytes_per_s")
-    except KeyError:
+    except (KeyError, ValueError):
         return None
 
 
 def loss_seconds(m: ModelConfig, micro_batch: int, tp: int, device: str) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one micro-batch's loss over the vocabulary on a last-stage GPU:
-    :func:`~.kernels.loss_bytes_per_token` × ``micro_batch·s`` tokens over the device's memory bandwidth
-    (bytes/s, ``hbm_bytes_per_s`` in ``commlab/data/hardware.json``); ``(0.0, 0.0)`` for a device without one.
+    """``(forward, backward)`` seconds of one micro-batch's vocabulary cross-entropy on a last-stage GPU:
+    :func:`~.counting.loss_bytes_per_token` × tokens / the device's ``hbm_bytes_per_s``; (0, 0) without one.
 
     Raises:
         ValueError: ``tp`` not an int >= 1.
@@ -407,15 +371,12 @@ def loss_seconds(m: ModelConfig, micro_batch: int, tp: int, device: str) -> tupl
 def _kernel_terms(m: ModelConfig, layout: Layout, cluster: Cluster, dtype: str, executed: float,
                   sw: SoftwareProfile, grad_bytes: int) -> tuple[float, float]:
     """(share of peak from the kernels, optimizer-step seconds) of a layout on the cluster's device."""
-    device = cluster.device
-    try:
-        hbm = hardware.value(device, "hbm_bytes_per_s")
-    except (KeyError, ValueError):
+    device, hbm = cluster.device, _memory_bandwidth(cluster.device)
+    if hbm is None:
         raise ValueError(f"the kernel model needs the memory bandwidth of the cluster's device {device!r} "
-                         f"(hbm_bytes_per_s in commlab/data/hardware.json); it has none") from None
+                         f"(hbm_bytes_per_s in commlab/data/hardware.json); it has none")
     fraction = effective_fraction(m, layout, device, cluster.peak_flop_per_s[dtype], hbm, executed)
-    # The heaviest stage's parameters on one GPU: split by tp, and by dp under ZeRO (the optimizer then
-    # updates only its shard).
+    # The heaviest stage's parameters on one GPU: split by tp, and by dp under ZeRO (its shard only).
     stage = "only" if layout.pp == 1 else "last"
     params = stage_params(m, layout.pp, stage, layout.interleave) / layout.tp
     if layout.zero_stage >= 1:
