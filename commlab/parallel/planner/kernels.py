@@ -1,13 +1,11 @@
-"""Compute time of one GPU from its kernels (the planner's kernel model): each GEMM at a measured efficiency
-for its shape, FlashAttention at its measured speed, the memory-bound operations at the memory's bandwidth.
+"""Compute time of one GPU from its kernels: each GEMM at its measured efficiency for its shape, FlashAttention
+at its measured speed, the memory-bound operations at the memory's bandwidth.
 
-Entry points: :func:`gemm_efficiency` (``commlab/data/gemm_efficiency.json``, interpolated by shape),
-:func:`attention_flop_per_s` (``commlab/data/attention_speed.json``), :func:`layer_kernels` (one layer's GEMM
-shapes on a TP rank), :func:`effective_fraction` (the layout's share of peak, which the step model uses),
-:func:`layer_seconds` and :func:`validate_layer_times` (one layer against Korthikanti et al. 2022, Table 4),
-:func:`in_stack_share` (the stack's share of the microbenchmark rates, measured on that layer). Nothing is
-fitted to end-to-end runs. Book: chapter 11, §11.4, *Compute from kernels* and *Inside one layer*.
-"""
+:func:`gemm_efficiency` (``commlab/data/gemm_efficiency.json``), :func:`attention_flop_per_s`
+(``attention_speed.json``), :func:`layer_kernels` (one layer's GEMMs on a TP rank), :func:`effective_fraction`
+(the layout's share of peak, for the step model), :func:`layer_seconds` and :func:`validate_layer_times`
+(one layer against Korthikanti et al. 2022, Table 4), :func:`in_stack_share` (the stack's share of the
+microbenchmark rates, from those layers). Nothing is fitted to end-to-end runs. Book: chapter 11, §11.4."""
 from __future__ import annotations
 
 import bisect
@@ -55,16 +53,8 @@ class Gemm:
 
 @dataclasses.dataclass(frozen=True)
 class GemmTable:
-    """Measured efficiency (share of the device's dense peak) on a grid of GEMM shapes.
-
-    Attributes:
-        device: the device's name in ``commlab/data/hardware.json``.
-        grid: the sorted m (= n = k) values the table measures.
-        batches: the sorted batch sizes b it measures.
-        efficiency: ``{(b, m, n, k): share of peak}``.
-        scale: the factor applied to another device's curve (1.0 for a device's own table).
-        source: where the numbers come from, and any assumption.
-    """
+    """Measured GEMM efficiency (share of dense peak) of ``device`` on a grid: ``efficiency[(b, m, n, k)]`` for m = n
+    = k in ``grid`` and b in ``batches``; ``scale``: the factor applied to another device's curve (1.0 for its own)."""
 
     device: str
     grid: tuple[int, ...]
@@ -80,10 +70,10 @@ def _peak(device: str, dtype: str) -> float:
 
 @lru_cache(maxsize=8)
 def load_gemm_table(device: str, path: str | None = None) -> GemmTable:
-    """The GEMM table of ``device`` (a key of ``commlab/data/gemm_efficiency.json``, or of the file at ``path``).
+    """The GEMM table of ``device`` in ``commlab/data/gemm_efficiency.json`` (or the file at ``path``).
 
     Raises:
-        ValueError: the file has no table for ``device`` (the message lists the devices it has).
+        ValueError: no table for ``device`` (lists the devices there are).
     """
     table = data.load_table(path, _GEMM)
     if device not in table:
@@ -115,11 +105,8 @@ def _bracket(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
 
 
 def gemm_efficiency(table: GemmTable, m: int, n: int, k: int, b: int = 1) -> float:
-    """Share of peak a ``[b, m, k] @ [k, n]`` GEMM runs at: the table interpolated in log2(m, n, k).
-
-    A GEMM taller than the grid (m > 4096) counts as ``b·m/4096`` GEMMs of 4096 rows; the batch is then
-    clamped to the largest the table measures, as are m, n and k to the grid's ends (below 256 the
-    estimate is optimistic, above 4096 it is the plateau).
+    """Share of peak of a ``[b, m, k] @ [k, n]`` GEMM: the table interpolated in log2(m, n, k), a GEMM taller than
+    4096 rows counted as a batch of 4096-row ones, everything clamped to the measured range.
 
     Raises:
         ValueError: a dimension that is not an int >= 1.
@@ -146,17 +133,12 @@ def gemm_seconds(table: GemmTable, peak_flop_per_s: float, g: Gemm) -> float:
 
 
 def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path | None = None) -> float:
-    """FLOP/s of FlashAttention-2 with the causal mask, forward and backward together, on ``device``
-    (``commlab/data/attention_speed.json``: the FlashAttention authors' own measurement at the FlashAttention-2
-    release), interpolated in log2 of the sequence length and linearly in the head dimension, clamped to
-    the measured range (sequences of 512 to 16384 tokens, head dimensions 64 and 128).
-
-    The FLOP are FlashAttention's accounting, the one :func:`~.time_model.attention_flops_per_token` uses,
-    so seconds = those FLOP / this.
+    """FLOP/s of causal FlashAttention-2, forward and backward, on ``device`` (``attention_speed.json``: the
+    FlashAttention authors' measurement), interpolated in log2(seq) and linearly in head_dim, clamped to the
+    measured range; FLOP as :func:`~.counting.attention_flops_per_token` counts them.
 
     Raises:
-        ValueError: no measurement for ``device`` (the message lists the devices there are); head_dim or
-            seq not a positive int.
+        ValueError: no measurement for ``device``; head_dim or seq not a positive int.
     """
     for name, v in (("head_dim", head_dim), ("seq", seq)):
         checks.integer(name, v)
@@ -181,16 +163,10 @@ def attention_flop_per_s(device: str, head_dim: int, seq: int, path: str | Path 
 
 
 def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bool = True) -> dict[str, list[Gemm]]:
-    """One transformer layer's GEMMs on one of ``tp`` tensor-parallel ranks, for one micro-batch.
-
-    ``{"forward", "backward", "core_forward", "core_backward"}``, lists of :class:`Gemm`. Tokens
-    ``T = micro_batch·s`` are the rows of every weight GEMM (under sequence parallelism the AllGather
-    restores all of them first). Forward: QKV ``T × (h + 2·kv)/tp × h``, the attention output projection
-    ``T × h × h/tp``, the MLP's ``T × ffn/tp × h`` (two of them when gated) and ``T × h × ffn/tp``; each has
-    two backward GEMMs with its FLOP, the input gradient (``T × k × n``) and the weight gradient
-    (``k × n × T``). Without FlashAttention the attention core is two batched GEMMs, ``b·a/tp`` of them
-    (``s × s × d`` scores, ``s × d × s`` over V), forward and four backward; with FlashAttention the core is
-    one fused kernel and the lists are empty (:func:`effective_fraction` prices it).
+    """One layer's GEMMs on one of ``tp`` ranks for one micro-batch: ``{"forward", "backward", "core_forward",
+    "core_backward"}`` lists of :class:`Gemm`. Rows ``T = b·s``; QKV, attention output, the MLP's (two when gated)
+    and its output, each with an input-gradient and a weight-gradient GEMM backward; the attention core as batched
+    GEMMs without FlashAttention, else empty (:func:`effective_fraction` prices the fused kernel).
 
     Raises:
         ValueError: ``tp`` does not divide the attention heads.
@@ -215,13 +191,9 @@ def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bo
 
 def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float, executed_flop_per_token: float) -> float:
-    """Share of peak the layout's executed FLOP run at, from its kernels (book §11.4, *Compute from kernels*).
-
-    Seconds per token on one tensor-parallel rank: each layer's GEMMs and memory-bound operations (the forward
-    once, the backward's GEMMs and twice the forward's bytes, and what the recomputation policy reruns), plus
-    the output layer's three GEMMs, all divided by :func:`in_stack_share`; with FlashAttention the core's FLOP
-    at :func:`attention_flop_per_s`. The fraction is ``executed_flop_per_token / tp`` over those seconds, over
-    peak.
+    """Share of peak the layout's executed FLOP run at, from its kernels (book §11.4): ``executed_flop_per_token / tp``
+    over the seconds per token of every layer's GEMMs, attention and memory-bound bytes (recomputation included)
+    and the output layer, divided by :func:`in_stack_share`, over peak.
 
     Raises:
         ValueError: what :func:`layer_kernels`, :func:`load_gemm_table`, :func:`attention_flop_per_s` and
@@ -255,16 +227,12 @@ def _layer_parts(m: ModelConfig, tp: int, micro_batch: int, sequence_parallel: b
 def layer_seconds(m: ModelConfig, tp: int, micro_batch: int, device: str, recompute: str = "none",
                   sequence_parallel: bool = False, flash_attention: bool = True,
                   share: float = 1.0) -> tuple[float, float]:
-    """Seconds of one transformer layer's ``(forward, backward)`` for one micro-batch on one of ``tp`` GPUs,
-    from its kernels alone (the parts :func:`effective_fraction` adds up; no communication). The backward
-    includes what ``recompute`` reruns (``"full"``: the forward; ``"selective"``: the attention core's).
-    ``share`` divides every kernel's seconds: 1.0 (the default) prices them at the microbenchmarks' rates,
-    ``in_stack_share(device).share`` at the rate the step model uses.
+    """``(forward, backward)`` seconds of one layer for one micro-batch on one of ``tp`` GPUs from its kernels alone;
+    the backward includes what ``recompute`` reruns. ``share`` divides every kernel's time (1.0: the
+    microbenchmarks' rates; ``in_stack_share(device).share``: the step model's).
 
     Raises:
-        ValueError: ``recompute`` not ``"none"``, ``"selective"`` or ``"full"``; ``share`` not in (0, 1];
-            what :func:`layer_kernels`, :func:`load_gemm_table` and :func:`attention_flop_per_s` raise; a
-            device without a peak or memory bandwidth in ``commlab/data/hardware.json``.
+        ValueError: ``recompute`` not none, selective or full; ``share`` not in (0, 1]; what the tables raise.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
@@ -293,16 +261,9 @@ def _seconds_per_token(m: ModelConfig, tp: int, micro_batch: int, recompute: str
 
 @dataclasses.dataclass(frozen=True)
 class LayerTimeRow:
-    """One measured layer against the kernel model: milliseconds per layer and micro-batch on one GPU.
-
-    Attributes:
-        entry: the key in ``commlab/data/published_layer_times.json``; experiment: the source's row label.
-        recompute, sequence_parallel: the row's policy.
-        reported_forward_ms, reported_backward_ms: measured.
-        predicted_forward_ms, predicted_backward_ms: :func:`layer_seconds` at the microbenchmarks' rates
-            (``share=1``) plus the exposed TP collectives and the slowdown of compute under the hidden ones.
-        tp_forward_ms, tp_backward_ms: those two together (in the predictions).
-    """
+    """One measured layer against the kernel model, ms per layer and micro-batch: reported and predicted forward and
+    backward (:func:`layer_seconds` at ``share=1`` plus the TP collectives the step model exposes, and their
+    slowdown, which ``tp_*_ms`` give)."""
 
     entry: str
     experiment: str
@@ -358,16 +319,12 @@ def _layer_time_entries(path: str | Path | None) -> dict:
 
 
 def validate_layer_times(path: str | Path | None = None, device: str | None = None) -> list[LayerTimeRow]:
-    """The kernel model against measured single-layer times (``commlab/data/published_layer_times.json``:
-    Korthikanti et al. 2022, Table 4), its kernels at the microbenchmarks' own rates (``share=1`` in
-    :func:`layer_seconds`, so that :func:`in_stack_share` can be read from the difference), each row with
-    the layer's TP collectives as the step model prices them (:func:`~.communication.op_times`; two more for
-    a fully recomputed forward). Nothing is fitted. ``device``: only the entries whose preset has that GPU
-    (None: all). Book §11.4, *Inside one layer*.
+    """The kernel model against measured layer times (``published_layer_times.json``: Korthikanti et al. 2022,
+    Table 4) at the microbenchmarks' own rates, each row with its TP collectives as :func:`~.communication.op_times`
+    prices them. Nothing fitted. ``device``: only that GPU's entries (None: all).
 
     Raises:
-        ValueError: what :func:`_layer_time_entries` raises (a malformed entry, named); a row's unknown
-            recomputation policy.
+        ValueError: a malformed entry (named); a row's unknown recomputation policy.
     """
     out = []
     for key, (e, cluster, m, sw) in _layer_time_entries(path).items():
@@ -402,18 +359,8 @@ def validate_layer_times(path: str | Path | None = None, device: str | None = No
 
 @dataclasses.dataclass(frozen=True)
 class InStackShare:
-    """The share of the microbenchmark rates a training stack's kernels run at on one GPU.
-
-    Attributes:
-        device: the GPU it is used for (a key of ``commlab/data/gemm_efficiency.json``).
-        share: in (0, 1]: the kernel model's layer seconds are divided by it.
-        measured_on: the GPU whose measured layers give it (``device`` itself, or the GPU its
-            ``in_stack_share_from`` names).
-        ratios: each measured number's own ratio, kernel-model seconds over measured seconds less the
-            modelled TP collectives (forward and backward of every row, in file order): their spread says
-            how well one share fits them.
-        source: where the measurements come from, and the assumption when ``measured_on != device``.
-    """
+    """The share (0, 1] of the microbenchmark rates a stack's kernels run at on ``device``, ``measured_on`` that GPU;
+    ``ratios``: each measured number's kernel-over-measured ratio (their spread says how well one share fits)."""
 
     device: str
     share: float
@@ -424,17 +371,13 @@ class InStackShare:
 
 @lru_cache(maxsize=8)
 def in_stack_share(device: str, path: str | None = None) -> InStackShare:
-    """The stack's share of the microbenchmark rates on ``device`` (book §11.4, *Inside one layer*):
-    ``sum(kernel seconds) / sum(measured - modelled TP seconds)`` over the forward and backward of every
-    measured layer on the GPU (:func:`validate_layer_times` over ``path``), or, for a GPU with none, the share
-    of the GPU its ``commlab/data/gemm_efficiency.json`` entry names in ``in_stack_share_from`` (one hop; an
-    assumption the entry states). Using it for other stacks, models or GPUs is an assumption; the loss and
-    the optimizer step are not divided by it.
+    """The stack's share of the microbenchmark rates on ``device``: ``sum(kernel s) / sum(measured - TP s)`` over the
+    measured layers on it (:func:`validate_layer_times`), or the share of the GPU its ``gemm_efficiency.json`` entry
+    names in ``in_stack_share_from`` (an assumption the entry states).
 
     Raises:
-        ValueError: no measured layer on ``device`` or on the GPU it names; a measured number not larger than
-            its modelled TP time; a share above 1 (the stack faster than its microbenchmarks); a malformed
-            entry anywhere in the file.
+        ValueError: no measured layer on ``device`` or the GPU it names; a measured time not above its TP time; a
+            share above 1; a malformed entry.
     """
     rows = validate_layer_times(path, device)
     if rows:
@@ -479,11 +422,8 @@ def _measured_share(device: str, rows: list[LayerTimeRow], path: str | None) -> 
 
 @lru_cache(maxsize=16)
 def kernel_model_gap(device: str, dtype: str = "bf16") -> str | None:
-    """Why the kernel model cannot price ``dtype`` matmuls on ``device``, or None where it can: it needs the
-    device's GEMM table in that dtype (:func:`load_gemm_table`), its FlashAttention speed
-    (``commlab/data/attention_speed.json``), its memory bandwidth (``hbm_bytes_per_s`` in ``commlab/data/hardware.json``) and
-    the stack's share of its microbenchmark rates (:func:`in_stack_share`). The planner's default compute
-    model (``achievable_fraction="auto"``) falls back to one share of peak where this is not None."""
+    """Why the kernel model cannot price ``dtype`` on ``device`` (None: it can): it needs a GEMM table in that dtype,
+    a FlashAttention speed, ``hbm_bytes_per_s`` and :func:`in_stack_share`."""
     tables = data.load_table(None, _GEMM)
     entry = tables.get(device)
     if entry is None:

@@ -1,16 +1,11 @@
 """Memory per GPU of a 3D-parallel (TP × PP × DP) transformer training layout, in bytes.
 
-The model: :class:`ModelConfig` (layers L, hidden h, heads a, ffn, vocab V, sequence s), loaded from
-``commlab/data/models.json`` with :func:`load_model`; the layout: :class:`Layout` (tp, pp, dp, micro-batch b, ZeRO
-stage, recomputation, interleaving, sequence parallelism). :func:`memory_breakdown` returns a
-:class:`MemoryBreakdown` (weights, gradients, optimizer states, activations) for the stage that needs the most
-memory; :func:`usable_memory_bytes` keeps :data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan
-near the limit.
-
-Sources: ZeRO (Rajbhandari et al. 2020, §3.1 and §5), activations (Korthikanti et al. 2022, §4-5 and Table 2),
-1F1B in-flight micro-batches (Narayanan et al. 2021, §2.2.1). Book: chapter 11, §11.1 lists what is counted
-and assumed; chapter 12, §12.4.
-"""
+:class:`ModelConfig` (:func:`load_model` reads ``commlab/data/models.json``) and :class:`Layout` (tp, pp, dp,
+micro-batch, ZeRO stage, HSDP, recomputation, interleaving, sequence parallelism); :func:`memory_breakdown`
+gives the :class:`MemoryBreakdown` of the stage that needs the most; :func:`usable_memory_bytes` keeps
+:data:`DEFAULT_MEMORY_RESERVE` free and :func:`is_fragile` flags a plan near the limit. Sources: Rajbhandari
+et al. 2020 §3.1, §5; Korthikanti et al. 2022 §4-5; Narayanan et al. 2021 §2.2.1. Book: chapter 11, §11.1;
+chapter 12, §12.4."""
 
 from __future__ import annotations
 
@@ -43,24 +38,13 @@ DEFAULT_FRAGILE_MARGIN = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder-only transformer.
-
-    Attributes:
-        name: label.
-        layers: transformer layers L. hidden: model width h. heads: attention heads a.
-        kv_heads: key/value heads (grouped-query attention); ``heads`` for multi-head attention.
-        ffn: MLP inner width (4h for GPT-3-style models).
-        gated_ffn: SwiGLU-style MLP with three ``h × ffn`` matrices instead of two.
-        vocab: vocabulary size V. seq: training sequence length s (tokens).
-        bias: linear layers have biases and LayerNorm has a bias (GPT); False for Llama (RMSNorm, no biases).
-        learned_positions: an ``s × h`` position-embedding table (GPT); False for rotary embeddings.
-        tied_embeddings: the output layer shares the input embedding matrix.
-        reported_params: the parameter count the source prints (for checking), or None.
-        source: where the numbers come from.
+    """A GPT-style decoder-only transformer: ``layers`` L, ``hidden`` h, ``heads`` a, ``kv_heads`` (grouped-query
+    attention; default ``heads``), ``ffn``, ``vocab`` V, ``seq`` s (training tokens); ``gated_ffn`` (SwiGLU,
+    three ``h × ffn`` matrices), ``bias`` (GPT biases and LayerNorm; False: Llama's RMSNorm), ``learned_positions``,
+    ``tied_embeddings``; ``reported_params`` and ``source`` for checking.
 
     Raises:
-        ValueError: a size that is not a positive int, ``hidden`` not divisible by ``heads``, or ``heads``
-            not divisible by ``kv_heads``.
+        ValueError: a size not a positive int; ``hidden`` not divisible by ``heads``, or ``heads`` by ``kv_heads``.
     """
 
     name: str
@@ -91,7 +75,7 @@ class ModelConfig:
 
     @property
     def params(self) -> int:
-        """Total parameters, embeddings included (see :func:`parameter_count`)."""
+        """Total parameters, embeddings included (:func:`parameter_count`)."""
         return parameter_count(self)
 
     def with_seq(self, seq: int) -> "ModelConfig":
@@ -101,26 +85,16 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a training step.
-
-    Attributes:
-        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (ints >= 1); the GPUs used are tp·pp·dp.
-        micro_batch: sequences per micro-batch b (>= 1).
-        zero1, zero_stage: ZeRO stage 0-3 (:data:`~.software.ZERO_STAGES`; 1 shards the optimizer states over
-            dp, 2 the gradients too, 3 the parameters too); ``zero1`` is the older spelling (None stage: 1 if
-            ``zero1`` else 0), and is set to ``zero_stage >= 1``.
-        recompute, recompute_every: a policy of :data:`~.software.RECOMPUTE_POLICIES` (``"none"``,
-            ``"selective"``: attention core, Korthikanti et al. 2022 §5; ``"full"``; ``"every-k"``: one layer
-            in every ``recompute_every``); ``True``/``False`` are read as ``"full"``/``"none"``.
-        interleave: model chunks per GPU v of interleaved 1F1B (1 = plain; Narayanan et al. 2021, §2.2.2).
-        sequence_parallel, flash_attention: Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2)
-            and attention kernels that keep no s × s scores (Dao et al. 2022).
-        dp_shard: HSDP: ZeRO shards over groups of ``dp_shard`` consecutive DP ranks, replicated across the
-            ``dp/dp_shard`` groups (AllReduce); None: all dp ranks. Divides dp; needs ZeRO >= 1.
+    """One way to run a training step: ``tp``, ``pp``, ``dp`` (GPUs tp·pp·dp), ``micro_batch`` b, ``zero_stage``
+    0-3 (``zero1``: the older spelling, kept equal to ``zero_stage >= 1``), ``recompute`` (a policy of
+    :data:`~.software.RECOMPUTE_POLICIES`; True/False read as full/none) with ``recompute_every`` k,
+    ``interleave`` v (chunks per GPU, Narayanan et al. 2021 §2.2.2), ``sequence_parallel``, ``flash_attention``,
+    and ``dp_shard`` (HSDP: ZeRO shards over groups of that many DP ranks, replicated across ``dp/dp_shard``;
+    None: all of dp).
 
     Raises:
-        ValueError: a size that is not an int >= 1; an unknown recompute policy or ZeRO stage (listing the
-            allowed ones); ``zero1=True`` with ``zero_stage=0``; ``dp_shard`` not dividing dp, or without ZeRO.
+        ValueError: a size not an int >= 1; an unknown policy or stage; ``zero1=True`` with ``zero_stage=0``;
+            ``dp_shard`` not dividing dp, or without ZeRO.
     """
 
     tp: int
@@ -192,15 +166,8 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per GPU on the stage that needs the most (``stage``: ``"first"``, ``"last"`` or ``"only"``).
-
-    Attributes:
-        params: parameters of this GPU's model shard (its stage / tp; a count, not bytes); with ZeRO-3 it
-            keeps 1/dp of their bytes (1/dp_shard with HSDP).
-        weights_bytes, gradients_bytes, optimizer_bytes, activations_bytes: the four parts, bytes.
-        in_flight: micro-batches whose activations the stage holds at once (after the interleaving factor).
-        stage: which pipeline stage this is.
-    """
+    """Bytes per GPU of the stage that needs the most (``stage``: first, last or only): the four parts, ``params``
+    (this GPU's parameter count, before ZeRO-3) and ``in_flight`` (micro-batches held, interleaving included)."""
 
     params: float
     weights_bytes: float
@@ -216,7 +183,7 @@ class MemoryBreakdown:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
 
     def fits(self, device_memory_bytes: float, usable_fraction: float = 1.0) -> bool:
-        """Whether ``total_bytes <= usable_fraction × device_memory_bytes`` (:func:`usable_memory_bytes`).
+        """Whether ``total_bytes <= usable_fraction × device_memory_bytes``.
 
         Raises:
             ValueError: ``device_memory_bytes <= 0`` or ``usable_fraction`` not in (0, 1].
@@ -234,11 +201,11 @@ def list_models(path: str | Path | None = None) -> list[str]:
 
 
 def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
-    """The model ``name`` of ``commlab/data/models.json`` as a :class:`ModelConfig`.
+    """The model ``name`` of ``commlab/data/models.json``.
 
     Raises:
-        KeyError: unknown name; the message lists the known ones.
-        ValueError: a malformed entry (the message names the model and the field).
+        KeyError: unknown name (lists the known ones).
+        ValueError: a malformed entry (names the model and the field).
     """
     table = data.load_table(path, "models.json")
     if name not in table:
@@ -254,13 +221,8 @@ def load_model(name: str, path: str | Path | None = None) -> ModelConfig:
 # ----------------------------------------------------------------------------------------- parameters
 
 def layer_params(m: ModelConfig) -> int:
-    """Parameters of one transformer layer.
-
-    Attention: Q and output projections ``h·h`` each, K and V ``h·kv`` each with ``kv = kv_heads·h/heads``;
-    MLP: two (three if gated) ``h × ffn`` matrices; with ``bias``: the biases of all of them and two
-    LayerNorms with weight and bias (4h); without: two RMSNorm weights (2h). For a GPT layer this is
-    ``12h² + 13h`` (Narayanan et al. 2021, Eq. 2).
-    """
+    """Parameters of one transformer layer: attention ``2h² + 2h·kv``, MLP two (gated three) ``h × ffn``, plus biases
+    and two LayerNorms (``bias``) or two RMSNorm weights. GPT: ``12h² + 13h`` (Narayanan et al. 2021, Eq. 2)."""
     h, f = m.hidden, m.ffn
     kv = m.kv_heads * (h // m.heads)
     attn = 2 * h * h + 2 * h * kv
@@ -284,18 +246,15 @@ def _head_params(m: ModelConfig) -> int:
 
 
 def parameter_count(m: ModelConfig) -> int:
-    """All parameters, embeddings included: ``L·layer + V·h (+ s·h learned positions) + final norm
-    (+ V·h untied output layer)``. GPT: ``12Lh² + 13Lh + (V + s)·h + 2h`` (Eq. 2 of Narayanan et al. 2021
-    without the final LayerNorm's 2h)."""
+    """All parameters: ``L·layer + V·h (+ s·h learned positions) + final norm (+ V·h untied output layer)``."""
     return m.layers * layer_params(m) + embedding_params(m) + _head_params(m)
 
 
 def stage_layers(layers: int, pp: int, interleave: int = 1) -> int:
-    """Layers on the heaviest pipeline stage: ``ceil(L/(pp·v))·v`` (v interleaved chunks per stage; with
-    uneven stages the heaviest holds the rounded-up share, as in Llama 3's pp = 16 over 126 layers).
+    """Layers on the heaviest pipeline stage: ``ceil(L/(pp·v))·v``.
 
     Raises:
-        ValueError: a count that is not an int >= 1, or ``pp·v > L`` (a chunk without layers).
+        ValueError: a count not an int >= 1, or ``pp·v > L``.
     """
     for name, v in (("layers", layers), ("pp", pp), ("interleave", interleave)):
         checks.integer(name, v)
@@ -306,15 +265,11 @@ def stage_layers(layers: int, pp: int, interleave: int = 1) -> int:
 
 
 def stage_params(m: ModelConfig, pp: int, stage: str, interleave: int = 1) -> int:
-    """Parameters of one pipeline stage (not yet divided by tp): :func:`stage_layers` layers, plus the embedding on
-    the first stage and final norm + output layer on the last. With tied embeddings and ``pp > 1`` the last
-    stage keeps its own copy of the embedding matrix for the output layer (as Megatron-LM does).
-
-    Args:
-        stage: ``"first"``, ``"last"`` or ``"only"`` (pp = 1).
+    """Parameters of pipeline stage ``"first"``, ``"last"`` or ``"only"`` (pp = 1), before tp: its layers, the
+    embedding on the first, the final norm and output layer on the last (with tied embeddings its own copy).
 
     Raises:
-        ValueError: an unknown stage name, or ``"only"`` with ``pp > 1``.
+        ValueError: an unknown stage, or ``"only"`` with ``pp > 1``.
     """
     layers = stage_layers(m.layers, pp, interleave) * layer_params(m)
     if stage == "only" or pp == 1:
@@ -336,17 +291,13 @@ def _ffn_mult(m: ModelConfig) -> float:
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, sequence_parallel: bool = True,
                                recompute: bool | str = False, flash_attention: bool = True) -> float:
-    """Bytes of activations one layer keeps for the backward pass, per micro-batch (Korthikanti et al. 2022,
-    §4): ``s·b·h·(34 + 5·a·s/h)`` unparallelised; ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP;
-    ``s·b·h·(34 + 5·a·s/h)/t`` with TP and sequence parallelism; ``2·s·b·h`` (``/t`` with sequence
-    parallelism) with full recomputation (``recompute=True`` or ``"full"``); with ``"selective"`` (§5) the
-    ``5·a·s/h`` attention-core term is not stored. Assumptions: the MLP's 16 scales by ffn/(4h) (and 1.5 for
-    SwiGLU, which stores gate, up and their product); FlashAttention drops the ``5·a·s/h`` term; K and V are
-    counted for every head and two dropout masks (GPT-3's count: high by about a sixth for Llama 3 405B,
-    book §11.4). ``"every-k"`` is priced by :func:`memory_breakdown`, not here.
+    """Bytes of activations one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022, §4-5):
+    ``s·b·h·(34 + 5·a·s/h)``, split as their Table 2 by TP and sequence parallelism; ``2·s·b·h`` (``/t`` with
+    SP) under full recomputation; ``"selective"`` and FlashAttention drop the ``5·a·s/h`` term. The MLP's 16 is
+    scaled by ffn/(4h) (1.5× gated). ``"every-k"`` is priced by :func:`memory_breakdown`.
 
     Raises:
-        ValueError: micro_batch or tp not an int >= 1; ``recompute`` not a policy this function prices.
+        ValueError: micro_batch or tp not an int >= 1; a policy this function does not price.
     """
     checks.integer("micro_batch", micro_batch)
     checks.integer("tp", tp)
@@ -366,9 +317,8 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
 
 
 def interleave_memory_factor(pp: int, interleave: int) -> float:
-    """Extra activation memory of the interleaved 1F1B schedule on the first stage: ``1 + (p-1)/(p·v)`` for
-    v > 1 chunks per stage, 1 for plain 1F1B (Korthikanti et al. 2022, §4.2.3; Megatron-LM
-    ``megatron/training/theoretical_memory_usage.py``, ``interleaved_schedule_memory_penalty``).
+    """Extra activation memory of interleaved 1F1B on the first stage: ``1 + (p-1)/(p·v)`` for v > 1, else 1
+    (Korthikanti et al. 2022, §4.2.3; Megatron-LM ``theoretical_memory_usage.py``).
 
     Raises:
         ValueError: pp or interleave not an int >= 1.
@@ -380,14 +330,12 @@ def interleave_memory_factor(pp: int, interleave: int) -> float:
 
 def model_state_bytes_per_param(option: str | OptimizerDtypes = "bf16-fp32-adam", grad_bytes: int = 4,
                                 zero_stage: int = 0, dp: int = 1) -> tuple[float, float, float]:
-    """``(weights, gradients, optimizer states)`` bytes per parameter on one GPU (ZeRO, Rajbhandari et al.
-    2020, §5: stage 1 divides the states by dp, stage 2 the gradients too, stage 3 the weights too).
-
-    ``sum(...)`` is the bytes-per-parameter figure of Megatron-LM's ``dist_optimizer.md``: 18 for
-    ``"bf16-fp32-adam"`` with fp32 gradients, ``6 + 12/d`` at stage 1 over d ranks.
+    """``(weights, gradients, optimizer states)`` bytes per parameter on one GPU; ZeRO stage 1 divides the states by
+    dp, 2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, §5). Sum: Megatron-LM's
+    ``dist_optimizer.md`` (18 for bf16-fp32-adam with fp32 gradients).
 
     Raises:
-        ValueError: an unknown option, grad_bytes not 2 or 4, a ZeRO stage not in 0-3, dp not an int >= 1.
+        ValueError: an unknown option, grad_bytes not 2 or 4, a stage not in 0-3, dp not an int >= 1.
     """
     o = optimizer_dtypes(option)
     checks.one_of("grad_bytes", grad_bytes, (2, 4), note="bf16 or fp32")
@@ -410,9 +358,7 @@ def usable_memory_bytes(device_memory_bytes: float, memory_reserve: float = DEFA
 
 
 def is_fragile(total_bytes: float, usable_bytes: float, margin: float = DEFAULT_FRAGILE_MARGIN) -> bool:
-    """Whether a plan that needs ``total_bytes`` comes within ``margin`` of ``usable_bytes``:
-    ``total_bytes > (1 - margin) × usable_bytes`` (it fits, but a few per cent more than counted and it
-    would not).
+    """Whether ``total_bytes > (1 - margin) × usable_bytes``: it fits, but a few per cent more would not.
 
     Raises:
         ValueError: ``usable_bytes <= 0`` or ``margin`` not in [0, 1).
@@ -426,28 +372,16 @@ def is_fragile(total_bytes: float, usable_bytes: float, margin: float = DEFAULT_
 def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = None,
                      grad_bytes: int = 2, optimizer_state_bytes: float = ADAM_STATE_BYTES_PER_PARAM,
                      optimizer: str | OptimizerDtypes | None = None) -> MemoryBreakdown:
-    """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most memory.
+    """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most (first or last).
 
-    Activations per layer as :func:`activation_bytes_per_layer`; the last stage adds the fp32 logits for the
-    loss, ``4·s·b·V/t``. Layer norms are counted as split by tp like the matrices; the embedding's token ids
-    and dropout mask (under 1 % in Megatron-LM's ``theoretical_memory_usage.py``) are left out.
-
-    Args:
-        m: the model. layout: the layout (its ``zero_stage`` says what is sharded over dp).
-        global_batch: sequences per step; sets the number of micro-batches ``m = global_batch/(dp·b)``, which
-            caps the micro-batches in flight at ``min(pp, m)``. None: assume ``m >= pp``.
-        grad_bytes: bytes per gradient element, 2 (bf16) or 4 (fp32 main gradients).
-        optimizer_state_bytes: bytes of optimizer state per parameter, with 2-byte parameters (default 12,
-            Adam in mixed precision); used when ``optimizer`` is None.
-        optimizer: an optimizer dtype option (a key of :data:`OPTIMIZER_DTYPES`, e.g. a software profile's
-            ``optimizer_dtypes``): sets the parameter bytes and the state bytes together.
-
-    Returns:
-        the :class:`MemoryBreakdown` of the first or the last stage, whichever totals more.
+    Activations as :func:`activation_bytes_per_layer` for ``min(pp, m)`` micro-batches in flight (``m`` from
+    ``global_batch``; None: m >= pp), the last stage adding the fp32 logits ``4·s·b·V/t``. ``optimizer``: an
+    :data:`~.software.OPTIMIZER_DTYPES` key setting parameter and state bytes (None: 2-byte parameters and
+    ``optimizer_state_bytes``); ``grad_bytes``: 2 or 4.
 
     Raises:
-        ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; an unknown ``optimizer``
-            option (the message lists the known ones); ``global_batch`` not a multiple of ``dp·micro_batch``.
+        ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; an unknown ``optimizer``;
+            ``global_batch`` not a multiple of ``dp·micro_batch``.
     """
     if grad_bytes not in (2, 4):
         raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
