@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from commlab import checks
-from commlab.experiments.methods import check_aggregation, describe, make_method, method_hook, parse_spec
+from commlab.experiments.methods import (check_aggregation, describe, describe_sync, make_method, method_hook,
+                                        parse_spec, parse_sync)
 from commlab.experiments.tasks import OPTIMIZERS, TASKS, get_task, make_optimizer
 from commlab.launch.device import group_device
 from commlab.overlap.bucketed import BucketedDataParallel
@@ -54,6 +55,13 @@ class RunConfig:
             ``"auto"`` (default: the compressor's own path) or ``"two_phase"`` (non-linear compressors;
             worker and chunk-owner error feedback both follow ``error_feedback``). Left out of :attr:`key`
             when ``"auto"``, so that runs recorded before the field existed keep their keys.
+        sync: how often the ranks sync (:func:`commlab.experiments.methods.parse_sync`): ``"every"`` (default:
+            the method averages every step's gradient), ``"local:H"`` (local SGD; method ``"dense"``),
+            ``"diloco:H"`` or ``"streaming:H:F:tau:alpha"`` (:class:`commlab.sync.DiLoCo`, outer Nesterov SGD
+            at its default learning rate and momentum); then the method compresses the outer sync's
+            pseudo-gradient Δ (``"int:8"`` + ``"diloco:10"``: DiLoCo with an INT8 outer AllReduce) and
+            ``error_feedback`` keeps Δ's residual. The inner optimizer is the task's (``optimizer``). Left out of
+            :attr:`key` when ``"every"``.
 
     Raises:
         ValueError: a bad task, method or number (the message says which).
@@ -73,6 +81,7 @@ class RunConfig:
     link_alpha_s: float = 0.0
     optimizer: str | None = None
     aggregation: str = "auto"
+    sync: str = "every"
 
     def __post_init__(self):
         _task_class(self.task)
@@ -101,6 +110,25 @@ class RunConfig:
                              "otherwise nothing is compressed")
         if self.link_bytes_per_s is not None and self.method.startswith("powersgd"):
             raise ValueError("an emulated link delays commlab's ring collectives only; PowerSGD uses dist.all_reduce")
+        self._check_sync(steps)
+
+    def _check_sync(self, steps: int) -> None:
+        kind, nums = parse_sync(self.sync)
+        if kind == "every":
+            return
+        where = f"RunConfig(sync={self.sync!r})"
+        if kind == "local" and (self.method != "dense" or self.error_feedback):
+            raise ValueError(f"{where}: local SGD averages the parameters themselves; method must be 'dense' "
+                             f"without error feedback, got {self.method!r}, error_feedback={self.error_feedback}")
+        if self.method.startswith("powersgd") or self.method == "sign:tensor":
+            raise ValueError(f"{where}: the outer sync compresses Δ with one compressor over the whole model; "
+                             f"method {self.method!r} is not one (use dense, cast, int, qsgd, sign, topk, randomk)")
+        if self.warmup_steps or self.aggregation != "auto":
+            raise ValueError(f"{where}: warmup_steps must be 0 and aggregation 'auto' (got {self.warmup_steps}, "
+                             f"{self.aggregation!r})")
+        if nums[0] >= steps:
+            raise ValueError(f"{where}: H = {nums[0]} inner steps must be below the run's {steps} steps, or it "
+                             "never syncs")
 
     def resolved(self) -> "RunConfig":
         """This config with the task's defaults filled in."""
@@ -118,6 +146,8 @@ class RunConfig:
 
     @property
     def label(self) -> str:
+        if self.sync != "every":
+            return describe_sync(self.sync, self.method, self.error_feedback)
         return describe(self.method, self.error_feedback, self.warmup_steps, self.aggregation)
 
     @property
@@ -134,9 +164,11 @@ class RunConfig:
     @property
     def method_segment(self) -> str:
         """The part of :attr:`key` that names the method: ``"charlm|sign|ef=1|warmup=0|"``, with
-        ``"agg=two_phase|"`` after it for two-phase aggregation (the default ``"auto"`` is left out, so that
-        runs recorded before the field existed keep their keys)."""
+        ``"agg=two_phase|"`` after it for two-phase aggregation and ``"sync=diloco:10|"`` for a run that syncs less
+        often (the defaults ``"auto"`` and ``"every"`` are left out, so that runs recorded before the fields existed
+        keep their keys)."""
         agg = "" if self.aggregation == "auto" else f"agg={self.aggregation}|"
+        agg += "" if self.sync == "every" else f"sync={self.sync}|"
         return f"{self.task}|{self.method}|ef={int(self.error_feedback)}|warmup={self.warmup_steps}|{agg}"
 
 
@@ -217,6 +249,8 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
     """One rank's part of :func:`run` (call inside every rank; ``config`` resolved). Returns plain lists."""
     import torch.distributed as dist
 
+    if config.sync != "every":
+        return _train_rank_sync(config, emulate)
     rank, n = dist.get_rank(), dist.get_world_size()
     device = group_device()
     task = get_task(config.task)
@@ -271,6 +305,96 @@ def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> di
         out["payload_nbytes"] = sum(c.payload_nbytes for c in costs)
         out["bytes_sent_per_rank"] = sum(c.bytes_sent_per_rank for c in costs)
         out["path"] = costs[0].path
+    return out
+
+
+def make_sync(config: RunConfig, params, emulate: EmulatedTopology | None = None):
+    """The :mod:`commlab.sync` object of ``config.sync`` over ``params`` (call inside every rank):
+    :class:`commlab.sync.LocalSGD` or :class:`commlab.sync.DiLoCo` (outer SGD at its defaults), whose compressor
+    is ``config.method`` (None for ``"dense"``)."""
+    from commlab.sync import DiLoCo, LocalSGD
+
+    kind, nums = parse_sync(config.sync)
+    if kind == "local":
+        return LocalSGD(params, every=nums[0])
+    fragments, delay, mixing = nums[1:] if kind == "streaming" else (1, 0, 0.0)
+    return DiLoCo(params, inner_steps=nums[0], fragments=fragments, sync_delay=delay, mixing=mixing,
+                  compressor=None if config.method == "dense" else config.method,
+                  error_feedback=config.error_feedback, emulate=emulate, seed=config.seed)
+
+
+def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dict[str, Any]:
+    """:func:`train_rank` for a run that syncs less often: every rank takes its own optimizer steps on its own
+    batches, and the sync object (:func:`make_sync`) averages (local SGD) or applies an outer step (DiLoCo) when
+    its schedule says so. ``compute_s`` is forward + backward, ``comm_s`` the sync's call (encode/decode
+    included; ``codec_s`` is 0), ``step_s`` the whole step with the optimizer's. The held-out quality is that of
+    the ranks' average model (the model they would agree on if they synced now; between syncs each rank's own
+    differs), averaged through a group of its own outside every step."""
+    import copy
+
+    import torch.distributed as dist
+
+    from commlab.launch.device import Clock
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = group_device()
+    task = get_task(config.task)
+    model = task.build(config.seed).to(device)
+    params = list(model.parameters())
+    dense_nbytes = sum(p.numel() * p.element_size() for p in params)
+    eval_group = dist.new_group(backend="gloo")
+    clock = Clock(device)
+    sync = make_sync(config, params, emulate)
+    opt = make_optimizer(config.optimizer, model, config.lr)
+    gen = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
+    out = {k: [] for k in ("loss", "compute_s", "codec_s", "comm_s", "step_s", "evals")}
+    out.update(diverged_at_step=None, params=sum(p.numel() for p in params), dense_nbytes=dense_nbytes)
+    marked = []
+
+    @torch.no_grad()
+    def evaluate(step):
+        avg = copy.deepcopy(model)
+        for p in avg.parameters():
+            host = p.detach().cpu()
+            dist.all_reduce(host, group=eval_group)
+            p.copy_(host / n)
+        avg.eval()
+        out["evals"].append((step, *task.evaluate(avg, rank, n)))
+
+    evaluate(0)
+    for step in range(config.steps):
+        t0 = clock.mark()
+        batch = tuple(t.to(device) for t in task.batch(rank, n, config.batch_size, gen))
+        opt.zero_grad(set_to_none=False)
+        loss = task.loss(model, batch)
+        loss.backward()
+        t1 = clock.mark()
+        opt.step()
+        t2 = clock.mark()
+        try:
+            sync.step()
+        except FloatingPointError:  # raised on every rank by the compressed averaging's finiteness check
+            out["diverged_at_step"] = step
+            break
+        marked.append((t0, t1, t2, clock.mark(), loss.detach()))
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            evaluate(step + 1)
+    finish = getattr(sync, "finish", None)  # Streaming DiLoCo: let in-flight fragment syncs land
+    if callable(finish):
+        finish()
+    for t0, t1, t2, t3, loss in marked:
+        out["step_s"].append(clock.elapsed(t0, t3))
+        out["compute_s"].append(clock.elapsed(t0, t1))
+        out["codec_s"].append(0.0)
+        out["comm_s"].append(clock.elapsed(t2, t3))
+        out["loss"].append(float(loss))
+    done = max(1, len(marked))
+    # Bytes per inner step, the mean over the run (the outer syncs spread over the steps between them).
+    out["bytes_sent_per_rank"] = float(sync.bytes_sent_per_rank) / done
+    kind, _ = parse_sync(config.sync)
+    out["payload_nbytes"] = (dense_nbytes if config.method == "dense"
+                             else int(getattr(sync, "payload_nbytes", 0) or 0))
+    out["path"] = getattr(sync, "path", None) or "all_reduce"
     return out
 
 

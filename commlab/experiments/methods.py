@@ -35,7 +35,8 @@ from commlab.launch.device import Clock, Mark
 from commlab.overlap.bucketed import Bucket, completed_future
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "StepComm", "BucketCost", "parse_spec",
+__all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "SYNC_KINDS", "StepComm", "BucketCost", "parse_spec",
+           "parse_sync", "describe_sync",
            "check_aggregation", "describe", "payload_tensors", "make_method", "Method", "method_hook",
            "compressor_for"]
 
@@ -132,6 +133,66 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
             short = f"qsgd:{bits}" if int(bucket) == QSGD_BUCKET_SIZE else f"qsgd:{bits}:{int(bucket)}"
             raise ValueError(f"method {spec!r}: write it '{short}'")
     return kind, arg or None
+
+
+#: Sync kinds of a run (:func:`parse_sync`) -> how they are written. ``every`` is synchronous data parallelism
+#: (the method averages every step's gradient); the others sync less often (:mod:`commlab.sync`).
+SYNC_KINDS = {"every": "every", "local": "local:H", "diloco": "diloco:H",
+              "streaming": "streaming:H:F:tau:alpha"}
+
+
+def parse_sync(sync: str) -> tuple[str, tuple]:
+    """Split a sync spec into its kind and its numbers: ``"every"`` -> ``("every", ())``; ``"local:H"`` (local SGD,
+    parameters averaged every H steps) and ``"diloco:H"`` -> ``(kind, (H,))``; ``"streaming:H:F:tau:alpha"``
+    (Streaming DiLoCo: F fragments, each synced every H steps, its outer AllReduce in flight for tau inner steps,
+    then mixed in with alpha) -> ``("streaming", (H, F, tau, alpha))``. H >= 1, 1 <= F <= H, 0 <= tau < H / F
+    (a fragment's sync lands before the next one starts), 0 <= alpha < 1.
+
+    Raises:
+        ValueError: an unknown kind, a wrong count of numbers, a number out of range or not in its one spelling
+            (``"diloco:010"`` is refused: resume keys must not depend on the spelling).
+    """
+    if not isinstance(sync, str):
+        raise ValueError(f"a sync spec is a string such as 'diloco:10', got {sync!r}")
+    kind, _, rest = sync.partition(":")
+    if kind not in SYNC_KINDS:
+        raise ValueError(f"unknown sync {sync!r}; write one of {', '.join(SYNC_KINDS.values())}")
+    parts = rest.split(":") if rest else []
+    want = SYNC_KINDS[kind].count(":")
+    if len(parts) != want:
+        raise ValueError(f"sync {sync!r} must be written {SYNC_KINDS[kind]}")
+    if kind == "every":
+        return kind, ()
+    try:
+        ints = [int(x) for x in parts[:3]]
+        alpha = float(parts[3]) if kind == "streaming" else 0.0
+    except ValueError:
+        raise ValueError(f"sync {sync!r}: H, F and tau are ints and alpha a number ({SYNC_KINDS[kind]})") from None
+    if [str(i) for i in ints] != parts[:3] or (kind == "streaming" and parts[3] != f"{alpha:g}"):
+        canon = ":".join([kind, *map(str, ints)] + ([f"{alpha:g}"] if kind == "streaming" else []))
+        raise ValueError(f"sync {sync!r}: write it {canon!r}")
+    h = checks.integer("H (inner steps between syncs)", ints[0], where=f"sync {sync!r}")
+    if kind != "streaming":
+        return kind, (h,)
+    f = checks.integer("F (fragments)", ints[1], most=h, note="at most H", where=f"sync {sync!r}")
+    tau = checks.integer("tau (inner steps a fragment's sync is in flight)", ints[2], least=0,
+                         most=max(0, h // f - 1), note="below H/F, so a sync lands before the next starts",
+                         where=f"sync {sync!r}")
+    checks.number("alpha (mixing)", alpha, least=0.0, below=1.0, where=f"sync {sync!r}")
+    return kind, (h, f, tau, alpha)
+
+
+def describe_sync(sync: str, spec: str = "dense", error_feedback: bool = False) -> str:
+    """A label for a sync and the compressor of its outer sync: ``"DiLoCo H=10, INT8 Δ"``, ``"local SGD H=10"``,
+    ``"Streaming DiLoCo H=10 F=2 τ=1 α=0.5"`` (dense fp32 Δ is left out of the label)."""
+    kind, nums = parse_sync(sync)
+    if kind == "every":
+        return describe(spec, error_feedback)
+    if kind == "local":
+        return f"local SGD H={nums[0]}"
+    base = (f"DiLoCo H={nums[0]}" if kind == "diloco" else
+            f"Streaming DiLoCo H={nums[0]} F={nums[1]} τ={nums[2]} α={nums[3]:g}")
+    return base if spec == "dense" else f"{base}, {describe(spec, error_feedback)} Δ"
 
 
 def _usage(kind: str) -> str:
