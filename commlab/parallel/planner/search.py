@@ -1,14 +1,10 @@
 """Search the TP × PP × DP layouts of a cluster for the fastest one that fits in memory.
 
-:func:`search` enumerates tp (divisors of the node), pp (uneven stages allowed), micro-batch, interleaving,
-the ZeRO stages the software profile offers (ZeRO-3 also as HSDP over 1, 2, 4, ... nodes) and recomputation,
-rejects what does not fit or cannot split the global batch (each with its reason), and ranks the rest by step
-time: the sum of terms, then the replayed timelines of the first places (:func:`~.timeline.rerank_by_timeline`:
-the replay decides). It returns a :class:`SearchResult` of :class:`Plan` s; a 16,384-GPU cluster is searched in
-well under a second. :func:`load_published` reads the published runs :mod:`~.validation` checks.
-
-Book: chapter 11, §11.3 (the search).
-"""
+:func:`search` enumerates tp (divisors of the node), pp (uneven stages allowed), micro-batch, interleaving, the
+ZeRO stages the profile offers (ZeRO-3 also as HSDP over 1, 2, 4, ... nodes) and recomputation, rejects what
+does not fit or split the batch (with the reason), ranks the rest by the sum of terms and replays the first
+places as timelines (:func:`~.timeline.rerank_by_timeline`: the replay decides). :func:`load_published` reads
+the published runs :mod:`~.validation` checks. Book: chapter 11, §11.3."""
 
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ __all__ = ["Plan", "Rejected", "SearchResult", "PUBLISHED_PATH", "TIMELINE_TOP_K
 #: Published layouts and throughputs: ``published_layouts.json`` of the package data (:mod:`commlab.data`).
 PUBLISHED_PATH = data.path("published_layouts.json")
 
-#: How many places of :func:`search`'s ranking come from replayed step timelines: 10, twice the "top 5" in
-#: which the validation looks for published layouts, because the sum of terms and the replay disagree by a
-#: few per cent on the interleaving and the micro-batch (a plan sixth by the sum can replay first); the search
-#: replays the 10 fastest by the sum and then each next one that could still replay into them
-#: (:func:`~.timeline.rerank_by_timeline`); a replay costs milliseconds, the analytical form microseconds.
+#: Places of :func:`search`'s ranking that come from replayed timelines: twice the validation's "top 5", as the
+#: sum and the replay differ by a few per cent (a plan sixth by the sum can replay first).
 TIMELINE_TOP_K = 10
 
 
@@ -47,10 +40,8 @@ def divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A layout that fits, with its memory (bytes per GPU) and time (seconds per step) breakdowns;
-    ``fragile``: its memory is within the search's ``fragile_margin`` of the usable limit
-    (:func:`~commlab.parallel.planner.memory.is_fragile`); for the top candidates of a search, the step time
-    of its replayed timeline (:func:`~commlab.parallel.planner.timeline.step_timeline`), which then is its
+    """A layout that fits, its memory (bytes per GPU) and time (seconds per step); ``fragile``: within the search's
+    margin of usable memory; ``timeline_step_s``: the replayed step time of a top candidate, which then is its
     step time."""
 
     layout: Layout
@@ -65,13 +56,11 @@ class Plan:
         return self.time.total_s if self.timeline_step_s is None else self.timeline_step_s
 
     def flop_per_s_per_gpu(self, flop_per_step: float) -> float:
-        """FLOP/s per GPU at :attr:`step_s`, given the FLOP per step in some accounting."""
+        """FLOP/s per GPU at :attr:`step_s` for ``flop_per_step`` in some accounting."""
         return flop_per_step / self.step_s / self.time.gpus
 
     def row(self) -> dict:
-        """A flat dict for tables: layout, step and term times (s; ``loss_s`` the cross-entropy over the vocabulary,
-        ``slowdown_s`` what hidden communication adds by slowing compute, ``optimizer_s`` the optimizer step),
-        memory (GB), tokens/s, TFLOP/s/GPU."""
+        """A flat dict for tables: layout, step and term times (s), memory (GB), tokens/s, TFLOP/s per GPU."""
         t, mem = self.time, self.memory
         return {"layout": self.layout.short(), "step_s": self.step_s, "analytical_step_s": t.total_s,
                 "compute_s": t.compute_s, "loss_s": t.loss_s, "tp_s": t.tp_s,
@@ -84,9 +73,8 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Rejected:
-    """A layout the search turned down: ``reason`` says why (``kind`` is ``"memory"``, ``"batch"``, or
-    ``"heads"`` where tp does not divide the attention heads or the KV heads, which Megatron-LM asserts and the
-    kernel model needs: each rank holds whole heads and whole query groups)."""
+    """A layout the search turned down: ``kind`` ``"memory"``, ``"batch"`` or ``"heads"`` (tp does not divide the
+    attention or KV heads), and the ``reason``."""
 
     layout: Layout
     kind: str
@@ -95,16 +83,8 @@ class Rejected:
 
 @dataclasses.dataclass
 class SearchResult:
-    """What :func:`search` found.
-
-    Attributes:
-        plans: layouts that fit, fastest first.
-        rejected: layouts turned down, with reasons (memory first).
-        candidates: layouts considered.
-        elapsed_s: wall time of the search, s.
-        compute_model: what priced compute (:func:`~.time_model.compute_model` of the ``achievable_fraction``
-            asked for): ``"kernels"`` or the share of peak.
-    """
+    """What :func:`search` found: ``plans`` (fastest first), ``rejected`` (memory first), ``candidates``,
+    ``elapsed_s`` and ``compute_model`` (``"kernels"`` or the share of peak that priced compute)."""
 
     plans: list[Plan]
     rejected: list[Rejected]
@@ -132,7 +112,7 @@ def make_cluster(preset: str | Cluster, gpus: int) -> Cluster:
     """The preset's node type with ``gpus / devices_per_node`` nodes.
 
     Raises:
-        KeyError: unknown preset (the message lists the known ones).
+        KeyError: unknown preset.
         ValueError: ``gpus`` not a positive multiple of ``devices_per_node``.
     """
     base = preset if isinstance(preset, Cluster) else load_preset(preset, nodes=1)
@@ -152,31 +132,20 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
            usable_fraction: float | None = None, grad_bytes: int | None = None, dtype: str = "bf16",
            software: SoftwareProfile | str | None = None, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
            fragile_margin: float = DEFAULT_FRAGILE_MARGIN, timeline_top: int = TIMELINE_TOP_K) -> SearchResult:
-    """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time.
+    """Every layout of ``gpus`` GPUs for ``model``, the fitting ones ranked by predicted step time (book §11.3):
+    by the sum of terms, then the ``timeline_top`` fastest (and any plan that could still replay into those
+    places) by their replayed timelines (0: the sum alone).
 
-    Ranked analytically; the ``timeline_top`` fastest (and any plan that could still replay into those
-    places) are replayed as step timelines (:func:`~.timeline.rerank_by_timeline`) and re-ranked
-    (``timeline_top=0``: analytical only). Book: chapter 11, §11.3.
-
-    Args:
-        model, cluster: a :class:`ModelConfig` / :class:`~commlab.topology.Cluster` or a name.
-        gpus: a multiple of ``devices_per_node``. global_batch: sequences per step.
-        micro_batches, interleave, zero1, recompute, tp_values, pp_values: the values to try; defaults: every
-            ZeRO stage the profile offers (ZeRO-3 also as HSDP over 1, 2, 4, ... nodes), ``none``/``full`` plus the
-            profile's recompute policy, tp dividing ``devices_per_node``, every pp <= L with tp·pp dividing
-            ``gpus`` (divisors of L with ``even_stages``); v > 1 only when pp > 1 and it fits L and m.
-        even_stages, sequence_parallel, flash_attention: default the software profile's (see :class:`Layout`).
-        achievable_fraction, dp_overlap, grad_bytes, dtype: passed to :func:`~.time_model.step_time`.
-        software: a :class:`~.software.SoftwareProfile` or a name (default :data:`~.software.DEFAULT_SOFTWARE`).
-        memory_reserve: share of device memory kept free, in [0, 1) (default 10 %); ``usable_fraction`` is
-            the older spelling of ``1 - memory_reserve``.
-        fragile_margin: plans within this share of usable memory are marked ``fragile`` (default 5 %).
-        timeline_top: how many of the fastest plans to replay (int >= 0).
+    ``micro_batches``, ``interleave``, ``zero1``, ``recompute``, ``tp_values``, ``pp_values``: the values tried
+    (defaults: the profile's ZeRO stages with HSDP, ``none``/``full`` and the profile's policy, tp dividing the
+    node, every pp with tp·pp dividing ``gpus``); ``even_stages``, ``sequence_parallel``, ``flash_attention``:
+    the profile's unless given; the pricing arguments as :func:`~.time_model.step_time`; ``memory_reserve``
+    (``usable_fraction`` = 1 - it) and ``fragile_margin`` in [0, 1).
 
     Raises:
         KeyError: unknown model or preset.
-        ValueError: ``gpus`` not a multiple of ``devices_per_node``; a tp crossing nodes; bad ``global_batch``;
-            unknown software profile or recompute policy; reserve or margin outside [0, 1); ``timeline_top`` < 0.
+        ValueError: ``gpus`` not whole nodes; a tp crossing nodes; a bad batch, profile, policy, reserve or margin;
+            ``timeline_top`` < 0.
     """
     started = time.perf_counter()
     checks.integer("timeline_top", timeline_top, least=0, note="plans to replay as timelines")
@@ -267,6 +236,5 @@ def search(model: ModelConfig | str, cluster: Cluster | str, gpus: int, global_b
 # ----------------------------------------------------------------------------------------- validation
 
 def load_published(path: str | Path | None = None) -> dict[str, dict]:
-    """The entries of ``commlab/data/published_layouts.json`` (keys starting with ``_`` dropped), read once per path
-    like the planner's other tables (:func:`commlab.data.load_table`): do not change them."""
+    """The entries of ``commlab/data/published_layouts.json``, read once per path (do not change them)."""
     return data.load_table(path, "published_layouts.json")

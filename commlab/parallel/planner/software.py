@@ -1,13 +1,10 @@
-"""Software profiles: facts about the training stack, beside the cluster preset.
+"""Software profiles: what a training stack does, beside the cluster preset.
 
-A :class:`SoftwareProfile` says what the stack does, not how fast it is: sequence parallelism, pipeline
-sends split over the tp ranks, which communication it overlaps with compute (shares in [0, 1] that restate
-a flag: 1 on, 0 off; none fitted), its gradient and optimizer-state bytes, recomputation policy and ZeRO
-stage. :func:`load_software` reads a preset of ``commlab/data/software.json``, where every field carries the flag,
-source file or paper section it comes from (or says ``assumption:``). The time model uses the overlap
-fields, the pipeline layout, the gradient bytes and the compute slowdown; the search uses the rest to fill
-in the layouts it tries. Book: chapter 11, §11.2 and §11.4 (the profiles of each validated run).
-"""
+A :class:`SoftwareProfile` says what the stack does, not how fast it is: sequence parallelism, split pipeline
+sends, which communication it overlaps with compute (shares that restate a flag: 1 on, 0 off; none fitted),
+gradient and optimizer-state bytes, recomputation and the ZeRO stages it offers. :func:`load_software` reads
+``commlab/data/software.json``, where every field names its flag, file or paper section (or says
+``assumption:``). Book: chapter 11, §11.2 and §11.4."""
 
 from __future__ import annotations
 
@@ -24,32 +21,20 @@ __all__ = ["SoftwareProfile", "SOFTWARE_PATH", "RECOMPUTE_POLICIES", "ZERO_STAGE
 #: The profile table: ``software.json`` of the package data (:mod:`commlab.data`).
 SOFTWARE_PATH = data.path("software.json")
 
-#: Activation-recomputation policies: none; ``selective`` = only the attention core (the s²-terms: QKᵀ,
-#: softmax, dropout, attention over V; Korthikanti et al. 2022, §5); ``full`` = every layer's forward;
-#: ``every-k`` = the full forward of one layer in every k (Megatron-Core's ``recompute_method``
-#: / ``recompute_num_layers`` give the same kind of partial recomputation).
+#: Recomputation policies: none; ``selective``: the attention core (Korthikanti et al. 2022, §5); ``full``: every
+#: layer's forward; ``every-k``: one layer in every k (as Megatron-Core's ``recompute_num_layers``).
 RECOMPUTE_POLICIES = ("none", "selective", "full", "every-k")
 
-#: ZeRO stages (Rajbhandari et al. 2020, "ZeRO", §5.1-5.3): 0 (none: plain data parallelism), 1 (optimizer
-#: states sharded over the dp ranks, P_os; Megatron's distributed optimizer), 2 (gradients too, P_os+g),
-#: 3 (parameters too, P_os+g+p; PyTorch FSDP / FSDP2 ``fully_shard``).
+#: ZeRO stages (Rajbhandari et al. 2020, §5): 0 none, 1 optimizer states sharded over dp, 2 gradients too, 3
+#: parameters too (FSDP).
 ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerDtypes:
-    """Bytes per parameter of the weights and of the optimizer's state, for Adam in one precision setup.
-
-    Attributes:
-        name: the key in :data:`OPTIMIZER_DTYPES`.
-        param_bytes: the model's stored parameters (2 for bf16/fp16, 4 for fp32).
-        master_bytes: fp32 copies the optimizer keeps beside them: main parameters (4), and with fp16 also
-            fp32 main gradients (4 more), which Megatron's distributed optimizer shards with the states.
-        moment_bytes: Adam's momentum and variance together (8 for two fp32 moments, 4 for two bf16 ones).
-        source: where the numbers come from.
-
-    The gradients the backward pass writes are the profile's ``grad_bytes`` (2 or 4), not part of this.
-    """
+    """Bytes per parameter of Adam in one precision setup: ``param_bytes`` (the stored weights), ``master_bytes``
+    (fp32 main parameters, and with fp16 fp32 main gradients), ``moment_bytes`` (both moments); ``source``.
+    The backward's gradients are the profile's ``grad_bytes``, not part of this."""
 
     name: str
     param_bytes: int
@@ -59,7 +44,7 @@ class OptimizerDtypes:
 
     @property
     def state_bytes(self) -> int:
-        """Optimizer-state bytes per parameter: ``master_bytes + moment_bytes`` (what ZeRO-1 shards)."""
+        """Optimizer-state bytes per parameter, ``master_bytes + moment_bytes`` (what ZeRO-1 shards)."""
         return self.master_bytes + self.moment_bytes
 
 
@@ -84,10 +69,10 @@ OPTIMIZER_DTYPES = {o.name: o for o in (
 
 
 def optimizer_dtypes(name) -> OptimizerDtypes:
-    """The :data:`OPTIMIZER_DTYPES` entry ``name`` (an :class:`OptimizerDtypes` is returned as it is).
+    """The :data:`OPTIMIZER_DTYPES` entry ``name`` (an :class:`OptimizerDtypes` as it is).
 
     Raises:
-        ValueError: an unknown name; the message names it and lists the known ones.
+        ValueError: an unknown name (lists the known ones).
     """
     if isinstance(name, OptimizerDtypes):
         return name
@@ -100,7 +85,7 @@ def check_zero_stage(stage) -> int:
     """``stage`` if it is one of :data:`ZERO_STAGES`.
 
     Raises:
-        ValueError: anything else (a bool included); the message names it and the allowed stages.
+        ValueError: anything else, a bool included.
     """
     if type(stage) is int and stage in ZERO_STAGES:
         return stage
@@ -114,10 +99,10 @@ _FRACTIONS = ("overlap_dp_grad_reduce", "overlap_dp_param_gather", "overlap_tp",
 
 
 def check_recompute_policy(policy) -> str:
-    """``policy`` as one of :data:`RECOMPUTE_POLICIES` (``True`` -> ``"full"``, ``False`` -> ``"none"``).
+    """``policy`` as one of :data:`RECOMPUTE_POLICIES` (True: ``"full"``, False: ``"none"``).
 
     Raises:
-        ValueError: anything else; the message names it and the allowed values.
+        ValueError: anything else.
     """
     if policy is True:
         return "full"
@@ -131,34 +116,19 @@ def check_recompute_policy(policy) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SoftwareProfile:
-    """What a training stack does (book §11.2; every field's source is in ``commlab/data/software.json``).
+    """What a training stack does (book §11.2); each field's source is in ``commlab/data/software.json``.
 
-    Attributes:
-        name, description, sources: the preset's key, one line, and each field's source by field name.
-        sequence_parallel, flash_attention: Megatron sequence parallelism (Korthikanti et al. 2022, §4.2.2);
-            attention kernels that keep no s × s scores and skip the masked causal half (Dao et al. 2022).
-        pp_scatter_gather: boundary activations sent as 1/tp per rank and all-gathered (Narayanan et al.
-            2021, §4.1); implied by sequence parallelism.
-        overlap_dp_grad_reduce, overlap_dp_param_gather, overlap_tp, overlap_tp_backward, overlap_pp: shares
-            (0..1) of the DP gradient reduction, the distributed optimizer's parameter all-gather, the TP
-            communication, the column-parallel input-gradient reductions (behind the weight-gradient GEMMs,
-            Korthikanti et al. 2022 §6.2) and the pipeline sends that may hide behind compute.
-        overlap_pp_needs_interleave: pipeline sends overlap only under interleaving (:meth:`pp_overlap`).
-        even_stages: every (virtual) stage holds the same number of layers, as Megatron-LM asserts.
-        dp_bucket_params, dp_bucket_params_per_dp_rank: gradient bucket in elements, ``max(first, second·dp)``
-            (Megatron-Core's ``max(40M, 1M·dp)``; :meth:`bucket_params`); 0 = no buckets.
-        overlap_compute_slowdown: compute slowdown (>= 1) while communication overlaps, an assumption (presets:
-            1.189, the average Lee et al. 2025, arXiv:2507.03114, measured inside a node; hand-made: 1.0).
-        grad_bytes, optimizer_dtypes: bytes per gradient element (2 or 4); a key of :data:`OPTIMIZER_DTYPES`.
-        recompute, recompute_every: the stack's recomputation policy (and its k); the search tries it beside
-            none and full.
-        zero_stages: the ZeRO stages the stack offers (:data:`ZERO_STAGES`; FSDP2 has no ZeRO-1), all tried.
-        zero2_reshard_after_backward: ZeRO-2 frees the unsharded parameters after each backward and gathers
-            them again before the next forward (FSDP2's default), else once per step (DeepSpeed).
+    ``overlap_*``: shares (0..1) of the DP gradient reduction, the distributed optimizer's AllGather, the TP
+    communication, the column-parallel input-gradient reductions (Korthikanti et al. 2022 §6.2) and the
+    pipeline sends that may hide behind compute (:meth:`pp_overlap`); ``dp_bucket_params*``: the gradient
+    bucket (:meth:`bucket_params`); ``overlap_compute_slowdown``: compute slowdown (>= 1) beside communication,
+    an assumption (presets 1.189, Lee et al. 2025, measured inside a node); ``zero_stages``: the stages the
+    stack offers; ``zero2_reshard_after_backward``: ZeRO-2 gathers the parameters before every forward (FSDP2's
+    default) instead of once per step (DeepSpeed).
 
     Raises:
-        ValueError: an overlap share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO
-            stage or optimizer dtypes, grad_bytes not 2 or 4, a negative bucket size (naming the value).
+        ValueError: a share outside [0, 1], a slowdown below 1, an unknown recompute policy, ZeRO stage or
+            optimizer dtypes, grad_bytes not 2 or 4, a negative bucket size.
     """
 
     name: str
@@ -214,7 +184,7 @@ class SoftwareProfile:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        """Optimizer-state bytes per parameter (master copies + Adam moments) of :attr:`optimizer`."""
+        """Optimizer-state bytes per parameter of :attr:`optimizer`."""
         return self.optimizer.state_bytes
 
     def replace(self, **changes) -> "SoftwareProfile":
@@ -222,13 +192,13 @@ class SoftwareProfile:
         return dataclasses.replace(self, **changes)
 
     def bucket_params(self, dp: int) -> float:
-        """Elements of one gradient bucket for ``dp`` data-parallel ranks: ``max(dp_bucket_params,
-        dp_bucket_params_per_dp_rank·dp)``; 0 = no buckets given (see the class docstring)."""
+        """Elements of one gradient bucket for ``dp`` ranks: ``max(dp_bucket_params, dp_bucket_params_per_dp_rank·dp)``
+        (Megatron-Core's ``max(40M, 1M·dp)``); 0 = no buckets."""
         return max(self.dp_bucket_params, self.dp_bucket_params_per_dp_rank * dp)
 
     def pp_overlap(self, interleave: int) -> float:
-        """The share of pipeline sends/receives that hides behind compute for a layout with ``interleave``
-        virtual stages: ``overlap_pp``, or 0 without interleaving when ``overlap_pp_needs_interleave``."""
+        """The share of pipeline sends that hides for ``interleave`` chunks: 0 without interleaving where
+        ``overlap_pp_needs_interleave``, else ``overlap_pp``."""
         return 0.0 if self.overlap_pp_needs_interleave and interleave == 1 else self.overlap_pp
 
 
@@ -242,15 +212,11 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(SoftwareProfile) if f.name no
 
 
 def load_software(name: str | SoftwareProfile | None = None, path: str | Path | None = None) -> SoftwareProfile:
-    """The profile ``name`` of ``commlab/data/software.json`` (None: :data:`DEFAULT_SOFTWARE`; a profile is returned
-    as it is).
-
-    Every field of the entry must be ``{"value": ..., "source": "..."}`` with a non-empty source, and every
-    field of :class:`SoftwareProfile` must be given.
+    """The profile ``name`` of ``commlab/data/software.json`` (None: :data:`DEFAULT_SOFTWARE`; a profile as it is);
+    every field given as ``{"value": ..., "source": "..."}`` with a non-empty source.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones); a field missing, unknown, without a
-            source, or with a bad value (see :class:`SoftwareProfile`).
+        ValueError: an unknown name (lists the known ones); a field missing, unknown, without a source, or bad.
     """
     if isinstance(name, SoftwareProfile):
         return name

@@ -1,15 +1,11 @@
 """The step timeline of a plan: what every pipeline stage does, second by second, during one training step.
 
-:func:`step_timeline` replays the schedule's own order -- GPipe, 1F1B or interleaved 1F1B
-(:mod:`commlab.parallel.pipeline.schedules`) -- for one GPU of every pipeline stage, each op lasting what
-:func:`~.communication.chunk_ops` says for the costs of :func:`~.time_model.step_costs` (the overlap rules of
-:mod:`~.communication`; the replay adds none), and returns a :class:`StepTimeline`: intervals ``(stage, kind,
-start_s, end_s, microbatch, chunk, lane)`` in seconds from the step's start, and the step time.
-:func:`timeline_from_costs` replays hand-made :class:`~.communication.StepCosts`; :func:`rerank_by_timeline` is
-the search's final ranking. On uniform stages the replay is :func:`~.time_model.step_time` but for the
-pipeline messages' transit; it differs where the schedule does (uneven stages, the messages in the fill
-and drain). Book: chapter 11, §11.4.
-"""
+:func:`step_timeline` replays the schedule's own order (GPipe, 1F1B or interleaved 1F1B,
+:mod:`commlab.parallel.pipeline.schedules`) on one GPU of every stage, each op lasting what
+:func:`~.communication.chunk_ops` says for the costs of :func:`~.time_model.step_costs` (the replay adds no
+overlap rule), and returns a :class:`StepTimeline` of :class:`Interval` s. :func:`timeline_from_costs` replays
+hand-made costs; :func:`rerank_by_timeline` is the search's final ranking. On uniform stages the replay equals
+:func:`~.time_model.step_time` but for the messages' transit. Book: chapter 11, §11.4."""
 
 from __future__ import annotations
 
@@ -48,9 +44,8 @@ TIMELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """One bar of the timeline: ``kind`` (one of :data:`KINDS`) on ``stage`` from ``start_s`` to ``end_s``
-    (seconds from the step's start), for ``microbatch`` and ``chunk`` (None where not one micro-batch's), on
-    ``lane`` (:data:`COMPUTE_LANE` or :data:`COMM_LANE`)."""
+    """One bar: ``kind`` (of :data:`KINDS`) on ``stage`` from ``start_s`` to ``end_s`` (s from the step's start), for
+    ``microbatch`` and ``chunk`` (None where not one micro-batch's), on ``lane``."""
 
     stage: int
     kind: str
@@ -66,12 +61,10 @@ class Interval:
 
 
 def make_timeline_schedule(name: str | None, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The op order the replay follows: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (None: interleaved when
-    v > 1, else 1F1B, as Megatron-LM chooses).
+    """The op order of ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (None: interleaved when v > 1, else 1F1B).
 
     Raises:
-        ValueError: an unknown name; v < 1; v > 1 with GPipe or 1F1B; what the schedule itself raises
-            (interleaved: p < 2, or m not a multiple of p).
+        ValueError: an unknown name; v < 1; v > 1 with GPipe or 1F1B; what the schedule raises.
     """
     checks.integer("v", v, note="interleave: model chunks per stage")
     if name is None:
@@ -87,8 +80,8 @@ def make_timeline_schedule(name: str | None, p: int, m: int, v: int = 1) -> list
 
 @lru_cache(maxsize=256)  # one validation run asks for about 130 different (p, m, v)
 def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
-    """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op, in
-    order: the schedule as integers, so that the replay of a long pipeline is a tight loop (cached)."""
+    """Per stage, ``(code, dependency code or -1, is_backward, chunk, microbatch, sends)`` of each op in order: the
+    schedule as integers, so that a long pipeline replays in a tight loop."""
     last = p * v - 1
     out = []
     for ops in make_timeline_schedule(name, p, m, v):
@@ -110,9 +103,8 @@ def _encoded_schedule(name: str, p: int, m: int, v: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """One chunk's forward or backward relative to its begin: its bars ``(kind, start, end, lane)``, when its
-    computation and exposed communication end (``compute_end``: its message leaves), its send's bars
-    (relative to ``compute_end``) and stream time."""
+    """One op relative to its begin: its bars, when its compute and exposed communication end (its message
+    leaves), its send's bars (relative to that) and stream time."""
 
     bars: tuple
     compute_end: float
@@ -167,10 +159,10 @@ def _lay(ivs: list | None, stage: int, pieces, t: float, lane: str = COMPUTE_LAN
 
 def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytical: TimeBreakdown | None = None,
                         layout: Layout | None = None, record: bool = True) -> StepTimeline:
-    """Replay ``costs`` under ``schedule`` (see :func:`make_timeline_schedule`): every op starts as soon as
-    its stage is free and its input has arrived, and lasts what :func:`~.communication.chunk_ops` says; each
-    stage opens with the exposed DP AllGather and closes with the DP reduction, the optimizer step and the
-    rest of the AllGather (:func:`~.communication.dp_times`). ``record=False``: the step time only.
+    """Replay ``costs`` under ``schedule``: each op starts when its stage is free and its input has arrived and
+    lasts what :func:`~.communication.chunk_ops` says; each stage opens with the exposed DP AllGather and closes
+    with the DP reduction, the optimizer step and the rest of the AllGather (:func:`~.communication.dp_times`).
+    ``record=False``: the step time only.
 
     Raises:
         ValueError: as :func:`make_timeline_schedule`; the schedule deadlocks (names the stuck stages).
@@ -239,19 +231,10 @@ def timeline_from_costs(costs: StepCosts, schedule: str | None = None, analytica
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeline:
-    """One training step, per pipeline stage (one GPU of each).
-
-    Attributes:
-        intervals: every bar (:class:`Interval`), sorted by (stage, lane, start).
-        step_s: the step time: when the last stage has finished its optimizer step, s.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
-        costs: the durations replayed.
-        ops: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)`` of each forward / backward
-            (recomputation, exposed TP and the sender's stall included).
-        arrivals: the same key -> ``(send_start_s, arrival_s)`` of the message the op sent.
-        analytical: the time model's breakdown of the same plan (None for hand-made costs).
-        layout: the plan's layout (None for hand-made costs).
-    """
+    """One training step, per pipeline stage: ``intervals`` sorted by (stage, lane, start); ``step_s``; ``schedule``;
+    the ``costs`` replayed; ``ops`` and ``arrivals``: ``(stage, kind, microbatch, chunk)`` -> ``(start_s, end_s)``
+    of each forward and backward, and of the message it sent; the plan's ``analytical`` breakdown and
+    ``layout`` (None for hand-made costs)."""
 
     intervals: tuple
     step_s: float
@@ -271,8 +254,8 @@ class StepTimeline:
         return [iv for iv in self.intervals if iv.stage == stage and (lane is None or iv.lane == lane)]
 
     def time_by_kind(self, stage: int | None = None, lane: str = COMPUTE_LANE) -> dict:
-        """Seconds per kind on ``lane`` of one stage (None: summed over stages), kinds in :data:`KINDS`
-        order; on the compute lane of a stage they add up to ``step_s``."""
+        """Seconds per kind on ``lane`` of one stage (None: all stages), in :data:`KINDS` order; on a stage's compute
+        lane they add up to ``step_s``."""
         out = {k: 0.0 for k in KINDS}
         for iv in self.intervals:
             if iv.lane == lane and (stage is None or iv.stage == stage):
@@ -285,22 +268,12 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
                   achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                   dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
-    """The step timeline of a plan (book §11.4).
-
-    Args:
-        m, layout, cluster, global_batch, achievable_fraction, dp_overlap, dtype, grad_bytes, software: as
-            :func:`~commlab.parallel.planner.time_model.step_time`.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; None: interleaved when
-            ``layout.interleave > 1``, else 1F1B.
-        optimizer_s: seconds of the optimizer step (None: the time model's, 0 unless it runs the kernel model).
-        record: keep the bars (False: only ``step_s``, as the search's re-ranking needs).
-
-    Returns:
-        a :class:`StepTimeline`; its ``step_s`` is the step time in seconds.
+    """The step timeline of a plan (book §11.4), arguments as :func:`~.time_model.step_time`; ``schedule`` as
+    :func:`make_timeline_schedule`; ``optimizer_s``: the optimizer step (None: the time model's); ``record``:
+    keep the bars.
 
     Raises:
-        ValueError: what :func:`~commlab.parallel.planner.time_model.step_time` raises; an unknown schedule;
-            GPipe or 1F1B with ``interleave > 1``; interleaving with m not a multiple of pp.
+        ValueError: what :func:`~.time_model.step_time` and :func:`make_timeline_schedule` raise.
     """
     costs, bd = step_costs(m, layout, cluster, global_batch, software, achievable_fraction, dp_overlap, dtype,
                            grad_bytes, optimizer_s)
@@ -311,18 +284,12 @@ def rerank_by_timeline(plans: Sequence, k: int, m: ModelConfig, cluster: Cluster
                        software: SoftwareProfile | str | None = None,
                        achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                        dtype: str = "bf16", grad_bytes: int | None = None) -> list:
-    """The search's final ranking, its first ``k`` places all replayed plans.
+    """The search's final ranking: its first ``k`` places all replayed plans (:func:`step_timeline`).
 
-    ``plans`` (:class:`~commlab.parallel.planner.search.Plan` s, sorted by the analytical step time) are
-    replayed with :func:`step_timeline`, each given its ``timeline_step_s``: first the ``k`` fastest by the
-    sum; then, place by place, the best replayed plan takes the next place unless a plan not yet replayed
-    could still beat it, which is replayed first. A plan could beat it when its sum times the smallest
-    replay-to-sum ratio seen so far (at most 1) is not above the best replay: a replay is usually a little
-    slower than the sum (the schedule's dependencies) but can be faster (the sum prices every stage as the
-    heaviest), and the ratio is the margin the replays have shown. At most :data:`RERANK_MAX_FACTOR` ``· k``
-    plans are replayed; the first ``k`` places are replayed plans even when that cap binds. After them, every
-    other plan follows by its step time (the replay's where there is one; ties by memory).
-    """
+    ``plans``, sorted by the sum of terms: the ``k`` fastest are replayed; then, place by place, the best
+    replayed plan takes the place unless one not yet replayed could still beat it (its sum times the smallest
+    replay-to-sum ratio seen is not above it), which is replayed first, at most :data:`RERANK_MAX_FACTOR` ``· k``
+    replays. The other plans follow by step time."""
     if k <= 0:
         return list(plans)
 

@@ -1,12 +1,9 @@
 """The planner against published runs: ``python -m commlab plan --validate``.
 
-:func:`validate_published` runs the step model and the search on ``commlab/data/published_layouts.json`` and
-returns :class:`ValidationRow` s (predicted against reported TFLOP/s per GPU, in each source's FLOP
-definition, and the published layout's rank in the planner's own search); :func:`validation_summary` and
-:func:`validation_table` summarise them. Nothing is fitted per row.
-
-Book: chapter 11, §11.4 (the validation), §11.5.
-"""
+:func:`validate_published` runs the step model and the search on ``commlab/data/published_layouts.json``:
+:class:`ValidationRow` s of predicted against reported TFLOP/s per GPU (each source's FLOP definition) and
+the published layout's rank in the planner's search; :func:`validation_summary` and :func:`validation_table`
+summarise them. Nothing is fitted per row. Book: chapter 11, §11.4, §11.5."""
 
 from __future__ import annotations
 
@@ -32,29 +29,13 @@ WITHIN_PCT = 25.0
 
 @dataclasses.dataclass(frozen=True)
 class ValidationRow:
-    """One published run beside the planner.
+    """One published run beside the planner (``config``: its key; ``software``: its profile).
 
-    Attributes:
-        config, software: the key in ``commlab/data/published_layouts.json`` and the software profile named.
-        published: its layout with its knobs (``tp8 pp64 dp6 b1 recompute``), ``*`` on each knob the planner
-            chose because the source does not report it (``b1*``).
-        planner_top: the planner's fastest layout for the same model, GPUs, batch and software.
-        reported_tflops, predicted_tflops, top_tflops: TFLOP/s per GPU in the source's FLOP definition
-            (``accounting``, a key of :data:`~.time_model.FLOP_DEFINITIONS`): reported (or derived from its
-            ``iteration_s``), predicted for the published layout at :attr:`Plan.step_s`, and for the top one.
-        error_pct: (predicted - reported) / reported × 100.
-        top_tp_within_node: the top layout's tp divides devices_per_node.
-        published_step_s, top_step_s: predicted step times, s.
-        published_rank: rank of the published tp × pp × dp split among the planner's splits (1 = the top
-            plan's split; None = none fits).
-        exact_rank: rank of the published configuration, every knob the source fixes (None: does not fit).
-        plan_rank: rank of the first plan of the published split among all plans.
-        knobs_fixed: the source fixes micro-batch or interleaving (else ``exact_rank`` prints ``n/a``).
-        published_time: the analytical breakdown of the published plan (seconds per term).
-
-    Ranks are positions in the planner's ranking (:func:`~.timeline.rerank_by_timeline`); equal step times
-    share the position of the first.
-    """
+    ``published``: its layout, ``*`` on each knob the planner chose; ``planner_top``: the planner's fastest;
+    ``reported_tflops``, ``predicted_tflops``, ``top_tflops`` in the source's definition (``accounting``);
+    ``error_pct``: (predicted - reported) / reported × 100; ``published_rank``, ``plan_rank``, ``exact_rank``: the
+    published split among the splits, its first plan among all plans, the exact configuration (``knobs_fixed``:
+    the source fixes micro-batch or interleaving); None: does not fit. Equal step times share a rank."""
 
     config: str
     published: str
@@ -80,35 +61,23 @@ class ValidationRow:
         return abs(self.error_pct) <= WITHIN_PCT
 
 
-#: The micro-batches and interleaving depths the validation's searches try, the same for every row: the
-#: planner's defaults plus what Megatron-LM's Table 1 script uses (micro-batch 16; v = 3 for 76.1B and 529.6B),
-#: so that every published configuration is among the candidates of its own row and of every other.
+#: What every row's searches try: the planner's defaults plus Megatron-LM's Table 1 (b = 16; v = 3).
 VALIDATION_MICRO_BATCHES = (1, 2, 4, 8, 16)
 VALIDATION_INTERLEAVE = (1, 2, 3, 4, 8)
 
 
 def validate_published(achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                        path: str | Path | None = None, timeline_top: int = TIMELINE_TOP_K) -> list[ValidationRow]:
-    """The planner against every published run it can model (runs with context parallelism are skipped).
+    """The planner against every published run without context parallelism.
 
-    For each run: the software profile it names (``software``, a key of ``commlab/data/software.json``) sets what
-    the stack overlaps and how; the published tp, pp and dp are fixed, and whatever the source fixes besides
-    (activation recomputation, ZeRO, ``micro_batch``, ``interleave``); the search picks the rest and the
-    fastest such plan is the "published layout" prediction. The unconstrained search with the same software
-    (every knob free, recomputation and ZeRO included) gives the planner's top layout and the ranks of
-    :class:`ValidationRow`. Both searches try :data:`VALIDATION_MICRO_BATCHES` and
-    :data:`VALIDATION_INTERLEAVE` for every row. Throughput is put in the source's own FLOP definition
-    (``flop_accounting``).
-
-    One compute model for all runs (default :data:`~.time_model.AUTO`: the kernel model, which every row's
-    GPU has; or one global ``achievable_fraction``); nothing is fitted per run. ``timeline_top``: as
-    :func:`~.search.search` (0: ranked and priced by the sum of terms alone).
+    Per run, with the software profile it names: the fastest plan with its published tp, pp, dp and whatever
+    else the source fixes is the prediction; the free search with the same profile gives the top layout and the
+    ranks; both try :data:`VALIDATION_MICRO_BATCHES` and :data:`VALIDATION_INTERLEAVE`. One compute model for all
+    rows; ``timeline_top`` as :func:`~.search.search`.
 
     Raises:
-        ValueError: a row names an unknown software profile or FLOP definition; a row's ``micro_batch`` or
-            ``interleave`` is not one of the values above, or it fixes a ZeRO stage or recomputation policy
-            that its profile's search does not try; the published configuration does not fit or does not
-            split the batch (the message names the row, its fixed knobs and the search's reason).
+        ValueError: an unknown profile or FLOP definition; a fixed knob the searches do not try; a published
+            configuration that does not fit or split the batch (names the row).
     """
     rows = []
     for key, e in load_published(path).items():
@@ -150,8 +119,7 @@ def validate_published(achievable_fraction: float | str = AUTO, dp_overlap: floa
 
 
 def _reported_tflops(key: str, e: dict, flop_per_step: float) -> float:
-    """The row's TFLOP/s per GPU: ``tflops_per_gpu`` as the source prints it, or, where the source gives its
-    iteration time instead (``iteration_s``, seconds), its FLOP per step in its definition / that time / GPUs.
+    """The row's TFLOP/s per GPU: ``tflops_per_gpu``, or its FLOP per step / ``iteration_s`` / GPUs.
 
     Raises:
         ValueError: the row gives both or neither.
@@ -207,14 +175,8 @@ def _published_label(layout: Layout, fixed: dict) -> str:
 
 def _published_ranks(plans: Sequence[Plan], tp: int, pp: int,
                      fixed: dict) -> tuple[int | None, int | None, int | None]:
-    """``(split rank, plan rank, exact rank)`` of a published run in a ranked list of plans (see
-    :class:`ValidationRow`; None: not among them).
-
-    The split rank counts each tp × pp split once, at its first (fastest) plan: five variants of the top
-    split (micro-batch, interleaving, recomputation) do not push the second-best split to rank 6. The plan
-    rank is that first plan's position among all plans, the exact rank the position of the first plan with
-    every fixed knob; plans with the same step time share the position of the first of them.
-    """
+    """``(split rank, plan rank, exact rank)`` of a published run in ranked ``plans`` (:class:`ValidationRow`): each
+    tp × pp split counted once, at its fastest plan; equal step times share the first's position."""
     want = {k: v[0] for k, v in fixed.items()}
 
     def matches(layout: Layout) -> bool:
@@ -242,10 +204,8 @@ def _published_ranks(plans: Sequence[Plan], tp: int, pp: int,
 
 
 def validation_summary(rows: Sequence[ValidationRow]) -> dict:
-    """``{"rows", "median_abs_error_pct", "within_10", "within_25", "published_in_top5", "plan_in_top5",
-    "exact_in_top5", "knobs_fixed"}`` of ``rows``: the rows whose published split ranks in the planner's top
-    5 counting each split once, and counting every plan; of the ``knobs_fixed`` rows whose knobs the source
-    fixes, those whose exact published configuration does (see :class:`ValidationRow`).
+    """Counts over ``rows``: rows, median |error|, within 10 and 25 %, published split / plan / exact configuration
+    in the top 5 (the last of the ``knobs_fixed`` rows).
 
     Raises:
         ValueError: no rows.
@@ -268,11 +228,7 @@ def _top5(rank: int | None) -> bool:
 
 
 def validation_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a fixed-width text table (TFLOP/s per GPU, error in %, the three ranks of
-    :class:`ValidationRow`), and a closing summary line (:func:`validation_summary`). In the published
-    layout a ``*`` marks each knob the planner chose because the source does not give it."""
-    # The name columns are as wide as their longest entry, so that long row and profile names keep the
-    # numbers aligned.
+    """The rows as a fixed-width table (TFLOP/s per GPU, error %, the three ranks) and the summary lines."""
     wc = max([26] + [len(r.config) for r in rows])
     ws = max([27] + [len(r.software) for r in rows])
     wp = max([38] + [len(r.published) for r in rows])
