@@ -24,13 +24,13 @@ import torch.distributed as dist
 from commlab import checks
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.compress.aggregate import aggregate, agree_finite
-from commlab.compress.cast import CastCompressor
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.hooks import AGGREGATIONS  # how payloads are summed: the hook's choices, one list
 from commlab.compress.powersgd import PowerSGDCall, PowerSGDState
-from commlab.compress.quantize import QSGD, QSGD_BUCKET_SIZE, RoundingQuantizer
-from commlab.compress.sign import SignCompressor
-from commlab.compress.sparse import RandomK, TopK
+from commlab.compress.quantize import QSGD_BUCKET_SIZE
+# The specs live in layer 4 (commlab.sync reads them too); re-exported here, where chapter 8 imports them.
+from commlab.compress.specs import (METHOD_KINDS, OPTIONAL_ARGUMENT, compressor_for, parse_spec,  # noqa: F401
+                                    build_compressor as _compressor, qsgd_settings as _qsgd_settings)
 from commlab.launch.device import Clock, Mark
 from commlab.overlap.bucketed import Bucket, completed_future
 from commlab.topology.emulated import EmulatedTopology
@@ -39,15 +39,6 @@ __all__ = ["METHOD_KINDS", "AGGREGATIONS", "TWO_PHASE_KINDS", "SYNC_KINDS", "Ste
            "parse_sync", "describe_sync",
            "check_aggregation", "describe", "payload_tensors", "make_method", "Method", "method_hook",
            "compressor_for"]
-
-#: Spec prefix -> what its argument means.
-METHOD_KINDS = {"dense": None, "cast": "fp16 or bf16", "int": "bits (8 or 4)",
-                "qsgd": "bits (4 or 8), optionally :all (one bucket) or :D (D entries per norm; default 512)",
-                "sign": "tensor (one scale per parameter tensor), or nothing", "topk": "share kept in (0, 1]",
-                "randomk": "share kept in (0, 1]", "powersgd": "rank >= 1"}
-
-#: Spec kinds whose argument may be left out.
-OPTIONAL_ARGUMENT = ("sign",)
 
 #: The spec kinds whose compressors are not linear: those the two-phase AllReduce applies to.
 TWO_PHASE_KINDS = ("int", "qsgd", "sign", "topk")
@@ -87,52 +78,6 @@ class BucketCost:
 
     def seconds(self, clock: Clock) -> float:
         return clock.elapsed(self.start, self.end)
-
-
-def parse_spec(spec: str) -> tuple[str, str | None]:
-    """Split ``"kind:arg"`` and validate it.
-
-    Raises:
-        ValueError: unknown kind, a missing or superfluous argument, or an argument out of range.
-    """
-    if not isinstance(spec, str):
-        raise ValueError(f"a method spec is a string such as 'topk:0.01', got {spec!r}")
-    kind, sep, arg = spec.partition(":")
-    if sep and not arg:
-        raise ValueError(f"method {spec!r} ends with ':' but has no argument")
-    if arg != arg.strip():
-        raise ValueError(f"method {spec!r}: no spaces around the argument")
-    if kind not in METHOD_KINDS:
-        raise ValueError(f"unknown method {spec!r}; kinds: {', '.join(_usage(k) for k in METHOD_KINDS)}")
-    if kind not in OPTIONAL_ARGUMENT and (METHOD_KINDS[kind] is None) != (arg == ""):
-        want = f"{kind}:<{METHOD_KINDS[kind]}>" if METHOD_KINDS[kind] else kind
-        raise ValueError(f"method {spec!r} must be written {want}")
-    try:
-        if kind == "cast" and arg not in ("fp16", "bf16"):
-            raise ValueError
-        if kind == "int" and arg not in ("8", "4"):
-            raise ValueError
-        if kind == "sign" and arg not in ("", "tensor"):
-            raise ValueError
-        if kind == "qsgd":
-            _qsgd_settings(arg)
-        if kind in ("topk", "randomk") and not 0 < float(arg) <= 1:
-            raise ValueError
-        if kind == "powersgd" and int(arg) < 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"method {spec!r}: the argument of {kind} must be {METHOD_KINDS[kind]}") from None
-    # One spelling per method, so that labels and resume keys do not depend on it ("powersgd:02", "topk:0.010").
-    if kind == "powersgd" and arg != str(int(arg)):
-        raise ValueError(f"method {spec!r}: write it 'powersgd:{int(arg)}'")
-    if kind in ("topk", "randomk") and arg not in (f"{float(arg):g}", repr(float(arg))):
-        raise ValueError(f"method {spec!r}: write it '{kind}:{float(arg):g}'")
-    if kind == "qsgd":
-        bits, _, bucket = arg.partition(":")
-        if bucket not in ("", "all") and (bucket != str(int(bucket)) or int(bucket) == QSGD_BUCKET_SIZE):
-            short = f"qsgd:{bits}" if int(bucket) == QSGD_BUCKET_SIZE else f"qsgd:{bits}:{int(bucket)}"
-            raise ValueError(f"method {spec!r}: write it '{short}'")
-    return kind, arg or None
 
 
 #: Sync kinds of a run (:func:`parse_sync`) -> how they are written. ``every`` is synchronous data parallelism
@@ -195,14 +140,6 @@ def describe_sync(sync: str, spec: str = "dense", error_feedback: bool = False) 
     return base if spec == "dense" else f"{base}, {describe(spec, error_feedback)} Δ"
 
 
-def _usage(kind: str) -> str:
-    """How a kind is written: ``topk:<share kept in (0, 1]>``, ``dense``, ``sign[:<tensor ...>]``."""
-    arg = METHOD_KINDS[kind]
-    if arg is None:
-        return kind
-    return f"{kind}[:<{arg}>]" if kind in OPTIONAL_ARGUMENT else f"{kind}:<{arg}>"
-
-
 def check_aggregation(spec: str, aggregation: str) -> None:
     """Raise ``ValueError`` unless ``aggregation`` is one of :data:`AGGREGATIONS` and fits ``spec``: two-phase
     applies to the non-linear compressors (:data:`TWO_PHASE_KINDS`); dense, casts and Random-K (shared
@@ -218,21 +155,6 @@ def check_aggregation(spec: str, aggregation: str) -> None:
                "sends nothing compressed" if kind == "dense" else "is linear: its payloads ride the ring AllReduce")
         raise ValueError(f"method {spec!r} {why}; two-phase aggregation is for "
                          f"{', '.join(k + ':...' if METHOD_KINDS[k] else k for k in TWO_PHASE_KINDS)}")
-
-
-def _qsgd_settings(arg: str) -> tuple[int, int | None]:
-    """``(bits, bucket_size)`` of a ``qsgd`` argument: ``"4"`` (buckets of QSGD's default 512), ``"4:all"`` (one
-    bucket, ``None``) or ``"4:D"``. Raises ValueError (caught and reworded by :func:`parse_spec`)."""
-    bits, sep, bucket = arg.partition(":")
-    if bits not in ("4", "8") or (sep and not bucket):
-        raise ValueError(arg)
-    if not sep:
-        return int(bits), QSGD_BUCKET_SIZE
-    if bucket == "all":
-        return int(bits), None
-    if not bucket.isdigit() or int(bucket) < 1:
-        raise ValueError(arg)
-    return int(bits), int(bucket)
 
 
 def payload_tensors(spec: str, warm: bool = False) -> int:
@@ -291,36 +213,6 @@ class _TimedCompressor:
 
     def decompress(self, payload):
         return self._timed(self.inner.decompress, payload)
-
-
-def compressor_for(spec: str, seed: int = 0):
-    """The :class:`commlab.compress.base.Compressor` a method spec names (``"topk:0.01"``, ``"int:8"``, ...), for
-    :class:`commlab.compress.CompressionHookState`; None for ``"dense"`` and ``"powersgd:R"``, which are no
-    compressor of that kind (PowerSGD keeps its state in :class:`commlab.compress.PowerSGDState`).
-
-    Raises:
-        ValueError: a spec :func:`parse_spec` refuses.
-    """
-    kind, arg = parse_spec(spec)
-    if spec == "sign:tensor":
-        raise ValueError("'sign:tensor' takes its segments from each bucket's parameters (Method sets them); "
-                         "build SignCompressor(segments=[sizes of the bucket's tensors]) instead")
-    return None if kind in ("dense", "powersgd") else _compressor(kind, arg, seed)
-
-
-def _compressor(kind: str, arg: str | None, seed: int):
-    if kind == "cast":
-        return CastCompressor(torch.float16 if arg == "fp16" else torch.bfloat16)
-    if kind == "int":
-        return RoundingQuantizer(bits=int(arg))
-    if kind == "qsgd":
-        bits, bucket_size = _qsgd_settings(arg)
-        return QSGD(bits=bits, seed=seed, bucket_size=bucket_size)
-    if kind == "sign":
-        return SignCompressor()  # sign:tensor: Method sets the segments for each bucket
-    if kind == "topk":
-        return TopK(ratio=float(arg))
-    return RandomK(ratio=float(arg), seed=seed)
 
 
 class Method:
