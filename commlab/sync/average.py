@@ -1,0 +1,72 @@
+"""The mean of a flat tensor over a group, dense or compressed: the one averaging step of :mod:`commlab.sync`.
+
+:func:`mean_over_group` rides commlab's ring AllReduce (dense) or :func:`commlab.compress.aggregate` (a compressor,
+with error feedback), so that an :class:`~commlab.topology.EmulatedTopology` can delay it and its bytes are counted
+the way chapter 4 counts them. :func:`flatten` and :func:`unflatten_into` move a group of parameters to and from
+one flat buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
+from commlab.collectives.common import group_size_and_rank
+from commlab.compress.aggregate import aggregate
+from commlab.compress.error_feedback import ErrorFeedback
+from commlab.topology.emulated import EmulatedTopology
+
+__all__ = ["mean_over_group", "flatten", "unflatten_into"]
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new flat tensor holding ``tensors`` one after another (their common dtype and device).
+
+    Raises:
+        TypeError: the tensors do not share one dtype (a fragment is summed as one buffer).
+    """
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise TypeError(f"parameters averaged together must share one dtype, got {sorted(map(str, dtypes))}; "
+                        "put tensors of different dtypes in different fragments")
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``tensors`` (which ``flat`` was built from by :func:`flatten`)."""
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *, compressor=None,
+                    error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
+                    emulate: EmulatedTopology | None = None) -> tuple[torch.Tensor, float]:
+    """The mean over ``group`` of every rank's ``flat``, and the bytes this rank sent.
+
+    Dense (``compressor`` None): ``flat / N`` (a new tensor) is summed in place by commlab's ring AllReduce, dividing
+    before the sum as torch's ``average_parameters`` and DDP's default hook do; ``2 (N-1)/N × nbytes`` sent.
+    Compressed: :func:`commlab.compress.aggregate` (its path and byte count), the sum divided by N after.
+
+    Args:
+        flat: a 1-D floating-point tensor of the same size and dtype on every rank.
+        compressor, error_feedback, key, emulate: as :func:`commlab.compress.aggregate`.
+
+    Returns:
+        ``(mean, bytes_sent_per_rank)``; ``mean`` has ``flat``'s shape and dtype.
+
+    Raises:
+        FloatingPointError: (compressed) a NaN/Inf on any rank, on every rank. Others: as ``aggregate``.
+    """
+    n, _ = group_size_and_rank(group, "mean_over_group")
+    if compressor is None:
+        buf = flat / n
+        ring_all_reduce(buf, group, inplace=True, check=False, emulate=emulate)
+        return buf, ring_bytes_sent_per_rank(flat.numel() * flat.element_size(), n, "all_reduce")
+    out = aggregate(flat, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate)
+    return out.sum.div_(n), out.bytes_sent_per_rank

@@ -1,0 +1,373 @@
+"""DiLoCo and Streaming DiLoCo: H inner steps alone, then an outer SGD step on the averaged pseudo-gradient.
+
+:class:`DiLoCo` keeps the global copy of the parameters and the outer momentum; every H inner steps (per fragment,
+on the staggered schedule of :mod:`commlab.sync.schedule`) it averages Delta = theta_global - theta_local over the
+group (dense ring AllReduce, or a compressor through :func:`commlab.compress.aggregate`, with error feedback), takes
+an outer SGD (Nesterov) step on the global copy and mixes it into the replica. With ``sync_delay`` tau > 0 the
+AllReduce runs on a background thread over a second gloo/NCCL group while tau inner steps go on.
+Sources: arXiv:2311.08105 (DiLoCo), arXiv:2501.18512 (Streaming DiLoCo), torchft ``local_sgd.py``.
+
+Book: the chapter on syncing less often; cost model in :mod:`commlab.sync.cost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from commlab import checks
+from commlab.collectives.agreement import agree
+from commlab.collectives.common import global_rank, group_size_and_rank
+from commlab.compress.agreement import agree_finite
+from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.specs import compressor_for, parse_spec
+from commlab.sync.average import flatten, mean_over_group, unflatten_into
+from commlab.sync.schedule import FragmentSync, check_schedule, fragment_schedule, split_fragments
+from commlab.topology.emulated import EmulatedTopology
+
+__all__ = ["DiLoCo", "outer_sgd_step"]
+
+#: The settings a checkpoint must share with the DiLoCo that loads it (they fix the schedule and the payloads).
+STRUCTURAL = ("inner_steps", "fragments", "sync_delay", "compressor", "error_feedback", "layout")
+
+
+def outer_sgd_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: float, momentum: float,
+                   nesterov: bool) -> torch.Tensor | None:
+    """One step of SGD with momentum on ``param`` in place, as ``torch.optim.SGD`` (dampening 0, no weight decay):
+    ``buf = grad`` on the first step, else ``buf = momentum buf + grad``; ``param -= lr (grad + momentum buf)``
+    (Nesterov) or ``lr buf``. Returns the new buffer (None without momentum). Shapes: all alike."""
+    if momentum != 0:
+        if buf is None:
+            buf = grad.clone()
+        else:
+            buf.mul_(momentum).add_(grad)
+        grad = grad.add(buf, alpha=momentum) if nesterov else buf
+    param.add_(grad, alpha=-lr)
+    return buf
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One fragment's outer sync between send and apply (mean, sent, seconds and error are filled by the worker)."""
+
+    sync: FragmentSync
+    thread: threading.Thread | None = None
+    mean: torch.Tensor | None = None
+    sent: float = 0.0
+    seconds: float = 0.0
+    error: BaseException | None = None
+    counted: bool = False
+
+
+class DiLoCo:
+    """DiLoCo (``fragments=1, sync_delay=0``) and Streaming DiLoCo over a data-parallel group.
+
+    Call :meth:`step` right after each inner ``optimizer.step()``. At a fragment's send step (see :attr:`schedule`)
+    its pseudo-gradient ``Delta = theta_global - theta_local`` (the sign of arXiv:2311.08105, Algorithm 1; torchft
+    had it flipped until its PR #233) is averaged over the group; at its apply step (tau later) the outer optimizer
+    steps the global copy with the mean Delta, and the replica's fragment becomes ``alpha theta_local + (1 - alpha)
+    theta_global`` (``mixing`` alpha; 0 takes the global copy, as DiLoCo). The inner optimizer is the caller's.
+
+    Args:
+        params: the parameters in model order (one fragment is a contiguous run of them, :func:`split_fragments`),
+            or a list of explicit fragments (lists of tensors; then ``fragments`` must be 1 or their count).
+        group: the data-parallel group (None: the world). Its first rank's parameters are broadcast at construction.
+        inner_steps: H (>= 1), inner steps between two syncs of a fragment.
+        outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: arXiv:2311.08105 §3).
+        fragments: F, a divisor of H; sync_delay: tau in 0..H/F-1; mixing: alpha in [0, 1].
+        compressor: a spec of :func:`commlab.compress.specs.parse_spec` (``"int:8"``, ``"topk:0.01"``, ...) for Delta,
+            or None / ``"dense"``. error_feedback: keep the compressor's residual per fragment.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the outer sync's messages.
+        seed: seeds Random-K's shared indices and QSGD's rounding.
+
+    Attributes:
+        hyperparameters (the arguments, ``period`` = H/F, :attr:`schedule` = the first cycle's
+        :class:`FragmentSync` s, repeating every H steps), then persistent state: ``steps``, ``global_params``,
+        ``momentum_buffers``, ``outer_steps`` (per fragment), the error feedback's residuals, ``bytes_sent_per_rank``
+        (cumulative); measured: ``comm_seconds`` (outer syncs' duration), ``wait_seconds`` (time :meth:`step`
+        blocked on them: the exposed part).
+
+    Raises:
+        ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
+            without a compressor, Nesterov without momentum. CollectiveMismatchError: ranks disagree on settings or
+            layout. FloatingPointError (from :meth:`step`): a NaN/Inf pseudo-gradient on any rank, on every rank.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Sequence[Sequence[torch.Tensor]],
+                 group: dist.ProcessGroup | None = None, *, inner_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, sync_delay: int = 0,
+                 mixing: float = 0.0, compressor: str | None = None, error_feedback: bool = False,
+                 emulate: EmulatedTopology | None = None, seed: int = 0):
+        w = "DiLoCo"
+        self.period = check_schedule(inner_steps, fragments, sync_delay, where=w)
+        self.inner_steps, self.fragments, self.sync_delay = int(inner_steps), int(fragments), int(sync_delay)
+        self.outer_lr = checks.number("outer_lr", outer_lr, above=0.0, where=w)
+        self.outer_momentum = checks.number("outer_momentum", outer_momentum, least=0.0, below=1.0, where=w)
+        self.nesterov = checks.flag("nesterov", nesterov, where=w)
+        if self.nesterov and self.outer_momentum == 0:
+            checks.fail("nesterov", nesterov, "False when outer_momentum is 0", where=w,
+                        note="Nesterov needs momentum, as torch.optim.SGD says")
+        self.mixing = checks.share("mixing", mixing, where=w, note="alpha: local <- alpha local + (1-alpha) global")
+        self.error_feedback = checks.flag("error_feedback", error_feedback, where=w)
+        self.seed = checks.integer("seed", seed, least=0, where=w)
+        self.compressor = None if compressor in (None, "dense") else compressor
+        self._compressor = None
+        if self.compressor is not None:
+            kind, _ = parse_spec(self.compressor)
+            if kind == "powersgd":
+                checks.fail("compressor", compressor, "a compressor spec other than powersgd", where=w,
+                            note="PowerSGD keeps per-matrix state of its own; use int:8, topk:0.01, cast:fp16, ...")
+            self._compressor = compressor_for(self.compressor, seed=self.seed)
+        if self.error_feedback and self._compressor is None:
+            checks.fail("error_feedback", True, "False without a compressor", where=w,
+                        note="dense Delta loses nothing to feed back")
+        self._ef = ErrorFeedback(self._compressor) if self.error_feedback else None
+        self.group, self.emulate = group, emulate
+        self.size, _ = group_size_and_rank(group, w)
+
+        self.params, self.fragment_index = self._fragments(params)
+        self.layout = tuple(tuple((tuple(self.params[i].shape), str(self.params[i].dtype)) for i in idx)
+                            for idx in self.fragment_index)
+        agree(w, (self.hyperparameters(), self.layout), group, what="(settings, fragments' layout)")
+        self.schedule: tuple[FragmentSync, ...] = fragment_schedule(self.inner_steps, self.fragments, self.sync_delay)
+        self._send_at = {s.send_step: s for s in self.schedule}
+        self._apply_at = {s.apply_step: s for s in self.schedule}
+
+        with torch.no_grad():
+            if self.size > 1:
+                src = global_rank(group, 0)
+                for p in self.params:
+                    dist.broadcast(p.data, src, group=group)
+            # Persistent state (saved by state_dict).
+            self.global_params = [p.detach().clone() for p in self.params]
+            self.momentum_buffers = [torch.zeros_like(p) for p in self.params]
+        self.steps = 0
+        self.outer_steps = [0] * self.fragments
+        self.bytes_sent_per_rank = 0.0
+        self.comm_seconds = self.wait_seconds = 0.0
+        self._in_flight: _InFlight | None = None
+        # The in-flight AllReduce gets its own group, so that it never interleaves with the caller's collectives.
+        self._sync_group = group
+        if self.sync_delay > 0 and self.size > 1:
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            self._sync_group = dist.new_group(ranks, use_local_synchronization=True)
+
+    def _fragments(self, params) -> tuple[list[torch.Tensor], list[list[int]]]:
+        params = list(params)
+        if params and all(isinstance(g, (list, tuple)) for g in params):
+            if self.fragments not in (1, len(params)):
+                checks.fail("fragments", self.fragments, f"1 or {len(params)} (the explicit fragments passed)",
+                            where="DiLoCo")
+            if self.fragments == 1 and len(params) > 1:
+                self.period = check_schedule(self.inner_steps, len(params), self.sync_delay, where="DiLoCo")
+                self.fragments = len(params)
+            flat, index = [], []
+            for g in params:
+                if not g:
+                    checks.fail("params", params, "fragments that each hold a tensor", where="DiLoCo")
+                index.append(list(range(len(flat), len(flat) + len(g))))
+                flat.extend(g)
+            return flat, index
+        if not params or not all(isinstance(p, torch.Tensor) for p in params):
+            checks.fail("params", params, "a non-empty iterable of tensors, or a list of lists of tensors",
+                        where="DiLoCo")
+        return params, split_fragments(params, self.fragments)
+
+    def hyperparameters(self) -> dict:
+        """The settings, as the checkpoint stores them (``layout``: each fragment's shapes and dtypes)."""
+        return {"inner_steps": self.inner_steps, "fragments": self.fragments, "sync_delay": self.sync_delay,
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
+                "mixing": self.mixing, "compressor": self.compressor, "error_feedback": self.error_feedback,
+                "seed": self.seed}
+
+    # ------------------------------------------------------------------------------------------ the schedule
+
+    def step(self) -> bool:
+        """Count one inner step; send and/or apply a fragment's outer sync if the schedule says so.
+
+        Returns:
+            True when an outer update was applied after this step.
+
+        Raises:
+            FloatingPointError: a NaN/Inf pseudo-gradient on any rank (every rank raises, nothing sent).
+            Any error of the outer AllReduce (re-raised here, at the apply step, on the rank it happened).
+        """
+        self.steps += 1
+        pos = (self.steps - 1) % self.inner_steps + 1
+        sync = self._send_at.get(pos)
+        if sync is not None:
+            self._send(sync)
+        sync = self._apply_at.get(pos)
+        if sync is not None:
+            self._apply(sync)
+            return True
+        return False
+
+    def _tensors(self, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        idx = self.fragment_index[f]
+        return ([self.params[i] for i in idx], [self.global_params[i] for i in idx],
+                [self.momentum_buffers[i] for i in idx])
+
+    @torch.no_grad()
+    def _send(self, sync: FragmentSync) -> None:
+        local, glob, _ = self._tensors(sync.fragment)
+        delta = flatten(glob) - flatten(local)
+        agree_finite(delta, self.group, f"DiLoCo step {self.steps}: fragment {sync.fragment}'s pseudo-gradient")
+        job = _InFlight(sync)
+        if self.sync_delay == 0 or self.size == 1:
+            self._average(job, delta, self.group)
+        else:
+            job.thread = threading.Thread(target=self._average, args=(job, delta, self._sync_group), daemon=True,
+                                          name=f"diloco-fragment-{sync.fragment}")
+            job.thread.start()
+        self._in_flight = job
+
+    def _average(self, job: _InFlight, delta: torch.Tensor, group) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                job.mean, job.sent = mean_over_group(delta, group, compressor=self._compressor,
+                                                     error_feedback=self._ef,
+                                                     key=job.sync.fragment if self._ef else None, emulate=self.emulate)
+        except BaseException as e:  # re-raised on the caller's thread at the apply step
+            job.error = e
+        job.seconds = time.perf_counter() - t0
+
+    def _wait(self) -> _InFlight:
+        """Join the in-flight sync (counting the time blocked on it) and return it; its error is raised here."""
+        job = self._in_flight
+        if job.thread is not None:
+            t0 = time.perf_counter()
+            job.thread.join()
+            self.wait_seconds += time.perf_counter() - t0
+            job.thread = None
+        elif not job.counted:  # ran on this thread at the send step: all of it was exposed
+            self.wait_seconds += job.seconds
+        if not job.counted:
+            self.comm_seconds += job.seconds
+            self.bytes_sent_per_rank += job.sent
+            job.counted = True
+        if job.error is not None:
+            self._in_flight = None
+            raise job.error
+        return job
+
+    @torch.no_grad()
+    def _apply(self, sync: FragmentSync) -> None:
+        job = self._wait()
+        f = sync.fragment
+        if job.sync != sync:
+            raise RuntimeError(f"DiLoCo step {self.steps}: fragment {f} is due but fragment {job.sync.fragment}'s "
+                               "sync is in flight; the schedule was broken (a state loaded mid-cycle?)")
+        local, glob, bufs = self._tensors(f)
+        first = self.outer_steps[f] == 0
+        momentum = self.outer_momentum
+        for p, g, buf, d in zip(local, glob, bufs, unflatten_into(job.mean, glob)):
+            new = outer_sgd_step(g, d, None if (first or momentum == 0) else buf, self.outer_lr, momentum,
+                                 self.nesterov)
+            if momentum != 0 and first:
+                buf.copy_(new)
+            if self.mixing == 0:
+                p.copy_(g)
+            else:
+                p.copy_(torch.lerp(g, p, self.mixing))
+        self.outer_steps[f] += 1
+        self._in_flight = None
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume bitwise, as tensors, ints, floats and strings (DCP can store it).
+
+        A sync in flight is drained first: its AllReduce is waited for (only the wait moves earlier) and its mean
+        Delta saved under ``"in_flight"``, to be applied at its apply step after a load. The model's parameters and
+        the inner optimizer are saved by their own ``state_dict``.
+
+        Returns:
+            ``{"hyperparameters", "layout", "steps", "outer_steps", "bytes_sent_per_rank", "global_params",
+            "momentum_buffers", "residuals", "has_residual", "compressor_state", "in_flight"}``; tensors are copies.
+        """
+        in_flight = None
+        if self._in_flight is not None:
+            job = self._wait()
+            in_flight = {"fragment": job.sync.fragment, "send_step": job.sync.send_step,
+                         "apply_step": job.sync.apply_step, "mean": job.mean.clone()}
+        residuals, has = [], []
+        for f, idx in enumerate(self.fragment_index):
+            r = self._ef.residual(f) if self._ef is not None else None
+            has.append(r is not None)
+            if r is None:
+                numel = sum(self.params[i].numel() for i in idx)
+                r = torch.zeros(numel, dtype=torch.promote_types(self.params[idx[0]].dtype, torch.float32),
+                                device=self.params[idx[0]].device)
+            residuals.append(r.clone())
+        return {"hyperparameters": self.hyperparameters(), "layout": [list(map(list, f)) for f in self.layout],
+                "steps": self.steps, "outer_steps": list(self.outer_steps),
+                "bytes_sent_per_rank": self.bytes_sent_per_rank,
+                "global_params": [g.clone() for g in self.global_params],
+                "momentum_buffers": [b.clone() for b in self.momentum_buffers],
+                "residuals": residuals, "has_residual": has, "compressor_state": self._compressor_state(),
+                "in_flight": in_flight}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (load the model's parameters and the inner optimizer alongside).
+
+        ``outer_lr``, ``outer_momentum``, ``nesterov``, ``mixing`` and ``seed`` are this object's (a resumed run may
+        change them); the settings in :data:`STRUCTURAL` must match the checkpoint's.
+
+        Raises:
+            ValueError: a structural setting or the layout differs (named, both values).
+        """
+        saved = dict(state["hyperparameters"], layout=tuple(tuple((tuple(s), d) for s, d in f)
+                                                           for f in state["layout"]))
+        mine = dict(self.hyperparameters(), layout=self.layout)
+        for name in STRUCTURAL:
+            if saved[name] != mine[name]:
+                raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has {name}={saved[name]!r}, this DiLoCo "
+                                 f"{name}={mine[name]!r}; build it with the checkpoint's settings")
+        if self._in_flight is not None and self._in_flight.thread is not None:
+            self._in_flight.thread.join()
+        with torch.no_grad():
+            for mine_t, theirs in zip(self.global_params + self.momentum_buffers,
+                                      list(state["global_params"]) + list(state["momentum_buffers"])):
+                mine_t.copy_(theirs)
+        self.steps = int(state["steps"])
+        self.outer_steps = [int(k) for k in state["outer_steps"]]
+        self.bytes_sent_per_rank = float(state["bytes_sent_per_rank"])
+        if self._ef is not None:
+            self._ef.reset()
+            for f, (r, has) in enumerate(zip(state["residuals"], state["has_residual"])):
+                if has:
+                    self._ef.set_residual(f, r.to(self.params[self.fragment_index[f][0]].device),
+                                          dtype=self.params[self.fragment_index[f][0]].dtype)
+        self._load_compressor_state(state["compressor_state"])
+        job = state["in_flight"]
+        self._in_flight = None
+        if job is not None:
+            sync = FragmentSync(int(job["fragment"]), int(job["send_step"]), int(job["apply_step"]))
+            self._in_flight = _InFlight(sync, mean=job["mean"].clone(), counted=True)
+
+    def _compressor_state(self) -> dict:
+        """The random state of the compressor (QSGD's generator, Random-K's call count), for a bitwise resume."""
+        c, out = self._compressor, {}
+        if c is not None and isinstance(getattr(c, "generator", None), torch.Generator):
+            out["generator"] = c.generator.get_state()
+        if c is not None and isinstance(getattr(c, "step", None), int):
+            out["step"] = c.step
+        return out
+
+    def _load_compressor_state(self, state: dict) -> None:
+        if "generator" in state:
+            self._compressor.generator.set_state(state["generator"])
+        if "step" in state:
+            self._compressor.step = int(state["step"])
+
+    def close(self) -> None:
+        """Wait for a sync in flight (its result is kept). Call before destroying the process group."""
+        if self._in_flight is not None and self._in_flight.thread is not None:
+            self._in_flight.thread.join()
