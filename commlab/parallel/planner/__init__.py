@@ -14,6 +14,8 @@
 prints the top layouts. Book: chapter 11 (all of it) and chapter 12, §12.4.
 """
 
+from types import ModuleType as _ModuleType
+
 from commlab.parallel.planner.software import (DEFAULT_SOFTWARE, OPTIMIZER_DTYPES, RECOMPUTE_POLICIES, ZERO_STAGES,
                                                OptimizerDtypes, SoftwareProfile, list_software, load_software)
 from commlab.parallel.planner.memory import (ADAM_STATE_BYTES_PER_PARAM, DEFAULT_FRAGILE_MARGIN, DEFAULT_MEMORY_RESERVE,
@@ -37,23 +39,4 @@ from commlab.parallel.planner.search import (TIMELINE_TOP_K, Plan, Rejected, Sea
 from commlab.parallel.planner.validation import (WITHIN_PCT, ValidationRow, validate_published, validation_summary,
                                                  validation_table)
 
-__all__ = [
-    "SoftwareProfile", "DEFAULT_SOFTWARE", "RECOMPUTE_POLICIES", "ZERO_STAGES", "OPTIMIZER_DTYPES", "OptimizerDtypes",
-    "load_software", "list_software",
-    "ModelConfig", "Layout", "MemoryBreakdown", "ADAM_STATE_BYTES_PER_PARAM", "DEFAULT_MEMORY_RESERVE",
-    "DEFAULT_FRAGILE_MARGIN", "load_model", "list_models", "layer_params", "parameter_count", "stage_params",
-    "activation_bytes_per_layer", "interleave_memory_factor", "model_state_bytes_per_param", "usable_memory_bytes",
-    "is_fragile", "memory_breakdown",
-    "TimeBreakdown", "DEFAULT_ACHIEVABLE_FRACTION", "KERNELS", "AUTO", "compute_model", "model_flops_per_token",
-    "executed_flops_per_token",
-    "megatron_eq3_flops", "megatron_2024_flops", "korthikanti_eq7_flops", "model_flops_per_step",
-    "attention_flops_per_token",
-    "FLOP_DEFINITIONS",
-    "dp_exposed_seconds", "dp_last_bucket_share", "loss_seconds", "op_times", "fsdp_head_share", "fsdp_units",
-    "tp_all_reduce_nbytes",
-    "pp_message_nbytes", "dp_gradient_nbytes",
-    "dp_all_reduce_seconds", "group_all_reduce_seconds", "step_time",
-    "StepCosts", "StageCosts", "StepTimeline", "step_costs", "step_timeline", "timeline_from_costs",
-    "Plan", "Rejected", "SearchResult", "ValidationRow", "TIMELINE_TOP_K", "WITHIN_PCT", "divisors", "make_cluster", "search",
-    "load_published", "validate_published", "validation_table", "validation_summary",
-]
+__all__ = sorted(n for n, v in globals().items() if not n.startswith("_") and not isinstance(v, _ModuleType))
