@@ -1,0 +1,414 @@
+"""commlab.sync (local SGD, DiLoCo, Streaming DiLoCo) against PyTorch and against references written with torch's
+own primitives, on real gloo ranks.
+
+Each launch runs several checks and returns their results (a launch costs about a second of start-up); every
+comparison is on 2 ranks, where a sum of two terms rounds the same in any order, so "equal" means bitwise unless
+a test says otherwise. The references are written here, step by step: ``dist.all_reduce`` of the pseudo-gradient,
+``torch.optim.SGD`` (Nesterov) on a copy of the parameters, ``lerp`` to mix (as torchft's ``local_sgd.py`` does).
+"""
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commlab import launch
+from commlab.collectives import CollectiveMismatchError
+from commlab.sync import DiLoCo, FragmentSync, LocalSGD, fragment_schedule, split_fragments
+from commlab.topology import EmulatedTopology, Link
+
+WORLD = 2
+
+
+def _model(seed: int = 0) -> nn.Module:
+    """Linear(4, 6) + Tanh + Linear(6, 3): four parameter tensors, 51 elements."""
+    g = torch.Generator().manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _inner(model, opt, step):
+    x, y = _batch(step, dist.get_rank())
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------------------------------- references
+
+def _reference_streaming(steps, *, H, F, tau, alpha, lr, momentum, nesterov, inner_lr=0.1):
+    """Streaming DiLoCo written plainly (F = 1, tau = 0, alpha = 0: DiLoCo): the model's parameters cut in F explicit
+    fragments; fragment p's Delta taken tau steps before step c H + (p + 1) H / F, summed by dist.all_reduce, divided
+    by N, applied by torch.optim.SGD to the fragment's global copy, then mixed in with lerp."""
+    model = _model()
+    params = list(model.parameters())
+    frags = [[params[i] for i in idx] for idx in split_fragments(params, F)]
+    glob = [[nn.Parameter(p.detach().clone()) for p in frag] for frag in frags]
+    outer = [torch.optim.SGD(g, lr=lr, momentum=momentum, nesterov=nesterov) for g in glob]
+    inner = torch.optim.SGD(params, lr=inner_lr)
+    period, pending = H // F, {}
+    for step in range(1, steps + 1):
+        _inner(model, inner, step)
+        pos = (step - 1) % H + 1
+        for f in range(F):
+            land = (f + 1) * period
+            if pos == land - tau:
+                delta = torch.cat([(g.detach() - p.detach()).reshape(-1) for g, p in zip(glob[f], frags[f])])
+                dist.all_reduce(delta)
+                pending[f] = delta / dist.get_world_size()
+            if pos == land:
+                offset = 0
+                for g in glob[f]:
+                    g.grad = pending[f][offset:offset + g.numel()].view_as(g).clone()
+                    offset += g.numel()
+                outer[f].step()
+                with torch.no_grad():
+                    for g, p in zip(glob[f], frags[f]):
+                        p.copy_(g.detach().lerp(p.detach(), alpha))
+    return _params(model)
+
+
+def _ours(steps, *, H, F, tau, alpha, lr, momentum, nesterov, inner_lr=0.1, explicit=True, **kw):
+    model = _model()
+    params = list(model.parameters())
+    arg = [[params[i] for i in idx] for idx in split_fragments(params, F)] if explicit else params
+    d = DiLoCo(arg, inner_steps=H, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov,
+               fragments=F, sync_delay=tau, mixing=alpha, **kw)
+    inner = torch.optim.SGD(params, lr=inner_lr)
+    applied = []
+    for step in range(1, steps + 1):
+        _inner(model, inner, step)
+        if d.step():
+            applied.append(step)
+    d.close()
+    return _params(model), applied, d
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------- torch equivalences
+
+def _equivalences():
+    out = {}
+    # Local SGD against PeriodicModelAverager and PostLocalSGDOptimizer: same model, seed and data.
+    for warmup in (0, 2):
+        runs = []
+        for kind in ("ours", "averager", "post_local"):
+            model = _model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if kind == "ours":
+                avg = LocalSGD(model.parameters(), every=3, warmup_steps=warmup)
+            elif kind == "averager":
+                avg = PeriodicModelAverager(period=3, warmup_steps=warmup)
+            else:
+                opt = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=3, warmup_steps=warmup))
+            done = []
+            for step in range(8):
+                _inner(model, opt, step)
+                if kind == "ours":
+                    done.append(avg.step())
+                elif kind == "averager":
+                    avg.average_parameters(model.parameters())
+            runs.append((_params(model), done))
+        out[f"local_sgd_vs_averager_w{warmup}"] = _same(runs[0][0], runs[1][0])
+        out[f"local_sgd_vs_post_local_w{warmup}"] = _same(runs[0][0], runs[2][0])
+        out[f"local_sgd_schedule_w{warmup}"] = runs[0][1]
+
+    # DiLoCo with H = 1, inner SGD, outer SGD lr 1 without momentum = one synchronous DP step (DDP), per step.
+    ddp_model = DDP(_model())
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        _inner(ddp_model, opt, step)
+    ours, _, _ = _ours(3, H=1, F=1, tau=0, alpha=0.0, lr=1.0, momentum=0.0, nesterov=False)
+    out["h1_vs_ddp"] = _max_diff(ours, _params(ddp_model.module))
+
+    # DiLoCo (F = 1, tau = 0, alpha = 0) and Streaming DiLoCo against the plain references, bitwise.
+    cfg = dict(H=3, lr=0.7, momentum=0.9, nesterov=True)
+    ref = _reference_streaming(7, F=1, tau=0, alpha=0.0, **cfg)
+    ours, applied, _ = _ours(7, F=1, tau=0, alpha=0.0, **cfg)
+    out["diloco_vs_reference"] = (_same(ours, ref), applied)
+    cfg = dict(H=4, lr=0.7, momentum=0.9, nesterov=True)
+    ref = _reference_streaming(9, F=2, tau=1, alpha=0.5, **cfg)
+    ours, applied, d = _ours(9, F=2, tau=1, alpha=0.5, **cfg)
+    out["streaming_vs_reference"] = (_same(ours, ref), applied, d.bytes_sent_per_rank)
+    ours_split, _, _ = _ours(9, F=2, tau=1, alpha=0.5, explicit=False, **cfg)  # DiLoCo splits it the same way
+    out["streaming_split_same"] = _same(ours_split, ref)
+
+    # The sign of the pseudo-gradient: after H inner steps from theta0, an outer step of lr 2 without momentum lands
+    # at avg + (avg - theta0), beyond the average in the direction the replicas moved (a flipped sign lands at
+    # theta0 - (avg - theta0), behind the start).
+    model = _model()
+    theta0 = _params(model)
+    d = DiLoCo(model.parameters(), inner_steps=2, outer_lr=2.0, outer_momentum=0.0, nesterov=False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        _inner(model, inner, step)
+        if step == 2:
+            local = _params(model)
+        d.step()
+    avg = [t.clone() for t in local]
+    for t in avg:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    new = _params(model)
+    out["sign_formula"] = _max_diff(new, [a + (a - t0) for a, t0 in zip(avg, theta0)])
+    moved = sum(((n - a) * (a - t0)).sum().item() for n, a, t0 in zip(new, avg, theta0))
+    out["sign_dot"] = moved
+    # And with Nesterov momentum 0.9 (first outer step: lr (1 + 0.9) Delta), lr 0.7: beyond the average too.
+    model = _model()
+    d = DiLoCo(model.parameters(), inner_steps=2, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        _inner(model, inner, step)
+        local = _params(model) if step == 2 else None
+        d.step()
+    avg = [t.clone() for t in local]
+    for t in avg:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    new = _params(model)
+    out["sign_nesterov"] = _max_diff(new, [t0 + 0.7 * 1.9 * (a - t0) for a, t0 in zip(avg, theta0)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def equivalences():
+    return launch(_equivalences, WORLD, timeout=120)[0]
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_local_sgd_equals_torch_periodic_model_averager(equivalences, warmup):
+    assert equivalences[f"local_sgd_vs_averager_w{warmup}"]
+    assert equivalences[f"local_sgd_vs_post_local_w{warmup}"]
+    # Calls 0, 3, 6 average without warm-up; 2, 5 with warm-up 2 (torch's schedule: the first call after it).
+    want = {0: [0, 3, 6], 2: [2, 5]}[warmup]
+    assert [k for k, a in enumerate(equivalences[f"local_sgd_schedule_w{warmup}"]) if a] == want
+
+
+def test_diloco_h1_outer_sgd_lr1_equals_one_synchronous_dp_step(equivalences):
+    # The same update in exact arithmetic; DiLoCo computes theta - mean(theta - (theta - lr g)) and so rounds
+    # differently from theta - lr mean(g): measured 6e-8 after 3 steps; allowed 1e-6.
+    assert equivalences["h1_vs_ddp"] < 1e-6
+
+
+def test_diloco_equals_reference_with_torch_outer_optimizer(equivalences):
+    same, applied = equivalences["diloco_vs_reference"]
+    assert same
+    assert applied == [3, 6]
+
+
+def test_streaming_diloco_equals_reference_with_overlap_and_mixing(equivalences):
+    # F = 2, tau = 1, alpha = 0.5: the AllReduce runs on a background thread during the tau step.
+    same, applied, sent = equivalences["streaming_vs_reference"]
+    assert same
+    assert applied == [2, 4, 6, 8]
+    # Two fragments of 24 and 27 float32 values, each ring-all-reduced twice over 2 ranks: (24 + 27) * 4 * 2.
+    assert sent == pytest.approx(2 * (24 + 27) * 4)
+    assert equivalences["streaming_split_same"]
+
+
+def test_pseudo_gradient_sign(equivalences):
+    # theta_global - theta_local, not its negative (torchft's PR #233 fixed a flipped sign).
+    assert equivalences["sign_formula"] < 1e-6
+    assert equivalences["sign_dot"] > 0
+    assert equivalences["sign_nesterov"] < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- schedule, by hand
+
+def test_fragment_schedule_by_hand():
+    assert fragment_schedule(6) == (FragmentSync(0, 6, 6),)
+    # H = 8, F = 4, tau = 1: one fragment lands every 2 steps, each sent one step before.
+    assert [(s.fragment, s.send_step, s.apply_step) for s in fragment_schedule(8, 4, 1)] == [
+        (0, 1, 2), (1, 3, 4), (2, 5, 6), (3, 7, 8)]
+    assert [(s.fragment, s.apply_step) for s in fragment_schedule(4, 2, 0, cycles=2)] == [
+        (0, 2), (1, 4), (0, 6), (1, 8)]
+
+
+def test_split_fragments_by_hand():
+    sizes = [24, 6, 18, 3]  # the test model's weights and biases: 24 of 51 elements is nearest half of them
+    assert split_fragments([torch.zeros(s) for s in sizes], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([torch.zeros(s) for s in [100, 1, 1]], 3) == [[0], [1], [2]]
+    assert split_fragments([torch.zeros(s) for s in [10, 1, 10, 1, 10, 1]], 3) == [[0, 1], [2, 3], [4, 5]]
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+def _round_trip(**kw):
+    """7 steps straight against 3 steps, state_dict (a fragment's sync in flight), a fresh model, load, 4 steps."""
+    cfg = dict(inner_steps=4, fragments=2, sync_delay=1, mixing=0.5, outer_momentum=0.9, **kw)
+
+    def build(seed):
+        model = _model(seed)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, inner, DiLoCo(model.parameters(), **cfg)
+
+    model, inner, d = build(0)
+    for step in range(1, 8):
+        _inner(model, inner, step)
+        d.step()
+    straight = (_params(model), [g.clone() for g in d.global_params], d.bytes_sent_per_rank)
+    d.close()
+
+    model, inner, d = build(0)
+    for step in range(1, 4):
+        _inner(model, inner, step)
+        d.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "sync": d.state_dict()}, buf)
+    in_flight = d.state_dict()["in_flight"] is not None
+    d.close()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, inner, d = build(7)
+    model.load_state_dict(saved["model"])
+    inner.load_state_dict(saved["inner"])
+    d.load_state_dict(saved["sync"])
+    for step in range(4, 8):
+        _inner(model, inner, step)
+        d.step()
+    resumed = (_params(model), [g.clone() for g in d.global_params], d.bytes_sent_per_rank)
+    d.close()
+    return (in_flight, _same(straight[0], resumed[0]), _same(straight[1], resumed[1]),
+            straight[2] == resumed[2], straight[2])
+
+
+def _round_trips():
+    out = {spec: _round_trip(compressor=spec, error_feedback=spec.startswith("topk"))
+           for spec in ("topk:0.25", "qsgd:8", "int:8")}
+    out["dense"] = _round_trip()
+    # Local SGD: the schedule's counter.
+    model = _model()
+    a = LocalSGD(model.parameters(), every=3, warmup_steps=1)
+    for _ in range(4):
+        a.step()
+    b = LocalSGD(model.parameters(), every=3, warmup_steps=1)
+    b.load_state_dict(a.state_dict())
+    out["local_sgd"] = [a.step() for _ in range(4)] == [b.step() for _ in range(4)]
+    return out
+
+
+def test_state_dict_round_trip_resumes_bitwise():
+    out = launch(_round_trips, WORLD, timeout=120)[0]
+    for spec in ("topk:0.25", "qsgd:8", "int:8", "dense"):
+        in_flight, params, glob, sent, total = out[spec]
+        assert in_flight, spec  # saved between a fragment's send (step 3) and its landing (step 4)
+        assert params and glob and sent, spec
+    # Compressed Delta sends fewer bytes than dense: INT8 about a quarter, Top-K 25% (values and indices) a half.
+    assert out["int:8"][4] < 0.3 * out["dense"][4]
+    assert out["topk:0.25"][4] < 0.6 * out["dense"][4]
+    assert out["local_sgd"]
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(inner_steps=0), "inner_steps"),
+    (dict(inner_steps=6, fragments=4), "inner_steps"),
+    (dict(inner_steps=6, fragments=2, sync_delay=3), "sync_delay"),
+    (dict(inner_steps=6, sync_delay=-1), "sync_delay"),
+    (dict(inner_steps=6, mixing=1.5), "mixing"),
+    (dict(inner_steps=6, mixing=-0.1), "mixing"),
+    (dict(inner_steps=6, outer_momentum=0.0), "nesterov"),
+    (dict(inner_steps=6, compressor="powersgd:2"), "compressor"),
+    (dict(inner_steps=6, error_feedback=True), "error_feedback"),
+])
+def test_bad_settings_are_named(kw, name):
+    # Checked before any collective, so no process group is needed.
+    with pytest.raises(ValueError, match=name):
+        DiLoCo(_model().parameters(), **kw)
+
+
+def test_bad_local_sgd_settings_are_named():
+    with pytest.raises(ValueError, match="every"):
+        LocalSGD(_model().parameters(), every=0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        LocalSGD(_model().parameters(), every=2, warmup_steps=-1)
+
+
+def _errors():
+    out = {}
+    rank = dist.get_rank()
+    # A NaN on one rank only: every rank raises at the send step, nothing is sent, nobody hangs.
+    for tau in (0, 1):
+        model = _model()
+        d = DiLoCo(model.parameters(), inner_steps=2, sync_delay=tau)  # sent after step 2 - tau
+        if rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        try:
+            d.step()
+            d.step()
+            out[f"nan_tau{tau}"] = None
+        except FloatingPointError as e:
+            out[f"nan_tau{tau}"] = str(e)
+        d.close()
+    # Ranks that disagree on H: the same error on every rank, at construction.
+    try:
+        DiLoCo(_model().parameters(), inner_steps=2 + 2 * rank)
+        out["mismatch"] = None
+    except CollectiveMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def test_nan_pseudo_gradient_and_disagreeing_ranks_raise_on_every_rank():
+    for out in launch(_errors, WORLD, timeout=60):
+        for tau in (0, 1):
+            assert out[f"nan_tau{tau}"] is not None and "rank(s) [1]" in out[f"nan_tau{tau}"]
+            assert "pseudo-gradient" in out[f"nan_tau{tau}"]
+        assert out["mismatch"] is not None and "inner_steps" in out["mismatch"]
+
+
+# ------------------------------------------------------------------------------------------- overlap
+
+_SLOW = EmulatedTopology(2, 1, Link(0.04, 0.0, "slow"))
+
+
+def _overlap():
+    """A fragment's emulated AllReduce (2 steps of 40 ms latency on 2 ranks) against 30 ms inner steps."""
+    import time
+    out = {}
+    for tau in (0, 3):
+        _SLOW.reset()
+        model = _model()
+        d = DiLoCo(model.parameters(), inner_steps=8, fragments=2, sync_delay=tau, emulate=_SLOW)
+        for _ in range(8):
+            time.sleep(0.03)  # the compute of an inner step
+            d.step()
+        d.close()
+        out[tau] = (d.wait_seconds, d.comm_seconds)
+    return out
+
+
+@pytest.mark.timing
+def test_streaming_overlap_hides_the_emulated_all_reduce():
+    out = launch(_overlap, WORLD, timeout=60)[0]
+    (wait0, comm0), (wait3, comm3) = out[0], out[3]
+    assert comm0 >= 2 * 2 * 0.04 * 0.9 and comm3 >= 2 * 2 * 0.04 * 0.9  # 2 syncs of 2 delayed ring steps each
+    assert wait0 >= 0.9 * comm0  # tau = 0: all exposed
+    assert wait3 < 0.5 * wait0   # tau = 3: 90 ms of inner steps cover the ~80 ms AllReduce
