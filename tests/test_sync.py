@@ -8,7 +8,6 @@ a test says otherwise. The references are written here, step by step: ``dist.all
 """
 
 import io
-import math
 
 import pytest
 import torch
