@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab import launch
 from commlab.collectives import CollectiveMismatchError
 from commlab.sync import DiLoCo, FragmentSync, LocalSGD, fragment_schedule, split_fragments
+from commlab.sync.cost import exposed_seconds, outer_sync_seconds
 from commlab.topology import EmulatedTopology, Link
 
 WORLD = 2
@@ -411,3 +412,8 @@ def test_streaming_overlap_hides_the_emulated_all_reduce():
     assert comm0 >= 2 * 2 * 0.04 * 0.9 and comm3 >= 2 * 2 * 0.04 * 0.9  # 2 syncs of 2 delayed ring steps each
     assert wait0 >= 0.9 * comm0  # tau = 0: all exposed
     assert wait3 < 0.5 * wait0   # tau = 3: 90 ms of inner steps cover the ~80 ms AllReduce
+    # The α-β model of one sync (2 (n-1) α on a link without β) against the measured mean of the two.
+    predicted = outer_sync_seconds(51 * 4 / 2, 2, 0.04, 0.0)
+    assert predicted == pytest.approx(0.08)
+    assert comm0 / 2 == pytest.approx(predicted, rel=0.5)
+    assert exposed_seconds(predicted, 3, 0.03) == 0.0
