@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from commlab import hardware
 from commlab.__main__ import main
 from commlab.parallel.planner import (OPTIMIZER_DTYPES, Layout, ModelConfig, activation_bytes_per_layer,
                                       dp_all_reduce_seconds, dp_gradient_nbytes, op_times,
@@ -237,6 +238,19 @@ def test_hsdp_shard_groups_span_1_2_4_nodes():
     t = step_time(DEEP, lay, c, 128, software="generic-no-overlap")
     assert t.dp_reduce_scatter_s == pytest.approx(t.micro_batches * (rs + replicas))
     assert t.dp_all_gather_s == pytest.approx(2 * t.micro_batches * rs)
+
+
+
+def test_hsdp_optimizer_step_updates_the_shard_groups_share():
+    # Under HSDP each GPU keeps 1/dp_shard of the optimizer state (memory above) and so updates that share:
+    # Adam reads and writes the state, reads the gradient and writes the parameter, at the memory's bandwidth.
+    c, sw = make_cluster("dgx-h100-ndr", 16), load_software("torchtitan")
+    opt, hbm = sw.optimizer, hardware.value(c.device, "hbm_bytes_per_s")
+    for shard in (8, None):
+        lay = Layout(1, 1, 16, zero_stage=3, dp_shard=shard)
+        t = step_time(DEEP, lay, c, 32, software=sw)
+        params = stage_params(DEEP, 1, "only") / (shard or 16)
+        assert t.optimizer_s == pytest.approx(params * (2 * opt.state_bytes + sw.grad_bytes + opt.param_bytes) / hbm)
 
 
 # ----------------------------------------------------------------------------------------- reserve, fragile

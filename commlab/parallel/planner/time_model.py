@@ -376,11 +376,11 @@ def _kernel_terms(m: ModelConfig, layout: Layout, cluster: Cluster, dtype: str, 
         raise ValueError(f"the kernel model needs the memory bandwidth of the cluster's device {device!r} "
                          f"(hbm_bytes_per_s in commlab/data/hardware.json); it has none")
     fraction = effective_fraction(m, layout, device, cluster.peak_flop_per_s[dtype], hbm, executed)
-    # The heaviest stage's parameters on one GPU: split by tp, and by dp under ZeRO (its shard only).
+    # The heaviest stage's parameters on one GPU: split by tp, and under ZeRO by its shard group (HSDP: dp_shard).
     stage = "only" if layout.pp == 1 else "last"
     params = stage_params(m, layout.pp, stage, layout.interleave) / layout.tp
     if layout.zero_stage >= 1:
-        params /= layout.dp
+        params /= layout.shard_ranks
     opt = sw.optimizer
     seconds = optimizer_step_bytes(params, opt.state_bytes, grad_bytes, opt.param_bytes) / hbm
     return fraction, seconds
