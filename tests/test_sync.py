@@ -300,6 +300,7 @@ def _round_trip(**kw):
 def _round_trips():
     out = {spec: _round_trip(compressor=spec, error_feedback=spec.startswith("topk"))
            for spec in ("topk:0.25", "qsgd:8", "int:8")}
+    out["two_phase"] = _round_trip(compressor="int:8", error_feedback=True, aggregation="two_phase")
     out["dense"] = _round_trip()
     # Local SGD: the schedule's counter.
     model = _model()
@@ -314,7 +315,7 @@ def _round_trips():
 
 def test_state_dict_round_trip_resumes_bitwise():
     out = launch(_round_trips, WORLD, timeout=120)[0]
-    for spec in ("topk:0.25", "qsgd:8", "int:8", "dense"):
+    for spec in ("topk:0.25", "qsgd:8", "int:8", "two_phase", "dense"):
         in_flight, params, glob, sent, total = out[spec]
         assert in_flight, spec  # saved between a fragment's send (step 3) and its landing (step 4)
         assert params and glob and sent, spec
@@ -336,6 +337,8 @@ def test_state_dict_round_trip_resumes_bitwise():
     (dict(inner_steps=6, outer_momentum=0.0), "nesterov"),
     (dict(inner_steps=6, compressor="powersgd:2"), "compressor"),
     (dict(inner_steps=6, error_feedback=True), "error_feedback"),
+    (dict(inner_steps=6, aggregation="two_phase"), "aggregation"),
+    (dict(inner_steps=6, compressor="int:8", aggregation="ring"), "aggregation"),
 ])
 def test_bad_settings_are_named(kw, name):
     # Checked before any collective, so no process group is needed.

@@ -46,7 +46,8 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[
 
 def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *, compressor=None,
                     error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
-                    emulate: EmulatedTopology | None = None) -> tuple[torch.Tensor, float]:
+                    emulate: EmulatedTopology | None = None, path: str = "auto",
+                    server_error_feedback: ErrorFeedback | None = None) -> tuple[torch.Tensor, float]:
     """The mean over ``group`` of every rank's ``flat``, and the bytes this rank sent.
 
     Dense (``compressor`` None): ``flat / N`` (a new tensor) is summed in place by commlab's ring AllReduce, dividing
@@ -55,7 +56,8 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, 
 
     Args:
         flat: a 1-D floating-point tensor of the same size and dtype on every rank.
-        compressor, error_feedback, key, emulate: as :func:`commlab.compress.aggregate`.
+        compressor, error_feedback, key, emulate, path, server_error_feedback: as
+            :func:`commlab.compress.aggregate` (``path="two_phase"``: the two-phase compressed AllReduce).
 
     Returns:
         ``(mean, bytes_sent_per_rank)``; ``mean`` has ``flat``'s shape and dtype.
@@ -68,5 +70,6 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, 
         buf = flat / n
         ring_all_reduce(buf, group, inplace=True, check=False, emulate=emulate)
         return buf, ring_bytes_sent_per_rank(flat.numel() * flat.element_size(), n, "all_reduce")
-    out = aggregate(flat, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate)
+    out = aggregate(flat, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate, path=path,
+                    server_error_feedback=server_error_feedback)
     return out.sum.div_(n), out.bytes_sent_per_rank

@@ -25,6 +25,7 @@ from commlab.collectives.agreement import agree
 from commlab.collectives.common import global_rank, group_size_and_rank
 from commlab.compress.agreement import agree_finite
 from commlab.compress.error_feedback import ErrorFeedback
+from commlab.compress.hooks import AGGREGATIONS
 from commlab.compress.specs import compressor_for, parse_spec
 from commlab.sync.average import flatten, mean_over_group, unflatten_into
 from commlab.sync.schedule import FragmentSync, check_schedule, fragment_schedule, split_fragments
@@ -33,7 +34,7 @@ from commlab.topology.emulated import EmulatedTopology
 __all__ = ["DiLoCo", "outer_sgd_step"]
 
 #: The settings a checkpoint must share with the DiLoCo that loads it (they fix the schedule and the payloads).
-STRUCTURAL = ("inner_steps", "fragments", "sync_delay", "compressor", "error_feedback", "layout")
+STRUCTURAL = ("inner_steps", "fragments", "sync_delay", "compressor", "error_feedback", "aggregation", "layout")
 
 
 def outer_sgd_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: float, momentum: float,
@@ -84,6 +85,8 @@ class DiLoCo:
             or None / ``"dense"``. error_feedback: keep the compressor's residual per fragment.
         emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the outer sync's messages.
         seed: seeds Random-K's shared indices and QSGD's rounding.
+        aggregation: ``"auto"`` (the compressor's own path) or ``"two_phase"`` (the two-phase compressed AllReduce of
+            :mod:`commlab.compress.two_phase`; with ``error_feedback`` the chunk owners keep residuals too).
 
     Attributes:
         hyperparameters (the arguments, ``period`` = H/F, :attr:`schedule` = the first cycle's
@@ -102,7 +105,7 @@ class DiLoCo:
                  group: dist.ProcessGroup | None = None, *, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, sync_delay: int = 0,
                  mixing: float = 0.0, compressor: str | None = None, error_feedback: bool = False,
-                 emulate: EmulatedTopology | None = None, seed: int = 0):
+                 emulate: EmulatedTopology | None = None, seed: int = 0, aggregation: str = "auto"):
         w = "DiLoCo"
         self.period = check_schedule(inner_steps, fragments, sync_delay, where=w)
         self.inner_steps, self.fragments, self.sync_delay = int(inner_steps), int(fragments), int(sync_delay)
@@ -126,7 +129,13 @@ class DiLoCo:
         if self.error_feedback and self._compressor is None:
             checks.fail("error_feedback", True, "False without a compressor", where=w,
                         note="dense Delta loses nothing to feed back")
+        self.aggregation = checks.one_of("aggregation", aggregation, AGGREGATIONS, where=w)
+        if self.aggregation == "two_phase" and self._compressor is None:
+            checks.fail("aggregation", aggregation, "'auto' without a compressor", where=w,
+                        note="the two-phase AllReduce compresses twice; dense Delta rides the ring AllReduce")
         self._ef = ErrorFeedback(self._compressor) if self.error_feedback else None
+        two_phase_ef = self.error_feedback and self.aggregation == "two_phase"
+        self._server_ef = ErrorFeedback(self._compressor) if two_phase_ef else None
         self.group, self.emulate = group, emulate
         self.size, _ = group_size_and_rank(group, w)
 
@@ -183,7 +192,7 @@ class DiLoCo:
         return {"inner_steps": self.inner_steps, "fragments": self.fragments, "sync_delay": self.sync_delay,
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
                 "mixing": self.mixing, "compressor": self.compressor, "error_feedback": self.error_feedback,
-                "seed": self.seed}
+                "aggregation": self.aggregation, "seed": self.seed}
 
     # ------------------------------------------------------------------------------------------ the schedule
 
@@ -233,7 +242,8 @@ class DiLoCo:
             with torch.no_grad():
                 job.mean, job.sent = mean_over_group(delta, group, compressor=self._compressor,
                                                      error_feedback=self._ef,
-                                                     key=job.sync.fragment if self._ef else None, emulate=self.emulate)
+                                                     key=job.sync.fragment if self._ef else None, emulate=self.emulate,
+                                                     path=self.aggregation, server_error_feedback=self._server_ef)
         except BaseException as e:  # re-raised on the caller's thread at the apply step
             job.error = e
         job.seconds = time.perf_counter() - t0
@@ -290,28 +300,24 @@ class DiLoCo:
 
         Returns:
             ``{"hyperparameters", "layout", "steps", "outer_steps", "bytes_sent_per_rank", "global_params",
-            "momentum_buffers", "residuals", "has_residual", "compressor_state", "in_flight"}``; tensors are copies.
+            "momentum_buffers", "residuals", "compressor_state", "in_flight"}``; tensors are copies.
         """
         in_flight = None
         if self._in_flight is not None:
             job = self._wait()
             in_flight = {"fragment": job.sync.fragment, "send_step": job.sync.send_step,
                          "apply_step": job.sync.apply_step, "mean": job.mean.clone()}
-        residuals, has = [], []
-        for f, idx in enumerate(self.fragment_index):
-            r = self._ef.residual(f) if self._ef is not None else None
-            has.append(r is not None)
-            if r is None:
-                numel = sum(self.params[i].numel() for i in idx)
-                r = torch.zeros(numel, dtype=torch.promote_types(self.params[idx[0]].dtype, torch.float32),
-                                device=self.params[idx[0]].device)
-            residuals.append(r.clone())
+        residuals = []  # error feedback: this rank's residual per fragment (and a chunk owner's, two-phase)
+        for which, ef in (("worker", self._ef), ("owner", self._server_ef)):
+            for key in ([] if ef is None else sorted(ef.keys(), key=repr)):
+                residuals.append({"which": which, "key": list(key) if isinstance(key, tuple) else [key],
+                                  "residual": ef.residual(key).clone()})
         return {"hyperparameters": self.hyperparameters(), "layout": [list(map(list, f)) for f in self.layout],
                 "steps": self.steps, "outer_steps": list(self.outer_steps),
                 "bytes_sent_per_rank": self.bytes_sent_per_rank,
                 "global_params": [g.clone() for g in self.global_params],
                 "momentum_buffers": [b.clone() for b in self.momentum_buffers],
-                "residuals": residuals, "has_residual": has, "compressor_state": self._compressor_state(),
+                "residuals": residuals, "compressor_state": self._compressor_state(),
                 "in_flight": in_flight}
 
     def load_state_dict(self, state: dict) -> None:
@@ -339,18 +345,22 @@ class DiLoCo:
         self.steps = int(state["steps"])
         self.outer_steps = [int(k) for k in state["outer_steps"]]
         self.bytes_sent_per_rank = float(state["bytes_sent_per_rank"])
-        if self._ef is not None:
-            self._ef.reset()
-            for f, (r, has) in enumerate(zip(state["residuals"], state["has_residual"])):
-                if has:
-                    self._ef.set_residual(f, r.to(self.params[self.fragment_index[f][0]].device),
-                                          dtype=self.params[self.fragment_index[f][0]].dtype)
+        efs = {"worker": self._ef, "owner": self._server_ef}
+        for ef in efs.values():
+            if ef is not None:
+                ef.reset()
+        for entry in state["residuals"]:
+            key = tuple(int(k) for k in entry["key"])
+            first = self.params[self.fragment_index[key[0]][0]]
+            efs[entry["which"]].set_residual(key if entry["which"] == "owner" else key[0],
+                                             entry["residual"].to(first.device), dtype=first.dtype)
         self._load_compressor_state(state["compressor_state"])
         job = state["in_flight"]
         self._in_flight = None
         if job is not None:
             sync = FragmentSync(int(job["fragment"]), int(job["send_step"]), int(job["apply_step"]))
-            self._in_flight = _InFlight(sync, mean=job["mean"].clone(), counted=True)
+            mean = job["mean"].to(self.params[0].device, copy=True)
+            self._in_flight = _InFlight(sync, mean=mean, counted=True)
 
     def _compressor_state(self) -> dict:
         """The random state of the compressor (QSGD's generator, Random-K's call count), for a bitwise resume."""
