@@ -286,13 +286,11 @@ class LayerTimeRow:
 
 
 def _layer_time_entries(path: str | Path | None) -> dict:
-    """The entries of the layer-time file, each checked: ``{key: (entry, its preset's Cluster, its
-    ModelConfig, its SoftwareProfile)}``.
+    """The layer-time file's entries, each checked: ``{key: (entry, Cluster, ModelConfig, SoftwareProfile)}``.
 
     Raises:
-        ValueError: the file is not a JSON object of entries; an entry without a field the check needs, with
-            an unknown model, preset or profile, a tp that does not divide a node of its preset, no rows, or a
-            row whose times are not finite numbers > 0 (each message names the entry).
+        ValueError: not an object of entries; an entry with a field missing or unknown, a tp not dividing a
+            node, no rows, or a time not > 0 (names the entry).
     """
     table = data.load_table(path, _LAYER_TIMES)  # a top level that is not an object: ValueError
     out = {}
