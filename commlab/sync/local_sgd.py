@@ -89,7 +89,7 @@ class LocalSGD:
         self.bytes_sent_per_rank += sent
 
     def state_dict(self) -> dict:
-        """``{"every", "warmup_steps", "steps", "averages", "bytes_sent_per_rank"}`` (the parameters are the model's)."""
+        """``{"every", "warmup_steps", "steps", "averages", "bytes_sent_per_rank"}`` (parameters: the model's)."""
         return {"every": self.every, "warmup_steps": self.warmup_steps, "steps": self.steps,
                 "averages": self.averages, "bytes_sent_per_rank": self.bytes_sent_per_rank}
 

@@ -48,7 +48,7 @@ def check_schedule(inner_steps: int, fragments: int, sync_delay: int, where: str
                     note="each fragment syncs once every H steps, one every H/F steps")
     period = h // f
     checks.integer("sync_delay", sync_delay, 0, period - 1, where=where,
-                   note=f"tau must stay below H/F = {period}, so that one fragment's sync lands before the next is sent")
+                   note=f"tau must stay below H/F = {period}: a fragment's sync lands before the next is sent")
     return period
 
 
