@@ -102,6 +102,11 @@ def test_flags_read_at_a_glance():
     assert opts.global_batch == 64
     sized = parse_args(["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq", "16"])
     assert sized.model == GPTConfig(layers=2, hidden=32, heads=2, ffn=64, seq=16)
+    diloco = parse_args(["--dp", "2", "--inner-steps", "4", "--outer-lr", "0.5", "--outer-momentum", "0.8",
+                         "--no-nesterov", "--fragments", "2", "--sync-delay", "1", "--mixing", "0.5",
+                         "--outer-compressor", "int8"])
+    assert diloco == Options(dp=2, inner_steps=4, outer_lr=0.5, outer_momentum=0.8, nesterov=False, fragments=2,
+                             sync_delay=1, mixing=0.5, outer_compressor="int:8")
 
 
 TRAIN = [str(ROOT / "labs/capstone/train.py")]
@@ -243,7 +248,18 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     (["--seq", "100000"], "is longer than the held-out split allows"),
     (["--dp", "2"], "the world has 1 rank but tp x pp x dp = 1 x 1 x 2 = 2 (start it with torchrun "
                     "--nproc-per-node 2"),
-], ids=["lr", "compressor-dp1", "ckpt-file", "ckpt-uncreatable", "resume-overwrite", "profile-file", "log-dir", "log-missing", "seq", "world"])
+    (["--dp", "2", "--inner-steps", "0"], "--inner-steps must be >= 1"),
+    (["--inner-steps", "2"], "--dp 1 has no other replica"),
+    (["--dp", "2", "--inner-steps", "2", "--compressor", "topk:0.1"], "--compressor topk:0.1 compresses the "
+                                                                     "per-step gradient AllReduce"),
+    (["--dp", "2", "--inner-steps", "2", "--zero1"], "--zero1 shards Adam's state over DP"),
+    (["--dp", "2", "--inner-steps", "2", "--sync-delay", "2"], "--sync-delay must be in 0..1"),
+    (["--dp", "2", "--inner-steps", "2", "--mixing", "1.5"], "--mixing must be in [0, 1]"),
+    (["--dp", "2", "--inner-steps", "2", "--outer-compressor", "int:3"], "--outer-compressor: method 'int:3'"),
+    (["--dp", "2", "--outer-lr", "0.5"], "--outer-lr sets DiLoCo's outer step, which runs only with --inner-steps"),
+], ids=["lr", "compressor-dp1", "ckpt-file", "ckpt-uncreatable", "resume-overwrite", "profile-file", "log-dir",
+        "log-missing", "seq", "world", "inner-steps-0", "inner-steps-dp1", "inner-steps-compressor",
+        "inner-steps-zero1", "sync-delay", "mixing", "outer-compressor", "outer-flag-alone"])
 def test_what_would_fail_later_is_a_usage_error_now(tmp_path, flags, message, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -295,7 +311,9 @@ def _replicated_gap(spec):
     import torch.distributed as dist
     from commlab.parallel.tensor import tp_sharded_parameters
     from labs.capstone.train import Trainer
-    trainer = Trainer(Options(tp=2, dp=2, steps=3, compressor=spec))
+    _, _, outer = spec.partition("diloco/")   # "diloco/SPEC": DiLoCo every step, SPEC on its pseudo-gradient
+    flags = {"inner_steps": 1, "outer_compressor": outer} if outer else {"compressor": spec}
+    trainer = Trainer(Options(tp=2, dp=2, steps=3, **flags))
     for step in range(3):
         trainer.step(step)
     sharded = tp_sharded_parameters(trainer.stage)
@@ -312,7 +330,7 @@ def _replicated_gaps(specs):
     return [_replicated_gap(spec) for spec in specs]
 
 
-GAP_SPECS = ["topk:0.05", "int:8", "sign", "powersgd:2"]
+GAP_SPECS = ["topk:0.05", "int:8", "sign", "powersgd:2", "diloco/topk:0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +345,9 @@ def test_compressed_dp_keeps_the_replicated_parameters_identical_on_every_tp_ran
     """TP shards and replicated parameters (embeddings, LayerNorms, row-parallel biases) sit in separate DP
     buckets, so a compressor whose output depends on the whole bucket (Top-K's selection, INT8's scale, sign's
     mean) sees the same replicated buckets on both TP ranks: those parameters stay bitwise equal. When they
-    shared buckets, Top-K at 2x1x2 had them 5e-3 apart after 3 steps."""
+    shared buckets, Top-K at 2x1x2 had them 5e-3 apart after 3 steps. The same for DiLoCo's outer step
+    (``diloco/``: one DiLoCo per kind, train.OuterStep); with one for both, Top-K had them 8e-3 apart after
+    3 outer steps."""
     assert replicated_gaps[spec] == [0.0] * 4
 
 
@@ -353,6 +373,54 @@ def test_resume_with_a_compressor_under_another_dp_layout_restarts_it_with_a_war
     assert "holds the compressor state of [tp=1 pp=2 dp=2, topk:0.05 with error feedback on" in err
     assert "this run is [tp=1 pp=1 dp=4, topk:0.05 with error feedback on" in err
     assert "the compressor starts afresh" in err
+
+
+#: Streaming DiLoCo over DP: 2 fragments every 4 steps, each outer AllReduce in flight for 1 step, Delta sent in
+#: INT8 with error feedback. Saved after step 2 (3 inner steps): fragment 0 has landed (its residual kept),
+#: fragment 1 was just sent (in flight), and the two replicas hold different parameters and Adam states.
+DILOCO = {"inner_steps": 4, "fragments": 2, "sync_delay": 1, "outer_compressor": "int:8"}
+
+
+def test_diloco_over_dp_with_tp_and_pp_resumes_as_the_uninterrupted_run_bitwise(saved_runs, tmp_path):
+    """--inner-steps at 2 x 2 x 2: each DP replica steps alone, the outer step averages over DP per TP shard and
+    PP stage; the checkpoint holds each replica's parameters and Adam state and each rank's outer state (global
+    copy, momentum, residuals, the sync in flight), and the resumed run is the uninterrupted one, bitwise."""
+    want, got = _resume_case(saved_runs, tmp_path, (2, 2, 2), (2, 2, 2), "float32", DILOCO, DILOCO)
+    assert got == want
+    dense, _ = saved_runs((2, 2, 2), "float32", {})
+    assert want != dense and want[-1] < 4.0   # DiLoCo is not the every-step AllReduce, and it trains
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(tmp_path / "ckpt" / "step_000002")).read_metadata().state_dict_metadata
+    assert {"model.dp0/blocks.0.attn.proj.bias", "model.dp1/blocks.0.attn.proj.bias", "outer.setting"} <= set(keys)
+
+
+def _refusals(runs):
+    """The RunError message of each of ``runs`` (None if it trained)."""
+    from labs.capstone.checkpoint import RunError
+    out = []
+    for opts in runs:
+        try:
+            train(opts)
+            out.append(None)
+        except RunError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_diloco_checkpoint_resumes_only_under_its_own_layout_and_flags(saved_runs, tmp_path):
+    """Between outer steps the DP replicas differ, so a DiLoCo checkpoint does not map onto another DP degree or
+    onto plain DP, and a plain checkpoint holds no outer state: each is refused on every rank, naming both."""
+    _, diloco_ckpt = saved_runs((2, 2, 2), "float32", DILOCO)
+    _, dense_ckpt = saved_runs((2, 2, 2), "float32", {})
+    resumed = {"steps": 6, "dtype": "float32", "resume": True}
+    runs = [dataclasses.replace(_opts(1, 2, 4), **resumed, **DILOCO, ckpt_dir=str(diloco_ckpt)),
+            dataclasses.replace(_opts(2, 2, 2), **resumed, ckpt_dir=str(diloco_ckpt)),
+            dataclasses.replace(_opts(2, 2, 2), **resumed, **DILOCO, ckpt_dir=str(dense_ckpt))]
+    other_layout, plain, no_state = launch(_refusals, 8, runs, timeout=180, print_output=False)[0]
+    assert "holds the DiLoCo state of [--tp 2 --pp 2 --dp 2" in other_layout, other_layout
+    assert "this run is [--tp 1 --pp 2 --dp 4" in other_layout
+    assert "was saved with DiLoCo over DP (--inner-steps)" in plain, plain
+    assert "was saved without --inner-steps; this run is [--tp 2 --pp 2 --dp 2" in no_state, no_state
 
 
 def test_profile_writes_a_chrome_trace_per_rank_with_the_course_ranges(tmp_path):

@@ -4,7 +4,9 @@ What is stored is the *unsharded* model: every parameter and its Adam moments un
 Saving, each rank gathers its stage's tensors over TP (and ZeRO-1's moments over DP); loading, each rank reads
 its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x2x4. The DP compressor's
 state (:class:`DPSync`) is stored per rank and restored only into a run of the same setting, where resuming
-is the uninterrupted run, bitwise; otherwise it starts afresh with a warning.
+is the uninterrupted run, bitwise; otherwise it starts afresh with a warning. With DiLoCo over DP
+(``--inner-steps``) each DP replica's parameters and Adam state are stored apart, beside the outer state
+(:class:`OuterSync`), and resume only under the same layout and outer flags.
 
 A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
 and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified.
@@ -50,8 +52,8 @@ def _dcp():
     import torch.distributed.checkpoint as dcp
     return dcp
 
-__all__ = ["RunError", "RunDirectory", "DPSync", "dp_sync_of", "save", "load", "verify", "checkpoints",
-           "preempted_at", "MANIFEST", "LOCK", "PREEMPTION_SIGNALS"]
+__all__ = ["RunError", "RunDirectory", "DPSync", "dp_sync_of", "OuterSync", "outer_sync_of", "save", "load",
+           "verify", "checkpoints", "preempted_at", "MANIFEST", "LOCK", "PREEMPTION_SIGNALS"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -81,11 +83,47 @@ def dp_sync_of(hook_state: PowerSGDState | CompressionHookState | None, wrapper:
     ``mesh``, with the setting of ``opts`` it is valid for."""
     if hook_state is None:
         return None
-    rank_key = "pp{}.tp{}.dp{}".format(*(mesh.get_local_rank(dim) for dim in ("pp", "tp", "dp")))
+    rank_key = _rank_key(mesh)
     setting = (f"tp={opts.tp} pp={opts.pp} dp={opts.dp}, {opts.compressor} with error feedback "
                f"{'on' if opts.error_feedback else 'off'}, {opts.dtype}, seed {opts.seed}, "
                f"bucket cap {wrapper.bucket_cap_bytes} B")
     return DPSync(hook_state, wrapper, rank_key, setting)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSync:
+    """This rank's DiLoCo outer state (``--inner-steps``), and what it belongs to (for :func:`save` and :func:`load`).
+
+    Attributes:
+        state: the outer optimizer (``state_dict``/``load_state_dict``: step count, global copy, outer momentum,
+            error-feedback residuals) over this rank's stage parameters, synced over its DP group.
+        replica: this rank's DP rank: its replica's parameters and Adam state are its own between outer steps.
+        rank_key: this rank's place in the mesh, ``"pp<s>.tp<t>.dp<d>"``.
+        setting: the layout and the outer step's flags, the same on every rank; a checkpoint resumes only
+            under the same setting.
+    """
+
+    state: Any
+    replica: int
+    rank_key: str
+    setting: str
+
+
+def _rank_key(mesh) -> str:
+    return "pp{}.tp{}.dp{}".format(*(mesh.get_local_rank(dim) for dim in ("pp", "tp", "dp")))
+
+
+def outer_sync_of(outer, mesh, opts) -> OuterSync | None:
+    """This rank's DiLoCo state as checkpoints store it (None without ``--inner-steps``), with the setting of
+    ``opts`` (written as the flags that resume it) it is valid for."""
+    if outer is None:
+        return None
+    setting = (f"--tp {opts.tp} --pp {opts.pp} --dp {opts.dp} --dtype {opts.dtype} --seed {opts.seed} "
+               f"--inner-steps {opts.inner_steps} --outer-lr {opts.outer_lr} --outer-momentum {opts.outer_momentum}"
+               f"{'' if opts.nesterov else ' --no-nesterov'} --fragments {opts.fragments} "
+               f"--sync-delay {opts.sync_delay} --mixing {opts.mixing} --outer-compressor {opts.outer_compressor}"
+               f"{'' if opts.error_feedback else ' --no-error-feedback'}")
+    return OuterSync(outer, mesh.get_local_rank("dp"), _rank_key(mesh), setting)
 
 
 def _owners(model: nn.Module, stage: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Module | None, str]]:
@@ -143,11 +181,25 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _dp_sync_entries(sync: DPSync) -> dict[str, Any]:
+def _rank_state_entries(sync: DPSync | OuterSync) -> dict[str, Any]:
+    """DCP entries of ``sync.state.state_dict()``: its setting, and under this rank's key its skeleton and tensors."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(sync.state.state_dict(), tensors)
     return {"setting": sync.setting, f"{sync.rank_key}/skeleton": pickle.dumps(skeleton),
             **{f"{sync.rank_key}/{k}": t for k, t in tensors.items()}}
+
+
+def _load_rank_state(path: str, top: str, rank_key: str, device: torch.device) -> Any:
+    """The state dict :func:`_rank_state_entries` stored under ``top`` for ``rank_key`` (a collective DCP load)."""
+    meta = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"{top}.{rank_key}/"
+    want: dict[str, Any] = {f"{rank_key}/skeleton": None}
+    for key, md in meta.items():
+        if key.startswith(prefix) and key != prefix + "skeleton":
+            want[key[len(top) + 1:]] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=device)
+    _dcp().load({top: want}, checkpoint_id=path)
+    tensors = {k[len(rank_key) + 1:]: v for k, v in want.items() if isinstance(v, torch.Tensor)}
+    return _join(pickle.loads(want[f"{rank_key}/skeleton"]), tensors)
 
 
 def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: int, device: torch.device) -> None:
@@ -178,15 +230,7 @@ def _restore_dp_sync(sync: DPSync, path: str, saved_setting: str | None, step: i
             print(f"warning: checkpoint {path!r} {why} ({fresh}); model and optimizer are loaded exactly",
                   file=sys.stderr, flush=True)
         return
-    meta = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
-    prefix = f"dp_sync.{sync.rank_key}/"
-    want: dict[str, Any] = {f"{sync.rank_key}/skeleton": None}
-    for key, md in meta.items():
-        if key.startswith(prefix) and key != prefix + "skeleton":
-            want[key[len("dp_sync."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=device)
-    _dcp().load({"dp_sync": want}, checkpoint_id=path)
-    tensors = {k[len(sync.rank_key) + 1:]: v for k, v in want.items() if isinstance(v, torch.Tensor)}
-    state_dict = _join(pickle.loads(want[f"{sync.rank_key}/skeleton"]), tensors)
+    state_dict = _load_rank_state(path, "dp_sync", sync.rank_key, device)
     if isinstance(sync.state, PowerSGDState):
         sync.state.load_state_dict(state_dict)
     else:
@@ -229,7 +273,7 @@ def _refuse_non_finite(state: dict[str, torch.Tensor], step: int) -> None:
 
 
 def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
-         dp_sync: DPSync | None = None, config: dict | None = None) -> str:
+         dp_sync: DPSync | None = None, config: dict | None = None, outer: OuterSync | None = None) -> str:
     """Write step ``step``'s checkpoint to ``directory/step_<step>``; every rank of the world must call it.
 
     Args:
@@ -239,6 +283,8 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
             and ``step`` are saved, unsharded: gathered over DP for ZeRO-1, then over TP).
         dp_sync: this rank's DP compressor state, if the run compresses (None: nothing to save).
         config: what the manifest records of the run (:func:`run_config`).
+        outer: this rank's DiLoCo state, with ``--inner-steps``: then each DP replica's parameters and Adam
+            state are stored apart (``dp<d>/<name>``), since they differ between outer steps.
 
     Returns:
         The checkpoint's path.
@@ -249,19 +295,22 @@ def save(directory: str, step: int, model: nn.Module, stage: nn.Module, optimize
     path = os.path.join(directory, f"step_{step:06d}")
     owners = _owners(model, stage)
     opt_states = _optimizer_states(optimizer, [p for p, _, _ in owners.values()])
+    replica = "" if outer is None else f"dp{outer.replica}/"
     state: dict[str, torch.Tensor] = {}
     for name, (p, layer, attr) in owners.items():
-        state[name] = _full(p, layer, attr)
+        state[replica + name] = _full(p, layer, attr)
         st = opt_states.get(p, {})
         for moment in _MOMENTS:
             if moment in st:
-                state[f"{name}.{moment}"] = _full(st[moment], layer, attr)
+                state[f"{replica}{name}.{moment}"] = _full(st[moment], layer, attr)
         if "step" in st:
-            state[f"{name}.step"] = st["step"].detach().clone().reshape(1)
+            state[f"{replica}{name}.step"] = st["step"].detach().clone().reshape(1)
     _refuse_non_finite(state, step)
     everything: dict[str, Any] = {"model": state, "meta": {"step": torch.tensor([step])}}
     if dp_sync is not None:
-        everything["dp_sync"] = _dp_sync_entries(dp_sync)
+        everything["dp_sync"] = _rank_state_entries(dp_sync)
+    if outer is not None:
+        everything["outer"] = _rank_state_entries(outer)
     with _agreed_write(step, path):
         if dist.get_rank() == 0:   # a leftover of an earlier crash, then an unfinished or damaged save of this step
             for old in (path + ".stale", path):   # from before a resume; no rank writes before rank 0 joins DCP
@@ -380,7 +429,7 @@ def verify(path: str) -> tuple[dict | None, str | None]:
 
 
 def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.Optimizer,
-         full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None) -> int:
+         full_shapes: dict[str, torch.Size], dp_sync: DPSync | None = None, outer: OuterSync | None = None) -> int:
     """Load the checkpoint at ``path`` into this rank's shard of ``model`` and ``optimizer``.
 
     Every rank of the world must call it. The layout it was saved under does not matter for the model and
@@ -391,26 +440,31 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
     Args:
         full_shapes: the unsharded model's parameter shapes by name (from a model built whole).
         dp_sync: this rank's DP compressor state, if the run compresses.
+        outer: this rank's DiLoCo state, with ``--inner-steps``: restored with this replica's parameters and
+            Adam state, bitwise; only from a checkpoint saved with the same setting.
 
     Returns:
         The step it was saved at (training goes on from the next).
 
     Raises:
         RunError: on every rank, naming the step and the path, if DCP cannot read it (a file damaged after
-            :func:`verify`, or a key this rank needs is missing: the checkpoint is of another model). Nothing
-            is copied into the model or the optimizer then.
+            :func:`verify`, or a key this rank needs is missing: the checkpoint is of another model); or if
+            the checkpoint holds DiLoCo state and this run another setting or none, or the other way round
+            (naming both, and the flags that resume it). Nothing is copied into the model or the optimizer then.
         ValueError: (from :meth:`ZeroOneOptimizer.load_full_state`) a checkpoint whose parameters of one
             ZeRO-1 param group were saved at different Adam steps.
     """
     step = int(os.path.basename(path)[5:])
+    _refuse_other_outer(path, step, outer)
     owners = _owners(model, stage)
+    replica = "" if outer is None else f"dp{outer.replica}/"
     state: dict[str, torch.Tensor] = {}
     for name, (p, _, _) in owners.items():
         shape = full_shapes[name]
-        state[name] = torch.empty(shape, dtype=p.dtype, device=p.device)
+        state[replica + name] = torch.empty(shape, dtype=p.dtype, device=p.device)
         for moment in _MOMENTS:
-            state[f"{name}.{moment}"] = torch.empty(shape, dtype=p.dtype, device=p.device)
-        state[f"{name}.step"] = torch.empty(1, dtype=torch.float32)
+            state[f"{replica}{name}.{moment}"] = torch.empty(shape, dtype=p.dtype, device=p.device)
+        state[f"{replica}{name}.step"] = torch.empty(1, dtype=torch.float32)
     meta: dict[str, Any] = {"step": torch.tensor([0])}
     everything: dict[str, Any] = {"model": state, "meta": meta}
     try:   # DCP raises on every rank when any rank fails to read (it gathers the ranks' results)
@@ -432,9 +486,10 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
     opt_states: dict[nn.Parameter, dict] = {}
     with torch.no_grad():
         for name, (p, layer, attr) in owners.items():
-            p.copy_(_shard(state[name], layer, attr))
-            opt_states[p] = {"step": state[f"{name}.step"].reshape(()).clone(),
-                             **{m: _shard(state[f"{name}.{m}"], layer, attr).to(p.device) for m in _MOMENTS}}
+            p.copy_(_shard(state[replica + name], layer, attr))
+            opt_states[p] = {"step": state[f"{replica}{name}.step"].reshape(()).clone(),
+                             **{m: _shard(state[f"{replica}{name}.{m}"], layer, attr).to(p.device)
+                                for m in _MOMENTS}}
     if isinstance(optimizer, ZeroOneOptimizer):
         optimizer.load_full_state(opt_states)
     else:
@@ -443,7 +498,46 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
     if dp_sync is not None:
         saved = everything["dp_sync"]["setting"] if "dp_sync" in everything else None
         _restore_dp_sync(dp_sync, path, saved, step, next(stage.parameters()).device)
+    if outer is not None:
+        outer.state.load_state_dict(_load_rank_state(path, "outer", outer.rank_key, next(stage.parameters()).device))
     return step
+
+
+def _refuse_other_outer(path: str, step: int, outer: OuterSync | None) -> None:
+    """RunError on every rank unless the checkpoint at ``path`` holds DiLoCo state exactly when this run has
+    ``outer``, saved under ``outer``'s setting. Collective (a DCP load of the setting) when both have it.
+
+    Why refuse rather than reshard: between outer steps the DP replicas hold different parameters and Adam
+    states, and the residuals are each rank's own; another DP degree has no replica to give them to, and
+    resuming plain DP from one of them would drop the others' inner steps.
+    """
+    try:
+        saved_keys = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+    except BaseException:   # noqa: BLE001 -- an unreadable checkpoint is reported by the load that follows
+        return
+    saved = None
+    if "outer.setting" in saved_keys:
+        holder = {"outer": {"setting": None}}
+        if outer is not None:
+            _dcp().load(holder, checkpoint_id=path)
+            saved = holder["outer"]["setting"]
+        else:
+            saved = "?"
+    mine = None if outer is None else outer.setting
+    if saved == mine:
+        return
+    where = f"--resume: the checkpoint of step {step} ({path})"
+    if mine is None:
+        raise RunError(f"{where} was saved with DiLoCo over DP (--inner-steps), whose DP replicas hold different "
+                       "parameters between outer steps; resume it with the flags it was saved with (its "
+                       "manifest.json lists them), or start afresh in another --ckpt-dir")
+    if saved is None:
+        raise RunError(f"{where} was saved without --inner-steps; this run is [{mine}]. A DiLoCo run resumes only "
+                       "from its own checkpoints: resume without --inner-steps, or start afresh in another "
+                       "--ckpt-dir")
+    raise RunError(f"{where} holds the DiLoCo state of [{saved}]; this run is [{mine}]. The replicas' parameters, "
+                   "Adam states and outer state are per DP replica and rank, and do not map onto another layout "
+                   "or outer setting: resume with the checkpoint's flags")
 
 
 # ---- the run's directory: lock, resume, saves, preemption ------------------------------------------------
@@ -605,7 +699,7 @@ class RunDirectory:
         if not self.opts.resume:
             return 0
         start = 0 if self.path is None else 1 + load(self.path, trainer.model, trainer.stage, trainer.optimizer,
-                                                      trainer.full_shapes, trainer.dp_sync)
+                                                      trainer.full_shapes, trainer.dp_sync, trainer.outer_sync)
         if dist.get_rank() == 0:
             steps = self.opts.steps
             _note(f"resume: no checkpoint in {self.dir!r}, starting at step 0" if start == 0 else
@@ -627,7 +721,7 @@ class RunDirectory:
         every = self.opts.ckpt_every
         if signum or (every and ((step + 1) % every == 0 or step == self.opts.steps - 1)):   # and the last step
             path = save(self.dir, step, trainer.model, trainer.stage, trainer.optimizer, trainer.dp_sync,
-                        run_config(self.opts))
+                        run_config(self.opts), trainer.outer_sync)
             if signum and dist.get_rank() == 0:
                 _note(f"preempted: {signal.Signals(signum).name} received; saved the checkpoint of step {step} "
                       f"({path}) and stopping; continue with --resume")

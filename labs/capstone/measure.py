@@ -51,7 +51,8 @@ class StepStats:
             seconds (Narayanan et al. 2021, §2.2.1), at most the stage's idle seconds.
         pp_s: the rest of ``pipeline_s``: PP transfers, waits for slower stages, the schedule's bookkeeping.
         dp_s: DP communication not hidden behind compute: with pp > 1 the averaging after the flush; with
-            pp = 1 the wait after the last gradient was ready (0 with ``--dp-impl ddp``, which does not say).
+            pp = 1 the wait after the last gradient was ready (0 with ``--dp-impl ddp``, which does not say);
+            with ``--inner-steps`` DiLoCo's outer step (about 0 on the steps between).
         exposed_comm_s: ``tp_s + pp_s + dp_s``. optimizer_s: the optimizer step (ZeRO-1's AllGather too).
         other_s: ``step_s`` less the mean parts: the slowest rank's lag and the bookkeeping between marks.
         tokens_per_s: the global batch's tokens per second of ``step_s``.
@@ -139,8 +140,9 @@ class StepMeter:
     """Times this rank's steps and combines the world's times into :class:`StepStats`.
 
     Per step: :meth:`start`, the passes inside :meth:`timing_tp`, then :meth:`mark` after the passes, after
-    DP's averaging and after the optimizer, then :meth:`stats`. Collective: every rank of the world makes it
-    (it measures the GEMM rate, keeping the slowest rank's) and calls :meth:`stats` every step.
+    DP's averaging and after the optimizer (and with ``--inner-steps`` after DiLoCo's step), then :meth:`stats`.
+    Collective: every rank of the world makes it (it measures the GEMM rate, keeping the slowest rank's) and
+    calls :meth:`stats` every step.
     """
 
     def __init__(self, opts, clock, tp_group: dist.ProcessGroup, pp_rank: int, device: torch.device):
@@ -171,7 +173,7 @@ class StepMeter:
         """The step's :class:`StepStats` from the marks; ``pipeline``: the schedule's result (None with pp = 1),
         ``dp_wrapper``: the DP wrapper (its ``last_step`` says how long the backward waited for DP)."""
         opts, elapsed = self.opts, self.clock.elapsed
-        t0, t1, t2, t3 = self.marks
+        t0, t1, t2, t3 = self.marks[:4]
         pipeline_s, tp_s = elapsed(t0, t1), self.tp_timer.seconds()
         if pipeline is None:   # pp = 1: DP overlaps the last backward; no bubble, no PP
             record = getattr(dp_wrapper, "last_step", None)
@@ -183,7 +185,9 @@ class StepMeter:
             busy_s, idle_s = pipeline.busy_s[self.pp_rank], pipeline.idle_s[self.pp_rank]
             bubble_s = min(idle_s, (opts.pp - 1) / opts.micro_batches * busy_s)
             pp_s = max(0.0, pipeline_s - busy_s - bubble_s)
-        step_s = torch.tensor([elapsed(t0, t3)], dtype=torch.float64, device=self.device)
+        if len(self.marks) == 5:   # --inner-steps: no averaging in the step; DP's time is the outer step's
+            dp_s = elapsed(t3, self.marks[4])
+        step_s = torch.tensor([elapsed(t0, self.marks[-1])], dtype=torch.float64, device=self.device)
         dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
         parts = torch.tensor([pipeline_s, max(0.0, busy_s - tp_s), tp_s, bubble_s, pp_s, dp_s, tp_s + pp_s + dp_s,
                               elapsed(t2, t3)], dtype=torch.float64, device=self.device)

@@ -44,12 +44,66 @@ def check(opts) -> None:
     if opts.dp_impl == "ddp" and (opts.pp != 1 or opts.compressor != "dense"):
         raise ValueError("--dp-impl ddp runs with --pp 1 and --compressor dense only (DDP's backward cannot be "
                          "driven by a pipeline schedule, and the compressors are commlab's hooks)")
+    _check_outer(opts)
     _check_paths(opts)
     corpus = load_corpus()
     longest = min(len(corpus.train), len(corpus.val)) - 2
     if opts.model.seq > longest:
         raise ValueError(f"--seq {opts.model.seq} is longer than the held-out split allows ({longest} tokens)")
     check_layout(opts.model, opts.tp, opts.pp, opts.dp)
+
+
+#: The outer step's flags and their defaults: each needs --inner-steps.
+OUTER_FLAGS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 1, "sync_delay": 0,
+               "mixing": 0.0, "outer_compressor": "dense"}
+
+
+def _check_outer(opts) -> None:
+    """DiLoCo over DP (``--inner-steps``): its flags in range, and nothing that assumes a per-step AllReduce."""
+    if opts.inner_steps is None:
+        given = [name for name, default in OUTER_FLAGS.items() if getattr(opts, name) != default]
+        if given:
+            flag = "--no-nesterov" if given[0] == "nesterov" else "--" + given[0].replace("_", "-")
+            raise ValueError(f"{flag} sets DiLoCo's outer step, which runs only with --inner-steps H")
+        return
+    h = opts.inner_steps
+    if h < 1:
+        raise ValueError(f"--inner-steps must be >= 1 (local steps between outer steps), got {h}")
+    if opts.dp < 2:
+        raise ValueError(f"--inner-steps {h} syncs the DP replicas every {h} steps, and --dp {opts.dp} has no other "
+                         "replica; use --dp 2 or more")
+    if opts.compressor != "dense":
+        raise ValueError(f"--compressor {opts.compressor} compresses the per-step gradient AllReduce, which "
+                         "--inner-steps replaces by the outer step; compress that one with --outer-compressor")
+    if opts.zero1:
+        raise ValueError("--zero1 shards Adam's state over DP, but with --inner-steps each DP replica steps its own "
+                         "Adam on its own gradients; drop one of them")
+    if opts.dp_impl != "commlab":
+        raise ValueError(f"--dp-impl {opts.dp_impl} averages gradients every step; --inner-steps runs with "
+                         "--dp-impl commlab")
+    if not (math.isfinite(opts.outer_lr) and opts.outer_lr > 0):
+        raise ValueError(f"--outer-lr must be a finite number > 0, got {opts.outer_lr}")
+    if not 0 <= opts.outer_momentum < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {opts.outer_momentum}")
+    if opts.outer_momentum == 0 and opts.nesterov:
+        raise ValueError("--outer-momentum 0 needs --no-nesterov (Nesterov's step is a momentum step)")
+    if not 0 <= opts.mixing <= 1:
+        raise ValueError(f"--mixing must be in [0, 1], got {opts.mixing}")
+    f = opts.fragments
+    if f < 1 or h % f:
+        raise ValueError(f"--fragments must be a divisor of --inner-steps {h} (each fragment syncs once every {h} "
+                         f"steps, one every H / F steps), got {f}")
+    if not 0 <= opts.sync_delay < h // f:
+        raise ValueError(f"--sync-delay must be in 0..{h // f - 1} (below --inner-steps / --fragments = {h // f}: "
+                         f"a fragment's sync lands before the next one's is sent), got {opts.sync_delay}")
+    if opts.outer_compressor != "dense":
+        try:
+            kind, _ = parse_spec(opts.outer_compressor)
+        except ValueError as e:
+            raise ValueError(f"--outer-compressor: {e}") from None
+        if kind == "powersgd":
+            raise ValueError(f"--outer-compressor {opts.outer_compressor}: PowerSGD keeps per-matrix state of its "
+                             "own and is not an outer compressor; use int:8, topk:RATIO, cast:bf16, ...")
 
 
 def _check_paths(opts) -> None:

@@ -6,8 +6,10 @@
 Every rank builds the whole model from the seed; :func:`parallelize` then applies TP, PP and DP in turn, as
 torchtitan does. A step draws the same global batch on every rank (from the seed and the step), keeps this
 rank's DP share, runs the pipeline schedule inside the DP wrapper's ``no_sync``, averages the gradients over
-DP (once, after the flush; with pp = 1 overlapped with the last backward) and steps Adam. Measurement: ``measure.py``;
-prediction: ``predict.py``; checkpoints, lock, signals, loss check: ``checkpoint.py``. Chapter 14; lab 14 runs it.
+DP (once, after the flush; with pp = 1 overlapped with the last backward) and steps Adam. With ``--inner-steps
+H`` each DP replica steps alone and DiLoCo's outer step averages over DP every H steps (:class:`OuterStep`).
+Measurement: ``measure.py``; prediction: ``predict.py``; checkpoints, lock, signals, loss check:
+``checkpoint.py``. Chapter 14; lab 14 runs it.
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ from commlab.parallel import ZeroOneOptimizer
 from commlab.parallel.mesh import ParallelLayout, build_mesh, mesh_groups
 from commlab.parallel.pipeline import pipeline_step
 from commlab.parallel.tensor import tp_sharded_parameters
+from commlab.sync import DiLoCo
 
 from labs.capstone import checkpoint, predict, preflight
 from labs.capstone.measure import StepLog, StepMeter, StepStats, profiled, steady_means, summary
 from labs.capstone.model import (GPT, MATMUL_DTYPE, PARAM_DTYPE, GPTConfig, apply_tp, build_gpt, check_layout, lm_loss,
                                  pipeline_stages)
 
-__all__ = ["Options", "parse_args", "parallelize", "apply_dp", "Trainer", "train", "main"]
+__all__ = ["Options", "parse_args", "parallelize", "apply_dp", "OuterStep", "Trainer", "train", "main"]
 
 
 def flag(default, help: str, **argparse_options):
@@ -85,7 +88,23 @@ class Options:
     compressor: str = flag("dense", "how DP averages gradients: dense, powersgd:R, topk:RATIO, randomk:RATIO, "
                            "int:8, int:4, qsgd:BITS, sign, cast:bf16, cast:fp16", metavar="SPEC",
                            type=lambda spec: COMPRESSOR_ALIASES.get(spec, spec))
-    error_feedback: bool = flag(True, "use error feedback when compressing, with every compressor but the casts")
+    error_feedback: bool = flag(True, "use error feedback when compressing (per step or the outer step), with "
+                                "every compressor but the casts")
+    # syncing DP less often: DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025) instead of the AllReduce
+    inner_steps: int | None = flag(None, "DiLoCo over DP: each replica takes H local steps, then the outer step "
+                                   "averages the pseudo-gradients over DP (default: average gradients every step)",
+                                   metavar="H", type=int)
+    outer_lr: float = flag(0.7, "the outer SGD's learning rate (with --inner-steps)", metavar="LR")
+    outer_momentum: float = flag(0.9, "the outer SGD's momentum (with --inner-steps)", metavar="MU")
+    nesterov: bool = flag(True, "use Nesterov momentum in the outer step (with --inner-steps)")
+    fragments: int = flag(1, "Streaming DiLoCo: fragments synced on a staggered schedule (with --inner-steps)",
+                          metavar="K")
+    sync_delay: int = flag(0, "Streaming DiLoCo: inner steps a fragment's outer AllReduce overlaps (tau)",
+                           metavar="TAU")
+    mixing: float = flag(0.0, "Streaming DiLoCo: local <- alpha local + (1 - alpha) global", metavar="ALPHA")
+    outer_compressor: str = flag("dense", "how the outer step sends the pseudo-gradient: dense, int:8, topk:RATIO, "
+                                 "cast:bf16, ... (as --compressor)", metavar="SPEC",
+                                 type=lambda spec: COMPRESSOR_ALIASES.get(spec, spec))
     model: GPTConfig = GPTConfig()
     # where it runs and what it writes
     backend: str | None = flag(None, "default: NCCL when CUDA is present, else gloo", choices=("gloo", "nccl"))
@@ -179,6 +198,48 @@ def apply_dp(stage: nn.Module, group: dist.ProcessGroup, opts: Options):
     return dp, state
 
 
+class OuterStep:
+    """DiLoCo over the DP group for one rank's stage (``--inner-steps``): one :class:`commlab.sync.DiLoCo` per kind
+    of parameter, TP shards and replicated ones, on the same schedule. Apart for the reason the DP buckets are
+    (:func:`apply_dp`): a compressor's output depends on the whole fragment, and the replicated parameters must
+    stay equal on every TP rank. :meth:`step` after each inner optimizer step; True when an outer update landed.
+
+    Each rank's parameters are its local tensors (its TP shards of its PP stage), so each rank averages with the
+    DP peers that hold the same shards.
+    """
+
+    def __init__(self, stage: nn.Module, group: dist.ProcessGroup, opts: Options):
+        sharded = tp_sharded_parameters(stage)
+        kinds = {"sharded": [p for n, p in stage.named_parameters() if n in sharded],
+                 "replicated": [p for n, p in stage.named_parameters() if n not in sharded]}
+        compressor = None if opts.outer_compressor == "dense" else opts.outer_compressor
+        feedback = opts.error_feedback and compressor is not None and not compressor.startswith("cast")
+        self.parts = {kind: DiLoCo(params, group, inner_steps=opts.inner_steps, outer_lr=opts.outer_lr,
+                                   outer_momentum=opts.outer_momentum, nesterov=opts.nesterov,
+                                   fragments=opts.fragments, sync_delay=opts.sync_delay, mixing=opts.mixing,
+                                   compressor=compressor, error_feedback=feedback, seed=opts.seed)
+                      for kind, params in kinds.items() if params}
+
+    def step(self) -> bool:
+        return any([part.step() for part in self.parts.values()])   # a list: every part steps
+
+    @property
+    def bytes_sent_per_rank(self) -> float:
+        return sum(part.bytes_sent_per_rank for part in self.parts.values())
+
+    def state_dict(self) -> dict:
+        return {kind: part.state_dict() for kind, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for kind, part in self.parts.items():
+            part.load_state_dict(state[kind])
+
+    def close(self) -> None:
+        """Wait for an outer AllReduce in flight (``--sync-delay``); before the process group goes."""
+        for part in self.parts.values():
+            part.close()
+
+
 class Trainer:
     """This rank's part of a TP x PP x DP run: its mesh, its stage wrapped for DP, its optimizer, its meter.
     Every rank of the world makes it (collectively); ValueError on every rank, before any group exists, if the
@@ -199,7 +260,9 @@ class Trainer:
         params, dp_group = self.stage.parameters(), self.groups["dp"]
         self.optimizer = (ZeroOneOptimizer(params, dp_group=dp_group, optimizer_cls=torch.optim.Adam, lr=opts.lr)
                           if opts.zero1 else torch.optim.Adam(params, lr=opts.lr))   # ZeRO-1: Adam sharded over DP
+        self.outer = None if opts.inner_steps is None else OuterStep(self.stage, dp_group, opts)   # DiLoCo
         self.dp_sync = checkpoint.dp_sync_of(hook_state, self.dp, self.mesh, opts)   # what checkpoints store
+        self.outer_sync = checkpoint.outer_sync_of(self.outer, self.mesh, opts)
         corpus = load_corpus()
         self.train_ids, self.val_ids = corpus.train, corpus.val
         clock = self.dp.clock if isinstance(self.dp, BucketedDataParallel) else Clock(self.device)
@@ -227,20 +290,24 @@ class Trainer:
                                              opts.schedule)
                 loss = pipeline.loss
         meter.mark()
-        if opts.pp > 1:
+        if opts.pp > 1 and self.outer is None:
             self.dp.sync_gradients()   # once, after the pipeline's flush
         meter.mark()
         self.optimizer.step()
         meter.mark()
+        if self.outer is not None:   # DiLoCo: the inner step was this replica's own; every H steps the outer step
+            self.outer.step()
+            meter.mark()
         return meter.stats(step, self.global_mean(loss), pipeline, self.dp)
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """pp = 1: the micro-batches in turn, gradients accumulated inside ``no_sync`` but for the last, whose
-        backward averages them over DP overlapped with its computation (as DDP does). The mean loss."""
+        backward averages them over DP overlapped with its computation (as DDP does; with ``--inner-steps``
+        inside ``no_sync`` too). The mean loss."""
         m = self.opts.micro_batches
         total = 0.0
         for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
-            with self.dp.no_sync() if j < m - 1 else contextlib.nullcontext():
+            with self.dp.no_sync() if j < m - 1 or self.outer is not None else contextlib.nullcontext():
                 loss = lm_loss(self.dp(xj), yj) / m
                 loss.backward()
             total = total + loss.detach()   # read once, below: no host synchronisation per micro-batch
@@ -299,6 +366,8 @@ def train(opts: Options, stats: list | None = None) -> list[float]:
                 bar.set_postfix(loss=f"{measured.loss:.3f}", tok_s=f"{measured.tokens_per_s:.0f}", refresh=False)
                 if ckpt_dir.end_of_step(step, measured.loss, trainer):   # saved on a preemption signal: stop
                     break
+        if trainer.outer is not None:
+            trainer.outer.close()
     return losses
 
 
@@ -324,7 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tp={opts.tp} pp={opts.pp} dp={opts.dp}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
               f"in {len(losses)} steps{val}", flush=True)
         print(summary(stats), flush=True)
-    if opts.plan and stats and checkpoint.preempted_at() is None:
+    if opts.plan and stats and opts.inner_steps is not None:
+        if ctx.rank == 0:
+            print("plan: not predicted: the planner prices a DP AllReduce every step, and --inner-steps syncs "
+                  f"every {opts.inner_steps} steps (commlab.sync.cost prices the outer step)", flush=True)
+    elif opts.plan and stats and checkpoint.preempted_at() is None:
         report = predict.calibrate_and_report(opts, steady_means(stats)["step_s"], stats[-1].gemm_flop_per_s,
                                               ctx.local_world_size, group_device(None))
         if report is not None:
