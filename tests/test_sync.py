@@ -353,9 +353,22 @@ def test_bad_local_sgd_settings_are_named():
         LocalSGD(_model().parameters(), every=2, warmup_steps=-1)
 
 
-def _errors():
+def _four_ranks():
+    """On 4 ranks: two DP groups {0, 2} and {1, 3} syncing apart (a fragment in flight while the caller runs its own
+    world collective); then a NaN on rank 1 and ranks that disagree on H."""
     out = {}
     rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = _model(rank)
+    d = DiLoCo(model.parameters(), groups[rank % 2], inner_steps=4, fragments=2, sync_delay=1, compressor="int:8")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 9):
+        _inner(model, inner, step)
+        d.step()
+        if step == 5:  # fragment 0 was sent after step 5 and lands after step 6
+            dist.all_reduce(torch.ones(1))
+    d.close()
+    out["global"] = [g.clone() for g in d.global_params]
     # A NaN on one rank only: every rank raises at the send step, nothing is sent, nobody hangs.
     for tau in (0, 1):
         model = _model()
@@ -372,15 +385,26 @@ def _errors():
         d.close()
     # Ranks that disagree on H: the same error on every rank, at construction.
     try:
-        DiLoCo(_model().parameters(), inner_steps=2 + 2 * rank)
+        DiLoCo(_model().parameters(), inner_steps=2 + 2 * (rank % 2))
         out["mismatch"] = None
     except CollectiveMismatchError as e:
         out["mismatch"] = str(e)
     return out
 
 
-def test_nan_pseudo_gradient_and_disagreeing_ranks_raise_on_every_rank():
-    for out in launch(_errors, WORLD, timeout=60):
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(_four_ranks, 4, timeout=60)
+
+
+def test_data_parallel_subgroups_sync_apart(four_ranks):
+    glob = [r["global"] for r in four_ranks]
+    assert _same(glob[0], glob[2]) and _same(glob[1], glob[3])
+    assert not _same(glob[0], glob[1])
+
+
+def test_nan_pseudo_gradient_and_disagreeing_ranks_raise_on_every_rank(four_ranks):
+    for out in four_ranks:
         for tau in (0, 1):
             assert out[f"nan_tau{tau}"] is not None and "rank(s) [1]" in out[f"nan_tau{tau}"]
             assert "pseudo-gradient" in out[f"nan_tau{tau}"]
