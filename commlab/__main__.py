@@ -138,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
                                                    "time model's prediction (commlab/data/experiments/slow_link.json)")
     exp_val.add_argument("--out", default=None, help="JSON file (default in a checkout: "
                          "commlab/data/experiments/slow_link.json)")
+    exp_sync = exp_sub.add_parser("sync-link", help="send fewer bytes, or sync less often? per-step compressors "
+                                  "against local SGD, DiLoCo and Streaming DiLoCo on an emulated slow link, beside the "
+                                  "alpha-beta prediction (commlab/data/experiments/sync_link.json; resumes)")
+    exp_sync.add_argument("--out", default=None, help="JSON file of the result (default in a checkout: "
+                          "commlab/data/experiments/sync_link.json)")
+    exp_sync.add_argument("--records", default=None, help="JSON-lines file of the runs (default in a checkout: "
+                          "commlab/data/experiments/sync_link.jsonl); runs already in it are not rerun")
+    exp_sync.add_argument("--fresh", action="store_true", help="discard the recorded runs and start over")
+    exp_sync.add_argument("--tasks", default="digits,charlm", help="comma-separated tasks (default digits,charlm)")
+    exp_sync.add_argument("--inner-steps", type=int, default=10, help="H, inner steps between syncs (default 10)")
+    exp_sync.add_argument("--show", action="store_true", help="print the recorded table only (runs nothing)")
     exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
     exp_tab.add_argument("--records", default=None, help="JSON-lines file (default: the recorded "
                          "commlab/data/experiments/full.jsonl)")
@@ -535,6 +546,17 @@ def _experiments_action(args) -> int:
     from commlab import data
     from commlab.experiments import grid
 
+    if args.action == "sync-link":
+        from commlab.experiments import sync_link
+        if args.show:
+            print(sync_link.format_table(sync_link.load(args.out)))
+            return 0
+        result = sync_link.measure([t.strip() for t in args.tasks.split(",") if t.strip()], h=args.inner_steps,
+                                   records_path=args.records, fresh=args.fresh, progress=True)
+        path = sync_link.save(result, args.out)
+        print(sync_link.format_table(result))
+        print(f"recorded in {path}")
+        return 0
     if args.action == "run":
         path = args.out or data.record_path(f"experiments/{args.grid}.jsonl")
         records = grid.run_grid(grid.grid_configs(args.grid), path, fresh=args.fresh)

@@ -62,6 +62,9 @@ class RunConfig:
             pseudo-gradient Δ (``"int:8"`` + ``"diloco:10"``: DiLoCo with an INT8 outer AllReduce) and
             ``error_feedback`` keeps Δ's residual. The inner optimizer is the task's (``optimizer``). Left out of
             :attr:`key` when ``"every"``.
+        outer_lr, outer_momentum: DiLoCo's outer SGD (Nesterov when the momentum is above 0); None: DiLoCo's
+            defaults (:class:`commlab.sync.DiLoCo`). Only with ``"diloco"``/``"streaming"``; left out of :attr:`key`
+            when None.
 
     Raises:
         ValueError: a bad task, method or number (the message says which).
@@ -82,6 +85,8 @@ class RunConfig:
     optimizer: str | None = None
     aggregation: str = "auto"
     sync: str = "every"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self):
         _task_class(self.task)
@@ -114,9 +119,16 @@ class RunConfig:
 
     def _check_sync(self, steps: int) -> None:
         kind, nums = parse_sync(self.sync)
+        where = f"RunConfig(sync={self.sync!r})"
+        if self.outer_lr is not None:
+            checks.number("RunConfig.outer_lr", self.outer_lr, above=0, note="or None for DiLoCo's default")
+        if self.outer_momentum is not None:
+            checks.number("RunConfig.outer_momentum", self.outer_momentum, least=0, below=1,
+                          note="or None for DiLoCo's default")
+        if kind not in ("diloco", "streaming") and (self.outer_lr, self.outer_momentum) != (None, None):
+            raise ValueError(f"{where}: outer_lr and outer_momentum are DiLoCo's; leave them None")
         if kind == "every":
             return
-        where = f"RunConfig(sync={self.sync!r})"
         if kind == "local" and (self.method != "dense" or self.error_feedback):
             raise ValueError(f"{where}: local SGD averages the parameters themselves; method must be 'dense' "
                              f"without error feedback, got {self.method!r}, error_feedback={self.error_feedback}")
@@ -147,7 +159,9 @@ class RunConfig:
     @property
     def label(self) -> str:
         if self.sync != "every":
-            return describe_sync(self.sync, self.method, self.error_feedback)
+            outer = ("" if self.outer_lr is None and self.outer_momentum is None else
+                     f" (outer lr {_g(self.outer_lr)}, momentum {_g(self.outer_momentum)})")
+            return describe_sync(self.sync, self.method, self.error_feedback) + outer
         return describe(self.method, self.error_feedback, self.warmup_steps, self.aggregation)
 
     @property
@@ -169,7 +183,13 @@ class RunConfig:
         keep their keys)."""
         agg = "" if self.aggregation == "auto" else f"agg={self.aggregation}|"
         agg += "" if self.sync == "every" else f"sync={self.sync}|"
+        if self.outer_lr is not None or self.outer_momentum is not None:
+            agg += f"outer={_g(self.outer_lr)},{_g(self.outer_momentum)}|"
         return f"{self.task}|{self.method}|ef={int(self.error_feedback)}|warmup={self.warmup_steps}|{agg}"
+
+
+def _g(x: float | None) -> str:
+    return "default" if x is None else f"{x:g}"
 
 
 def _task_class(name):
@@ -318,7 +338,12 @@ def make_sync(config: RunConfig, params, emulate: EmulatedTopology | None = None
     if kind == "local":
         return LocalSGD(params, every=nums[0])
     fragments, delay, mixing = nums[1:] if kind == "streaming" else (1, 0, 0.0)
-    return DiLoCo(params, inner_steps=nums[0], fragments=fragments, sync_delay=delay, mixing=mixing,
+    outer = {}
+    if config.outer_lr is not None:
+        outer["outer_lr"] = config.outer_lr
+    if config.outer_momentum is not None:
+        outer.update(outer_momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
+    return DiLoCo(params, inner_steps=nums[0], fragments=fragments, sync_delay=delay, mixing=mixing, **outer,
                   compressor=None if config.method == "dense" else config.method,
                   error_feedback=config.error_feedback, emulate=emulate, seed=config.seed)
 
@@ -379,9 +404,8 @@ def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dic
         marked.append((t0, t1, t2, clock.mark(), loss.detach()))
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             evaluate(step + 1)
-    finish = getattr(sync, "finish", None)  # Streaming DiLoCo: let in-flight fragment syncs land
-    if callable(finish):
-        finish()
+    if hasattr(sync, "close"):
+        sync.close()  # Streaming DiLoCo: wait for a fragment's sync still in flight
     for t0, t1, t2, t3, loss in marked:
         out["step_s"].append(clock.elapsed(t0, t3))
         out["compute_s"].append(clock.elapsed(t0, t1))
@@ -391,11 +415,23 @@ def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dic
     done = max(1, len(marked))
     # Bytes per inner step, the mean over the run (the outer syncs spread over the steps between them).
     out["bytes_sent_per_rank"] = float(sync.bytes_sent_per_rank) / done
-    kind, _ = parse_sync(config.sync)
-    out["payload_nbytes"] = (dense_nbytes if config.method == "dense"
-                             else int(getattr(sync, "payload_nbytes", 0) or 0))
-    out["path"] = getattr(sync, "path", None) or "all_reduce"
+    out["payload_nbytes"], out["path"] = _outer_payload(config, params)
     return out
+
+
+def _outer_payload(config: RunConfig, params) -> tuple[int, str]:
+    """Bytes of one rank's payloads over one cycle of outer syncs (every fragment once) and their path: the
+    compressor of ``config.method`` applied to each fragment's size (local SGD and dense Δ: the parameters' bytes)."""
+    from commlab.compress.specs import compressor_for
+    from commlab.sync.schedule import split_fragments
+
+    kind, nums = parse_sync(config.sync)
+    comp = None if config.method == "dense" else compressor_for(config.method, seed=config.seed)
+    if comp is None:
+        return sum(p.numel() * p.element_size() for p in params), "all_reduce"
+    fragments = split_fragments(params, nums[1] if kind == "streaming" else 1)
+    total = sum(comp.compress(torch.randn(sum(params[i].numel() for i in f))).nbytes for f in fragments)
+    return total, "all_reduce" if comp.linear else "all_gather"
 
 
 def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:

@@ -90,8 +90,8 @@ def parse_sync(sync: str) -> tuple[str, tuple]:
     """Split a sync spec into its kind and its numbers: ``"every"`` -> ``("every", ())``; ``"local:H"`` (local SGD,
     parameters averaged every H steps) and ``"diloco:H"`` -> ``(kind, (H,))``; ``"streaming:H:F:tau:alpha"``
     (Streaming DiLoCo: F fragments, each synced every H steps, its outer AllReduce in flight for tau inner steps,
-    then mixed in with alpha) -> ``("streaming", (H, F, tau, alpha))``. H >= 1, 1 <= F <= H, 0 <= tau < H / F
-    (a fragment's sync lands before the next one starts), 0 <= alpha < 1.
+    then mixed in with alpha) -> ``("streaming", (H, F, tau, alpha))``. H >= 1, F divides H, 0 <= tau < H / F
+    (:func:`commlab.sync.schedule.check_schedule`), alpha in [0, 1].
 
     Raises:
         ValueError: an unknown kind, a wrong count of numbers, a number out of range or not in its one spelling
@@ -119,11 +119,11 @@ def parse_sync(sync: str) -> tuple[str, tuple]:
     h = checks.integer("H (inner steps between syncs)", ints[0], where=f"sync {sync!r}")
     if kind != "streaming":
         return kind, (h,)
-    f = checks.integer("F (fragments)", ints[1], most=h, note="at most H", where=f"sync {sync!r}")
-    tau = checks.integer("tau (inner steps a fragment's sync is in flight)", ints[2], least=0,
-                         most=max(0, h // f - 1), note="below H/F, so a sync lands before the next starts",
-                         where=f"sync {sync!r}")
-    checks.number("alpha (mixing)", alpha, least=0.0, below=1.0, where=f"sync {sync!r}")
+    from commlab.sync.schedule import check_schedule  # F divides H, tau below H/F: the schedule's own rule
+
+    f, tau = ints[1], ints[2]
+    check_schedule(h, f, tau, where=f"sync {sync!r}")
+    checks.share("alpha (mixing)", alpha, where=f"sync {sync!r}")
     return kind, (h, f, tau, alpha)
 
 
