@@ -269,8 +269,11 @@ class DiLoCo:
 
     @torch.no_grad()
     def _apply(self, sync: FragmentSync) -> None:
-        job = self._wait()
         f = sync.fragment
+        if self._in_flight is None:
+            raise RuntimeError(f"DiLoCo step {self.steps}: fragment {f}'s outer update is due, but its sync was never "
+                               f"sent (its send step, {self.steps - self.sync_delay}, raised); restore a checkpoint")
+        job = self._wait()
         if job.sync != sync:
             raise RuntimeError(f"DiLoCo step {self.steps}: fragment {f} is due but fragment {job.sync.fragment}'s "
                                "sync is in flight; the schedule was broken (a state loaded mid-cycle?)")
