@@ -79,7 +79,7 @@ class DiLoCo:
             or a list of explicit fragments (lists of tensors; then ``fragments`` must be 1 or their count).
         group: the data-parallel group (None: the world). Its first rank's parameters are broadcast at construction.
         inner_steps: H (>= 1), inner steps between two syncs of a fragment.
-        outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: arXiv:2311.08105 §3).
+        outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: DiLoCo's outer optimizer).
         fragments: F, a divisor of H; sync_delay: tau in 0..H/F-1; mixing: alpha in [0, 1].
         compressor: a spec of :func:`commlab.compress.specs.parse_spec` (``"int:8"``, ``"topk:0.01"``, ...) for Delta,
             or None / ``"dense"``. error_feedback: keep the compressor's residual per fragment.

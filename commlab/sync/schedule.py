@@ -59,7 +59,7 @@ def fragment_schedule(inner_steps: int, fragments: int = 1, sync_delay: int = 0,
     Fragment ``p`` (0-based) of cycle ``c`` lands after inner step ``c H + (p + 1) H / F`` and is sent
     ``sync_delay`` (tau) steps earlier; so every fragment syncs once every H steps and one fragment every H/F steps,
     as torchft's ``DiLoCo`` (``sync_every=H``, ``fragment_sync_delay=tau``) and Douillard et al. 2025
-    (arXiv:2501.18512, §2.2) schedule it. F = 1, tau = 0 is DiLoCo (arXiv:2311.08105): one sync after every H steps.
+    (arXiv:2501.18512) schedule it. F = 1, tau = 0 is DiLoCo (arXiv:2311.08105): one sync after every H steps.
 
     Returns:
         :class:`FragmentSync` tuples in the order they land.
