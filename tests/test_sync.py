@@ -309,7 +309,7 @@ def _round_trip(**kw):
     resumed = (_params(model), [g.clone() for g in d.global_params], d.bytes_sent_per_rank)
     d.close()
     return (in_flight, _same(straight[0], resumed[0]), _same(straight[1], resumed[1]),
-            straight[2] == resumed[2], straight[2])
+            straight[2] == resumed[2], straight[2], d.payload_nbytes, d.path)
 
 
 def _round_trips():
@@ -331,12 +331,16 @@ def _round_trips():
 def test_state_dict_round_trip_resumes_bitwise():
     out = launch(_round_trips, WORLD, timeout=120)[0]
     for spec in ("topk:0.25", "qsgd:8", "int:8", "two_phase", "dense"):
-        in_flight, params, glob, sent, total = out[spec]
+        in_flight, params, glob, sent, total, _, _ = out[spec]
         assert in_flight, spec  # saved between a fragment's send (step 3) and its landing (step 4)
         assert params and glob and sent, spec
     # Compressed Delta sends fewer bytes than dense: INT8 about a quarter, Top-K 25% (values and indices) a half.
     assert out["int:8"][4] < 0.3 * out["dense"][4]
     assert out["topk:0.25"][4] < 0.6 * out["dense"][4]
+    # The last payloads of the two fragments (24 and 27 values): dense float32; INT8 codes and a float32 scale.
+    assert out["dense"][5:] == ([24 * 4, 27 * 4], "all_reduce")
+    assert out["int:8"][5:] == ([24 + 4, 27 + 4], "all_gather")
+    assert out["two_phase"][6] == "two_phase"
     assert out["local_sgd"]
 
 

@@ -8,7 +8,7 @@ one flat buffer.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,17 @@ from commlab.compress.aggregate import aggregate
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["mean_over_group", "flatten", "unflatten_into"]
+__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into"]
+
+
+class Mean(NamedTuple):
+    """What :func:`mean_over_group` returns: the mean (the input's shape and dtype), the bytes this rank sent, its
+    payload's bytes, and the path (``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``)."""
+
+    mean: torch.Tensor
+    bytes_sent_per_rank: float
+    payload_nbytes: int
+    path: str
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -47,7 +57,7 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[
 def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *, compressor=None,
                     error_feedback: ErrorFeedback | None = None, key: Hashable | None = None,
                     emulate: EmulatedTopology | None = None, path: str = "auto",
-                    server_error_feedback: ErrorFeedback | None = None) -> tuple[torch.Tensor, float]:
+                    server_error_feedback: ErrorFeedback | None = None) -> Mean:
     """The mean over ``group`` of every rank's ``flat``, and the bytes this rank sent.
 
     Dense (``compressor`` None): ``flat / N`` (a new tensor) is summed in place by commlab's ring AllReduce, dividing
@@ -60,7 +70,7 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, 
             :func:`commlab.compress.aggregate` (``path="two_phase"``: the two-phase compressed AllReduce).
 
     Returns:
-        ``(mean, bytes_sent_per_rank)``; ``mean`` has ``flat``'s shape and dtype.
+        :class:`Mean`: ``(mean, bytes_sent_per_rank, payload_nbytes, path)``.
 
     Raises:
         FloatingPointError: (compressed) a NaN/Inf on any rank, on every rank. Others: as ``aggregate``.
@@ -69,7 +79,8 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, 
     if compressor is None:
         buf = flat / n
         ring_all_reduce(buf, group, inplace=True, check=False, emulate=emulate)
-        return buf, ring_bytes_sent_per_rank(flat.numel() * flat.element_size(), n, "all_reduce")
+        nbytes = flat.numel() * flat.element_size()
+        return Mean(buf, ring_bytes_sent_per_rank(nbytes, n, "all_reduce"), nbytes, "all_reduce")
     out = aggregate(flat, compressor, group, error_feedback=error_feedback, key=key, emulate=emulate, path=path,
                     server_error_feedback=server_error_feedback)
-    return out.sum.div_(n), out.bytes_sent_per_rank
+    return Mean(out.sum.div_(n), out.bytes_sent_per_rank, out.payload_nbytes, out.path)

@@ -93,7 +93,8 @@ class DiLoCo:
         :class:`FragmentSync` s, repeating every H steps), then persistent state: ``steps``, ``global_params``,
         ``momentum_buffers``, ``outer_steps`` (per fragment), the error feedback's residuals, ``bytes_sent_per_rank``
         (cumulative); measured: ``comm_seconds`` (outer syncs' duration), ``wait_seconds`` (time :meth:`step`
-        blocked on them: the exposed part).
+        blocked on them: the exposed part), ``payload_nbytes`` (one rank's payload of each fragment's last sync),
+        ``path`` (``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``, as :func:`commlab.compress.aggregate`).
 
     Raises:
         ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
@@ -159,6 +160,9 @@ class DiLoCo:
         self.outer_steps = [0] * self.fragments
         self.bytes_sent_per_rank = 0.0
         self.comm_seconds = self.wait_seconds = 0.0
+        # Of the last sync of each fragment: one rank's payload bytes; and the path payloads took.
+        self.payload_nbytes = [0] * self.fragments
+        self.path = "all_reduce" if self._compressor is None else ""
         self._in_flight: _InFlight | None = None
         # The in-flight AllReduce gets its own group, so that it never interleaves with the caller's collectives.
         self._sync_group = group
@@ -239,11 +243,14 @@ class DiLoCo:
     def _average(self, job: _InFlight, delta: torch.Tensor, group) -> None:
         t0 = time.perf_counter()
         try:
+            if delta.is_cuda:  # the current device is per thread: a worker starts on GPU 0
+                torch.cuda.set_device(delta.device)
             with torch.no_grad():
-                job.mean, job.sent = mean_over_group(delta, group, compressor=self._compressor,
-                                                     error_feedback=self._ef,
-                                                     key=job.sync.fragment if self._ef else None, emulate=self.emulate,
-                                                     path=self.aggregation, server_error_feedback=self._server_ef)
+                out = mean_over_group(delta, group, compressor=self._compressor, error_feedback=self._ef,
+                                      key=job.sync.fragment if self._ef else None, emulate=self.emulate,
+                                      path=self.aggregation, server_error_feedback=self._server_ef)
+            job.mean, job.sent = out.mean, out.bytes_sent_per_rank
+            self.payload_nbytes[job.sync.fragment], self.path = out.payload_nbytes, out.path
         except BaseException as e:  # re-raised on the caller's thread at the apply step
             job.error = e
         job.seconds = time.perf_counter() - t0

@@ -82,11 +82,11 @@ class LocalSGD:
         """Replace every rank's parameters by their mean over the group, now (off the schedule)."""
         flat = flatten(self.params)
         agree_finite(flat, self.group, f"LocalSGD step {self.steps}: the parameters")
-        mean, sent = mean_over_group(flat, self.group, emulate=self.emulate)
-        for p, m in zip(self.params, unflatten_into(mean, self.params)):
+        out = mean_over_group(flat, self.group, emulate=self.emulate)
+        for p, m in zip(self.params, unflatten_into(out.mean, self.params)):
             p.copy_(m)
         self.averages += 1
-        self.bytes_sent_per_rank += sent
+        self.bytes_sent_per_rank += out.bytes_sent_per_rank
 
     def state_dict(self) -> dict:
         """``{"every", "warmup_steps", "steps", "averages", "bytes_sent_per_rank"}`` (parameters: the model's)."""
