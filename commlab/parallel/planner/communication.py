@@ -209,7 +209,8 @@ def send_times(message_s: float, overlap_pp: float, slowdown: float = 1.0) -> tu
 
 def fsdp_head_share(m: ModelConfig, layout: Layout) -> float:
     """Share of a GPU's ZeRO-3 parameters whose AllGather and ReduceScatter no prefetch hides: the embedding's and
-    the first block's (torchtitan ``apply_fsdp`` units); with pp > 1 the heavier of the first and last stage's."""
+    the first block's (torchtitan ``apply_fsdp`` units); with pp > 1 the heavier of the first and last stage's,
+    an assumption that is pessimistic there (PyTorch's pipeline stages gather about once per step)."""
     block = layer_params(m)
     if layout.pp == 1:
         return min(1.0, (embedding_params(m) + block) / stage_params(m, 1, "only"))

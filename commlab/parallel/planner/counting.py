@@ -39,7 +39,8 @@ FLOP_DEFINITIONS = {
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Model FLOP per token, no recomputation: ``6·P + 12·L·h·s`` (P with embeddings; PaLM App. B)."""
+    """Model FLOP per token, no recomputation: ``6·P + 12·L·h·s`` (PaLM App. B; P with embeddings, so the
+    embedding lookup is counted as if a matmul, as the definition does)."""
     return 6.0 * parameter_count(m) + 12.0 * m.layers * m.hidden * m.seq
 
 

@@ -294,7 +294,8 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     """Bytes of activations one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022, §4-5):
     ``s·b·h·(34 + 5·a·s/h)``, split as their Table 2 by TP and sequence parallelism; ``2·s·b·h`` (``/t`` with
     SP) under full recomputation; ``"selective"`` and FlashAttention drop the ``5·a·s/h`` term. The MLP's 16 is
-    scaled by ffn/(4h) (1.5× gated). ``"every-k"`` is priced by :func:`memory_breakdown`.
+    scaled by ffn/(4h) (1.5× gated); K and V are counted for every head, and two dropout masks (high by about a
+    sixth for Llama 3 405B, book §11.4). ``"every-k"`` is priced by :func:`memory_breakdown`.
 
     Raises:
         ValueError: micro_batch or tp not an int >= 1; a policy this function does not price.
@@ -375,9 +376,10 @@ def memory_breakdown(m: ModelConfig, layout: Layout, global_batch: int | None = 
     """Bytes per GPU of ``layout`` for model ``m``, on the stage that needs the most (first or last).
 
     Activations as :func:`activation_bytes_per_layer` for ``min(pp, m)`` micro-batches in flight (``m`` from
-    ``global_batch``; None: m >= pp), the last stage adding the fp32 logits ``4·s·b·V/t``. ``optimizer``: an
-    :data:`~.software.OPTIMIZER_DTYPES` key setting parameter and state bytes (None: 2-byte parameters and
-    ``optimizer_state_bytes``); ``grad_bytes``: 2 or 4.
+    ``global_batch``; None: m >= pp), the last stage adding the fp32 logits ``4·s·b·V/t`` (left out: the token
+    ids and embedding dropout mask, under 1 %). ``optimizer``: an :data:`~.software.OPTIMIZER_DTYPES` key
+    setting parameter and state bytes (None: 2-byte parameters and ``optimizer_state_bytes``); ``grad_bytes``:
+    2 or 4. ZeRO-3 adds two gathered layers' bf16 weights and one layer's transient gradients.
 
     Raises:
         ValueError: ``grad_bytes`` not 2 or 4; ``optimizer_state_bytes <= 0``; an unknown ``optimizer``;
