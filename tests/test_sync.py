@@ -110,6 +110,21 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+def _one_outer_step(**outer):
+    """The parameters after 2 inner steps and one outer step of DiLoCo (H = 2), and the replicas' mean before it."""
+    model = _model()
+    d = DiLoCo(model.parameters(), inner_steps=2, **outer)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        _inner(model, inner, step)
+        local = _params(model)
+        d.step()
+    for t in local:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return _params(model), local
+
+
 # ------------------------------------------------------------------------------------------- torch equivalences
 
 def _equivalences():
@@ -168,39 +183,15 @@ def _equivalences():
     ours_split, _, _ = _ours(9, F=2, tau=1, alpha=0.5, explicit=False, **cfg)  # DiLoCo splits it the same way
     out["streaming_split_same"] = _same(ours_split, ref)
 
-    # The sign of the pseudo-gradient: after H inner steps from theta0, an outer step of lr 2 without momentum lands
-    # at avg + (avg - theta0), beyond the average in the direction the replicas moved (a flipped sign lands at
-    # theta0 - (avg - theta0), behind the start).
-    model = _model()
-    theta0 = _params(model)
-    d = DiLoCo(model.parameters(), inner_steps=2, outer_lr=2.0, outer_momentum=0.0, nesterov=False)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in (1, 2):
-        _inner(model, inner, step)
-        if step == 2:
-            local = _params(model)
-        d.step()
-    avg = [t.clone() for t in local]
-    for t in avg:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    new = _params(model)
+    # The sign of the pseudo-gradient: after H = 2 inner steps from theta0, an outer step of lr 2 without momentum
+    # lands at avg + (avg - theta0), beyond the average in the direction the replicas moved (a flipped sign lands at
+    # theta0 - (avg - theta0), behind the start); Nesterov momentum 0.9 at lr 0.7 (first step: lr (1 + 0.9) Delta)
+    # lands at theta0 + 1.33 (avg - theta0), beyond it too.
+    theta0 = _params(_model())
+    new, avg = _one_outer_step(outer_lr=2.0, outer_momentum=0.0, nesterov=False)
     out["sign_formula"] = _max_diff(new, [a + (a - t0) for a, t0 in zip(avg, theta0)])
-    moved = sum(((n - a) * (a - t0)).sum().item() for n, a, t0 in zip(new, avg, theta0))
-    out["sign_dot"] = moved
-    # And with Nesterov momentum 0.9 (first outer step: lr (1 + 0.9) Delta), lr 0.7: beyond the average too.
-    model = _model()
-    d = DiLoCo(model.parameters(), inner_steps=2, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in (1, 2):
-        _inner(model, inner, step)
-        local = _params(model) if step == 2 else None
-        d.step()
-    avg = [t.clone() for t in local]
-    for t in avg:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    new = _params(model)
+    out["sign_dot"] = sum(((n - a) * (a - t0)).sum().item() for n, a, t0 in zip(new, avg, theta0))
+    new, avg = _one_outer_step(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
     out["sign_nesterov"] = _max_diff(new, [t0 + 0.7 * 1.9 * (a - t0) for a, t0 in zip(avg, theta0)])
     return out
 
