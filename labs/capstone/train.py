@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from typing import Sequence
@@ -295,10 +296,25 @@ class Trainer:
         meter.mark()
         self.optimizer.step()
         meter.mark()
-        if self.outer is not None:   # DiLoCo: the inner step was this replica's own; every H steps the outer step
-            self.outer.step()
+        loss = self.global_mean(loss)
+        if self.outer is not None and math.isfinite(loss):   # a non-finite loss stops the run (RunDirectory)
+            self.outer_step(step)   # DiLoCo: the inner step was this replica's own; every H steps the outer step
             meter.mark()
-        return meter.stats(step, self.global_mean(loss), pipeline, self.dp)
+        return meter.stats(step, loss, pipeline, self.dp)
+
+    def outer_step(self, step: int) -> None:
+        """DiLoCo's step after the inner one (an outer update every H steps). RunError on every rank if any DP
+        group's pseudo-gradient is not finite (DiLoCo refuses it within its group; one AllReduce tells the world)."""
+        bad = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            self.outer.step()
+        except FloatingPointError:
+            bad += 1
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if int(bad.item()):
+            raise checkpoint.RunError(f"step {step}: DiLoCo's pseudo-gradient is not finite on some DP group; "
+                                      "stopping, with nothing saved from this step on (lower --lr or --outer-lr, "
+                                      "or resume from an earlier checkpoint)")
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """pp = 1: the micro-batches in turn, gradients accumulated inside ``no_sync`` but for the last, whose
