@@ -135,9 +135,8 @@ class RunConfig:
         if self.method.startswith("powersgd") or self.method == "sign:tensor":
             raise ValueError(f"{where}: the outer sync compresses Δ with one compressor over the whole model; "
                              f"method {self.method!r} is not one (use dense, cast, int, qsgd, sign, topk, randomk)")
-        if self.warmup_steps or self.aggregation != "auto":
-            raise ValueError(f"{where}: warmup_steps must be 0 and aggregation 'auto' (got {self.warmup_steps}, "
-                             f"{self.aggregation!r})")
+        if self.warmup_steps:
+            raise ValueError(f"{where}: warmup_steps must be 0, got {self.warmup_steps}")
         if nums[0] >= steps:
             raise ValueError(f"{where}: H = {nums[0]} inner steps must be below the run's {steps} steps, or it "
                              "never syncs")
@@ -336,7 +335,7 @@ def make_sync(config: RunConfig, params, emulate: EmulatedTopology | None = None
 
     kind, nums = parse_sync(config.sync)
     if kind == "local":
-        return LocalSGD(params, every=nums[0])
+        return LocalSGD(params, every=nums[0], emulate=emulate)
     fragments, delay, mixing = nums[1:] if kind == "streaming" else (1, 0, 0.0)
     outer = {}
     if config.outer_lr is not None:
@@ -345,7 +344,8 @@ def make_sync(config: RunConfig, params, emulate: EmulatedTopology | None = None
         outer.update(outer_momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
     return DiLoCo(params, inner_steps=nums[0], fragments=fragments, sync_delay=delay, mixing=mixing, **outer,
                   compressor=None if config.method == "dense" else config.method,
-                  error_feedback=config.error_feedback, emulate=emulate, seed=config.seed)
+                  error_feedback=config.error_feedback, emulate=emulate, seed=config.seed,
+                  aggregation=config.aggregation)
 
 
 def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dict[str, Any]:
@@ -415,23 +415,10 @@ def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dic
     done = max(1, len(marked))
     # Bytes per inner step, the mean over the run (the outer syncs spread over the steps between them).
     out["bytes_sent_per_rank"] = float(sync.bytes_sent_per_rank) / done
-    out["payload_nbytes"], out["path"] = _outer_payload(config, params)
+    # One rank's payloads over one cycle of outer syncs (every fragment once), and how they were combined.
+    out["payload_nbytes"] = sum(getattr(sync, "payload_nbytes", [dense_nbytes]))
+    out["path"] = getattr(sync, "path", "all_reduce")
     return out
-
-
-def _outer_payload(config: RunConfig, params) -> tuple[int, str]:
-    """Bytes of one rank's payloads over one cycle of outer syncs (every fragment once) and their path: the
-    compressor of ``config.method`` applied to each fragment's size (local SGD and dense Δ: the parameters' bytes)."""
-    from commlab.compress.specs import compressor_for
-    from commlab.sync.schedule import split_fragments
-
-    kind, nums = parse_sync(config.sync)
-    comp = None if config.method == "dense" else compressor_for(config.method, seed=config.seed)
-    if comp is None:
-        return sum(p.numel() * p.element_size() for p in params), "all_reduce"
-    fragments = split_fragments(params, nums[1] if kind == "streaming" else 1)
-    total = sum(comp.compress(torch.randn(sum(params[i].numel() for i in f))).nbytes for f in fragments)
-    return total, "all_reduce" if comp.linear else "all_gather"
 
 
 def run(config: RunConfig, *, timeout: float = 600.0) -> RunRecord:
