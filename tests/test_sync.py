@@ -221,7 +221,9 @@ def test_diloco_outer_lr1_without_momentum_is_local_sgd(equivalences):
     assert equivalences["lr1_vs_local_sgd"] < 1e-6
 
 
-def test_diloco_equals_reference_with_torch_outer_optimizer(equivalences):
+def test_streaming_with_one_fragment_no_delay_no_mixing_is_diloco(equivalences):
+    # The streaming reference at F = 1, tau = 0, alpha = 0 is DiLoCo's algorithm (all_reduce of Delta, then
+    # torch.optim.SGD with Nesterov on the global copy, every H = 3 steps); commlab's DiLoCo equals it bitwise.
     same, applied = equivalences["diloco_vs_reference"]
     assert same
     assert applied == [3, 6]
