@@ -367,7 +367,7 @@ def test_bad_local_sgd_settings_are_named():
 
 def _four_ranks():
     """On 4 ranks: two DP groups {0, 2} and {1, 3} syncing apart (a fragment in flight while the caller runs its own
-    world collective); then a NaN on rank 1 and ranks that disagree on H."""
+    world collective); then a NaN (or inf) on rank 1 and ranks that disagree on H."""
     out = {}
     rank = dist.get_rank()
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -395,6 +395,16 @@ def _four_ranks():
         except FloatingPointError as e:
             out[f"nan_tau{tau}"] = str(e)
         d.close()
+    model = _model()
+    avg = LocalSGD(model.parameters(), every=2)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("inf")
+    try:
+        avg.step()
+        out["nan_local_sgd"] = None
+    except FloatingPointError as e:
+        out["nan_local_sgd"] = str(e)
     # Ranks that disagree on H: the same error on every rank, at construction.
     try:
         DiLoCo(_model().parameters(), inner_steps=2 + 2 * (rank % 2))
@@ -421,6 +431,7 @@ def test_nan_pseudo_gradient_and_disagreeing_ranks_raise_on_every_rank(four_rank
             assert out[f"nan_tau{tau}"] is not None and "rank(s) [1]" in out[f"nan_tau{tau}"]
             assert "pseudo-gradient" in out[f"nan_tau{tau}"]
         assert out["mismatch"] is not None and "inner_steps" in out["mismatch"]
+        assert out["nan_local_sgd"] is not None and "rank(s) [1]" in out["nan_local_sgd"]
 
 
 # ------------------------------------------------------------------------------------------- overlap
