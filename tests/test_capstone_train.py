@@ -395,13 +395,12 @@ def test_diloco_over_dp_with_tp_and_pp_resumes_as_the_uninterrupted_run_bitwise(
 
 
 def _refusals(runs):
-    """The RunError message of each of ``runs`` (None if it trained)."""
+    """The RunError message of each of ``runs``, or its losses if it trained."""
     from labs.capstone.checkpoint import RunError
     out = []
     for opts in runs:
         try:
-            train(opts)
-            out.append(None)
+            out.append(train(opts))
         except RunError as e:
             out.append(str(e))
     return out
@@ -409,9 +408,9 @@ def _refusals(runs):
 
 @pytest.fixture(scope="module")
 def diloco_refusals(saved_runs):
-    """The RunError messages of four DiLoCo-related runs at 8 ranks, in one launch (:func:`_refusals`): the
-    DiLoCo checkpoint resumed as 1 x 2 x 4, and without --inner-steps; a plain checkpoint resumed with DILOCO;
-    a DiLoCo run at --lr 1e30 (inner_steps 1)."""
+    """The RunError messages (or losses) of four DiLoCo-related runs at 8 ranks, in one launch
+    (:func:`_refusals`): the DiLoCo checkpoint resumed as 1 x 2 x 4, and without --inner-steps; a plain
+    checkpoint resumed with DILOCO; a DiLoCo run at --lr 1e30 (inner_steps 1)."""
     _, diloco_ckpt = saved_runs((2, 2, 2), "float32", DILOCO)
     _, dense_ckpt = saved_runs((2, 2, 2), "float32", {})
     resumed = {"steps": 6, "dtype": "float32", "resume": True}
@@ -426,12 +425,20 @@ def diloco_refusals(saved_runs):
 
 def test_a_diloco_checkpoint_resumes_only_under_its_own_layout_and_flags(diloco_refusals):
     """Between outer steps the DP replicas differ, so a DiLoCo checkpoint does not map onto another DP degree or
-    onto plain DP, and a plain checkpoint holds no outer state: each is refused on every rank, naming both."""
-    other_layout, plain, no_state, _ = diloco_refusals
+    onto plain DP: each is refused on every rank, naming both settings."""
+    other_layout, plain, _, _ = diloco_refusals
     assert "holds the DiLoCo state of [--tp 2 --pp 2 --dp 2" in other_layout, other_layout
     assert "this run is [--tp 1 --pp 2 --dp 4" in other_layout
     assert "was saved with DiLoCo over DP (--inner-steps)" in plain, plain
-    assert "was saved without --inner-steps; this run is [--tp 2 --pp 2 --dp 2" in no_state, no_state
+
+
+def test_diloco_starts_from_a_checkpoint_of_plain_dp(saved_runs, diloco_refusals):
+    """As DiLoCo starts from a pretrained model (arXiv:2311.08105 §3): a plain checkpoint resumed with
+    --inner-steps loads every replica alike, so the first resumed loss is the plain run's; then the replicas
+    step alone, and the losses part."""
+    dense, _ = saved_runs((2, 2, 2), "float32", {})
+    started = diloco_refusals[2]
+    assert started[0] == dense[0] and started[1:] != dense[1:], (started, dense)
 
 
 def test_a_non_finite_pseudo_gradient_stops_every_rank_with_one_error(diloco_refusals):

@@ -6,7 +6,7 @@ its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x
 state (:class:`DPSync`) is stored per rank and restored only into a run of the same setting, where resuming
 is the uninterrupted run, bitwise; otherwise it starts afresh with a warning. With DiLoCo over DP
 (``--inner-steps``) each DP replica's parameters and Adam state are stored apart, beside the outer state
-(:class:`OuterSync`), and resume only under the same layout and outer flags.
+(:class:`OuterSync`), and resume only under the same layout and outer flags; a plain checkpoint starts DiLoCo.
 
 A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
 and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified.
@@ -249,7 +249,7 @@ LOCK = "run.lock"
 #: ``TORCHELASTIC_SIGNALS_TO_HANDLE``).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: The run settings that change what training computes; a resume that changes one says so.
-_TRAINING_SETTINGS = ("seed", "lr", "dtype", "compressor", "error_feedback", "global_batch")
+_TRAINING_SETTINGS = ("seed", "lr", "dtype", "compressor", "error_feedback", "global_batch", "inner_steps")
 
 
 class RunError(RuntimeError):
@@ -441,7 +441,8 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
         full_shapes: the unsharded model's parameter shapes by name (from a model built whole).
         dp_sync: this rank's DP compressor state, if the run compresses.
         outer: this rank's DiLoCo state, with ``--inner-steps``: restored with this replica's parameters and
-            Adam state, bitwise; only from a checkpoint saved with the same setting.
+            Adam state, bitwise, from a checkpoint saved with the same setting; from one of plain DP, DiLoCo
+            starts afresh on the loaded parameters (``outer.state.start_from_parameters()``).
 
     Returns:
         The step it was saved at (training goes on from the next).
@@ -449,15 +450,14 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
     Raises:
         RunError: on every rank, naming the step and the path, if DCP cannot read it (a file damaged after
             :func:`verify`, or a key this rank needs is missing: the checkpoint is of another model); or if
-            the checkpoint holds DiLoCo state and this run another setting or none, or the other way round
-            (naming both, and the flags that resume it). Nothing is copied into the model or the optimizer then.
+            the checkpoint holds DiLoCo state and this run another setting or none (naming both). Nothing is copied into the model or the optimizer then.
         ValueError: (from :meth:`ZeroOneOptimizer.load_full_state`) a checkpoint whose parameters of one
             ZeRO-1 param group were saved at different Adam steps.
     """
     step = int(os.path.basename(path)[5:])
-    _refuse_other_outer(path, step, outer)
+    outer_saved = _refuse_other_outer(path, step, outer)
     owners = _owners(model, stage)
-    replica = "" if outer is None else f"dp{outer.replica}/"
+    replica = f"dp{outer.replica}/" if outer_saved else ""
     state: dict[str, torch.Tensor] = {}
     for name, (p, _, _) in owners.items():
         shape = full_shapes[name]
@@ -498,14 +498,21 @@ def load(path: str, model: nn.Module, stage: nn.Module, optimizer: torch.optim.O
     if dp_sync is not None:
         saved = everything["dp_sync"]["setting"] if "dp_sync" in everything else None
         _restore_dp_sync(dp_sync, path, saved, step, next(stage.parameters()).device)
-    if outer is not None:
+    if outer_saved:
         outer.state.load_state_dict(_load_rank_state(path, "outer", outer.rank_key, next(stage.parameters()).device))
+    elif outer is not None:   # a checkpoint of plain DP: DiLoCo starts from it, as DiLoCo starts from a pretrained model
+        outer.state.start_from_parameters()
+        if dist.get_rank() == 0:
+            _note(f"resume: the checkpoint of step {step} holds no DiLoCo state (saved without --inner-steps): "
+                  "DiLoCo starts from its parameters, with zero outer momentum, its first outer step "
+                  f"--inner-steps after step {step}")
     return step
 
 
-def _refuse_other_outer(path: str, step: int, outer: OuterSync | None) -> None:
-    """RunError on every rank unless the checkpoint at ``path`` holds DiLoCo state exactly when this run has
-    ``outer``, saved under ``outer``'s setting. Collective (a DCP load of the setting) when both have it.
+def _refuse_other_outer(path: str, step: int, outer: OuterSync | None) -> bool:
+    """Whether the checkpoint at ``path`` holds DiLoCo state; RunError on every rank if it does and this run has
+    no ``outer`` or another setting. Collective (a DCP load of the setting) when both have it. A checkpoint
+    without DiLoCo state (plain DP: every replica alike) loads into a DiLoCo run.
 
     Why refuse rather than reshard: between outer steps the DP replicas hold different parameters and Adam
     states, and the residuals are each rank's own; another DP degree has no replica to give them to, and
@@ -514,7 +521,7 @@ def _refuse_other_outer(path: str, step: int, outer: OuterSync | None) -> None:
     try:
         saved_keys = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
     except BaseException:   # noqa: BLE001 -- an unreadable checkpoint is reported by the load that follows
-        return
+        return False
     saved = None
     if "outer.setting" in saved_keys:
         holder = {"outer": {"setting": None}}
@@ -524,17 +531,13 @@ def _refuse_other_outer(path: str, step: int, outer: OuterSync | None) -> None:
         else:
             saved = "?"
     mine = None if outer is None else outer.setting
-    if saved == mine:
-        return
+    if saved is None or saved == mine:
+        return saved is not None
     where = f"--resume: the checkpoint of step {step} ({path})"
     if mine is None:
         raise RunError(f"{where} was saved with DiLoCo over DP (--inner-steps), whose DP replicas hold different "
                        "parameters between outer steps; resume it with the flags it was saved with (its "
                        "manifest.json lists them), or start afresh in another --ckpt-dir")
-    if saved is None:
-        raise RunError(f"{where} was saved without --inner-steps; this run is [{mine}]. A DiLoCo run resumes only "
-                       "from its own checkpoints: resume without --inner-steps, or start afresh in another "
-                       "--ckpt-dir")
     raise RunError(f"{where} holds the DiLoCo state of [{saved}]; this run is [{mine}]. The replicas' parameters, "
                    "Adam states and outer state are per DP replica and rank, and do not map onto another layout "
                    "or outer setting: resume with the checkpoint's flags")

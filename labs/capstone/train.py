@@ -235,6 +235,14 @@ class OuterStep:
         for kind, part in self.parts.items():
             part.load_state_dict(state[kind])
 
+    @torch.no_grad()
+    def start_from_parameters(self) -> None:
+        """Take the parameters as they are now (loaded from a checkpoint of plain DP) as the global copy; before
+        the first step, so that the rest of the state is as new (zero momentum, no step counted)."""
+        for part in self.parts.values():
+            for glob, p in zip(part.global_params, part.params):
+                glob.copy_(p)
+
     def close(self) -> None:
         """Wait for an outer AllReduce in flight (``--sync-delay``); before the process group goes."""
         for part in self.parts.values():
