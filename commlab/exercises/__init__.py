@@ -46,3 +46,6 @@ __all__ += ["check_ring_schedule", "check_dispatch_bytes"]
 from commlab.exercises.schedules import check_schedule_bubbles
 
 __all__ += ["check_schedule_bubbles"]
+from commlab.exercises.sync import check_fragment_schedule, check_hiding_tau, check_sync_bytes_per_step
+
+__all__ += ["check_fragment_schedule", "check_hiding_tau", "check_sync_bytes_per_step"]
