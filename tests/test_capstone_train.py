@@ -410,14 +410,15 @@ def _refusals(runs):
 def diloco_refusals(saved_runs):
     """The RunError messages (or losses) of four DiLoCo-related runs at 8 ranks, in one launch
     (:func:`_refusals`): the DiLoCo checkpoint resumed as 1 x 2 x 4, and without --inner-steps; a plain
-    checkpoint resumed with DILOCO; a DiLoCo run at --lr 1e30 (inner_steps 1)."""
+    checkpoint resumed with DILOCO; a DiLoCo run at --lr 1e30 (inner_steps 1); one with 32 fragments."""
     _, diloco_ckpt = saved_runs((2, 2, 2), "float32", DILOCO)
     _, dense_ckpt = saved_runs((2, 2, 2), "float32", {})
     resumed = {"steps": 6, "dtype": "float32", "resume": True}
     runs = [dataclasses.replace(_opts(1, 2, 4), **resumed, **DILOCO, ckpt_dir=str(diloco_ckpt)),
             dataclasses.replace(_opts(2, 2, 2), **resumed, ckpt_dir=str(diloco_ckpt)),
             dataclasses.replace(_opts(2, 2, 2), **resumed, **DILOCO, ckpt_dir=str(dense_ckpt)),
-            dataclasses.replace(_opts(2, 2, 2), steps=3, lr=1e30, inner_steps=1)]
+            dataclasses.replace(_opts(2, 2, 2), steps=3, lr=1e30, inner_steps=1),
+            dataclasses.replace(_opts(2, 2, 2), steps=1, inner_steps=32, fragments=32)]
     per_rank = launch(_refusals, 8, runs, timeout=180, print_output=False)
     assert all(r == per_rank[0] for r in per_rank)   # every rank raises the same RunError
     return per_rank[0]
@@ -426,7 +427,7 @@ def diloco_refusals(saved_runs):
 def test_a_diloco_checkpoint_resumes_only_under_its_own_layout_and_flags(diloco_refusals):
     """Between outer steps the DP replicas differ, so a DiLoCo checkpoint does not map onto another DP degree or
     onto plain DP: each is refused on every rank, naming both settings."""
-    other_layout, plain, _, _ = diloco_refusals
+    other_layout, plain = diloco_refusals[:2]
     assert "holds the DiLoCo state of [--tp 2 --pp 2 --dp 2" in other_layout, other_layout
     assert "this run is [--tp 1 --pp 2 --dp 4" in other_layout
     assert "was saved with DiLoCo over DP (--inner-steps)" in plain, plain
@@ -445,6 +446,12 @@ def test_a_non_finite_pseudo_gradient_stops_every_rank_with_one_error(diloco_ref
     """--lr 1e30: step 1's loss is still finite, its pseudo-gradient is not; DiLoCo refuses it within each DP group
     and one AllReduce makes every rank of the world stop at that step with the same message (no hang)."""
     assert diloco_refusals[3].startswith("step 1: DiLoCo's pseudo-gradient is not finite"), diloco_refusals[3]
+
+
+def test_more_fragments_than_a_stage_has_tensors_is_refused_on_every_rank(diloco_refusals):
+    """A fragment is a run of whole tensors; each rank's stage has its own count, so the ranks agree first."""
+    assert diloco_refusals[4].startswith("--fragments 32: a fragment is a run of whole parameter tensors"), \
+        diloco_refusals[4]
 
 
 def test_profile_writes_a_chrome_trace_per_rank_with_the_course_ranges(tmp_path):

@@ -206,20 +206,28 @@ class OuterStep:
     stay equal on every TP rank. :meth:`step` after each inner optimizer step; True when an outer update landed.
 
     Each rank's parameters are its local tensors (its TP shards of its PP stage), so each rank averages with the
-    DP peers that hold the same shards.
+    DP peers that hold the same shards. Collective over the world (RunError on every rank for a ``--fragments``
+    above the tensors of a rank's smaller kind).
     """
 
     def __init__(self, stage: nn.Module, group: dist.ProcessGroup, opts: Options):
         sharded = tp_sharded_parameters(stage)
         kinds = {"sharded": [p for n, p in stage.named_parameters() if n in sharded],
                  "replicated": [p for n, p in stage.named_parameters() if n not in sharded]}
+        kinds = {kind: params for kind, params in kinds.items() if params}
+        least = torch.tensor([min(len(params) for params in kinds.values())], device=group_device(group))
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)   # every rank refuses alike, before any DiLoCo exists
+        if opts.fragments > int(least.item()):
+            raise checkpoint.RunError(f"--fragments {opts.fragments}: a fragment is a run of whole parameter tensors, "
+                                      f"and the smallest set a rank syncs (its stage's TP shards, or its replicated "
+                                      f"parameters) has {int(least.item())}; use fewer")
         compressor = None if opts.outer_compressor == "dense" else opts.outer_compressor
         feedback = opts.error_feedback and compressor is not None and not compressor.startswith("cast")
         self.parts = {kind: DiLoCo(params, group, inner_steps=opts.inner_steps, outer_lr=opts.outer_lr,
                                    outer_momentum=opts.outer_momentum, nesterov=opts.nesterov,
                                    fragments=opts.fragments, sync_delay=opts.sync_delay, mixing=opts.mixing,
                                    compressor=compressor, error_feedback=feedback, seed=opts.seed)
-                      for kind, params in kinds.items() if params}
+                      for kind, params in kinds.items()}
 
     def step(self) -> bool:
         return any([part.step() for part in self.parts.values()])   # a list: every part steps
