@@ -5,7 +5,7 @@ at its measured speed, the memory-bound operations at the memory's bandwidth.
 (``attention_speed.json``), :func:`layer_kernels` (one layer's GEMMs on a TP rank), :func:`effective_fraction`
 (the layout's share of peak, for the step model), :func:`layer_seconds` and :func:`validate_layer_times`
 (one layer against Korthikanti et al. 2022, Table 4), :func:`in_stack_share` (the stack's share of the
-microbenchmark rates, from those layers). Nothing is fitted to end-to-end runs. Book: chapter 11, §11.4."""
+microbenchmark rates, from those layers). Nothing is fitted to end-to-end runs. Book: chapter 11, §11.7."""
 from __future__ import annotations
 
 import bisect
@@ -191,7 +191,7 @@ def layer_kernels(m: ModelConfig, micro_batch: int, tp: int, flash_attention: bo
 
 def effective_fraction(m: ModelConfig, layout: Layout, device: str, peak_flop_per_s: float,
                        hbm_bytes_per_s: float, executed_flop_per_token: float) -> float:
-    """Share of peak the layout's executed FLOP run at, from its kernels (book §11.4): ``executed_flop_per_token / tp``
+    """Share of peak the layout's executed FLOP run at, from its kernels (book §11.7): ``executed_flop_per_token / tp``
     over the seconds per token of every layer's GEMMs, attention and memory-bound bytes (recomputation included)
     and the output layer, divided by :func:`in_stack_share`, over peak.
 

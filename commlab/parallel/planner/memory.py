@@ -295,7 +295,7 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int = 1, se
     ``s·b·h·(34 + 5·a·s/h)``, split as their Table 2 by TP and sequence parallelism; ``2·s·b·h`` (``/t`` with
     SP) under full recomputation; ``"selective"`` and FlashAttention drop the ``5·a·s/h`` term. The MLP's 16 is
     scaled by ffn/(4h) (1.5× gated); K and V are counted for every head, and two dropout masks (high by about a
-    sixth for Llama 3 405B, book §11.4). ``"every-k"`` is priced by :func:`memory_breakdown`.
+    sixth for Llama 3 405B, book §11.6). ``"every-k"`` is priced by :func:`memory_breakdown`.
 
     Raises:
         ValueError: micro_batch or tp not an int >= 1; a policy this function does not price.

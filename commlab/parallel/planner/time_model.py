@@ -5,7 +5,7 @@
 What hides beside what is decided by :mod:`~.communication` for the sum and the replay alike. Compute is priced
 by one share of peak (:data:`DEFAULT_ACHIEVABLE_FRACTION`) or by kernels (:data:`KERNELS`; :data:`AUTO` picks).
 Sources: Narayanan et al. 2021 §2.2, §3.2; Korthikanti et al. 2022 §5, §6.2; Rajbhandari et al. 2020 §5.3.
-Book: chapter 11, §11.2 and §11.4; chapter 12, §12.4."""
+Book: chapter 11, §11.2 and §11.7; chapter 12, §12.4."""
 
 from __future__ import annotations
 

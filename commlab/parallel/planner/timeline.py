@@ -5,7 +5,7 @@
 :func:`~.communication.chunk_ops` says for the costs of :func:`~.time_model.step_costs` (the replay adds no
 overlap rule), and returns a :class:`StepTimeline` of :class:`Interval` s. :func:`timeline_from_costs` replays
 hand-made costs; :func:`rerank_by_timeline` is the search's final ranking. On uniform stages the replay equals
-:func:`~.time_model.step_time` but for the messages' transit. Book: chapter 11, §11.4."""
+:func:`~.time_model.step_time` but for the messages' transit. Book: chapter 11, §11.5."""
 
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ def step_timeline(m: ModelConfig, layout: Layout, cluster: Cluster, global_batch
                   achievable_fraction: float | str = AUTO, dp_overlap: float | None = None,
                   dtype: str = "bf16", grad_bytes: int | None = None, optimizer_s: float | None = None,
                   record: bool = True) -> StepTimeline:
-    """The step timeline of a plan (book §11.4), arguments as :func:`~.time_model.step_time`; ``schedule`` as
+    """The step timeline of a plan (book §11.5), arguments as :func:`~.time_model.step_time`; ``schedule`` as
     :func:`make_timeline_schedule`; ``optimizer_s``: the optimizer step (None: the time model's); ``record``:
     keep the bars.
 

@@ -3,7 +3,7 @@
 :func:`validate_published` runs the step model and the search on ``commlab/data/published_layouts.json``:
 :class:`ValidationRow` s of predicted against reported TFLOP/s per GPU (each source's FLOP definition) and
 the published layout's rank in the planner's search; :func:`validation_summary` and :func:`validation_table`
-summarise them. Nothing is fitted per row. Book: chapter 11, §11.4, §11.5."""
+summarise them. Nothing is fitted per row. Book: chapter 11, §11.4, §11.6."""
 
 from __future__ import annotations
 
