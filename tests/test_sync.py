@@ -467,3 +467,68 @@ def test_streaming_overlap_hides_the_emulated_all_reduce():
     assert predicted == pytest.approx(0.08)
     assert comm0 / 2 == pytest.approx(predicted, rel=0.5)
     assert exposed_seconds(predicted, 3, 0.03) == 0.0
+
+
+# ------------------------------------------------------------------------------------------- misuse, on real ranks
+
+def _misuse():
+    """Mixed dtypes against torch and a plain reference; tensors DiLoCo must refuse."""
+    import os
+    out, rank = {}, dist.get_rank()
+
+    def mixed():  # a bf16 layer beside an fp32 one, different on each rank
+        m = _model(rank)
+        m[0].to(torch.bfloat16)
+        for p in m.parameters():  # torch's averager skips parameters without a gradient
+            p.grad = torch.zeros_like(p)
+        return m
+
+    # Local SGD on mixed dtypes: torch's averager promotes to fp32 (torch.cat), sums, casts back; so must we.
+    ours, theirs = mixed(), mixed()
+    LocalSGD(ours.parameters(), every=1).step()
+    PeriodicModelAverager(period=1).average_parameters(theirs.parameters())
+    out["mixed_local_sgd"] = _same(_params(ours), _params(theirs))
+    # DiLoCo at outer lr 1 without momentum: theta_g - mean(theta_g - theta_i), Delta in fp32, cast back per tensor.
+    model = mixed()
+    d = DiLoCo(model.parameters(), inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    glob = _params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25 * (rank + 1))
+    deltas = [(g.float() - p.detach().float()) / WORLD for g, p in zip(glob, model.parameters())]
+    for t in deltas:
+        dist.all_reduce(t)
+    d.step()
+    out["mixed_diloco"] = _same(_params(model), [(g.float() - t).to(g.dtype) for g, t in zip(glob, deltas)])
+    # Tensors that cannot be averaged as parameters, named at construction (not at the first sync).
+    p, q = torch.zeros(3), torch.zeros(3)
+    for name, build in (("tied", lambda: DiLoCo([p, q, p], inner_steps=1, mixing=0.5)),
+                        ("tied_fragments", lambda: DiLoCo([[p], [q, p]], inner_steps=2)),
+                        ("int", lambda: DiLoCo([p, torch.zeros(3, dtype=torch.int64)], inner_steps=1)),
+                        ("int_local_sgd", lambda: LocalSGD([torch.zeros(3, dtype=torch.int64)], every=1))):
+        try:
+            build()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def misuse():
+    return launch(_misuse, WORLD, timeout=60)
+
+
+def test_mixed_dtypes_are_averaged_in_the_promoted_dtype(misuse):
+    for out in misuse:
+        assert out["mixed_local_sgd"]  # bitwise equal to torch's PeriodicModelAverager
+        assert out["mixed_diloco"]
+
+
+def test_tied_and_integer_tensors_are_refused_at_construction(misuse):
+    for out in misuse:
+        assert "params" in out["tied"] and "repeats tensor 0" in out["tied"]
+        assert "repeats tensor 0" in out["tied_fragments"]
+        assert "params" in out["int"] and "int64" in out["int"]
+        assert "int64" in out["int_local_sgd"]
+

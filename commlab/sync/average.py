@@ -13,13 +13,14 @@ from typing import Hashable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab import checks
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
 from commlab.collectives.common import group_size_and_rank
 from commlab.compress.aggregate import aggregate
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into"]
+__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into", "check_params"]
 
 
 class Mean(NamedTuple):
@@ -33,16 +34,38 @@ class Mean(NamedTuple):
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One new flat tensor holding ``tensors`` one after another (their common dtype and device).
+    """One new flat tensor holding ``tensors`` one after another, on their device.
+
+    Mixed dtypes (bf16 weights beside fp32 norms) are promoted to one (``torch.promote_types``: bf16 and fp32
+    give fp32), as ``torch.cat`` in torch's ``average_parameters`` does; :func:`unflatten_into` views and
+    ``copy_`` cast each part back to its tensor's dtype.
+    """
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def check_params(params: Sequence[torch.Tensor], where: str) -> None:
+    """Refuse what cannot be averaged as parameters: a non-floating-point tensor (a mean of integers would be
+    truncated when copied back) and one tensor (or two views of one storage) listed twice (it would be stepped
+    and mixed twice). Zero-element tensors pass (they send nothing).
 
     Raises:
-        TypeError: the tensors do not share one dtype (a fragment is summed as one buffer).
+        ValueError: naming ``params``, the index and the offending dtype or the earlier index.
     """
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise TypeError(f"parameters averaged together must share one dtype, got {sorted(map(str, dtypes))}; "
-                        "put tensors of different dtypes in different fragments")
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    seen: dict = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            checks.fail("params", getattr(p, "dtype", type(p).__name__), "floating-point tensors", where=where,
+                        note=f"tensor {i}: an integer or bool buffer is not averaged as a parameter")
+        if p.numel() == 0:
+            continue
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride()))
+        if key in seen:
+            checks.fail("params", f"tensor {i}", f"each tensor once (it repeats tensor {seen[key]})", where=where,
+                        note="a tied parameter would be updated twice; pass it once")
+        seen[key] = i
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from commlab.compress.agreement import agree_finite
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.hooks import AGGREGATIONS
 from commlab.compress.specs import compressor_for, parse_spec
-from commlab.sync.average import flatten, mean_over_group, unflatten_into
+from commlab.sync.average import check_params, flatten, mean_over_group, unflatten_into
 from commlab.sync.schedule import FragmentSync, check_schedule, fragment_schedule, split_fragments
 from commlab.topology.emulated import EmulatedTopology
 
@@ -77,6 +77,8 @@ class DiLoCo:
     Args:
         params: the parameters in model order (one fragment is a contiguous run of them, :func:`split_fragments`),
             or a list of explicit fragments (lists of tensors; then ``fragments`` must be 1 or their count).
+            Floating-point tensors, each once (a tied parameter is passed once); a fragment of mixed dtypes is
+            averaged in its promoted dtype (bf16 and fp32: fp32) and cast back per tensor.
         group: the data-parallel group (None: the world). Its first rank's parameters are broadcast at construction.
         inner_steps: H (>= 1), inner steps between two syncs of a fragment.
         outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: DiLoCo's outer optimizer).
@@ -98,8 +100,9 @@ class DiLoCo:
 
     Raises:
         ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
-            without a compressor, Nesterov without momentum. CollectiveMismatchError: ranks disagree on settings or
-            layout. FloatingPointError (from :meth:`step`): a NaN/Inf pseudo-gradient on any rank, on every rank.
+            without a compressor, Nesterov without momentum, a non-floating-point or repeated tensor in ``params``.
+            CollectiveMismatchError: ranks disagree on settings or layout. FloatingPointError (from :meth:`step`):
+            a NaN/Inf pseudo-gradient on any rank, on every rank.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Sequence[Sequence[torch.Tensor]],
@@ -185,10 +188,12 @@ class DiLoCo:
                     checks.fail("params", params, "fragments that each hold a tensor", where="DiLoCo")
                 index.append(list(range(len(flat), len(flat) + len(g))))
                 flat.extend(g)
+            check_params(flat, "DiLoCo")
             return flat, index
         if not params or not all(isinstance(p, torch.Tensor) for p in params):
             checks.fail("params", params, "a non-empty iterable of tensors, or a list of lists of tensors",
                         where="DiLoCo")
+        check_params(params, "DiLoCo")
         return params, split_fragments(params, self.fragments)
 
     def hyperparameters(self) -> dict:

@@ -18,7 +18,7 @@ from commlab import checks
 from commlab.collectives.agreement import agree
 from commlab.collectives.common import group_size_and_rank
 from commlab.compress.agreement import agree_finite
-from commlab.sync.average import flatten, mean_over_group, unflatten_into
+from commlab.sync.average import check_params, flatten, mean_over_group, unflatten_into
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["LocalSGD"]
@@ -34,7 +34,8 @@ class LocalSGD:
     before the sum, as torch's ``average_parameters``.
 
     Args:
-        params: the parameters (an iterable of tensors, one dtype), the same layout on every rank.
+        params: the parameters (floating-point tensors, each once; mixed dtypes are averaged in their promoted
+            dtype, as torch's ``average_parameters``), the same layout on every rank.
         group: the data-parallel process group (None: the world).
         every: H, steps between averages (>= 1). warmup_steps: steps before the first average (>= 0).
         emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the AllReduce's messages.
@@ -44,7 +45,8 @@ class LocalSGD:
         ``bytes_sent_per_rank`` (cumulative).
 
     Raises:
-        ValueError: ``every < 1``, ``warmup_steps < 0``, no parameters; CollectiveMismatchError: the ranks pass
+        ValueError: ``every < 1``, ``warmup_steps < 0``, no parameters, a non-floating-point or repeated tensor
+            (:func:`~commlab.sync.average.check_params`); CollectiveMismatchError: the ranks pass
             different settings or layouts (every rank raises). FloatingPointError (from :meth:`step`): a NaN/Inf
             parameter on any rank, raised on every rank before anything is averaged.
     """
@@ -56,6 +58,7 @@ class LocalSGD:
         self.params = list(params)
         if not self.params:
             checks.fail("params", self.params, "a non-empty iterable of tensors", where="LocalSGD")
+        check_params(self.params, "LocalSGD")
         self.group, self.emulate = group, emulate
         self.size, _ = group_size_and_rank(group, "LocalSGD")
         layout = (self.every, self.warmup_steps, tuple((p.numel(), str(p.dtype)) for p in self.params))
