@@ -236,6 +236,19 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     assert again.returncode == 0 and "it already reaches --steps 8: nothing to do" in again.stderr
 
 
+def test_diloco_trains_under_torchrun_and_ends_with_a_sync_in_flight(tmp_path):
+    """Streaming DiLoCo under torchrun (2 ranks, dp = 2; TP and PP: the in-process tests above): H = 2 with the
+    outer AllReduce in flight for one step, so the sync sent after step 2 is still in flight when the 3 steps
+    end; the run ends cleanly, and says why it prints no planner prediction."""
+    log = tmp_path / "run.jsonl"
+    proc = _torchrun(tmp_path, "--dp", "2", "--steps", "3", "--inner-steps", "2", "--sync-delay", "1",
+                     "--log-file", str(log), nproc=2, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "plan: not predicted: the planner prices a DP AllReduce every step" in proc.stdout
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--compressor", "topk:0.1"], "--dp 1 has no other replica to send to"),
