@@ -264,6 +264,12 @@ def test_split_fragments_by_hand():
     assert split_fragments([torch.zeros(s) for s in [10, 1, 10, 1, 10, 1]], 3) == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_split_fragments_refuses_no_tensors():
+    # It used to return one empty fragment, against its own "each non-empty".
+    with pytest.raises(ValueError, match="params"):
+        split_fragments([], 1)
+
+
 # ------------------------------------------------------------------------------------------- resume
 
 def _round_trip(**kw):

@@ -85,10 +85,12 @@ def split_fragments(params: Sequence[torch.Tensor], fragments: int) -> list[list
         is the tensor boundary nearest to ``k / fragments`` of the elements.
 
     Raises:
-        ValueError: ``fragments`` outside ``1 .. len(params)``.
+        ValueError: no ``params``; ``fragments`` outside ``1 .. len(params)``.
     """
     n = len(params)
-    checks.integer("fragments", fragments, 1, max(n, 1), where="split_fragments",
+    if n == 0:
+        checks.fail("params", list(params), "at least one tensor", where="split_fragments")
+    checks.integer("fragments", fragments, 1, n, where="split_fragments",
                    note=f"at most the number of parameter tensors, {n}")
     sizes = [p.numel() for p in params]
     total = sum(sizes)
