@@ -347,7 +347,8 @@ class Trainer:
 
     def validation_loss(self) -> float:
         """Mean loss on a fixed global batch of the held-out split (nats), the same on every rank. With pp > 1
-        the pipeline schedule (it has no forward-only form), whose gradients are then dropped."""
+        the pipeline schedule (it has no forward-only form), whose gradients are then dropped. With
+        ``--inner-steps`` each replica's own parameters on its share of the batch."""
         opts, m = self.opts, self.opts.micro_batches
         x, y = self.local_batch(get_batch(0, opts, self.val_ids))
         if opts.pp == 1:
