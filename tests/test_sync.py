@@ -478,7 +478,7 @@ def test_streaming_overlap_hides_the_emulated_all_reduce():
 # ------------------------------------------------------------------------------------------- misuse, on real ranks
 
 def _misuse():
-    """Mixed dtypes against torch and a plain reference; tensors DiLoCo must refuse."""
+    """Mixed dtypes against torch and a plain reference; tensors DiLoCo must refuse; close() and what follows it."""
     import os
     out, rank = {}, dist.get_rank()
 
@@ -517,6 +517,21 @@ def _misuse():
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    # close() hands the in-flight group back: building and closing Streaming DiLoCo leaves no sockets behind.
+    fds = []
+    for _ in range(4):
+        d = DiLoCo([torch.ones(4)], inner_steps=2, sync_delay=1)
+        d.step()
+        d.step()
+        d.close()
+        d.close()
+        fds.append(len(os.listdir("/proc/self/fd")))
+    out["fds"] = fds
+    try:
+        d.step()
+        out["step_after_close"] = None
+    except RuntimeError as e:
+        out["step_after_close"] = str(e)
     return out
 
 
@@ -538,3 +553,8 @@ def test_tied_and_integer_tensors_are_refused_at_construction(misuse):
         assert "params" in out["int"] and "int64" in out["int"]
         assert "int64" in out["int_local_sgd"]
 
+
+def test_close_frees_the_sync_group_and_refuses_later_steps(misuse):
+    for out in misuse:
+        assert len(set(out["fds"])) == 1, out["fds"]  # the second DiLoCo on to the fourth reuse the first's group
+        assert "after close()" in out["step_after_close"]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives.agreement import agree
+from commlab.collectives.agreement import agree, gather
 from commlab.collectives.common import global_rank, group_size_and_rank
 from commlab.compress.agreement import agree_finite
 from commlab.compress.error_feedback import ErrorFeedback
@@ -50,6 +50,31 @@ def outer_sgd_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | 
         grad = grad.add(buf, alpha=momentum) if nesterov else buf
     param.add_(grad, alpha=-lr)
     return buf
+
+
+#: Groups made for in-flight syncs and handed back by DiLoCo.close(), by the ranks they span. Destroying one would
+#: not free it for good: torch names a locally synchronised group by its ranks and the number of groups, so the
+#: next one would reuse the name and read the destroyed group's stale rendezvous keys (a gloo size mismatch).
+_IDLE_SYNC_GROUPS: dict[tuple[int, ...], list] = {}
+
+
+def _ranks_of(group) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _take_sync_group(group):
+    """A group over ``group``'s ranks for the in-flight AllReduce: an idle one that every rank holds (they agree on
+    which, by name), else a new one (collective over ``group``'s members)."""
+    ranks = _ranks_of(group)
+    idle = [g for g in _IDLE_SYNC_GROUPS.get(ranks, []) if g in dist.distributed_c10d._world.pg_names]
+    _IDLE_SYNC_GROUPS[ranks] = idle
+    names = {dist.distributed_c10d._world.pg_names[g]: g for g in idle}
+    common = set.intersection(*(set(n) for n in gather(sorted(names), group)))
+    if common:
+        chosen = names[min(common)]
+        idle.remove(chosen)
+        return chosen
+    return dist.new_group(list(ranks), use_local_synchronization=True)
 
 
 @dataclasses.dataclass
@@ -96,7 +121,8 @@ class DiLoCo:
         ``momentum_buffers``, ``outer_steps`` (per fragment), the error feedback's residuals, ``bytes_sent_per_rank``
         (cumulative); measured: ``comm_seconds`` (outer syncs' duration), ``wait_seconds`` (time :meth:`step`
         blocked on them: the exposed part), ``payload_nbytes`` (one rank's payload of each fragment's last sync),
-        ``path`` (``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``, as :func:`commlab.compress.aggregate`).
+        ``path`` (``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``, as :func:`commlab.compress.aggregate`);
+        ``closed`` (after :meth:`close`).
 
     Raises:
         ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
@@ -167,11 +193,12 @@ class DiLoCo:
         self.payload_nbytes = [0] * self.fragments
         self.path = "all_reduce" if self._compressor is None else ""
         self._in_flight: _InFlight | None = None
-        # The in-flight AllReduce gets its own group, so that it never interleaves with the caller's collectives.
-        self._sync_group = group
+        self.closed = False
+        # The in-flight AllReduce gets its own group, so that it never interleaves with the caller's collectives;
+        # close() hands it back for the next DiLoCo on the same ranks (see _take_sync_group).
+        self._sync_group, self._own_group = group, None
         if self.sync_delay > 0 and self.size > 1:
-            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-            self._sync_group = dist.new_group(ranks, use_local_synchronization=True)
+            self._sync_group = self._own_group = _take_sync_group(group)
 
     def _fragments(self, params) -> tuple[list[torch.Tensor], list[list[int]]]:
         params = list(params)
@@ -215,6 +242,9 @@ class DiLoCo:
             FloatingPointError: a NaN/Inf pseudo-gradient on any rank (every rank raises, nothing sent).
             Any error of the outer AllReduce (re-raised here, at the apply step, on the rank it happened).
         """
+        if self.closed:
+            raise RuntimeError(f"DiLoCo.step: called after close() (at inner step {self.steps}); build a new DiLoCo "
+                               "and load_state_dict to go on")
         self.steps += 1
         pos = (self.steps - 1) % self.inner_steps + 1
         sync = self._send_at.get(pos)
@@ -393,6 +423,12 @@ class DiLoCo:
             self._compressor.step = int(state["step"])
 
     def close(self) -> None:
-        """Wait for a sync in flight (its result is kept). Call before destroying the process group."""
+        """Wait for a sync in flight (its result is kept: :meth:`state_dict` still saves it) and destroy the group
+        this object made for it (tau > 0). Call before destroying the process group; calling it again does nothing.
+        :meth:`step` raises RuntimeError after it."""
         if self._in_flight is not None and self._in_flight.thread is not None:
             self._in_flight.thread.join()
+        if self._own_group is not None and dist.is_initialized():
+            _IDLE_SYNC_GROUPS.setdefault(_ranks_of(self.group), []).append(self._own_group)
+        self._own_group = None
+        self.closed = True
