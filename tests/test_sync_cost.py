@@ -68,3 +68,8 @@ def test_break_even_bandwidth_by_hand():
 def test_bad_cost_arguments_are_named(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_hiding_sync_delay_refuses_an_overflowing_ratio():
+    with pytest.raises(ValueError, match="base_step_s"):
+        hiding_sync_delay(5e-324, 1.0)

@@ -107,12 +107,17 @@ def hiding_sync_delay(base_step_s: float, sync_s: float) -> int:
     It is usable only below H/F (:func:`commlab.sync.schedule.check_schedule`); otherwise no tau hides the sync.
 
     Raises:
-        ValueError: ``base_step_s <= 0`` or negative ``sync_s``.
+        ValueError: ``base_step_s <= 0``, negative ``sync_s``, or a ratio ``sync_s / base_step_s`` that overflows
+            a float (a step of 5e-324 s).
     """
     checks.number("base_step_s", base_step_s, above=0.0, where="hiding_sync_delay")
     checks.seconds("sync_s", sync_s, where="hiding_sync_delay")
+    ratio = sync_s / base_step_s
+    if not math.isfinite(ratio):
+        checks.fail("base_step_s", base_step_s, "large enough that sync_s / base_step_s is finite",
+                    where="hiding_sync_delay", note=f"sync_s = {sync_s}")
     # An exact multiple (0.3 s / 0.1 s = 2.9999999999999996 or 3.0000000000000004) must not round up a step.
-    return math.ceil(sync_s / base_step_s * (1 - 1e-12))
+    return math.ceil(ratio * (1 - 1e-12))
 
 
 @dataclasses.dataclass(frozen=True)
