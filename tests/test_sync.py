@@ -506,6 +506,31 @@ def _misuse():
         dist.all_reduce(t)
     d.step()
     out["mixed_diloco"] = _same(_params(model), [(g.float() - t).to(g.dtype) for g, t in zip(glob, deltas)])
+    # Error feedback on a mixed-dtype fragment (Delta in fp32): the residual survives a state_dict round trip; the
+    # two-phase owners' residuals are cut per rank count, so another world size is refused.
+    for aggregation in ("auto", "two_phase"):
+        ps = [torch.full((5,), 1.0 + rank, dtype=torch.bfloat16), torch.linspace(0, 1, 7) * (rank + 1)]
+        cfg = dict(inner_steps=1, compressor="topk:0.3", error_feedback=True, aggregation=aggregation)
+        a = DiLoCo(ps, **cfg)
+        with torch.no_grad():
+            ps[1].mul_(rank + 2)
+        a.step()
+        qs = [p.clone() for p in ps]
+        b = DiLoCo(qs, **cfg)
+        state = a.state_dict()
+        b.load_state_dict(state)
+        for d, ts in ((a, ps), (b, qs)):  # one more outer step each: the residual must be used, not dropped
+            with torch.no_grad():
+                ts[1].mul_(rank + 2)
+            d.step()
+        mine, saved = b.state_dict()["residuals"], a.state_dict()["residuals"]
+        out[f"ef_mixed_{aggregation}"] = (len(saved) > 0 and _same(ps, qs),
+                                          _same([r["residual"] for r in mine], [r["residual"] for r in saved]))
+    try:
+        b.load_state_dict(dict(state, world_size=3))
+        out["ef_world_size"] = None
+    except ValueError as e:
+        out["ef_world_size"] = str(e)
     # Tensors that cannot be averaged as parameters, named at construction (not at the first sync).
     p, q = torch.zeros(3), torch.zeros(3)
     for name, build in (("tied", lambda: DiLoCo([p, q, p], inner_steps=1, mixing=0.5)),
@@ -544,6 +569,13 @@ def test_mixed_dtypes_are_averaged_in_the_promoted_dtype(misuse):
     for out in misuse:
         assert out["mixed_local_sgd"]  # bitwise equal to torch's PeriodicModelAverager
         assert out["mixed_diloco"]
+
+
+def test_error_feedback_residuals_resume_on_mixed_dtypes_and_refuse_another_world_size(misuse):
+    for out in misuse:
+        assert out["ef_mixed_auto"] == (True, True)
+        assert out["ef_mixed_two_phase"] == (True, True)
+        assert "world_size=3" in out["ef_world_size"]
 
 
 def test_tied_and_integer_tensors_are_refused_at_construction(misuse):

@@ -13,6 +13,7 @@ Book: the chapter on syncing less often; cost model in :mod:`commlab.sync.cost`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from typing import Iterable, Sequence
@@ -345,7 +346,7 @@ class DiLoCo:
 
         Returns:
             ``{"hyperparameters", "layout", "steps", "outer_steps", "bytes_sent_per_rank", "global_params",
-            "momentum_buffers", "residuals", "compressor_state", "in_flight"}``; tensors are copies.
+            "momentum_buffers", "residuals", "compressor_state", "in_flight", "world_size"}``; tensors are copies.
         """
         in_flight = None
         if self._in_flight is not None:
@@ -363,7 +364,7 @@ class DiLoCo:
                 "global_params": [g.clone() for g in self.global_params],
                 "momentum_buffers": [b.clone() for b in self.momentum_buffers],
                 "residuals": residuals, "compressor_state": self._compressor_state(),
-                "in_flight": in_flight}
+                "in_flight": in_flight, "world_size": self.size}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict` (load the model's parameters and the inner optimizer alongside).
@@ -372,7 +373,8 @@ class DiLoCo:
         change them); the settings in :data:`STRUCTURAL` must match the checkpoint's.
 
         Raises:
-            ValueError: a structural setting or the layout differs (named, both values).
+            ValueError: a structural setting or the layout differs (named, both values); the checkpoint holds
+                two-phase chunk owners' residuals and was saved on a group of another size (``world_size``).
         """
         saved = dict(state["hyperparameters"], layout=tuple(tuple((tuple(s), d) for s, d in f)
                                                            for f in state["layout"]))
@@ -381,6 +383,11 @@ class DiLoCo:
             if saved[name] != mine[name]:
                 raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has {name}={saved[name]!r}, this DiLoCo "
                                  f"{name}={mine[name]!r}; build it with the checkpoint's settings")
+        owners = any(entry["which"] == "owner" for entry in state["residuals"])
+        if owners and state.get("world_size", self.size) != self.size:
+            raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has world_size={state['world_size']}, this "
+                             f"group {self.size} ranks; its two-phase chunk owners' residuals are cut for "
+                             f"{state['world_size']} chunks (resume on that many ranks, or without error_feedback)")
         if self._in_flight is not None and self._in_flight.thread is not None:
             self._in_flight.thread.join()
         with torch.no_grad():
@@ -396,9 +403,10 @@ class DiLoCo:
                 ef.reset()
         for entry in state["residuals"]:
             key = tuple(int(k) for k in entry["key"])
-            first = self.params[self.fragment_index[key[0]][0]]
+            tensors = [self.params[i] for i in self.fragment_index[key[0]]]
+            dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])  # flatten's dtype
             efs[entry["which"]].set_residual(key if entry["which"] == "owner" else key[0],
-                                             entry["residual"].to(first.device), dtype=first.dtype)
+                                             entry["residual"].to(tensors[0].device), dtype=dtype)
         self._load_compressor_state(state["compressor_state"])
         job = state["in_flight"]
         self._in_flight = None
