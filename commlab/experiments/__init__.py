@@ -6,6 +6,8 @@
   the data-parallel path (:class:`commlab.overlap.BucketedDataParallel`).
 * :mod:`~commlab.experiments.harness`: one data-parallel run, recorded step by step.
 * :mod:`~commlab.experiments.grid`: the grids and ``python -m commlab experiments run``.
+* :mod:`~commlab.experiments.slow_link`, :mod:`~commlab.experiments.sync_link`: the time model against runs on an
+  emulated slow link; the second sets the compressors against syncing every H steps (``RunConfig.sync``).
 """
 
 from commlab.experiments.harness import RunConfig, RunRecord, run

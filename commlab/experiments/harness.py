@@ -10,7 +10,8 @@ encode/decode, communication (the rest of the averaging, including the wait and 
 ``.grad``) and the whole step; the parent combines the ranks (mean loss; the slowest rank's seconds, since
 the ranks wait for each other in every collective) into a :class:`RunRecord`. Every ``eval_every`` steps the
 ranks score their shares of the held-out set; that time is not part of any step. Model, data and loss live on
-the group's device; times are marks of the wrapper's :class:`commlab.launch.Clock`, read once at the end.
+the group's device; times are marks of the wrapper's :class:`commlab.launch.Clock`, read once at the end. A run
+whose :attr:`RunConfig.sync` is not ``"every"`` has no per-step hook: :mod:`commlab.sync` syncs every H steps.
 """
 
 from __future__ import annotations

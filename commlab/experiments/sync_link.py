@@ -31,7 +31,7 @@ from commlab.experiments.methods import parse_sync
 from commlab.experiments.slow_link import BASE_BYTES_PER_S, DEFAULT_ALPHA_S, DEFAULT_BYTES_PER_S
 from commlab.experiments.time_to_accuracy import comm_coefficients, costs_from_record, steps_to_target
 
-__all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "default_methods", "run_configs", "measure", "analyze",
+__all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "mean_step", "default_methods", "run_configs", "measure", "analyze",
            "crossing", "save", "load", "format_table"]
 
 #: The per-step methods: dense, and the best compressors of the recorded grid (``full.jsonl``).
@@ -71,8 +71,12 @@ def run_configs(tasks: Sequence[str] = ("digits", "charlm"), methods=None, *, wo
     return out
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return statistics.fmean(xs)
+def mean_step(record: RunRecord, skip: int) -> float:
+    """A mean step robust to a shared machine's hiccups: the median step plus the mean communication beyond its
+    median (so the steps that sync every H, and the exposed part of their outer syncs, count once each), over the
+    steps after ``skip``."""
+    comm = record.comm_s[skip:]
+    return statistics.median(record.step_s[skip:]) + statistics.fmean(comm) - statistics.median(comm)
 
 
 def _link_model(base: RunRecord, skip: int, alpha_s: float) -> Callable[[float], float]:
@@ -145,8 +149,8 @@ def analyze(records: Sequence[RunRecord], *, alpha_s: float = DEFAULT_ALPHA_S, t
 
     Returns:
         A JSON-serialisable dict: ``tasks``, one per task with ``target``, ``metric``, ``rows`` (one per method
-        and bandwidth: ``bytes_per_step`` per rank, ``predicted_step_s``/``measured_step_s`` (means over the
-        steps after ``skip``), ``error_pct``, ``steps_to_target``, ``predicted_tta_s``/``measured_tta_s``,
+        and bandwidth: ``bytes_per_step`` per rank, ``predicted_step_s``/``measured_step_s`` (:func:`mean_step`),
+        ``error_pct``, ``steps_to_target``, ``predicted_tta_s``/``measured_tta_s``,
         ``quality_matches_base``) and ``break_even`` (against dense and against the best per-step compressor).
 
     Raises:
@@ -171,13 +175,14 @@ def analyze(records: Sequence[RunRecord], *, alpha_s: float = DEFAULT_ALPHA_S, t
             base = by_bw[None]
             s_t = steps_to_target(base.eval_steps, base.eval_quality, target, hib)
             add = _link_model(base, skip, alpha_s)
-            fixed = _mean(base.step_s[skip:])
-            start = math.inf if s_t is None else sum(base.step_s[:s_t])
-            models[key] = (base, s_t, (lambda bw, add=add, s=s_t, start=start:
-                                       math.inf if s is None else start + s * add(bw)))
+            fixed = mean_step(base, skip)
+            # The first steps as the base run took them (start-up), then the model's mean step.
+            start = 0.0 if s_t is None else sum(base.step_s[:min(skip, s_t)])
+            models[key] = (base, s_t, (lambda bw, add=add, s=s_t, start=start, fixed=fixed:
+                                       math.inf if s is None else start + max(0, s - skip) * (fixed + add(bw))))
             for bw in sorted(b for b in by_bw if b is not None):
                 rec = by_bw[bw]
-                pred, meas = fixed + add(bw), _mean(rec.step_s[skip:])
+                pred, meas = fixed + add(bw), mean_step(rec, skip)
                 same = all(abs(x - y) <= 1e-6 * max(1.0, abs(y)) for x, y in zip(rec.eval_quality, base.eval_quality))
                 rows.append(dict(label=base.label, method=key[0], error_feedback=key[1], sync=key[2], bytes_per_s=bw,
                                  bytes_per_step=base.bytes_sent_per_rank, base_step_s=fixed, predicted_step_s=pred,
@@ -193,6 +198,14 @@ def analyze(records: Sequence[RunRecord], *, alpha_s: float = DEFAULT_ALPHA_S, t
                     and math.isfinite(r["measured_tta_s"])]
         best = min(per_step, key=lambda r: r["measured_tta_s"]) if per_step else None
         best_key = None if best is None else (best["method"], best["error_feedback"], "every")
+        # Measured ratios on each link, against dense per step and the best per-step compressor (one run each).
+        at = {((r["method"], r["error_feedback"], r["sync"]), r["bytes_per_s"]): r for r in rows}
+        for r in rows:
+            for name, ref in (("dense", dense_key), ("best", best_key)):
+                o = at.get((ref, r["bytes_per_s"]))
+                r[f"bytes_vs_{name}"] = None if o is None else r["bytes_per_step"] / o["bytes_per_step"]
+                ok = o is not None and math.isfinite(r["measured_tta_s"]) and math.isfinite(o["measured_tta_s"])
+                r[f"tta_vs_{name}"] = r["measured_tta_s"] / o["measured_tta_s"] if ok else None
         breaks = []
         for key, (base, s_t, t) in models.items():
             if key == dense_key:
@@ -302,6 +315,14 @@ def format_table(result: dict) -> str:
         for b in t["break_even"]:
             vs_best = f" | {b['vs_best']}{bw_text(b.get('vs_best_bytes_per_s'))}" if "vs_best" in b else ""
             lines.append(f"  {b['label'][:44]:44s} {b['vs_dense']}{bw_text(b['vs_dense_bytes_per_s'])}{vs_best}")
+        lines.append("measured ratios, time to target (and bytes per step) against dense per step | against "
+                     f"{t['best_per_step'] or 'no per-step compressor'}")
+        for r in t["rows"]:
+            if r["sync"] == "every":
+                continue
+            ratio = lambda x: "never" if x is None else f"{x:.2f}x"  # noqa: E731
+            lines.append(f"  {r['label'][:44]:44s} {r['bytes_per_s'] / 1e6:5g}MB/s {ratio(r['tta_vs_dense']):>6s} "
+                         f"({ratio(r['bytes_vs_dense'])}) | {ratio(r['tta_vs_best']):>6s} ({ratio(r['bytes_vs_best'])})")
     if any(not r["quality_matches_base"] for t in result["tasks"] for r in t["rows"]):
         lines.append("* the emulated run's quality curve differs from its base run's")
     return "\n".join(lines)
