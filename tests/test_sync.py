@@ -531,6 +531,18 @@ def _misuse():
         out["ef_world_size"] = None
     except ValueError as e:
         out["ef_world_size"] = str(e)
+    # A state loaded on rank 0 only: the global copies differ, and every rank says so at the next send (they used
+    # to drift apart for good without a word).
+    p = torch.ones(4)
+    d = DiLoCo([p], inner_steps=1)
+    state = d.state_dict()
+    if rank == 0:
+        d.load_state_dict(dict(state, global_params=[torch.full((4,), 5.0)]))
+    try:
+        d.step()
+        out["one_rank_loaded"] = None
+    except RuntimeError as e:
+        out["one_rank_loaded"] = str(e)
     # Tensors that cannot be averaged as parameters, named at construction (not at the first sync).
     p, q = torch.zeros(3), torch.zeros(3)
     for name, build in (("tied", lambda: DiLoCo([p, q, p], inner_steps=1, mixing=0.5)),
@@ -576,6 +588,11 @@ def test_error_feedback_residuals_resume_on_mixed_dtypes_and_refuse_another_worl
         assert out["ef_mixed_auto"] == (True, True)
         assert out["ef_mixed_two_phase"] == (True, True)
         assert "world_size=3" in out["ef_world_size"]
+
+
+def test_a_state_loaded_on_one_rank_only_is_caught_on_every_rank(misuse):
+    for out in misuse:
+        assert out["one_rank_loaded"] is not None and "global copies" in out["one_rank_loaded"]
 
 
 def test_tied_and_integer_tensors_are_refused_at_construction(misuse):
