@@ -543,6 +543,15 @@ def _misuse():
         out["one_rank_loaded"] = None
     except RuntimeError as e:
         out["one_rank_loaded"] = str(e)
+    # Another object's state: a named ValueError, not a KeyError.
+    avg = LocalSGD([p], every=1)
+    for name, load in (("diloco_loads_local_sgd", lambda: d.load_state_dict(avg.state_dict())),
+                       ("local_sgd_loads_diloco", lambda: avg.load_state_dict(state))):
+        try:
+            load()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     # Tensors that cannot be averaged as parameters, named at construction (not at the first sync).
     p, q = torch.zeros(3), torch.zeros(3)
     for name, build in (("tied", lambda: DiLoCo([p, q, p], inner_steps=1, mixing=0.5)),
@@ -593,6 +602,12 @@ def test_error_feedback_residuals_resume_on_mixed_dtypes_and_refuse_another_worl
 def test_a_state_loaded_on_one_rank_only_is_caught_on_every_rank(misuse):
     for out in misuse:
         assert out["one_rank_loaded"] is not None and "global copies" in out["one_rank_loaded"]
+
+
+def test_another_objects_state_is_refused_by_name(misuse):
+    for out in misuse:
+        assert "lacks [" in out["diloco_loads_local_sgd"] and "'global_params'" in out["diloco_loads_local_sgd"]
+        assert "lacks ['averages'" in out["local_sgd_loads_diloco"]
 
 
 def test_tied_and_integer_tensors_are_refused_at_construction(misuse):

@@ -396,9 +396,15 @@ class DiLoCo:
         change them); the settings in :data:`STRUCTURAL` must match the checkpoint's.
 
         Raises:
-            ValueError: a structural setting or the layout differs (named, both values); the checkpoint holds
+            ValueError: keys of :meth:`state_dict` missing (named); a structural setting or the layout differs
+                (named, both values); the checkpoint holds
                 two-phase chunk owners' residuals and was saved on a group of another size (``world_size``).
         """
+        missing = sorted({"hyperparameters", "layout", "steps", "outer_steps", "global_params", "momentum_buffers",
+                          "residuals", "compressor_state", "in_flight"} - set(state))
+        if missing:
+            raise ValueError(f"DiLoCo.load_state_dict: the state lacks {missing}; pass what DiLoCo.state_dict() "
+                             "returned (not a LocalSGD's, a model's or an optimizer's)")
         saved = dict(state["hyperparameters"], layout=tuple(tuple((tuple(s), d) for s, d in f)
                                                            for f in state["layout"]))
         mine = dict(self.hyperparameters(), layout=self.layout)

@@ -31,7 +31,8 @@ class LocalSGD:
     schedule of ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager`` (so the first
     call after the warm-up averages). During the warm-up nothing is averaged: pair it with per-step gradient
     averaging there (DDP), as torch's post-local SGD does. All tensors are averaged as one flat buffer, divided by N
-    before the sum, as torch's ``average_parameters``.
+    before the sum, as torch's ``average_parameters``; unlike it, a parameter whose ``.grad`` is None (frozen, or
+    unused this step) is averaged too (torch's averager skips it).
 
     Args:
         params: the parameters (floating-point tensors, each once; mixed dtypes are averaged in their promoted
@@ -100,8 +101,13 @@ class LocalSGD:
         """Resume from :meth:`state_dict`.
 
         Raises:
-            ValueError: ``every`` or ``warmup_steps`` differ from this object's (the schedule would change).
+            ValueError: a key of :meth:`state_dict` missing (named); ``every`` or ``warmup_steps`` differ from this
+                object's (the schedule would change).
         """
+        missing = sorted({"every", "warmup_steps", "steps", "averages", "bytes_sent_per_rank"} - set(state))
+        if missing:
+            raise ValueError(f"LocalSGD.load_state_dict: the state lacks {missing}; pass what LocalSGD.state_dict() "
+                             "returned")
         for name in ("every", "warmup_steps"):
             if state[name] != getattr(self, name):
                 raise ValueError(f"LocalSGD.load_state_dict: the checkpoint has {name}={state[name]!r}, this "
