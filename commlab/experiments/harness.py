@@ -265,18 +265,24 @@ class RunRecord:
         return cls(**d)
 
 
-def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> dict[str, Any]:
-    """One rank's part of :func:`run` (call inside every rank; ``config`` resolved). Returns plain lists."""
+def _rank_setup(config: RunConfig):
+    """This rank's ``(rank, n, device, task, model, params, dense_nbytes)``: the task's model, built from the seed
+    on the group's device, and the bytes of its parameters."""
     import torch.distributed as dist
 
-    if config.sync != "every":
-        return _train_rank_sync(config, emulate)
-    rank, n = dist.get_rank(), dist.get_world_size()
     device = group_device()
     task = get_task(config.task)
     model = task.build(config.seed).to(device)
     params = list(model.parameters())
-    dense_nbytes = sum(p.numel() * p.element_size() for p in params)
+    return (dist.get_rank(), dist.get_world_size(), device, task, model, params,
+            sum(p.numel() * p.element_size() for p in params))
+
+
+def train_rank(config: RunConfig, emulate: EmulatedTopology | None = None) -> dict[str, Any]:
+    """One rank's part of :func:`run` (call inside every rank; ``config`` resolved). Returns plain lists."""
+    if config.sync != "every":
+        return _train_rank_sync(config, emulate)
+    rank, n, device, task, model, params, dense_nbytes = _rank_setup(config)
     # One bucket for the whole gradient: the compressors see it as one tensor (a global Top-K, chapter 5).
     wrapped = BucketedDataParallel(model, bucket_cap_bytes=dense_nbytes)
     clock = wrapped.clock
@@ -362,12 +368,7 @@ def _train_rank_sync(config: RunConfig, emulate: EmulatedTopology | None) -> dic
 
     from commlab.launch.device import Clock
 
-    rank, n = dist.get_rank(), dist.get_world_size()
-    device = group_device()
-    task = get_task(config.task)
-    model = task.build(config.seed).to(device)
-    params = list(model.parameters())
-    dense_nbytes = sum(p.numel() * p.element_size() for p in params)
+    rank, n, device, task, model, params, dense_nbytes = _rank_setup(config)
     eval_group = dist.new_group(backend="gloo")
     clock = Clock(device)
     sync = make_sync(config, params, emulate)

@@ -140,15 +140,29 @@ def load(path: str | pathlib.Path | None = None) -> dict:
     Raises:
         FileNotFoundError: with the command that records it.
     """
-    path = pathlib.Path(path) if path else data.path(_NAME)
+    result = read_result(path, _NAME, "slow-link")
+    unnull_times(result["rows"])
+    return result
+
+
+def read_result(path, name: str, action: str) -> dict:
+    """The JSON at ``path`` (default: ``name`` of the package data).
+
+    Raises:
+        FileNotFoundError: with the command that records it (``python -m commlab experiments <action>``).
+    """
+    path = pathlib.Path(path) if path else data.path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments slow-link`")
-    result = json.loads(path.read_text(encoding="utf-8"))
-    for r in result["rows"]:
+        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments {action}`")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def unnull_times(rows) -> None:
+    """Times to target stored as null (never reached) back to inf, in place."""
+    for r in rows:
         for k in ("predicted_tta_s", "measured_tta_s"):
             if r[k] is None:
                 r[k] = math.inf
-    return result
 
 
 def format_table(result: dict) -> str:

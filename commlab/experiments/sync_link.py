@@ -28,7 +28,8 @@ from commlab import data
 from commlab.experiments.analysis import dense_target
 from commlab.experiments.harness import RunConfig, RunRecord
 from commlab.experiments.methods import parse_sync
-from commlab.experiments.slow_link import BASE_BYTES_PER_S, DEFAULT_ALPHA_S, DEFAULT_BYTES_PER_S
+from commlab.experiments.slow_link import (BASE_BYTES_PER_S, DEFAULT_ALPHA_S, DEFAULT_BYTES_PER_S, read_result,
+                                           unnull_times)
 from commlab.experiments.time_to_accuracy import comm_coefficients, costs_from_record, steps_to_target
 
 __all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "mean_step", "default_methods", "run_configs", "measure", "analyze",
@@ -278,15 +279,9 @@ def load(path: str | pathlib.Path | None = None) -> dict:
     Raises:
         FileNotFoundError: with the command that records it.
     """
-    path = pathlib.Path(path) if path else data.path(_NAME)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; record it with `python -m commlab experiments sync-link`")
-    result = json.loads(path.read_text(encoding="utf-8"))
+    result = read_result(path, _NAME, "sync-link")
     for t in result["tasks"]:
-        for r in t["rows"]:
-            for k in ("predicted_tta_s", "measured_tta_s"):
-                if r[k] is None:
-                    r[k] = math.inf
+        unnull_times(t["rows"])
     return result
 
 
