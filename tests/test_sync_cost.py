@@ -73,3 +73,12 @@ def test_bad_cost_arguments_are_named(call, name):
 def test_hiding_sync_delay_refuses_an_overflowing_ratio():
     with pytest.raises(ValueError, match="base_step_s"):
         hiding_sync_delay(5e-324, 1.0)
+
+
+def test_break_even_says_tie_when_nothing_differs():
+    # One rank sends nothing either way: it used to say "sync never wins".
+    assert break_even_bandwidth(0.1, 1, 1e-3, sync_payload_nbytes=4e6, inner_steps=10,
+                                compressed_payload_nbytes=1e6) == BreakEven(None, "tie")
+    # Equal bytes per step (4e5 every 4 steps against 1e5 every step), no latency: the same time at any bandwidth.
+    assert break_even_bandwidth(0.1, 2, 0.0, sync_payload_nbytes=4e5, inner_steps=4,
+                                compressed_payload_nbytes=1e5).verdict == "tie"

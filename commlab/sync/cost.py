@@ -126,7 +126,8 @@ class BreakEven:
 
     Attributes:
         bytes_per_s: the break-even link bandwidth (per direction), or None when one always or never wins.
-        verdict: ``"sync wins below"``, ``"sync wins above"``, ``"sync always wins"`` or ``"sync never wins"``.
+        verdict: ``"sync wins below"``, ``"sync wins above"``, ``"sync always wins"``, ``"sync never wins"`` or
+            ``"tie"`` (the same time at every bandwidth: one rank, or equal bytes and fixed costs).
     """
 
     bytes_per_s: float | None
@@ -166,6 +167,8 @@ def break_even_bandwidth(base_step_s: float, n: int, alpha_s: float, *, sync_pay
     saved_bytes = compressed_steps * b_c - sync_steps * b_s   # > 0: the sync moves fewer bytes to the target
     extra_fixed = sync_steps * fixed_s - compressed_steps * fixed_c  # > 0: and spends more on everything else
     if saved_bytes == 0:
+        if extra_fixed == 0:
+            return BreakEven(None, "tie")
         return BreakEven(None, "sync always wins" if extra_fixed < 0 else "sync never wins")
     if saved_bytes > 0:
         return BreakEven(saved_bytes / extra_fixed, "sync wins below") if extra_fixed > 0 \
