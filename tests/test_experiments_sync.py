@@ -1,5 +1,6 @@
-"""The sync-less-often runs of chapter 8's harness: RunConfig.sync's plumbing (specs, keys, checks), a short DiLoCo
-run's bytes per step against the ring's count and the sync cost model's, and the recorded sync-link experiment read back whole (its prediction error checked on the stored file, not re-measured)."""
+"""The sync-less-often runs of chapter 8's harness: RunConfig.sync's plumbing (specs, keys, checks), short local SGD
+and INT8-DiLoCo runs' bytes per step against the ring's count and the sync cost model's, and the recorded sync-link
+experiment read back whole (its prediction error checked on the stored file, not re-measured)."""
 
 import math
 import statistics
@@ -24,7 +25,8 @@ def test_sync_specs_parse(sync, want):
     assert describe_sync(sync, "int:8")
 
 
-@pytest.mark.parametrize("sync, match", [("often", "unknown sync"), ("diloco", "diloco:H"), ("diloco:010", "'diloco:10'"),
+@pytest.mark.parametrize("sync, match", [("often", "unknown sync"), ("diloco", "diloco:H"),
+                                         ("diloco:010", "'diloco:10'"),
                                          ("diloco:0", "H"), ("streaming:10:3:0:0", "multiple of fragments"),
                                          ("streaming:10:2:5:0", "sync_delay"), ("streaming:10:2:1:2", "alpha"),
                                          ("streaming:10:2:1:0.50", "'streaming:10:2:1:0.5'"), (10, "string")])

@@ -32,7 +32,8 @@ from commlab.experiments.slow_link import (BASE_BYTES_PER_S, DEFAULT_ALPHA_S, DE
                                            unnull_times)
 from commlab.experiments.time_to_accuracy import comm_coefficients, costs_from_record, steps_to_target
 
-__all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "mean_step", "default_methods", "run_configs", "measure", "analyze",
+__all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "mean_step", "default_methods", "run_configs",
+           "measure", "analyze",
            "crossing", "save", "load", "format_table"]
 
 #: The per-step methods: dense, and the best compressors of the recorded grid (``full.jsonl``).
@@ -231,7 +232,8 @@ _RECORDS = "experiments/sync_link.jsonl"    # its runs, one RunRecord a line
 
 def measure(tasks: Sequence[str] = ("digits", "charlm"), *, world_size: int = 4, seed: int = 0,
             bytes_per_s: Sequence[float] = DEFAULT_BYTES_PER_S, alpha_s: float = DEFAULT_ALPHA_S, h: int = 10,
-            fragments: int = 2, tau: int = 1, alpha: float = 0.5, target_fraction: float = TARGET_FRACTION, skip: int = 5,
+            fragments: int = 2, tau: int = 1, alpha: float = 0.5, target_fraction: float = TARGET_FRACTION,
+            skip: int = 5,
             records_path=None, fresh: bool = False, progress: bool = True) -> dict:
     """Run (or resume) every run of :func:`run_configs` into ``records_path`` and :func:`analyze` them.
 
@@ -251,7 +253,8 @@ def measure(tasks: Sequence[str] = ("digits", "charlm"), *, world_size: int = 4,
     settings = dict(tasks=list(tasks), world_size=world_size, seed=seed, bytes_per_s=list(bytes_per_s),
                     alpha_s=alpha_s, h=h, fragments=fragments, tau=tau, alpha=alpha, target_fraction=target_fraction,
                     skip=skip, task_settings={t: TASK_SETTINGS[t] for t in tasks},
-                    methods=[list(m) for m in methods], records=path.name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                    methods=[list(m) for m in methods], records=path.name,
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     return dict(settings=settings, **result)
 
 
@@ -291,7 +294,8 @@ def format_table(result: dict) -> str:
     s = result["settings"]
     tta = lambda x: f"{x:.1f}s" if math.isfinite(x) else "never"  # noqa: E731
     bw_text = lambda b: "" if b is None else f" {b / 1e6:.3g} MB/s"  # noqa: E731
-    lines = [f"{s['world_size']} ranks, seed {s['seed']}, emulated α = {s['alpha_s'] * 1e3:g} ms, recorded {s['date']}"]
+    lines = [f"{s['world_size']} ranks, seed {s['seed']}, emulated α = {s['alpha_s'] * 1e3:g} ms, "
+             f"recorded {s['date']}"]
     for t in result["tasks"]:
         lines.append(f"\n{t['task']}: {t['steps']} steps, target {t['metric']} {t['target']:.4g} "
                      f"(dense at {s['target_fraction']:g} of its steps), dense gradient {t['dense_nbytes']:,} B")
@@ -305,8 +309,15 @@ def format_table(result: dict) -> str:
                          f"{r['predicted_step_s'] * 1e3:7.1f}ms {r['measured_step_s'] * 1e3:6.1f}ms "
                          f"{r['error_pct']:+5.0f}% {steps:>5s} {tta(r['predicted_tta_s']):>14s} "
                          f"{tta(r['measured_tta_s']):>7s} {err:>6s}{flag}")
+        for name, rows in (("per step", [r for r in t["rows"] if r["sync"] == "every"]),
+                           ("every H", [r for r in t["rows"] if r["sync"] != "every"])):
+            tta_err = [abs(r["tta_error_pct"]) for r in rows if r["tta_error_pct"] is not None]
+            step_err = statistics.median(abs(r["error_pct"]) for r in rows)
+            lines.append(f"model error, {name}: median |step error| {step_err:.0f}%"
+                         + (f", median |time-to-target error| {statistics.median(tta_err):.0f}%" if tta_err else ""))
         lines.append("break-even bandwidth (the model), against dense per step"
-                     + (f" | against the best per-step compressor ({t['best_per_step']})" if t["best_per_step"] else ""))
+                     + (f" | against the best per-step compressor ({t['best_per_step']})"
+                        if t["best_per_step"] else ""))
         for b in t["break_even"]:
             vs_best = f" | {b['vs_best']}{bw_text(b.get('vs_best_bytes_per_s'))}" if "vs_best" in b else ""
             lines.append(f"  {b['label'][:44]:44s} {b['vs_dense']}{bw_text(b['vs_dense_bytes_per_s'])}{vs_best}")
@@ -317,7 +328,8 @@ def format_table(result: dict) -> str:
                 continue
             ratio = lambda x: "never" if x is None else f"{x:.2f}x"  # noqa: E731
             lines.append(f"  {r['label'][:44]:44s} {r['bytes_per_s'] / 1e6:5g}MB/s {ratio(r['tta_vs_dense']):>6s} "
-                         f"({ratio(r['bytes_vs_dense'])}) | {ratio(r['tta_vs_best']):>6s} ({ratio(r['bytes_vs_best'])})")
+                         f"({ratio(r['bytes_vs_dense'])}) | {ratio(r['tta_vs_best']):>6s} "
+                         f"({ratio(r['bytes_vs_best'])})")
     if any(not r["quality_matches_base"] for t in result["tasks"] for r in t["rows"]):
         lines.append("* the emulated run's quality curve differs from its base run's")
     return "\n".join(lines)
