@@ -104,7 +104,8 @@ class DiLoCo:
         params: the parameters in model order (one fragment is a contiguous run of them, :func:`split_fragments`),
             or a list of explicit fragments (lists of tensors; then ``fragments`` must be 1 or their count).
             Floating-point tensors, each once (a tied parameter is passed once); a fragment of mixed dtypes is
-            averaged in its promoted dtype (bf16 and fp32: fp32) and cast back per tensor.
+            averaged in its promoted dtype (bf16 and fp32: fp32) and cast back per tensor. The tensors are held: a
+            parameter replaced on the module afterwards (``m.weight = nn.Parameter(...)``) is not synced; rebuild.
         group: the data-parallel group (None: the world). Its first rank's parameters are broadcast at construction.
         inner_steps: H (>= 1), inner steps between two syncs of a fragment.
         outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: DiLoCo's outer optimizer).

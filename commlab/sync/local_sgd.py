@@ -36,7 +36,8 @@ class LocalSGD:
 
     Args:
         params: the parameters (floating-point tensors, each once; mixed dtypes are averaged in their promoted
-            dtype, as torch's ``average_parameters``), the same layout on every rank.
+            dtype, as torch's ``average_parameters``), the same layout on every rank. The tensors are held: a
+            parameter replaced on the module afterwards is not averaged; rebuild.
         group: the data-parallel process group (None: the world).
         every: H, steps between averages (>= 1). warmup_steps: steps before the first average (>= 0).
         emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the AllReduce's messages.
