@@ -552,6 +552,15 @@ def _misuse():
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    # An emulated topology of one rank for a group of two: named at construction (was an IndexError at the sync).
+    small = EmulatedTopology(1, 1, Link(0.001, 0.0, "slow"))
+    for name, build in (("emulate_diloco", lambda: DiLoCo([p], inner_steps=1, sync_delay=0, emulate=small)),
+                        ("emulate_local_sgd", lambda: LocalSGD([p], every=1, emulate=small))):
+        try:
+            build()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     # Tensors that cannot be averaged as parameters, named at construction (not at the first sync).
     p, q = torch.zeros(3), torch.zeros(3)
     for name, build in (("tied", lambda: DiLoCo([p, q, p], inner_steps=1, mixing=0.5)),
@@ -608,6 +617,12 @@ def test_another_objects_state_is_refused_by_name(misuse):
     for out in misuse:
         assert "lacks [" in out["diloco_loads_local_sgd"] and "'global_params'" in out["diloco_loads_local_sgd"]
         assert "lacks ['averages'" in out["local_sgd_loads_diloco"]
+
+
+def test_an_emulated_topology_too_small_for_the_group_is_named(misuse):
+    for out in misuse:
+        for name in ("emulate_diloco", "emulate_local_sgd"):
+            assert out[name] is not None and "emulate" in out[name] and "global ranks [0, 1]" in out[name]
 
 
 def test_tied_and_integer_tensors_are_refused_at_construction(misuse):

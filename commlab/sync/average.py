@@ -20,7 +20,7 @@ from commlab.compress.aggregate import aggregate
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into", "check_params"]
+__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into", "check_params", "check_emulate"]
 
 
 class Mean(NamedTuple):
@@ -75,6 +75,20 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[
         out.append(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
     return out
+
+
+def check_emulate(emulate: EmulatedTopology | None, group: dist.ProcessGroup | None, where: str) -> None:
+    """Refuse an emulated topology that does not place every rank of ``group`` (messages name global ranks).
+
+    Raises:
+        ValueError: naming ``emulate``, its world size and the group's global ranks (on every member alike).
+    """
+    if emulate is None:
+        return
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if max(ranks) >= emulate.world_size:
+        checks.fail("emulate", emulate, f"a topology of more than {max(ranks)} ranks (it places ranks "
+                    f"0..{emulate.world_size - 1}; the group spans global ranks {sorted(ranks)})", where=where)
 
 
 def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup | None = None, *, compressor=None,

@@ -28,7 +28,7 @@ from commlab.compress.base import all_finite
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.hooks import AGGREGATIONS
 from commlab.compress.specs import compressor_for, parse_spec
-from commlab.sync.average import check_params, flatten, mean_over_group, unflatten_into
+from commlab.sync.average import check_emulate, check_params, flatten, mean_over_group, unflatten_into
 from commlab.sync.schedule import FragmentSync, check_schedule, fragment_schedule, split_fragments
 from commlab.topology.emulated import EmulatedTopology
 
@@ -128,8 +128,8 @@ class DiLoCo:
 
     Raises:
         ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
-            without a compressor, Nesterov without momentum, a non-floating-point or repeated tensor in ``params``.
-            CollectiveMismatchError: ranks disagree on settings or layout. FloatingPointError (from :meth:`step`):
+            without a compressor, Nesterov without momentum, a non-floating-point or repeated tensor in ``params``,
+            an ``emulate`` too small for the group. CollectiveMismatchError: ranks disagree on settings or layout. FloatingPointError (from :meth:`step`):
             a NaN/Inf pseudo-gradient on any rank, on every rank.
     """
 
@@ -170,6 +170,7 @@ class DiLoCo:
         self._server_ef = ErrorFeedback(self._compressor) if two_phase_ef else None
         self.group, self.emulate = group, emulate
         self.size, _ = group_size_and_rank(group, w)
+        check_emulate(emulate, group, w)
 
         self.params, self.fragment_index = self._fragments(params)
         self.layout = tuple(tuple((tuple(self.params[i].shape), str(self.params[i].dtype)) for i in idx)

@@ -18,7 +18,7 @@ from commlab import checks
 from commlab.collectives.agreement import agree
 from commlab.collectives.common import group_size_and_rank
 from commlab.compress.agreement import agree_finite
-from commlab.sync.average import check_params, flatten, mean_over_group, unflatten_into
+from commlab.sync.average import check_emulate, check_params, flatten, mean_over_group, unflatten_into
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["LocalSGD"]
@@ -48,8 +48,8 @@ class LocalSGD:
 
     Raises:
         ValueError: ``every < 1``, ``warmup_steps < 0``, no parameters, a non-floating-point or repeated tensor
-            (:func:`~commlab.sync.average.check_params`); CollectiveMismatchError: the ranks pass
-            different settings or layouts (every rank raises). FloatingPointError (from :meth:`step`): a NaN/Inf
+            (:func:`~commlab.sync.average.check_params`), an ``emulate`` too small for the group.
+            CollectiveMismatchError: the ranks pass different settings or layouts (every rank raises). FloatingPointError (from :meth:`step`): a NaN/Inf
             parameter on any rank, raised on every rank before anything is averaged.
     """
 
@@ -63,6 +63,7 @@ class LocalSGD:
         check_params(self.params, "LocalSGD")
         self.group, self.emulate = group, emulate
         self.size, _ = group_size_and_rank(group, "LocalSGD")
+        check_emulate(emulate, group, "LocalSGD")
         layout = (self.every, self.warmup_steps, tuple((p.numel(), str(p.dtype)) for p in self.params))
         agree("LocalSGD", layout, group, what="(every, warmup_steps, parameter layout)")
         self.steps = 0
