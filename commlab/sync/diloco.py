@@ -129,8 +129,8 @@ class DiLoCo:
     Raises:
         ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
             without a compressor, Nesterov without momentum, a non-floating-point or repeated tensor in ``params``,
-            an ``emulate`` too small for the group. CollectiveMismatchError: ranks disagree on settings or layout. FloatingPointError (from :meth:`step`):
-            a NaN/Inf pseudo-gradient on any rank, on every rank.
+            an ``emulate`` too small for the group. CollectiveMismatchError: ranks disagree on settings or layout.
+            FloatingPointError (from :meth:`step`): a NaN/Inf pseudo-gradient on any rank, on every rank.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Sequence[Sequence[torch.Tensor]],

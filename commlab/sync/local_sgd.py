@@ -49,8 +49,9 @@ class LocalSGD:
     Raises:
         ValueError: ``every < 1``, ``warmup_steps < 0``, no parameters, a non-floating-point or repeated tensor
             (:func:`~commlab.sync.average.check_params`), an ``emulate`` too small for the group.
-            CollectiveMismatchError: the ranks pass different settings or layouts (every rank raises). FloatingPointError (from :meth:`step`): a NaN/Inf
-            parameter on any rank, raised on every rank before anything is averaged.
+            CollectiveMismatchError: the ranks pass different settings or layouts (every rank raises).
+            FloatingPointError (from :meth:`step`): a NaN/Inf parameter on any rank, raised on every rank before
+            anything is averaged.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, *, every: int,
