@@ -153,11 +153,15 @@ class DiLoCo:
         self.compressor = None if compressor in (None, "dense") else compressor
         self._compressor = None
         if self.compressor is not None:
-            kind, _ = parse_spec(self.compressor)
+            try:
+                kind, _ = parse_spec(self.compressor)
+                if kind != "powersgd":
+                    self._compressor = compressor_for(self.compressor, seed=self.seed)
+            except (ValueError, TypeError) as e:  # the spec's own message, under the argument's name
+                raise ValueError(f"{w}: compressor={compressor!r} is not a usable spec: {e}") from e
             if kind == "powersgd":
                 checks.fail("compressor", compressor, "a compressor spec other than powersgd", where=w,
                             note="PowerSGD keeps per-matrix state of its own; use int:8, topk:0.01, cast:fp16, ...")
-            self._compressor = compressor_for(self.compressor, seed=self.seed)
         if self.error_feedback and self._compressor is None:
             checks.fail("error_feedback", True, "False without a compressor", where=w,
                         note="dense Delta loses nothing to feed back")
