@@ -546,6 +546,16 @@ def _misuse():
         out["one_rank_loaded"] = None
     except RuntimeError as e:
         out["one_rank_loaded"] = str(e)
+    # Local SGD with a state loaded on rank 0 only: its schedule is two calls ahead; both average at this call (0
+    # and 2 with every=2) and say that their step counts differ (they used to average different steps silently).
+    avg = LocalSGD([p], every=2)
+    if rank == 0:
+        avg.load_state_dict(dict(avg.state_dict(), steps=2))
+    try:
+        avg.step()
+        out["local_sgd_one_rank_loaded"] = None
+    except RuntimeError as e:
+        out["local_sgd_one_rank_loaded"] = str(e)
     # Another object's state: a named ValueError, not a KeyError.
     avg = LocalSGD([p], every=1)
     for name, load in (("diloco_loads_local_sgd", lambda: d.load_state_dict(avg.state_dict())),
@@ -614,6 +624,8 @@ def test_error_feedback_residuals_resume_on_mixed_dtypes_and_refuse_another_worl
 def test_a_state_loaded_on_one_rank_only_is_caught_on_every_rank(misuse):
     for out in misuse:
         assert out["one_rank_loaded"] is not None and "global copies" in out["one_rank_loaded"]
+        assert out["local_sgd_one_rank_loaded"] is not None and "step counts differ: [2, 0]" in \
+            out["local_sgd_one_rank_loaded"]
 
 
 def test_another_objects_state_is_refused_by_name(misuse):

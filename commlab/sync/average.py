@@ -15,12 +15,15 @@ import torch.distributed as dist
 
 from commlab import checks
 from commlab.collectives import ring_all_reduce, ring_bytes_sent_per_rank
+from commlab.collectives.agreement import gather
 from commlab.collectives.common import group_size_and_rank
 from commlab.compress.aggregate import aggregate
+from commlab.compress.base import all_finite
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.topology.emulated import EmulatedTopology
 
-__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into", "check_params", "check_emulate"]
+__all__ = ["Mean", "mean_over_group", "flatten", "unflatten_into", "check_params", "check_emulate", "bits_checksum",
+           "agree_before_sync"]
 
 
 class Mean(NamedTuple):
@@ -75,6 +78,34 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[
         out.append(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
     return out
+
+
+def bits_checksum(tensors: Sequence[torch.Tensor]) -> int:
+    """An exact integer checksum of the tensors' bits (the sum of their elements read as integers of their width,
+    modulo 2^62): equal tensors give equal sums on any device, in any summation order."""
+    total = 0
+    for t in tensors:
+        if t.numel():
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            total += int(t.detach().reshape(-1).view(bits).sum(dtype=torch.int64))
+    return total % (1 << 62)
+
+
+def agree_before_sync(tensor: torch.Tensor, group: dist.ProcessGroup | None, where: str, steps: int,
+                      checksum: int = 0, what: str = "checksums") -> None:
+    """One small AllGather before a sync; every rank raises the same error if any rank's ``tensor`` holds a NaN or
+    an inf (FloatingPointError, naming the ranks), or if the ranks' ``steps`` or ``checksum`` differ (RuntimeError:
+    a state loaded, or a step taken, on some ranks only; they would otherwise drift apart without a word).
+    Nothing is sent when it raises, so every rank can skip the step together."""
+    rows = gather([int(not all_finite(tensor)), int(steps), int(checksum)], group, ints=True)
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if bad:
+        raise FloatingPointError(f"{where}: rank(s) {bad} hold NaN or infinite values; nothing was sent. "
+                                 "Every rank raises this, so all can skip the step together")
+    for i, name in ((1, "step counts"), (2, what)):
+        if len({row[i] for row in rows}) > 1:
+            raise RuntimeError(f"{where}: the group ranks' {name} differ: {[row[i] for row in rows]}; a state "
+                               "loaded or a step taken on some ranks only? Load the same checkpoint on all")
 
 
 def check_emulate(emulate: EmulatedTopology | None, group: dist.ProcessGroup | None, where: str) -> None:

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from commlab import checks
 from commlab.collectives.agreement import agree, gather
 from commlab.collectives.common import global_rank, group_size_and_rank
-from commlab.compress.base import all_finite
 from commlab.compress.error_feedback import ErrorFeedback
 from commlab.compress.hooks import AGGREGATIONS
 from commlab.compress.specs import compressor_for, parse_spec
-from commlab.sync.average import check_emulate, check_params, flatten, mean_over_group, unflatten_into
+from commlab.sync.average import (agree_before_sync, bits_checksum, check_emulate, check_params, flatten,
+                                   mean_over_group, unflatten_into)
 from commlab.sync.schedule import FragmentSync, check_schedule, fragment_schedule, split_fragments
 from commlab.topology.emulated import EmulatedTopology
 
@@ -274,7 +274,10 @@ class DiLoCo:
     def _send(self, sync: FragmentSync) -> None:
         local, glob, _ = self._tensors(sync.fragment)
         delta = flatten(glob) - flatten(local)
-        self._agree_before_send(sync, delta, glob)
+        # The same error on every rank before anything is sent: a NaN/Inf Delta, or ranks whose step counts or
+        # global copies differ (a state loaded on some ranks only).
+        agree_before_sync(delta, self.group, f"DiLoCo step {self.steps}: fragment {sync.fragment}'s pseudo-gradient",
+                          self.steps, bits_checksum(glob), "global copies (checksums of their bits)")
         job = _InFlight(sync)
         if self.sync_delay == 0 or self.size == 1:
             self._average(job, delta, self.group)
@@ -283,27 +286,6 @@ class DiLoCo:
                                           name=f"diloco-fragment-{sync.fragment}")
             job.thread.start()
         self._in_flight = job
-
-    def _agree_before_send(self, sync: FragmentSync, delta: torch.Tensor, glob: list[torch.Tensor]) -> None:
-        """One small AllGather before a fragment's sync: every rank raises the same error if any rank's Delta holds
-        a NaN/Inf (FloatingPointError), or if the ranks' step counts or global copies differ (RuntimeError: a
-        state loaded on some ranks only, or a step skipped on one; each would otherwise drift apart silently).
-        The global copy is compared by an exact integer checksum of its bits."""
-        where = f"DiLoCo step {self.steps}: fragment {sync.fragment}'s pseudo-gradient"
-        checksum = 0
-        for g in glob:
-            if g.numel():
-                bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
-                checksum += int(g.reshape(-1).view(bits).sum(dtype=torch.int64))
-        rows = gather([int(not all_finite(delta)), self.steps, checksum % (1 << 62)], self.group, ints=True)
-        bad = [r for r, row in enumerate(rows) if row[0]]
-        if bad:
-            raise FloatingPointError(f"{where}: rank(s) {bad} hold NaN or infinite values; nothing was sent. "
-                                     "Every rank raises this, so all can skip the step together")
-        for i, what in ((1, "inner step counts"), (2, "global copies (checksums of their bits)")):
-            if len({row[i] for row in rows}) > 1:
-                raise RuntimeError(f"{where}: the group ranks' {what} differ: {[row[i] for row in rows]}; a state "
-                                   "loaded or a step taken on some ranks only? Load the same checkpoint on all")
 
     def _average(self, job: _InFlight, delta: torch.Tensor, group) -> None:
         t0 = time.perf_counter()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from commlab import checks
 from commlab.collectives.agreement import agree
 from commlab.collectives.common import group_size_and_rank
-from commlab.compress.agreement import agree_finite
-from commlab.sync.average import check_emulate, check_params, flatten, mean_over_group, unflatten_into
+from commlab.sync.average import (agree_before_sync, check_emulate, check_params, flatten, mean_over_group,
+                                   unflatten_into)
 from commlab.topology.emulated import EmulatedTopology
 
 __all__ = ["LocalSGD"]
@@ -51,7 +51,8 @@ class LocalSGD:
             (:func:`~commlab.sync.average.check_params`), an ``emulate`` too small for the group.
             CollectiveMismatchError: the ranks pass different settings or layouts (every rank raises).
             FloatingPointError (from :meth:`step`): a NaN/Inf parameter on any rank, raised on every rank before
-            anything is averaged.
+            anything is averaged; RuntimeError (from :meth:`step`): the ranks' step counts differ (a state loaded on
+            some ranks only), on every rank.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, *, every: int,
@@ -88,7 +89,7 @@ class LocalSGD:
     def average(self) -> None:
         """Replace every rank's parameters by their mean over the group, now (off the schedule)."""
         flat = flatten(self.params)
-        agree_finite(flat, self.group, f"LocalSGD step {self.steps}: the parameters")
+        agree_before_sync(flat, self.group, f"LocalSGD step {self.steps}: the parameters", self.steps)
         out = mean_over_group(flat, self.group, emulate=self.emulate)
         for p, m in zip(self.params, unflatten_into(out.mean, self.params)):
             p.copy_(m)
