@@ -600,6 +600,14 @@ def _misuse():
         out["step_after_close"] = None
     except RuntimeError as e:
         out["step_after_close"] = str(e)
+    # The DP group destroyed before close() (against the docstring's order): close still hands its group back.
+    group = dist.new_group([0, 1])
+    d = DiLoCo([torch.ones(4)], group, inner_steps=2, sync_delay=1)
+    d.step()
+    d.step()
+    dist.destroy_process_group(group)
+    d.close()
+    out["closed_after_group_destroyed"] = d.closed
     return out
 
 
@@ -652,3 +660,4 @@ def test_close_frees_the_sync_group_and_refuses_later_steps(misuse):
     for out in misuse:
         assert len(set(out["fds"])) == 1, out["fds"]  # the second DiLoCo on to the fourth reuse the first's group
         assert "after close()" in out["step_after_close"]
+        assert out["closed_after_group_destroyed"]

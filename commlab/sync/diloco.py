@@ -454,6 +454,6 @@ class DiLoCo:
         if self._in_flight is not None and self._in_flight.thread is not None:
             self._in_flight.thread.join()
         if self._own_group is not None and dist.is_initialized():
-            _IDLE_SYNC_GROUPS.setdefault(_ranks_of(self.group), []).append(self._own_group)
+            _IDLE_SYNC_GROUPS.setdefault(_ranks_of(self._own_group), []).append(self._own_group)
         self._own_group = None
         self.closed = True
