@@ -429,7 +429,7 @@ class DiLoCo:
         self._in_flight = None
         if job is not None:
             sync = FragmentSync(int(job["fragment"]), int(job["send_step"]), int(job["apply_step"]))
-            mean = job["mean"].to(self.params[0].device, copy=True)
+            mean = job["mean"].to(self.params[self.fragment_index[sync.fragment][0]].device, copy=True)
             self._in_flight = _InFlight(sync, mean=mean, counted=True)
 
     def _compressor_state(self) -> dict:
