@@ -108,11 +108,11 @@ def test_crossing_agrees_with_chapter_8s_break_even():
 # ----------------------------------------------------------------------------------------- the recorded experiment
 
 #: The stated tolerance of the recorded prediction of the mean step (sync_link.mean_step): the median error over a
-#: task's rows within MEDIAN_TOLERANCE_PCT, every row within ROW_TOLERANCE_PCT. Loose: the first recording shared
-#: two cores with other jobs, and one run per point leaves a hiccup in a base run in its prediction (a digits
-#: Streaming DiLoCo base run measured 35.7 ms per step, 9.6 ms when repeated). Tighten after a quiet re-recording.
-MEDIAN_TOLERANCE_PCT = 35.0
-ROW_TOLERANCE_PCT = 200.0
+#: task's rows within MEDIAN_TOLERANCE_PCT, every row within ROW_TOLERANCE_PCT. The quiet recording has medians of
+#: 3.8 % (digits) and 2.3 % (charlm) and a worst row of 37 % (digits DiLoCo INT8 Δ at 50 MB/s, a 5 ms step); one run
+#: per point on two cores, so the bounds keep a margin over that for a re-recording.
+MEDIAN_TOLERANCE_PCT = 10.0
+ROW_TOLERANCE_PCT = 50.0
 
 
 def test_recorded_sync_link_is_complete_and_consistent():
