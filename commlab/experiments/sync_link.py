@@ -11,7 +11,7 @@ runs in ``experiments/sync_link.jsonl`` (resumable, :func:`commlab.experiments.g
 :func:`analyze` sets the predicted beside the measured step and time to target (the dense run's quality at
 ``target_fraction`` of its steps), with bytes per step and the break-even bandwidths; :func:`save` writes it.
 
-Book: chapter 8 (the experiment of issue 27; its chapter comes later).
+Book: chapter 8b, §8b.5 (the measured answer: table, figure, break-even).
 """
 
 from __future__ import annotations

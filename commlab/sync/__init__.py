@@ -4,6 +4,8 @@
 :class:`DiLoCo` averages the pseudo-gradient every H steps and takes an outer Nesterov step, per fragment on a
 staggered schedule (:func:`fragment_schedule`) with its AllReduce overlapped with tau inner steps, dense or
 through the course's compressors. :mod:`commlab.sync.cost` prices an outer step and its overlap.
+
+Book: chapter 8b, §8b.1–§8b.4.
 """
 
 from commlab.sync.schedule import FragmentSync, fragment_schedule, split_fragments

@@ -4,6 +4,8 @@
 with error feedback), so that an :class:`~commlab.topology.EmulatedTopology` can delay it and its bytes are counted
 the way chapter 4 counts them. :func:`flatten` and :func:`unflatten_into` move a group of parameters to and from
 one flat buffer.
+
+Book: chapter 8b, §8b.1–§8b.3 (the averaging behind each sync).
 """
 
 from __future__ import annotations

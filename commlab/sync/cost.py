@@ -5,7 +5,7 @@ of the others); :func:`predict_step_seconds` is the mean inner step with the exp
 :func:`hiding_sync_delay` the smallest tau that hides a sync; :func:`break_even_bandwidth` the link bandwidth at which
 syncing every H steps and compressing every step reach a target in the same time. α in s, β in s/byte per direction.
 
-Book: the chapter on syncing less often (the calculator); checked by hand in tests/test_sync_cost.py.
+Book: chapter 8b, §8b.4 (the calculator) and §8b.5; checked by hand in tests/test_sync_cost.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ an outer SGD (Nesterov) step on the global copy and mixes it into the replica. W
 AllReduce runs on a background thread over a second gloo/NCCL group while tau inner steps go on.
 Sources: arXiv:2311.08105 (DiLoCo), arXiv:2501.18512 (Streaming DiLoCo), torchft ``local_sgd.py``.
 
-Book: the chapter on syncing less often; cost model in :mod:`commlab.sync.cost`.
+Book: chapter 8b, §8b.2 (DiLoCo) and §8b.3 (Streaming DiLoCo); cost model in :mod:`commlab.sync.cost` (§8b.4).
 """
 
 from __future__ import annotations

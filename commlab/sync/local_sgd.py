@@ -4,7 +4,7 @@
 (``period=every``, ``warmup_steps``), through commlab's ring AllReduce so that an emulated slow link can delay it.
 Post-local SGD (Lin et al. 2020, arXiv:1808.07217) runs synchronous DP during the warm-up, then this.
 
-Book: the chapter on syncing less often (local SGD); checked against torch in tests/test_sync.py.
+Book: chapter 8b, §8b.1 (local SGD); checked against torch in tests/test_sync.py.
 """
 
 from __future__ import annotations

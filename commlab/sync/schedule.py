@@ -4,7 +4,7 @@
 that sit together sync together); :func:`fragment_schedule` is Streaming DiLoCo's staggered schedule, one
 :class:`FragmentSync` per fragment and cycle. Steps count inner optimizer steps from 1.
 
-Book: the chapter on syncing less often (the schedules drawn); the lab asks to predict them.
+Book: chapter 8b, §8b.3 (the schedules drawn); the lab asks to predict them.
 """
 
 from __future__ import annotations
