@@ -152,7 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
     exp_tab.add_argument("--records", default=None, help="JSON-lines file (default: the recorded "
                          "commlab/data/experiments/full.jsonl)")
+    ovc = sub.add_parser("overlap-check", help="read a torch.profiler trace (Chrome JSON, or gzip'd) of a training step: "
+                         "hidden and exposed seconds per kind of communication, and the step's critical path")
+    ovc.add_argument("trace", metavar="TRACE", help="a trace file, or a directory of rank<R>.json[.gz] (the "
+                     "capstone's --profile DIR): every rank, or --rank's")
+    ovc.add_argument("--step", type=int, default=None, help="which step, 0-based in time order (default: the last)")
+    ovc.add_argument("--rank", type=int, default=None, help="with a directory: only this rank's trace")
     args = parser.parse_args(argv)
+    if args.command == "overlap-check":
+        return _overlap_check(args, parser)
     if args.command == "experiments":
         return _experiments(args)
     if args.command == "plan":
@@ -239,6 +247,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         return 0 if wrong == 0 else 1
     return 2
+
+
+def _overlap_check(args, parser) -> int:
+    """``overlap-check``: one table per trace (commlab.overlap.trace); a bad trace is a usage error."""
+    import os
+    import re
+
+    from commlab.overlap.trace import TraceError, check_overlap, format_report
+    paths = [args.trace]
+    if os.path.isdir(args.trace):
+        found = {int(m.group(1)): os.path.join(args.trace, f) for f in sorted(os.listdir(args.trace))
+                 if (m := re.match(r"rank(\d+)\.json(\.gz)?$", f))}
+        if not found:
+            parser.error(f"{args.trace} holds no rank<R>.json or rank<R>.json.gz traces")
+        if args.rank is not None and args.rank not in found:
+            parser.error(f"--rank must be one of {sorted(found)} (the traces in {args.trace}), got {args.rank}")
+        paths = [found[args.rank]] if args.rank is not None else [found[r] for r in sorted(found)]
+    elif args.rank is not None:
+        parser.error("--rank picks a trace from a directory; TRACE is a file")
+    for i, path in enumerate(paths):
+        try:
+            report = check_overlap(path, step=args.step)
+        except TraceError as e:
+            parser.error(str(e))
+        print(("\n" if i else "") + format_report(report))
+    return 0
 
 
 def _bench_ring_attention(args, parser) -> int:

@@ -7,6 +7,9 @@
   trainers, the experiments, the labs and DP on a device mesh all use it.
 * :mod:`commlab.overlap.profile` -- ``torch.profiler`` measurement of a step: overlap fraction, exposed
   communication, step time, and the timeline that :func:`commlab.viz.plot_overlap_timeline` draws.
+* :mod:`commlab.overlap.trace` -- the overlap checker: reads any ``torch.profiler`` Chrome trace (gloo or CUDA/NCCL)
+  and reports hidden and exposed seconds per kind of communication and the step's critical path
+  (``python -m commlab overlap-check TRACE``).
 """
 
 from commlab.overlap.bucketed import (DEFAULT_BUCKET_CAP_BYTES, AllReduceFnState, Bucket, BucketedDataParallel,
