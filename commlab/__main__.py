@@ -149,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     exp_sync.add_argument("--tasks", default="digits,charlm", help="comma-separated tasks (default digits,charlm)")
     exp_sync.add_argument("--inner-steps", type=int, default=10, help="H, inner steps between syncs (default 10)")
     exp_sync.add_argument("--show", action="store_true", help="print the recorded table only (runs nothing)")
+    exp_str = exp_sub.add_parser("stragglers", help="slow one DP rank on purpose (a delay, a busy neighbour on its "
+                                 "core): per-rank step times beside the max-over-ranks alpha-beta prediction, and the "
+                                 "rank the per-rank timings name (commlab/data/experiments/stragglers.json)")
+    exp_str.add_argument("--out", default=None, help="JSON file (default in a checkout: "
+                         "commlab/data/experiments/stragglers.json)")
+    exp_str.add_argument("--world-size", type=int, default=4, help="ranks (default 4; pinned: at most one per "
+                         "usable core)")
+    exp_str.add_argument("--delays-ms", default="0,5,10,20,40", help="comma-separated delays added to the last "
+                         "rank's forward, ms (default 0,5,10,20,40)")
+    exp_str.add_argument("--steps", type=int, default=30, help="steps per case (default 30; the first 5 are skipped)")
+    exp_str.add_argument("--no-neighbour", action="store_true", help="skip the busy-neighbour case")
+    exp_str.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned, sharing the cores (and skip "
+                         "the neighbour case); default: one rank per core, min(--world-size, usable cores) ranks")
+    exp_str.add_argument("--show", action="store_true", help="print the recorded table only (runs nothing)")
     exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
     exp_tab.add_argument("--records", default=None, help="JSON-lines file (default: the recorded "
                          "commlab/data/experiments/full.jsonl)")
@@ -590,6 +604,18 @@ def _experiments_action(args) -> int:
         path = sync_link.save(result, args.out)
         print(sync_link.format_table(result))
         print(f"recorded in {path}")
+        return 0
+    if args.action == "stragglers":
+        from commlab.experiments import stragglers
+        if not args.show:
+            try:
+                delays = [float(d) / 1e3 for d in args.delays_ms.split(",") if d.strip()]
+            except ValueError:
+                raise ValueError(f"--delays-ms must be comma-separated milliseconds, got {args.delays_ms!r}") from None
+            result = stragglers.measure(args.world_size, delays, neighbour=not args.no_neighbour,
+                                        pin=not args.no_pin, steps=args.steps)
+            print(f"recorded in {stragglers.save(result, args.out)}")
+        print(stragglers.format_table(stragglers.load(args.out)))
         return 0
     if args.action == "run":
         path = args.out or data.record_path(f"experiments/{args.grid}.jsonl")
