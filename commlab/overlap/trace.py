@@ -260,14 +260,16 @@ def _enclosing_kind(e: TraceEvent, contexts: dict[tuple, list[tuple[TraceEvent, 
     return best[1] if best else None
 
 
-def _group_kind(e: TraceEvent, groups: dict) -> str | None:
-    for key in ("Process Group Description", "pg_desc"):
-        if isinstance(e.args.get(key), str) and (k := kind_of(e.args[key])):
-            return k
+def _group_kind(e: TraceEvent, groups: dict, op: str | None) -> str | None:
+    """The kind the event's process group's description names (a DP group's AllGather or ReduceScatter is ZeRO's)."""
+    desc = next((e.args[k] for k in ("Process Group Description", "pg_desc") if isinstance(e.args.get(k), str)), None)
     name = e.args.get("Process Group Name", e.args.get("pg_name"))
-    if name is not None and str(name) in groups:
-        return kind_of(groups[str(name)])
-    return None
+    if desc is None and name is not None:
+        desc = groups.get(str(name))
+    kind = kind_of(desc) if desc else None
+    if kind == DP and op in ("AllGather", "ReduceScatter"):
+        return ZERO_AG if op == "AllGather" else ZERO_RS
+    return kind
 
 
 def _default_kind(op: str | None) -> str:
@@ -303,32 +305,35 @@ def _subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
 
 def _cpu_timeline(trace, s0, s1, contexts):
     """Compute intervals and communication items of a CPU (gloo) step inside [s0, s1]."""
-    ev = [e for e in trace.events if e.lane[0] == "cpu" and e.end_s > s0 and e.start_s < s1 + 1.0]
+    ev = [e for e in trace.events if e.lane[0] == "cpu"]   # the whole trace: a launch may precede the step
     worker_lanes = {e.lane for e in ev if _GLOO_WORKER.match(e.name)}
-    train = [e for e in ev if e.lane not in worker_lanes and e.start_s <= s1]
+    train = [e for e in ev if e.lane not in worker_lanes]
     comm_calls = [e for e in train if _CPU_COMM.match(e.name) and e.cat == "cpu_op"]
     compress = [e for e in train if kind_of(e.name) == COMPRESS]
     ops = [(e.start_s, e.end_s) for e in train if e.cat == "cpu_op"]
     compute = _subtract(ops, [(e.start_s, e.end_s) for e in comm_calls + compress])
     items: list[_Item] = []
     launches = [e for e in comm_calls if e.name.startswith("c10d::") and classify_op(e.name) != "Send/Recv"]
-    used: set[int] = set()
     by_call: dict[int, _Item] = {}
-    for e in comm_calls:
-        if any(c.start_s <= e.start_s and e.end_s <= c.end_s and c is not e for c in comm_calls):
+    outer: dict[tuple, float] = {}
+    for e in comm_calls:   # in start order, the outer call first
+        if e.end_s <= outer.get(e.lane, float("-inf")) + _EPS:
             continue   # record_param_comms inside its c10d:: call: one operation
+        outer[e.lane] = e.end_s
         op = classify_op(e.name)
-        kind = _enclosing_kind(e, contexts) or _group_kind(e, trace.groups) or _default_kind(op)
+        kind = _enclosing_kind(e, contexts) or _group_kind(e, trace.groups, op) or _default_kind(op)
         by_call[id(e)] = _Item(kind, e.name, [(e.start_s, e.end_s)])
         items.append(by_call[id(e)])
-    for w in (e for e in ev if _GLOO_WORKER.match(e.name) and e.start_s <= s1):
-        match = next((i for i, c in enumerate(launches) if i not in used and c.start_s <= w.start_s + _EPS
-                      and id(c) in by_call), None)
-        if match is not None:   # gloo runs the calls in the order they were made: the oldest unmatched one
-            used.add(match)
-            by_call[id(launches[match])].intervals.append((w.start_s, w.end_s))
-        elif w.end_s > s0:
-            items.append(_Item(_group_kind(w, trace.groups) or _default_kind(classify_op(w.name)), w.name,
+    launches = [c for c in launches if id(c) in by_call]
+    nxt = 0
+    for w in (e for e in ev if _GLOO_WORKER.match(e.name)):
+        if nxt < len(launches) and launches[nxt].start_s <= w.start_s + _EPS:
+            # gloo runs the calls in the order they were made: a worker event is the oldest unmatched call's
+            by_call[id(launches[nxt])].intervals.append((w.start_s, w.end_s))
+            nxt += 1
+        else:
+            op = classify_op(w.name)
+            items.append(_Item(_group_kind(w, trace.groups, op) or _default_kind(op), w.name,
                                [(w.start_s, w.end_s)]))
     for e in compress:
         items.append(_Item(COMPRESS, e.name, [(e.start_s, e.end_s)]))
@@ -364,7 +369,8 @@ def _gpu_timeline(trace, s0, s1, contexts):
         if not _NCCL_KERNEL.match(e.name):
             continue
         ctx = _enclosing_kind(launch, contexts) if launch is not None else None
-        kind = ctx or _group_kind(e, trace.groups) or _default_kind(classify_op(e.name[e.name.index("_") + 1:]))
+        op = classify_op(e.name[e.name.index("_") + 1:])
+        kind = ctx or _group_kind(e, trace.groups, op) or _default_kind(op)
         items.append(_Item(kind, e.name, [(e.start_s, e.end_s)], e.lane in compute_lanes))
     end = max([s1] + [e.end_s for e, _ in kernels])
     return _merged(compute), items, end
@@ -462,7 +468,8 @@ def check_overlap(trace: Trace | str | os.PathLike | dict | list, step: int | No
         hidden = intersection_of_unions(iv, compute)
         return KindRow(kind, len(its), total, hidden, total - hidden, sum(it.on_compute_stream for it in its))
 
-    kept = [it for it in items if any(min(e, w1) > max(s, s0) for s, e in it.intervals)]
+    # an operation belongs to the step it started in (gloo's last event may end after its step)
+    kept = [it for it in items if s0 - _EPS <= min(s for s, _ in it.intervals) < w1]
     kinds = sorted({it.kind for it in kept})
     rows = sorted((row(k, [it for it in kept if it.kind == k]) for k in kinds), key=lambda r: (-r.exposed_s, r.kind))
     warnings = []

@@ -1,0 +1,229 @@
+"""The overlap checker (commlab.overlap.trace): traces built with known intervals, whose report must match their
+construction exactly (a gloo CPU step; CUDA steps with NCCL kernels on the compute stream and on a second
+stream: constructed, as no GPU runs the tests), bad input, the CLI, and a real gloo DP step with overlap on and off.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from commlab.__main__ import main
+from commlab.launch import launch
+from commlab.overlap import BucketedDataParallel, train_step
+from commlab.overlap.profile import RANGE_STEP, all_threads_config, make_mlp, random_batch
+from commlab.overlap.trace import (TraceError, check_overlap, classify_op, condensed_path, format_report, kind_of,
+                                   load_trace)
+
+MS = 1e-3
+
+
+def _x(name, start_ms, end_ms, tid=1, cat="cpu_op", pid=100, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": start_ms * 1e3,
+            "dur": (end_ms - start_ms) * 1e3, "args": args}
+
+
+def _gloo_trace():
+    """One 100 ms step on thread 1; gloo workers are threads 2 and 3 (times in ms)."""
+    ann = "user_annotation"
+    ev = [_x("overlap::step", 0, 100, cat=ann),
+          _x("aten::forward_ops", 0, 20), _x("autograd::backward_ops", 20, 60), _x("aten::optimizer", 90, 100),
+          _x("sharded::all_gather::unit0", 4.5, 6.5, cat=ann), _x("c10d::_allgather_base_", 5, 6),
+          _x("gloo:all_gather", 6, 15, tid=3, cat=ann),
+          _x("overlap::launch::bucket0", 29.5, 31.5, cat=ann), _x("c10d::allreduce_", 30, 31),
+          _x("record_param_comms", 30.2, 30.8), _x("gloo:all_reduce", 31, 50, tid=2, cat=ann),
+          _x("overlap::done::bucket0", 49, 49.5, tid=2, cat=ann),
+          _x("overlap::launch::bucket1", 58.5, 60.5, cat=ann), _x("c10d::allreduce_", 59, 60),
+          _x("gloo:all_reduce", 60, 85, tid=3, cat=ann), _x("overlap::wait", 60.5, 88, cat=ann),
+          _x("c10d::broadcast_", 92, 93), _x("gloo:broadcast", 93, 95, tid=2, cat=ann),
+          _x("c10d::send", 96, 97)]
+    meta = {"ph": "M", "name": "thread_name", "pid": 100, "tid": 2, "args": {"name": "pt_gloo_runloop"}}
+    return {"traceEvents": [meta] + ev, "distributedInfo": {"backend": "gloo", "rank": 1, "world_size": 2}}
+
+
+def _rows(report):
+    return {r.kind: (r.count, r.total_s, r.hidden_s, r.exposed_s, r.on_compute_stream) for r in report.rows}
+
+
+def _approx(rows):
+    return {k: (c, pytest.approx(t * MS, abs=1e-9), pytest.approx(h * MS, abs=1e-9), pytest.approx(e * MS, abs=1e-9), f)
+            for k, (c, t, h, e, f) in rows.items()}
+
+
+def _path(report):
+    return [(s.label, pytest.approx(s.start_s / MS, abs=1e-6), pytest.approx(s.end_s / MS, abs=1e-6))
+            for s in report.critical_path]
+
+
+def test_gloo_trace_report_matches_its_construction():
+    r = check_overlap(_gloo_trace())
+    assert (r.timeline, r.rank, r.world_size, r.step, r.steps, r.marker) == ("cpu", 1, 2, 0, 1, "overlap::step")
+    assert r.step_s == pytest.approx(0.1, abs=1e-9)
+    # compute: the operators minus the c10d calls inside them (5 + 24 + 28 + 2 + 3 + 3 ms)
+    assert r.compute_s == pytest.approx(65 * MS, abs=1e-9)
+    assert _rows(r) == _approx({"DP AllReduce": (2, 46, 19, 27, 0), "ZeRO/FSDP AllGather": (1, 10, 9, 1, 0),
+                                "unknown Broadcast": (1, 3, 2, 1, 0), "PP send/recv": (1, 1, 0, 1, 0)})
+    assert [r.kind for r in r.rows][0] == "DP AllReduce"   # the most exposed first
+    assert (r.all_comm.count, r.all_comm.total_s, r.all_comm.exposed_s) == (5, pytest.approx(60 * MS), pytest.approx(30 * MS))
+    assert _path(r) == [("compute", 0, 5), ("ZeRO/FSDP AllGather", 5, 6), ("compute", 6, 30), ("DP AllReduce", 30, 31),
+                        ("compute", 31, 59), ("DP AllReduce", 59, 85), ("idle", 85, 90), ("compute", 90, 92),
+                        ("unknown Broadcast", 92, 93), ("compute", 93, 96), ("PP send/recv", 96, 97), ("compute", 97, 100)]
+    assert r.path_totals() == pytest.approx({"compute": 65 * MS, "DP AllReduce": 27 * MS, "idle": 5 * MS,
+                                             "ZeRO/FSDP AllGather": MS, "unknown Broadcast": MS, "PP send/recv": MS})
+    runs = condensed_path(r.critical_path, min_s=2 * MS)   # the 1 ms pieces count into the compute around them
+    assert [(label, round(a / MS, 6), round(z / MS, 6)) for label, a, z, _ in runs] == \
+        [("compute", 0, 59), ("DP AllReduce", 59, 85), ("compute", 85, 100)]
+    assert any("unknown Broadcast" in w for w in r.warnings)
+    text = format_report(r)
+    assert "DP AllReduce      2   0.046000   0.019000   0.027000       58.7" in text
+    assert "all      5   0.060000   0.030000   0.030000       50.0" in text
+
+
+def _cuda_trace(two_streams: bool):
+    """ProfilerStep#3, 0-10 ms on the CPU; kernels on device 0 (pid 0), streams 7 (compute) and 13, 20."""
+    ev = [_x("ProfilerStep#2", -20, -10, cat="user_annotation"), _x("ProfilerStep#3", 0, 10, cat="user_annotation"),
+          _x("tp::row_parallel", 0.6, 0.9, cat="user_annotation"), _x("FSDP::all_gather", 0.3, 0.5, cat="user_annotation")]
+    corr = [0]
+
+    def kernel(name, start, end, stream, at, **args):
+        corr[0] += 1
+        ev.append(_x("cudaLaunchKernel", at, at + 0.05, cat="cuda_runtime", correlation=corr[0]))
+        ev.append(_x(name, start, end, tid=stream, pid=0, cat="kernel", device=0, stream=stream,
+                     correlation=corr[0], **args))
+
+    kernel("ampere_sgemm_128x64_nn", 1, 4, 7, 0.1)
+    kernel("ampere_sgemm_128x64_tn", 4, 8, 7, 0.2)
+    kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 8, 10, 7, 0.7)      # launched inside tp::: on the compute stream
+    if two_streams:
+        kernel("ncclDevKernel_AllGather_RING_LL", 2, 6, 13, 0.4)           # launched inside FSDP::all_gather
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 9, 11, 13, 1.0,
+               **{"Process Group Description": "mesh_dp"})                # named by its group
+        kernel("ncclDevKernel_SendRecv", 10, 10.5, 20, 1.1)              # no context: point-to-point
+        kernel("ampere_sgemm_late", 40, 41, 7, 15)                       # launched in no step: ignored
+    return {"traceEvents": ev}
+
+
+def test_cuda_trace_with_nccl_on_the_compute_stream_hides_nothing():
+    r = check_overlap(_cuda_trace(two_streams=False))
+    assert (r.timeline, r.step, r.steps, r.marker) == ("cuda", 1, 2, "ProfilerStep#3")
+    assert r.compute_s == pytest.approx(7 * MS) and r.step_s == pytest.approx(10 * MS)
+    assert _rows(r) == _approx({"TP": (1, 2, 0, 2, 1)})
+    assert any("TP: 1 NCCL kernel(s) ran on a stream that also runs compute" in w for w in r.warnings)
+    assert _path(r) == [("idle", 0, 1), ("compute", 1, 8), ("TP", 8, 10)]
+
+
+def test_cuda_trace_with_two_streams_hides_the_other_streams_kernels():
+    r = check_overlap(_cuda_trace(two_streams=True))
+    assert r.step_s == pytest.approx(11 * MS)   # the step's window reaches its last kernel
+    assert r.compute_s == pytest.approx(7 * MS)
+    assert _rows(r) == _approx({"TP": (1, 2, 0, 2, 1), "ZeRO/FSDP AllGather": (1, 4, 4, 0, 0),
+                                "ZeRO/FSDP ReduceScatter": (1, 2, 0, 2, 0), "PP send/recv": (1, 0.5, 0, 0.5, 0)})
+    assert (r.all_comm.total_s, r.all_comm.hidden_s, r.all_comm.exposed_s) == \
+        (pytest.approx(7 * MS), pytest.approx(4 * MS), pytest.approx(3 * MS))
+    assert _path(r) == [("idle", 0, 1), ("compute", 1, 8), ("TP", 8, 9), ("ZeRO/FSDP ReduceScatter", 9, 11)]
+    first = check_overlap(_cuda_trace(two_streams=True), step=0)   # step 0 launched nothing: the CPU timeline
+    assert first.timeline == "cpu" and first.rows == ()
+
+
+def test_name_tables():
+    assert [classify_op(n) for n in ("gloo:all_reduce", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_",
+                                     "ncclKernel_SendRecv", "c10d::recv_", "gloo:broadcast", "c10d::alltoall_base_")] == \
+        ["AllReduce", "ReduceScatter", "AllGather", "Send/Recv", "Send/Recv", "Broadcast", "AllToAll"]
+    assert kind_of("overlap::launch::bucket12") == "DP AllReduce"
+    assert kind_of("sharded::wait_reduce_scatter") == "ZeRO/FSDP ReduceScatter"
+    assert kind_of("mesh_tp") == "TP" and kind_of("aten::mm") is None
+
+
+def test_gzip_and_bare_list_traces_read_alike(tmp_path):
+    data = _gloo_trace()
+    gz = tmp_path / "t.json.gz"
+    gz.write_bytes(gzip.compress(json.dumps(data).encode()))
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data["traceEvents"]))
+    a, b, c = check_overlap(data), check_overlap(gz), check_overlap(str(bare))
+    assert a.rows == b.rows and a.critical_path == b.critical_path and b.rank == 1
+    assert a.rows == c.rows and c.rank is None
+
+
+def test_bad_input_gets_clear_errors(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a trace\n")
+    with pytest.raises(TraceError, match="notes.txt is not a Chrome trace: not \\(gzip'd\\) JSON"):
+        load_trace(text)
+    with pytest.raises(TraceError, match="cannot read trace"):
+        load_trace(tmp_path / "missing.json")
+    with pytest.raises(TraceError, match="expected an object with a 'traceEvents' list"):
+        load_trace({"a": 1})
+    with pytest.raises(TraceError, match="empty trace"):
+        load_trace({"traceEvents": []})
+    with pytest.raises(TraceError, match="has no step marker: no range named ProfilerStep#N, overlap::step"):
+        check_overlap({"traceEvents": [_x("aten::mm", 0, 1)]})
+    with pytest.raises(TraceError, match="step must be an int in 0..0 .* got 3"):
+        check_overlap(_gloo_trace(), step=3)
+
+
+def test_cli_prints_the_table_and_refuses_bad_traces(tmp_path, capsys):
+    (tmp_path / "rank1.json").write_text(json.dumps(_gloo_trace()))
+    (tmp_path / "rank0.json").write_text(json.dumps(_cuda_trace(two_streams=True)))
+    assert main(["overlap-check", str(tmp_path / "rank1.json"), "--step", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "# overlap-check" in out and "exposed(%)" in out and "# critical path: compute 0.065000 s" in out
+    assert main(["overlap-check", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("cuda timeline") < out.index("cpu timeline")   # rank 0, then rank 1
+    assert main(["overlap-check", str(tmp_path), "--rank", "1"]) == 0
+    assert "cuda timeline" not in capsys.readouterr().out
+    for argv, message in ((["--rank", "5"], "--rank must be one of [0, 1]"), (["--step", "9"], "step must be")):
+        with pytest.raises(SystemExit) as e:
+            main(["overlap-check", str(tmp_path)] + argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "empty.json").write_text('{"traceEvents": []}')
+    with pytest.raises(SystemExit):
+        main(["overlap-check", str(tmp_path / "empty.json")])
+    assert "empty trace" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ a real gloo DP step
+
+#: Big layers last, a small first layer: with overlap on, the big gradients arrive first and travel under the
+#: rest of backward, and only the small first layer's bucket is left after it (2.6 M parameters, 10 MiB).
+WIDTHS = (16, 1024, 1024, 1024, 512)
+
+
+def _traced_steps(directory):
+    torch.set_num_threads(1)
+    x, y = random_batch(WIDTHS, 256, 0, dist.get_rank())
+    out = {}
+    for name, cap in (("on", 2 ** 20), ("off", 10 ** 9)):   # a bucket per layer overlapped, or one after backward
+        model = make_mlp(WIDTHS)
+        dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
+            for _ in range(2):
+                with record_function(RANGE_STEP):
+                    train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
+        path = f"{directory}/{name}.rank{dist.get_rank()}.json"
+        prof.export_chrome_trace(path)
+        out[name] = (path, len(dp.buckets))
+    return out
+
+
+def test_real_gloo_dp_step_exposes_more_with_overlap_off(tmp_path):
+    for per_rank in launch(_traced_steps, 2, str(tmp_path), timeout=90):
+        on, off = (check_overlap(per_rank[k][0]) for k in ("on", "off"))
+        assert per_rank["on"][1] >= 4 and per_rank["off"][1] == 1
+        assert [r.kind for r in on.rows] == [r.kind for r in off.rows] == ["DP AllReduce"]
+        assert (on.rows[0].count, off.rows[0].count) == (per_rank["on"][1], 1)   # launched in the step
+        print(format_report(on), format_report(off), sep="\n")
+        # One bucket after backward hides (almost) nothing; buckets overlapped with backward hide a share of it.
+        # The share, not the seconds: on two loaded cores gloo's overlapped AllReduce competes with backward for
+        # the CPU and may take longer in all than the one bucket after it.
+        assert off.rows[0].exposed_fraction > on.rows[0].exposed_fraction, (format_report(on), format_report(off))
+        assert off.rows[0].hidden_s < on.rows[0].hidden_s
