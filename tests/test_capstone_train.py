@@ -230,6 +230,9 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert steps == list(range(8))
     assert _last_loss(log) == _last_loss(whole)
+    # Under torchrun too, each line holds every rank's compute and step, and the slowest rank.
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert all(len(r["rank_compute_s"]) == len(r["rank_step_s"]) == 2 and r["slowest_rank"] in (0, 1) for r in rows)
     # Run again: the newest checkpoint (step 7) already reaches --steps 8.
     again = _torchrun(tmp_path, *common, "--log-file", str(log), "--ckpt-dir", str(tmp_path / "ckpt"), "--resume",
                       nproc=2)

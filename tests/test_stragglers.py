@@ -143,3 +143,50 @@ def test_cli_shows_the_recorded_table_and_names_a_bad_delay(capsys, tmp_path):
     assert "--delays-ms must be comma-separated milliseconds, got '5,x'" in capsys.readouterr().err
     assert main(["experiments", "stragglers", "--show", "--out", str(tmp_path / "none.json")]) == 2
     assert "record it with `python -m commlab experiments stragglers`" in capsys.readouterr().err
+
+
+def _capstone_with_a_slow_rank(opts, slow_rank, delay_s):
+    """Inside a launched rank: the capstone's ``train`` with ``delay_s`` added to every loss on ``slow_rank`` (in
+    its forward pass, so in its compute); the StepStats of every step."""
+    import time
+
+    import torch.distributed as dist
+
+    import labs.capstone.train as capstone
+
+    if dist.get_rank() == slow_rank:
+        loss = capstone.lm_loss
+
+        def slow_loss(*args):
+            time.sleep(delay_s)
+            return loss(*args)
+        capstone.lm_loss = slow_loss   # this forked rank only
+    stats = []
+    capstone.train(opts, stats)
+    return stats
+
+
+def test_the_capstone_log_carries_each_rank_s_times_and_names_the_rank_the_others_wait_for(tmp_path):
+    """Two DP ranks of the capstone (about 2 s), rank 1 slowed by 40 ms per micro-batch: each log line holds every
+    rank's compute and step (to the microsecond) and the slowest rank; straggler() names rank 1 from them. The
+    losses are those of a run without the delay (timing never touches the numbers)."""
+    import json
+
+    from commlab import launch
+    from labs.capstone.measure import straggler
+    from labs.capstone.train import Options, train
+
+    opts = Options(dp=2, steps=4, log_file=str(tmp_path / "run.jsonl"))
+    per_rank = launch(_capstone_with_a_slow_rank, 2, opts, 1, 0.04, timeout=120, print_output=False)
+    assert per_rank[0] == per_rank[1]   # the same StepStats on every rank
+    rows = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert len(r["rank_compute_s"]) == len(r["rank_step_s"]) == 2 and r["slowest_rank"] == 1
+        assert r["step_s"] == pytest.approx(max(r["rank_step_s"]), abs=1e-6)
+        assert r["compute_s"] == pytest.approx(sum(r["rank_compute_s"]) / 2, abs=1e-6)
+        assert all(round(x, 6) == x for x in r["rank_compute_s"] + r["rank_step_s"])
+    found = straggler(per_rank[0])
+    assert found is not None and found.rank == 1, found
+    plain = launch(train, 2, Options(dp=2, steps=4), timeout=120, print_output=False)[0]
+    assert [r["loss"] for r in rows] == plain

@@ -6,7 +6,8 @@ step. Two ratios of the model FLOP/s: MFU, over the datasheet peak (PaLM's defin
 :func:`peak_flop_per_s` knows the device, and the share of the GEMM rate every rank measures at start-up at
 the model's largest matrix product (:func:`measure_gemm_flops`, the slowest rank's). :func:`steady_means` and
 :func:`summary` read a run's steps; :class:`StepLog` writes them, one JSON line each; :func:`profiled` records
-a Chrome trace. Chapter 14 §14.5 explains the split.
+a Chrome trace; :func:`straggler` names a rank the others waited for, from each rank's compute and step.
+Chapter 14 §14.5 explains the split.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from commlab.parallel.tensor.communications import CommTimer, timed
 from labs.capstone.model import MATMUL_DTYPE
 
 __all__ = ["SPLIT", "StepStats", "StepMeter", "gemm_shape", "measure_gemm_flops", "peak_flop_per_s",
-           "steady_means", "summary", "StepLog", "profiled"]
+           "steady_means", "straggler", "summary", "StepLog", "profiled"]
 
 #: The parts of a step, in the order the summary and the chapter's figure show them.
 SPLIT = ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_s")
@@ -39,7 +40,8 @@ SPLIT = ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "optimizer_s", "other_
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """One step, the same on every rank: ``step_s`` is the slowest rank's, each part the mean over the ranks
-    (so the parts of :data:`SPLIT` add up to ``step_s``). Seconds; on a GPU read from CUDA events.
+    (so the parts of :data:`SPLIT` add up to ``step_s``), and each rank's own compute and step beside them.
+    Seconds; on a GPU read from CUDA events.
 
     Attributes:
         step, loss: the step index and the global batch's mean training loss (nats).
@@ -62,6 +64,9 @@ class StepStats:
             measured at the model's own shape (higher than MFU; on a CPU, the only ratio there is).
         gemm_flop_per_s: the slowest rank's GEMM rate at the model's largest matrix product (FLOP/s).
         val_loss: the held-out loss after this step (nats) on ``--eval-every``'s steps and the last; else None.
+        slowest_rank: the rank with the longest compute: with pp = 1 the one the others waited for in DP's
+            averaging (a straggler; :func:`straggler` reads many steps); with pp > 1 also the busiest stage.
+        rank_compute_s, rank_step_s: each rank's ``compute_s`` (before the mean) and step, by global rank.
     """
 
     step: int
@@ -81,6 +86,9 @@ class StepStats:
     gemm_share: float
     gemm_flop_per_s: float
     val_loss: float | None = None
+    slowest_rank: int | None = None
+    rank_compute_s: tuple[float, ...] = ()
+    rank_step_s: tuple[float, ...] = ()
 
 
 def gemm_shape(opts) -> tuple[int, int, int]:
@@ -187,20 +195,24 @@ class StepMeter:
             pp_s = max(0.0, pipeline_s - busy_s - bubble_s)
         if len(self.marks) == 5:   # --inner-steps: no averaging in the step; DP's time is the outer step's
             dp_s = elapsed(t3, self.marks[4])
-        step_s = torch.tensor([elapsed(t0, self.marks[-1])], dtype=torch.float64, device=self.device)
-        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
-        parts = torch.tensor([pipeline_s, max(0.0, busy_s - tp_s), tp_s, bubble_s, pp_s, dp_s, tp_s + pp_s + dp_s,
-                              elapsed(t2, t3)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(parts)
-        step_s = float(step_s.item())
-        pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = (parts / dist.get_world_size()).tolist()
+        # Every rank's step and parts, gathered: the slowest step, the mean parts, and each rank's own.
+        mine = torch.tensor([elapsed(t0, self.marks[-1]), pipeline_s, max(0.0, busy_s - tp_s), tp_s, bubble_s, pp_s,
+                             dp_s, tp_s + pp_s + dp_s, elapsed(t2, t3)], dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+        step_s = float(table[:, 0].max())
+        pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = table[:, 1:].mean(dim=0).tolist()
+        rank_compute_s, rank_step_s = tuple(table[:, 2].tolist()), tuple(table[:, 0].tolist())
         other_s = max(0.0, step_s - (compute_s + tp_s + bubble_s + pp_s + dp_s + opt_s))
         tokens = opts.global_batch * opts.model.seq
         model_flop_per_s = self.model_flops_per_token * tokens / step_s / dist.get_world_size()   # per rank
         mfu = None if self.peak_flop_per_s is None else model_flop_per_s / self.peak_flop_per_s
         return StepStats(step, loss, step_s, pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s,
                          other_s, tokens / step_s, mfu, model_flop_per_s / self.gemm_flop_per_s,
-                         self.gemm_flop_per_s)
+                         self.gemm_flop_per_s, slowest_rank=max(range(len(rank_compute_s)),
+                                                                key=rank_compute_s.__getitem__),
+                         rank_compute_s=rank_compute_s, rank_step_s=rank_step_s)
 
 
 def steady_means(stats: Sequence[StepStats]) -> dict[str, float]:
@@ -215,6 +227,20 @@ def steady_means(stats: Sequence[StepStats]) -> dict[str, float]:
     out["mfu"] = None if steady[0].mfu is None else steady[0].mfu * scale
     out["gemm_share"] = steady[0].gemm_share * scale
     return out | {"steps": len(steady), "gemm_flop_per_s": steady[0].gemm_flop_per_s}
+
+
+def straggler(stats: Sequence[StepStats]):
+    """The straggler of a run, if any, from the per-rank times of its steps after the first
+    (:func:`commlab.experiments.stragglers.find_straggler`: the rank whose compute is longest while the others
+    wait); None for steps without per-rank times (a log written before they were added) or a world of one rank."""
+    from commlab.experiments.stragglers import find_straggler
+
+    steady = [s for s in stats[1:] or stats if len(s.rank_compute_s) >= 2]
+    if not steady or len({len(s.rank_compute_s) for s in steady}) != 1:
+        return None
+    ranks = range(len(steady[0].rank_compute_s))
+    return find_straggler([[s.rank_compute_s[r] for s in steady] for r in ranks],
+                          [[s.rank_step_s[r] for s in steady] for r in ranks])
 
 
 def summary(stats: Sequence[StepStats]) -> str:
@@ -269,6 +295,8 @@ class StepLog:
         if self.file is not None:
             row = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v)   # strict JSON: "nan", "inf"
                    for k, v in dataclasses.asdict(stats).items()}
+            for k in ("rank_compute_s", "rank_step_s"):   # microseconds are enough, and keep the line readable
+                row[k] = [round(x, 6) for x in row[k]]
             self.file.write(json.dumps(row, allow_nan=False) + "\n")
             self.file.flush()
 
