@@ -99,6 +99,20 @@ def test_the_recorded_file_is_complete_and_consistent():
     assert "step = max over ranks of compute" in text and text.count("straggler") >= len(cases)
 
 
+def test_the_plot_draws_every_rank_and_the_prediction():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = stragglers.load()
+    fig = stragglers.plot(result)
+    left, right = fig.axes
+    n, delays = result["settings"]["world_size"], result["settings"]["delays_s"]
+    assert len(left.lines) == n + 1 and all(len(line.get_xdata()) == len(delays) for line in left.lines)
+    assert len(right.patches) == 2 * n * (1 + int(result["settings"]["neighbour"]))   # compute and wait per rank
+    plt.close(fig)
+
+
 def test_the_largest_recorded_delay_is_found_on_the_slowed_rank():
     """Not a timing claim: with the largest delay (40 ms against a step of tens of ms) the finder names the slowed
     rank in the recorded file; a re-recording that says otherwise is worth a look before it is committed."""

@@ -8,6 +8,7 @@
 * :mod:`~commlab.experiments.grid`: the grids and ``python -m commlab experiments run``.
 * :mod:`~commlab.experiments.slow_link`, :mod:`~commlab.experiments.sync_link`: the time model against runs on an
   emulated slow link; the second sets the compressors against syncing every H steps (``RunConfig.sync``).
+* :mod:`~commlab.experiments.stragglers`: one slow DP rank sets everyone's step; per-rank timings name it.
 """
 
 from commlab.experiments.harness import RunConfig, RunRecord, run

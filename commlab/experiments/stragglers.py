@@ -4,13 +4,13 @@
 Each case launches gloo ranks (:func:`commlab.launch.launch`), each pinned to a core of its own, that train one
 small MLP through :class:`commlab.overlap.BucketedDataParallel` with one bucket, so the gradient's AllReduce starts
 when the backward ends. One rank is slowed: by a fixed delay in its forward (a sweep, :data:`DEFAULT_DELAYS_S`), or
-by a CPU-bound neighbour process pinned to its core. Per rank and step it
-records the compute (the step less the AllReduce, waiting included) and the step. The model is the maximum over
-ranks: ``step = max_r compute_r + T_AllReduce``, the ring's α-β time
-(:func:`commlab.collectives.ring.ring_all_reduce_seconds`) with α and β calibrated in the same job
-(:func:`commlab.bench.calibrate.ring_exchange_here`). :func:`find_straggler` names the rank from per-rank
-timings: the one whose compute is longest while the others wait for it. :func:`measure` runs the cases,
-:func:`save`/:func:`load` keep ``experiments/stragglers.json``, :func:`format_table` prints it.
+by a CPU-bound neighbour process pinned to its core. Per rank and step it records the step and the compute (the
+step less the AllReduce and the wait inside it). The model is the maximum over ranks: ``step = max_r compute_r +
+T_AllReduce``, the ring's α-β time (:func:`commlab.collectives.ring.ring_all_reduce_seconds`) with α and β
+calibrated in the same job (:func:`commlab.bench.calibrate.ring_exchange_here`). :func:`find_straggler` names the
+rank the others wait for from per-rank timings (the capstone's log too: ``labs/capstone/measure.py``).
+:func:`measure` runs the cases, :func:`save`/:func:`load` keep ``experiments/stragglers.json``,
+:func:`format_table` prints it and :func:`plot` draws it.
 
 Book: chapter "When it goes wrong" (issue 28, item 3).
 """
@@ -31,7 +31,7 @@ from typing import Sequence
 from commlab import checks, data
 
 __all__ = ["DEFAULT_DELAYS_S", "StragglerReport", "find_straggler", "measure", "run_case", "save", "load",
-           "format_table"]
+           "format_table", "plot"]
 
 #: Delays added to the slow rank's forward, seconds.
 DEFAULT_DELAYS_S = (0.0, 0.005, 0.01, 0.02, 0.04)
@@ -208,9 +208,9 @@ def run_case(world_size: int, *, delay_s: float = 0.0, neighbour: bool = False, 
         (``[rank][step]``, seconds); the medians over the steps after ``skip`` per rank; ``alpha_s``,
         ``beta_s_per_byte`` (the fit), ``nbytes`` (the gradient), ``allreduce_model_s`` (the ring's α-β time);
         ``max_compute_s`` (the median over the steps of the longest compute: the maximum over ranks, step by
-        step) and ``predicted_step_s`` (it plus the AllReduce); ``measured_step_s``
-        (median over the steps of the mean over ranks of their steps); ``allreduce_measured_s`` (median over the steps of
-        the least comm of any rank: the AllReduce with no one to wait for); ``straggler`` (:func:`find_straggler`).
+        step) and ``predicted_step_s`` (it plus the AllReduce); ``measured_step_s`` (median over the steps of the
+        mean over ranks of their steps); ``allreduce_measured_s`` (median over the steps of the least comm of any
+        rank: the AllReduce with no one to wait for); ``straggler`` (:func:`find_straggler`, as a dict).
 
     Raises:
         ValueError: a bad argument (named), or ``pin`` with more ranks than usable cores.
@@ -367,3 +367,36 @@ def format_table(result: dict) -> str:
         what = _label(c)
         lines.append(f"  {what:22s} {c['straggler']['reason']}")
     return "\n".join(lines)
+
+
+def plot(result: dict):
+    """Two panels of :func:`measure`'s result: each rank's median step against the injected delay, beside the
+    model's maximum over ranks; and each rank's median compute and wait (stacked) in the largest-delay and the
+    neighbour cases. Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    delays = [c for c in result["cases"] if c["kind"] == "delay"]
+    shown = [c for c in result["cases"] if c["kind"] == "neighbour"]
+    shown = ([max(delays, key=lambda c: c["delay_s"])] if delays else []) + shown
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2), width_ratios=(1.2, 1))
+    x = [c["delay_s"] * 1e3 for c in delays]
+    for r in range(result["settings"]["world_size"]):
+        ax.plot(x, [c["median_step_s"][r] * 1e3 for c in delays], "o", ms=7 - 1.5 * r, label=f"rank {r}, measured")
+    ax.plot(x, [c["predicted_step_s"] * 1e3 for c in delays], "k--", label="max over ranks of compute + AllReduce")
+    ax.set(xlabel="delay added to the last rank's forward (ms)", ylabel="step (ms)", ylim=(0, None),
+           title="every rank's step follows the slowest")
+    ax.legend(fontsize=8)
+    width = 0.8 / max(1, len(shown))
+    for i, c in enumerate(shown):
+        ranks = range(c["world_size"])
+        pos = [r + (i - (len(shown) - 1) / 2) * width for r in ranks]
+        comp = [v * 1e3 for v in c["median_compute_s"]]
+        wait = [(st - cp) * 1e3 for st, cp in zip(c["median_step_s"], c["median_compute_s"])]
+        bars = bx.bar(pos, comp, width, label=f"{_label(c)}: compute")
+        bx.bar(pos, wait, width, bottom=comp, color=bars[0].get_facecolor(), alpha=0.35, hatch="//",
+               label=f"{_label(c)}: AllReduce + wait")
+    bx.set(xticks=list(range(result["settings"]["world_size"])), xlabel="rank", ylabel="median per step (ms)",
+           title="per-rank timings name the straggler")
+    bx.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    fig.tight_layout()
+    return fig
