@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                          "usable core)")
     exp_str.add_argument("--delays-ms", default="0,5,10,20,40", help="comma-separated delays added to the last "
                          "rank's forward, ms (default 0,5,10,20,40)")
-    exp_str.add_argument("--steps", type=int, default=30, help="steps per case (default 30; the first 5 are skipped)")
+    exp_str.add_argument("--steps", type=int, default=40, help="steps per case (default 40; the first 5 are skipped)")
     exp_str.add_argument("--no-neighbour", action="store_true", help="skip the busy-neighbour case")
     exp_str.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned, sharing the cores (and skip "
                          "the neighbour case); default: one rank per core, min(--world-size, usable cores) ranks")

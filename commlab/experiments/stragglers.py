@@ -197,7 +197,7 @@ def _start_neighbour(core: int, limit_s: float) -> subprocess.Popen:
 
 
 def run_case(world_size: int, *, delay_s: float = 0.0, neighbour: bool = False, slow_rank: int | None = None,
-             pin: bool = False, steps: int = 30, skip: int = 5, width: int = 512, batch: int = 256, seed: int = 0,
+             pin: bool = False, steps: int = 40, skip: int = 5, width: int = 512, batch: int = 256, seed: int = 0,
              timeout: float = 300.0) -> dict:
     """Launch one case and price it: ``world_size`` ranks, the last (or ``slow_rank``) slowed by ``delay_s`` in its
     forward and/or a busy neighbour pinned to its core (``neighbour``, which needs ``pin``: rank r on the r-th
@@ -268,7 +268,7 @@ def run_case(world_size: int, *, delay_s: float = 0.0, neighbour: bool = False, 
 
 
 def measure(world_size: int = 4, delays_s: Sequence[float] = DEFAULT_DELAYS_S, *, neighbour: bool = True,
-            pin: bool = True, steps: int = 30, skip: int = 5, width: int = 512, batch: int = 256, seed: int = 0,
+            pin: bool = True, steps: int = 40, skip: int = 5, width: int = 512, batch: int = 256, seed: int = 0,
             progress: bool = True) -> dict:
     """The delay sweep (the last rank sleeps ``delay`` in each forward), then with ``neighbour`` the busy-neighbour
     case (no delay). With ``pin`` (default) every case runs on ``min(world_size, usable cores)`` ranks, each pinned
