@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pytest
 import torch
@@ -192,38 +193,78 @@ def test_cli_prints_the_table_and_refuses_bad_traces(tmp_path, capsys):
 
 #: Big layers last, a small first layer: with overlap on, the big gradients arrive first and travel under the
 #: rest of backward, and only the small first layer's bucket is left after it (2.6 M parameters, 10 MiB).
-WIDTHS = (16, 1024, 1024, 1024, 512)
+WIDTHS = (16, 2048, 2048, 2048, 1024)
+#: Each layer's backward also waits this long without the CPU (see _DeviceTime): with CPU-bound backward on two
+#: loaded cores, gloo's overlapped AllReduce competes with backward for the CPU, may take longer in all than one
+#: bucket after backward, and may not even start before backward ends; the comparison would then measure the load.
+DEVICE_S = 40e-3
+
+
+class _DeviceTime(torch.autograd.Function):
+    """Identity forward; a backward that waits ``seconds`` without using the CPU, as a GPU's kernels would leave
+    it to gloo (on a loaded CPU, gloo's AllReduce and backward otherwise slow each other down)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _WithDeviceTime(torch.nn.Module):
+    def __init__(self, layer, seconds):
+        super().__init__()
+        self.layer, self.seconds = layer, seconds
+
+    def forward(self, x):
+        return _DeviceTime.apply(self.layer(x), self.seconds)
 
 
 def _traced_steps(directory):
     torch.set_num_threads(1)
-    x, y = random_batch(WIDTHS, 256, 0, dist.get_rank())
+    x, y = random_batch(WIDTHS, 16, 0, dist.get_rank())
     out = {}
-    for name, cap in (("on", 2 ** 20), ("off", 10 ** 9)):   # a bucket per layer overlapped, or one after backward
-        model = make_mlp(WIDTHS)
-        dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
-            for _ in range(2):
-                with record_function(RANGE_STEP):
-                    train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-        path = f"{directory}/{name}.rank{dist.get_rank()}.json"
-        prof.export_chrome_trace(path)
-        out[name] = (path, len(dp.buckets))
+    for device_s in (DEVICE_S,):
+        for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):   # a bucket per layer overlapped, or one after backward
+            model = make_mlp(WIDTHS)
+            if device_s:
+                model = torch.nn.Sequential(*(_WithDeviceTime(m, device_s) if isinstance(m, torch.nn.Linear) else m
+                                              for m in model))
+            dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
+                for _ in range(2):
+                    dist.barrier()   # the ranks start each step together: the peer's lateness is not measured
+                    with record_function(RANGE_STEP):
+                        train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
+            path = f"{directory}/{overlap}{device_s * 1e3:g}.rank{dist.get_rank()}.json"
+            prof.export_chrome_trace(path)
+            out[overlap, device_s] = (path, len(dp.buckets))
     return out
 
 
+@pytest.mark.timing
 def test_real_gloo_dp_step_exposes_more_with_overlap_off(tmp_path):
+    reports = {"on": [], "off": []}
     for per_rank in launch(_traced_steps, 2, str(tmp_path), timeout=90):
-        on, off = (check_overlap(per_rank[k][0]) for k in ("on", "off"))
-        assert per_rank["on"][1] >= 4 and per_rank["off"][1] == 1
+        (on_path, on_buckets), (off_path, off_buckets) = per_rank["on", DEVICE_S], per_rank["off", DEVICE_S]
+        on, off = check_overlap(on_path), check_overlap(off_path)
+        assert on_buckets >= 4 and off_buckets == 1
         assert [r.kind for r in on.rows] == [r.kind for r in off.rows] == ["DP AllReduce"]
-        assert (on.rows[0].count, off.rows[0].count) == (per_rank["on"][1], 1)   # launched in the step
-        print(format_report(on), format_report(off), sep="\n")
-        # One bucket after backward hides (almost) nothing; buckets overlapped with backward hide a share of it.
-        # The share, not the seconds: on two loaded cores gloo's overlapped AllReduce competes with backward for
-        # the CPU and may take longer in all than the one bucket after it.
+        assert (on.rows[0].count, off.rows[0].count) == (on_buckets, 1)   # launched in the step
+        # One bucket after backward hides (almost) nothing; buckets overlapped with backward hide most of theirs.
         assert off.rows[0].exposed_fraction > on.rows[0].exposed_fraction, (format_report(on), format_report(off))
         assert off.rows[0].hidden_s < on.rows[0].hidden_s
+        reports["on"].append(on)
+        reports["off"].append(off)
+    # Summed over the ranks: a rank's exposed seconds include waiting for a late peer, which the sum evens out.
+    exposed = {k: sum(r.rows[0].exposed_s for r in v) for k, v in reports.items()}
+    on_path = {k: sum(r.path_totals()["DP AllReduce"] for r in v) for k, v in reports.items()}
+    assert exposed["off"] > exposed["on"], "\n".join(format_report(r) for v in reports.values() for r in v)
+    assert on_path["off"] > on_path["on"]

@@ -21,14 +21,15 @@ import gzip
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
 from commlab import checks
 from commlab.overlap.profile import union_length
 from commlab.parallel.sharded_profile import _merged, intersection_of_unions
 
 __all__ = ["TraceError", "TraceEvent", "Trace", "KindRow", "PathSegment", "OverlapReport", "KIND_TABLE",
-           "OP_TABLE", "STEP_MARKERS", "load_trace", "check_overlap", "format_report", "condensed_path", "classify_op", "kind_of"]
+           "OP_TABLE", "STEP_MARKERS", "load_trace", "check_overlap", "format_report", "condensed_path", "classify_op",
+           "kind_of"]
 
 DP, ZERO_AG, ZERO_RS, TP, PP, COMPRESS = ("DP AllReduce", "ZeRO/FSDP AllGather", "ZeRO/FSDP ReduceScatter", "TP",
                                           "PP send/recv", "compressor")
@@ -212,8 +213,9 @@ def load_trace(source: str | os.PathLike | dict | list) -> Trace:
     elif isinstance(data, list):
         raw_events, meta = data, {}
     else:
+        keys = f" with keys {sorted(data)[:6]}" if isinstance(data, dict) else ""
         raise TraceError(f"{name} is not a Chrome trace: expected an object with a 'traceEvents' list or a list of "
-                         f"events, got {type(data).__name__}" + (f" with keys {sorted(data)[:6]}" if isinstance(data, dict) else ""))
+                         f"events, got {type(data).__name__}{keys}")
     events = []
     for e in raw_events:
         if not isinstance(e, dict) or e.get("ph") != "X" or not checks.is_number(e.get("ts")) \
@@ -510,7 +512,8 @@ def format_report(report: OverlapReport, tail: int = 6) -> str:
               f"# the step's end waited on (last {min(tail, len(runs))} of {len(runs)} runs, seconds from the "
               "step's start):"]
     for label, a, z, idle in runs[-tail:]:
-        lines.append(f"#   {a:>10.6f} .. {z:>10.6f}  {label}" + (f" (not computing {idle:.6f} s within)" if idle > 0 else ""))
+        within = f" (not computing {idle:.6f} s within)" if idle > 0 else ""
+        lines.append(f"#   {a:>10.6f} .. {z:>10.6f}  {label}{within}")
     lines += [f"# warning: {w}" for w in report.warnings]
     return "\n".join(lines)
 
