@@ -190,12 +190,6 @@ def _rank(delay_s: float, slow_rank: int, steps: int, width: int, batch: int, se
     return out
 
 
-def _start_neighbour(core: int, limit_s: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY, str(limit_s)])
-    os.sched_setaffinity(proc.pid, {core})
-    return proc
-
-
 def run_case(world_size: int, *, delay_s: float = 0.0, neighbour: bool = False, slow_rank: int | None = None,
              pin: bool = False, steps: int = 40, skip: int = 5, width: int = 512, batch: int = 256, seed: int = 0,
              timeout: float = 300.0) -> dict:
@@ -236,8 +230,11 @@ def run_case(world_size: int, *, delay_s: float = 0.0, neighbour: bool = False, 
             checks.fail("world_size", world_size, f"at most the {len(usable)} usable cores with pin=True",
                         note="every rank is pinned to a core of its own")
         cores = usable[:world_size]
-    proc = _start_neighbour(cores[slow_rank], timeout) if neighbour else None
+    # The neighbour ends by itself after ``timeout`` seconds should this process die before it kills it.
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY, str(timeout)]) if neighbour else None
     try:
+        if proc is not None:
+            os.sched_setaffinity(proc.pid, {cores[slow_rank]})
         ranks = launch(_rank, world_size, delay_s, slow_rank, steps, width, batch, seed, True, timeout=timeout,
                        print_output=False, init_hook=_pin(cores))
     finally:
