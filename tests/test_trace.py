@@ -34,6 +34,8 @@ def _gloo_trace():
     ann = "user_annotation"
     ev = [_x("overlap::step", 0, 100, cat=ann),
           _x("aten::forward_ops", 0, 20), _x("autograd::backward_ops", 20, 60), _x("aten::optimizer", 90, 100),
+          _x("aten::mm", 0, 5), _x("aten::mm", 6, 20), _x("aten::mm", 20, 30), _x("aten::mm", 31, 59),
+          _x("aten::add_", 90, 92), _x("aten::add_", 93, 96), _x("aten::add_", 97, 100),
           _x("sharded::all_gather::unit0", 4.5, 6.5, cat=ann), _x("c10d::_allgather_base_", 5, 6),
           _x("gloo:all_gather", 6, 15, tid=3, cat=ann),
           _x("overlap::launch::bucket0", 29.5, 31.5, cat=ann), _x("c10d::allreduce_", 30, 31),
@@ -83,6 +85,19 @@ def test_gloo_trace_report_matches_its_construction():
     text = format_report(r)
     assert "DP AllReduce      2   0.046000   0.019000   0.027000       58.7" in text
     assert "all      5   0.060000   0.030000   0.030000       50.0" in text
+
+
+def test_an_operator_waiting_for_its_collective_is_not_compute():
+    """A TP backward that all-reduces and waits inside one autograd operator (0-10 ms): compute only where its
+    children run."""
+    ann = "user_annotation"
+    trace = [_x("ProfilerStep#0", 0, 10, cat=ann), _x("autograd::engine::evaluate_function: TPBackward", 0, 10),
+             _x("aten::mm", 0, 2), _x("tp::all_reduce", 2, 3.5, cat=ann), _x("c10d::allreduce_", 2, 3),
+             _x("gloo:all_reduce", 3, 8, tid=2, cat=ann), _x("aten::add", 8, 10)]
+    r = check_overlap(trace)
+    assert r.compute_s == pytest.approx(4 * MS)
+    assert _rows(r) == _approx({"TP": (1, 6, 0, 6, 0)})
+    assert _path(r) == [("compute", 0, 2), ("TP", 2, 8), ("compute", 8, 10)]
 
 
 def _cuda_trace(two_streams: bool):

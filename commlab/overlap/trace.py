@@ -8,9 +8,9 @@ the one place names are classified), the seconds hidden under compute and expose
 
 Two timelines. With GPU kernels in the step: compute = the non-NCCL kernels, communication = the NCCL kernels
 (``ncclDevKernel_*``/``ncclKernel_*``), and an NCCL kernel on a stream that also runs compute is flagged (it hides
-nothing). Without: compute = the operators on the training threads, communication = gloo's events on its worker
-threads (recorded only with ``profile_all_threads``) with the ``c10d::`` calls that launched them. Per kind K with
-U_K the union of its intervals and C the union of compute: hidden = |U_K ∩ C|, exposed = |U_K| - hidden.
+nothing). Without: compute = the operators on the training threads but where one waits for a collective it
+launched, communication = gloo's events on its worker threads with the ``c10d::`` calls that launched them. Per
+kind K with U_K the union of its intervals and C the union of compute: hidden = |U_K ∩ C|, exposed = |U_K| - hidden.
 Book: chapter 9, §9.6 (the checker), chapter 12 (sharded steps).
 """
 
@@ -305,15 +305,41 @@ def _subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
     return out
 
 
+def _blocked(ops: Sequence[TraceEvent]) -> list[tuple[float, float]]:
+    """Where an operator waits for a collective it launched: from a communication call among its children to
+    its next other child (or its end). Not compute (an autograd function of TP that all-reduces and waits)."""
+    out: list[tuple[float, float]] = []
+    children: dict[int, list[TraceEvent]] = {}
+    stacks: dict[tuple, list[TraceEvent]] = {}
+    for e in ops:   # sorted by start, the outer first
+        stack = stacks.setdefault(e.lane, [])
+        while stack and stack[-1].end_s <= e.start_s + _EPS:
+            stack.pop()
+        if stack:
+            children.setdefault(id(stack[-1]), []).append(e)
+        stack.append(e)
+    for e in ops:
+        kids = children.get(id(e), [])
+        for i, c in enumerate(kids):
+            if _CPU_COMM.match(c.name) and not _CPU_COMM.match(e.name):
+                nxt = next((k.start_s for k in kids[i + 1:] if not _CPU_COMM.match(k.name)), e.end_s)
+                if nxt > c.end_s:
+                    out.append((c.end_s, nxt))
+    return out
+
+
 def _cpu_timeline(trace, s0, s1, contexts):
     """Compute intervals and communication items of a CPU (gloo) step inside [s0, s1]."""
     ev = [e for e in trace.events if e.lane[0] == "cpu"]   # the whole trace: a launch may precede the step
-    worker_lanes = {e.lane for e in ev if _GLOO_WORKER.match(e.name)}
+    # gloo's worker threads run its collectives; a training thread makes c10d:: calls (and runs gloo's send/recv)
+    calling = {e.lane for e in ev if e.name.startswith("c10d::")}
+    worker_lanes = {e.lane for e in ev if _GLOO_WORKER.match(e.name)} - calling
     train = [e for e in ev if e.lane not in worker_lanes]
     comm_calls = [e for e in train if _CPU_COMM.match(e.name) and e.cat == "cpu_op"]
     compress = [e for e in train if kind_of(e.name) == COMPRESS]
-    ops = [(e.start_s, e.end_s) for e in train if e.cat == "cpu_op"]
-    compute = _subtract(ops, [(e.start_s, e.end_s) for e in comm_calls + compress])
+    ops = [e for e in train if e.cat == "cpu_op"]
+    compute = _subtract([(e.start_s, e.end_s) for e in ops],
+                        [(e.start_s, e.end_s) for e in comm_calls + compress] + _blocked(ops))
     items: list[_Item] = []
     launches = [e for e in comm_calls if e.name.startswith("c10d::") and classify_op(e.name) != "Send/Recv"]
     by_call: dict[int, _Item] = {}
@@ -327,8 +353,18 @@ def _cpu_timeline(trace, s0, s1, contexts):
         by_call[id(e)] = _Item(kind, e.name, [(e.start_s, e.end_s)])
         items.append(by_call[id(e)])
     launches = [c for c in launches if id(c) in by_call]
+    last_call: dict[tuple, _Item] = {}
+    for e in sorted(comm_calls + [e for e in train if _GLOO_WORKER.match(e.name)], key=lambda e: e.start_s):
+        if id(e) in by_call:
+            last_call[e.lane] = by_call[id(e)]
+        elif _GLOO_WORKER.match(e.name):   # gloo's send/recv, run by the calling thread: part of its call
+            item = last_call.get(e.lane)
+            if item is not None and classify_op(item.name) == classify_op(e.name):
+                item.intervals.append((e.start_s, e.end_s))
+            else:
+                items.append(_Item(_default_kind(classify_op(e.name)), e.name, [(e.start_s, e.end_s)]))
     nxt = 0
-    for w in (e for e in ev if _GLOO_WORKER.match(e.name)):
+    for w in (e for e in ev if _GLOO_WORKER.match(e.name) and e.lane in worker_lanes):
         if nxt < len(launches) and launches[nxt].start_s <= w.start_s + _EPS:
             # gloo runs the calls in the order they were made: a worker event is the oldest unmatched call's
             by_call[id(launches[nxt])].intervals.append((w.start_s, w.end_s))
