@@ -254,10 +254,9 @@ def _traced_steps(directory):
             train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
-                for _ in range(2):
-                    dist.barrier()   # the ranks start each step together: the peer's lateness is not measured
-                    with record_function(RANGE_STEP):
-                        train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
+                dist.barrier()   # the ranks start the step together: the peer's lateness is not measured
+                with record_function(RANGE_STEP):
+                    train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
             path = f"{directory}/{overlap}{device_s * 1e3:g}.rank{dist.get_rank()}.json"
             prof.export_chrome_trace(path)
             out[overlap, device_s] = (path, len(dp.buckets))
