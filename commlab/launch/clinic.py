@@ -126,7 +126,7 @@ def _run(case: str, door: str, detail: bool, timeout: float, evidence: str | Non
 
     start = time.monotonic()
     try:
-        launch(clinic_rank, world, job, timeout, evidence, timeout=timeout + 3, print_output=False,
+        launch(clinic_rank, world, job, timeout, evidence, timeout=timeout + 1, print_output=False,
                init_hook=hook)
         launcher, ranks, outputs = "launch returned: every rank went through", (), []
     except RankError as e:
@@ -148,7 +148,8 @@ def run_tools(case: str, tools: Sequence[str] = TOOLS, door: str = "launch", tim
     Args:
         case: a key of :data:`CASES`. tools: some of :data:`TOOLS`. door: ``"launch"`` or ``"torchrun"``.
         timeout: seconds each collective waits (the evidence is dumped at 0.75 of it); the whole job is bounded
-            by ``timeout + 3`` s (launch) or ``6 timeout + 60`` s (torchrun, whose start takes seconds).
+            by ``timeout + 1`` s (launch: its deadline; its send/recv keep the group's longer timeout) or
+            ``6 timeout + 60`` s (torchrun, whose start takes seconds).
 
     Returns:
         One :class:`Diagnosis` per tool, in the order of ``tools``.
@@ -493,16 +494,17 @@ def print_diagnosis(d: Diagnosis, file=None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m commlab.launch.clinic CASE [--tool T ...] [--door D] [--timeout S] [--printed]``."""
+    """``python -m commlab.launch.clinic CASE [CASE ...] [--tool T ...] [--door D] [--timeout S] [--printed]
+    [--json]``: the cases one after the other."""
     p = argparse.ArgumentParser(prog="python -m commlab.launch.clinic", description=__doc__.split("\n\n")[0])
-    p.add_argument("case", choices=list(CASES), help="; ".join(f"{k}: {v[2]}" for k, v in CASES.items()))
+    p.add_argument("case", nargs="+", choices=list(CASES), help="; ".join(f"{k}: {v[2]}" for k, v in CASES.items()))
     p.add_argument("--tool", choices=TOOLS, action="append", help="how to read it (repeatable; default all four)")
     p.add_argument("--door", choices=DOORS, default="launch", help="launch (fork, default) or torchrun")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each collective waits (default 2)")
     p.add_argument("--printed", action="store_true", help="also show what each tool printed")
     p.add_argument("--json", action="store_true", help="print the diagnoses as one JSON list instead")
     args = p.parse_args(argv)
-    found = run_tools(args.case, args.tool or TOOLS, args.door, args.timeout)
+    found = [d for case in args.case for d in run_tools(case, args.tool or TOOLS, args.door, args.timeout)]
     if args.json:
         import json
         print(json.dumps([dataclasses.asdict(d) for d in found]), flush=True)

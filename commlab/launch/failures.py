@@ -162,7 +162,7 @@ def evidence(directory: str | None, rank: int, dump_after_s: float) -> Iterator[
     """Within the block, leave this rank's evidence of a hang in ``directory`` (nothing if None).
 
     ``STACKS_PREFIX + rank``: the Python stacks of every thread ``dump_after_s`` s after entry if the block is
-    still running (``faulthandler.dump_traceback_later``, which works while the rank is blocked in C++), the stack
+    still running (``faulthandler.dump_traceback`` from a thread: a collective's wait releases the GIL), the stack
     at a fatal signal or SIGTERM (``faulthandler.enable``, ``register``), or the traceback of the exception raised.
     ``FR_PREFIX + rank``: the Flight Recorder's pickle (``torch._C._distributed_c10d._dump_fr_trace``) at the same
     moment or at the exception; a rank killed by a signal leaves none.
@@ -175,15 +175,19 @@ def evidence(directory: str | None, rank: int, dump_after_s: float) -> Iterator[
     done = threading.Event()
 
     def later() -> None:
+        # One thread does both, one after the other: faulthandler's own timer, dumping the threads while this one
+        # ran the Flight Recorder's dump, crashed a rank now and then (SIGSEGV).
         if not done.wait(dump_after_s):
             try:
                 _dump_flight_recorder(fr_path)
             except Exception as e:  # noqa: BLE001 - the stacks still tell
                 stacks.write(f"flight recorder dump failed: {e}\n")
+                stacks.flush()
+            if not done.is_set():
+                faulthandler.dump_traceback(file=stacks, all_threads=True)
 
     was_enabled = faulthandler.is_enabled()
     faulthandler.enable(file=stacks)
-    faulthandler.dump_traceback_later(dump_after_s, file=stacks)
     # torchrun ends the other workers with SIGTERM when one fails: their stacks at that moment, then the default.
     faulthandler.register(signal.SIGTERM, file=stacks, chain=True)
     timer = threading.Thread(target=later, name="commlab-fr-dump", daemon=True)
@@ -191,7 +195,6 @@ def evidence(directory: str | None, rank: int, dump_after_s: float) -> Iterator[
     try:
         yield
     except Exception as e:
-        faulthandler.cancel_dump_traceback_later()
         if not done.is_set():
             done.set()
             stacks.write(f"Exception {type(e).__name__} (most recent call first):\n")
@@ -203,7 +206,6 @@ def evidence(directory: str | None, rank: int, dump_after_s: float) -> Iterator[
         raise
     finally:
         done.set()
-        faulthandler.cancel_dump_traceback_later()
         faulthandler.unregister(signal.SIGTERM)
         if was_enabled:
             faulthandler.enable(file=sys.stderr)
