@@ -150,6 +150,12 @@ def test_name_tables():
     assert [classify_op(n) for n in ("gloo:all_reduce", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_",
                                      "ncclKernel_SendRecv", "c10d::recv_", "gloo:broadcast", "c10d::alltoall_base_")] == \
         ["AllReduce", "ReduceScatter", "AllGather", "Send/Recv", "Send/Recv", "Broadcast", "AllToAll"]
+    trace = [_x("ProfilerStep#0", 0, 10, cat="user_annotation")] + [
+        _x(name, i, i + 1, tid=9, pid=0, cat="kernel", device=0, stream=9) for i, name in enumerate((
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+            "ncclKernel_AllGather_RING_LL_Sum_int8_t", "ncclAllReduceRingLLKernel_sum_f32", "ncclDevKernel_Generic"))]
+    assert {r.kind: r.count for r in check_overlap(trace).rows} == \
+        {"unknown AllReduce": 2, "unknown AllGather": 1, "unknown communication": 1}
     assert kind_of("overlap::launch::bucket12") == "DP AllReduce"
     assert kind_of("sharded::wait_reduce_scatter") == "ZeRO/FSDP ReduceScatter"
     assert kind_of("mesh_tp") == "TP" and kind_of("aten::mm") is None

@@ -7,7 +7,7 @@ the one place names are classified), the seconds hidden under compute and expose
 :func:`format_report` prints it as a table; ``python -m commlab overlap-check TRACE`` runs both.
 
 Two timelines. With GPU kernels in the step: compute = the non-NCCL kernels, communication = the NCCL kernels
-(``ncclDevKernel_*``/``ncclKernel_*``), and an NCCL kernel on a stream that also runs compute is flagged (it hides
+(``ncclDevKernel_*``, ``ncclKernel_*``), and an NCCL kernel on a stream that also runs compute is flagged (it hides
 nothing). Without: compute = the operators on the training threads but where one waits for a collective it
 launched, communication = gloo's events on its worker threads with the ``c10d::`` calls that launched them. Per
 kind K with U_K the union of its intervals and C the union of compute: hidden = |U_K ∩ C|, exposed = |U_K| - hidden.
@@ -68,7 +68,7 @@ OP_TABLE: tuple[tuple[str, str], ...] = (
 #: Ranges that delimit a step, in the order they are looked for.
 STEP_MARKERS: tuple[str, ...] = (r"ProfilerStep#\d+", r"overlap::step", r"sharded::step", r"capstone::step\d+")
 
-_NCCL_KERNEL = re.compile(r"^nccl(Dev)?Kernel_", re.IGNORECASE)
+_NCCL_KERNEL = re.compile(r"^nccl\w*Kernel", re.IGNORECASE)   # ncclDevKernel_*, ncclKernel_*, ncclAllReduceRingLLKernel
 _GLOO_WORKER = re.compile(r"^gloo:")
 _CPU_COMM = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
 _KINDS = tuple((re.compile(p), k) for p, k in KIND_TABLE)
@@ -407,7 +407,7 @@ def _gpu_timeline(trace, s0, s1, contexts):
         if not _NCCL_KERNEL.match(e.name):
             continue
         ctx = _enclosing_kind(launch, contexts) if launch is not None else None
-        op = classify_op(e.name[e.name.index("_") + 1:])
+        op = classify_op(re.sub(r"^nccl(Dev)?Kernel_?", "", e.name, flags=re.IGNORECASE))
         kind = ctx or _group_kind(e, trace.groups, op) or _default_kind(op)
         items.append(_Item(kind, e.name, [(e.start_s, e.end_s)], e.lane in compute_lanes))
     end = max([s1] + [e.end_s for e, _ in kernels])
