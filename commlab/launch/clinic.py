@@ -28,7 +28,7 @@ import time
 from typing import Sequence
 
 from commlab.checks import number, one_of
-from commlab.launch.failures import FR_PREFIX, JOBS, STACKS_PREFIX, faulty_rank
+from commlab.launch.failures import FR_PREFIX, STACKS_PREFIX, faulty_rank
 
 __all__ = ["CASES", "TOOLS", "DOORS", "Diagnosis", "run_case", "run_tools", "format_diagnosis", "print_diagnosis",
            "order", "size", "dtype", "absent", "exits", "killed", "send_first", "recv_first", "main"]
