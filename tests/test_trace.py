@@ -74,10 +74,12 @@ def test_gloo_trace_report_matches_its_construction():
     assert _rows(r) == _approx({"DP AllReduce": (2, 46, 19, 27, 0), "ZeRO/FSDP AllGather": (1, 10, 9, 1, 0),
                                 "unknown Broadcast": (1, 3, 2, 1, 0), "PP send/recv": (1, 1, 0, 1, 0)})
     assert [r.kind for r in r.rows][0] == "DP AllReduce"   # the most exposed first
-    assert (r.all_comm.count, r.all_comm.total_s, r.all_comm.exposed_s) == (5, pytest.approx(60 * MS), pytest.approx(30 * MS))
+    assert (r.all_comm.count, r.all_comm.total_s, r.all_comm.exposed_s) == \
+        (5, pytest.approx(60 * MS), pytest.approx(30 * MS))
     assert _path(r) == [("compute", 0, 5), ("ZeRO/FSDP AllGather", 5, 6), ("compute", 6, 30), ("DP AllReduce", 30, 31),
                         ("compute", 31, 59), ("DP AllReduce", 59, 85), ("idle", 85, 90), ("compute", 90, 92),
-                        ("unknown Broadcast", 92, 93), ("compute", 93, 96), ("PP send/recv", 96, 97), ("compute", 97, 100)]
+                        ("unknown Broadcast", 92, 93), ("compute", 93, 96), ("PP send/recv", 96, 97),
+                        ("compute", 97, 100)]
     assert r.path_totals() == pytest.approx({"compute": 65 * MS, "DP AllReduce": 27 * MS, "idle": 5 * MS,
                                              "ZeRO/FSDP AllGather": MS, "unknown Broadcast": MS, "PP send/recv": MS})
     runs = condensed_path(r.critical_path, min_s=2 * MS)   # the 1 ms pieces count into the compute around them
@@ -105,7 +107,8 @@ def test_an_operator_waiting_for_its_collective_is_not_compute():
 def _cuda_trace(two_streams: bool):
     """ProfilerStep#3, 0-10 ms on the CPU; kernels on device 0 (pid 0), streams 7 (compute) and 13, 20."""
     ev = [_x("ProfilerStep#2", -20, -10, cat="user_annotation"), _x("ProfilerStep#3", 0, 10, cat="user_annotation"),
-          _x("tp::row_parallel", 0.6, 0.9, cat="user_annotation"), _x("FSDP::all_gather", 0.3, 0.5, cat="user_annotation")]
+          _x("tp::row_parallel", 0.6, 0.9, cat="user_annotation"),
+          _x("FSDP::all_gather", 0.3, 0.5, cat="user_annotation")]
     corr = [0]
 
     def kernel(name, start, end, stream, at, **args):
@@ -149,8 +152,9 @@ def test_cuda_trace_with_two_streams_hides_the_other_streams_kernels():
 
 
 def test_name_tables():
-    assert [classify_op(n) for n in ("gloo:all_reduce", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_",
-                                     "ncclKernel_SendRecv", "c10d::recv_", "gloo:broadcast", "c10d::alltoall_base_")] == \
+    names = ("gloo:all_reduce", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_", "ncclKernel_SendRecv",
+             "c10d::recv_", "gloo:broadcast", "c10d::alltoall_base_")
+    assert [classify_op(n) for n in names] == \
         ["AllReduce", "ReduceScatter", "AllGather", "Send/Recv", "Send/Recv", "Broadcast", "AllToAll"]
     trace = [_x("ProfilerStep#0", 0, 10, cat="user_annotation")] + [
         _x(name, i, i + 1, tid=9, pid=0, cat="kernel", device=0, stream=9) for i, name in enumerate((
@@ -158,6 +162,12 @@ def test_name_tables():
             "ncclKernel_AllGather_RING_LL_Sum_int8_t", "ncclAllReduceRingLLKernel_sum_f32", "ncclDevKernel_Generic"))]
     assert {r.kind: r.count for r in check_overlap(trace).rows} == \
         {"unknown AllReduce": 2, "unknown AllGather": 1, "unknown communication": 1}
+    # No "correlation": the kernel's "External id" names its operator, here inside a tp:: range
+    trace += [_x("tp::all_reduce", 0.1, 0.3, cat="user_annotation"),
+              _x("c10d::allreduce_", 0.15, 0.2, **{"External id": 5}),
+              _x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5, 6, tid=9, pid=0, cat="Kernel", stream=9,
+                 **{"External id": 5})]
+    assert {r.kind: r.count for r in check_overlap(trace).rows}["TP"] == 1
     assert kind_of("overlap::launch::bucket12") == "DP AllReduce"
     assert kind_of("sharded::wait_reduce_scatter") == "ZeRO/FSDP ReduceScatter"
     assert kind_of("mesh_tp") == "TP" and kind_of("aten::mm") is None
@@ -281,7 +291,8 @@ def _traced_steps(directory):
     x, y = random_batch(WIDTHS, 16, 0, dist.get_rank())
     out = {}
     for device_s in (DEVICE_S,):
-        for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):   # a bucket per layer overlapped, or one after backward
+        # a bucket per layer, overlapped with backward; or one bucket, launched when backward ends
+        for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):
             model = make_mlp(WIDTHS)
             if device_s:
                 model = torch.nn.Sequential(*(_WithDeviceTime(m, device_s) if isinstance(m, torch.nn.Linear) else m

@@ -221,7 +221,7 @@ def load_trace(source: str | os.PathLike | dict | list) -> Trace:
         if not isinstance(e, dict) or e.get("ph") != "X" or not checks.is_number(e.get("ts")) \
                 or not checks.is_number(e.get("dur")):
             continue
-        cat = str(e.get("cat", ""))
+        cat = str(e.get("cat", "")).lower()
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
         if cat == "kernel" or cat.startswith("gpu_"):
             lane = ("gpu", args.get("device", e.get("pid")), args.get("stream", e.get("tid")))
@@ -382,11 +382,13 @@ def _gpu_timeline(trace, s0, s1, contexts):
     """Compute intervals and communication items of a CUDA step: kernels launched from inside [s0, s1]."""
     launch_at = {e.args["correlation"]: e for e in trace.events
                  if e.lane[0] == "cpu" and "correlation" in e.args}
+    op_at = {e.args["External id"]: e for e in trace.events   # a kernel's "External id" is its operator's
+             if e.lane[0] == "cpu" and e.cat == "cpu_op" and "External id" in e.args}
     kernels = []
     for e in trace.events:
         if e.cat != "kernel":
             continue
-        launch = launch_at.get(e.args.get("correlation"))
+        launch = launch_at.get(e.args.get("correlation")) or op_at.get(e.args.get("External id"))
         when = launch.start_s if launch is not None else e.start_s
         if s0 <= when <= s1:
             kernels.append((e, launch))
