@@ -239,17 +239,26 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_loses_nothing(tmp_path):
     assert again.returncode == 0 and "it already reaches --steps 8: nothing to do" in again.stderr
 
 
-def test_diloco_trains_under_torchrun_and_ends_with_a_sync_in_flight(tmp_path):
-    """Streaming DiLoCo under torchrun (2 ranks, dp = 2; TP and PP: the in-process tests above): H = 2 with the
-    outer AllReduce in flight for one step, so the sync sent after step 2 is still in flight when the 3 steps
-    end; the run ends cleanly, and says why it prints no planner prediction."""
-    log = tmp_path / "run.jsonl"
-    proc = _torchrun(tmp_path, "--dp", "2", "--steps", "3", "--inner-steps", "2", "--sync-delay", "1",
-                     "--log-file", str(log), nproc=2, timeout=120)
+def test_diloco_with_tp_and_pp_under_torchrun_restarts_and_loses_nothing(tmp_path):
+    """Streaming DiLoCo over DP at 2 x 2 x 2 under torchrun (8 ranks): H = 2 with the outer AllReduce in flight for
+    one step. With --max-restarts 1, rank 5 exits before step 4; the job restarts from step 2's checkpoint and
+    every step from there equals the uninterrupted run's, bitwise (a checkpoint saved with a sync in flight: the
+    in-process test above). The sync sent after the last step is still in flight when the run ends, cleanly."""
+    common = ["--tp", "2", "--pp", "2", "--dp", "2", "--steps", "6", "--inner-steps", "2", "--sync-delay", "1"]
+    whole = tmp_path / "whole.jsonl"
+    proc = _torchrun(tmp_path, *common, "--log-file", str(whole), nproc=8)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "plan: not predicted: the planner prices a DP AllReduce every step" in proc.stdout
-    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    assert len(losses) == 3 and losses[-1] < losses[0]
+    log = tmp_path / "restarted.jsonl"
+    proc = _torchrun(tmp_path, *common, "--no-plan", "--log-file", str(log), "--ckpt-dir", str(tmp_path / "ckpt"),
+                     "--ckpt-every", "3", "--resume", "--fail-at-step", "4", "--fail-rank", "5", job=CRASH,
+                     restarts=1, nproc=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 5: exiting before step 4" in proc.stderr
+    assert "resume: from the checkpoint of step 2" in proc.stderr
+    want = [json.loads(line)["loss"] for line in whole.read_text().splitlines()]
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(want) == 6 and got == want and want[-1] < want[0]
 
 
 @pytest.mark.parametrize("flags, message", [
