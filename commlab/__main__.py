@@ -1,7 +1,8 @@
 """Command line: ``python -m commlab bench ...``.
 
 ``bench`` measures (collectives, algorithms, emulated topologies, compressors); ``plan`` ranks parallel layouts;
-``selftest`` checks commlab on the world it finds (under torchrun or SLURM, or forked ranks).
+``selftest`` checks commlab on the world it finds (under torchrun or SLURM, or forked ranks); ``clinic`` injects
+a hang into a gloo job and names its rank and line.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["selftest"]:  # its own parser, and torchrun's error-file entry point
         from commlab.selftest import main as selftest_main
         return selftest_main(argv[1:])
+    if argv[:1] == ["clinic"]:  # its own parser
+        from commlab.launch.clinic import main as clinic_main
+        return clinic_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m commlab",
                                      description="commlab: benchmarks and tools of the course")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("selftest", add_help=False,
                    help="check ring AllReduce, a 2-D mesh with a TP layer and a data-parallel step on the world it "
                         "finds (torchrun, srun, or -n forked ranks); `selftest --help` for its options")
+    sub.add_parser("clinic", add_help=False,
+                   help="inject a hang (order, size, dtype, absent, exit, kill, send-first, recv-first) into a gloo "
+                        "job and read it with plain/detail/flight-recorder/stacks; `clinic --help` for its options")
     bench = sub.add_parser("bench", help="nccl-tests-style table: ring AllReduce (ours) vs dist.all_reduce")
     bench.add_argument("-n", "--world-size", type=int, default=None,
                        help="ranks to launch (default 4; under torchrun or srun the job's ranks are measured)")
