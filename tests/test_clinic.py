@@ -10,6 +10,9 @@ import pytest
 
 from commlab.launch import clinic
 
+# Each case reads which rank timed out first and what it wrote before the deadline: run alone in the full lane.
+pytestmark = pytest.mark.timing
+
 # Four processes at once, each running two cases in turn: most of a run is spent waiting for a collective
 # timeout (1.5 s here) or the launch's deadline (1 s later), and each process imports torch once.
 _TIMEOUT_S = 1.5
