@@ -253,9 +253,9 @@ def test_real_capstone_trace_separates_waits_from_compute():
 
 # ------------------------------------------------------------------------------------------ a real gloo DP step
 
-#: Big layers last, a small first layer: with overlap on, the big gradients arrive first and travel under the
-#: rest of backward, and only the small first layer's bucket is left after it (2.6 M parameters, 10 MiB).
-WIDTHS = (16, 2048, 2048, 2048, 1024)
+#: Big layers last, small ones first: with overlap on, the big gradients (24 MiB) arrive first and travel under the
+#: three small layers' backward, and only the small layers' bucket is left after it (6.4 M parameters).
+WIDTHS = (16, 64, 64, 2048, 2048, 1024)
 #: Each layer's backward also waits this long without the CPU (see _DeviceTime): with CPU-bound backward on two
 #: loaded cores, gloo's overlapped AllReduce competes with backward for the CPU, may take longer in all than one
 #: bucket after backward, and may not even start before backward ends; the comparison would then measure the load.
@@ -317,7 +317,7 @@ def test_real_gloo_dp_step_exposes_more_with_overlap_off(tmp_path):
     for per_rank in launch(_traced_steps, 2, str(tmp_path), timeout=90):
         (on_path, on_buckets), (off_path, off_buckets) = per_rank["on", DEVICE_S], per_rank["off", DEVICE_S]
         on, off = check_overlap(on_path), check_overlap(off_path)
-        assert on_buckets >= 4 and off_buckets == 1
+        assert on_buckets >= 3 and off_buckets == 1
         assert [r.kind for r in on.rows] == [r.kind for r in off.rows] == ["DP AllReduce"]
         assert (on.rows[0].count, off.rows[0].count) == (on_buckets, 1)   # launched in the step
         # One bucket after backward hides (almost) nothing; buckets overlapped with backward hide most of theirs.
@@ -325,8 +325,9 @@ def test_real_gloo_dp_step_exposes_more_with_overlap_off(tmp_path):
         assert off.rows[0].hidden_s < on.rows[0].hidden_s
         reports["on"].append(on)
         reports["off"].append(off)
-    # Summed over the ranks: a rank's exposed seconds include waiting for a late peer, which the sum evens out.
-    exposed = {k: sum(r.rows[0].exposed_s for r in v) for k, v in reports.items()}
-    on_path = {k: sum(r.path_totals()["DP AllReduce"] for r in v) for k, v in reports.items()}
+    # The least over the ranks: a rank's exposed seconds include waiting for a late peer; the rank that arrived
+    # last at each AllReduce waited for nobody.
+    exposed = {k: min(r.rows[0].exposed_s for r in v) for k, v in reports.items()}
+    on_path = {k: min(r.path_totals()["DP AllReduce"] for r in v) for k, v in reports.items()}
     assert exposed["off"] > exposed["on"], "\n".join(format_report(r) for v in reports.values() for r in v)
     assert on_path["off"] > on_path["on"]
