@@ -2,7 +2,8 @@
 
 ``bench`` measures (collectives, algorithms, emulated topologies, compressors); ``plan`` ranks parallel layouts;
 ``selftest`` checks commlab on the world it finds (under torchrun or SLURM, or forked ranks); ``clinic`` injects
-a hang into a gloo job and names its rank and line.
+a hang into a gloo job and names its rank and line; ``overlap-check`` reads a profiler trace and says which
+communication was hidden, which exposed.
 """
 
 from __future__ import annotations
