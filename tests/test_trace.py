@@ -104,6 +104,16 @@ def test_an_operator_waiting_for_its_collective_is_not_compute():
     assert _path(r) == [("compute", 0, 2), ("TP", 2, 8), ("compute", 8, 10)]
 
 
+def test_compressor_work_is_its_own_kind_and_not_compute():
+    """A compressor range (2-5 ms) on the training thread inside a 0-10 ms operator: its seconds are the
+    compressor's, exposed, since the training thread does nothing else meanwhile."""
+    trace = [_x("ProfilerStep#0", 0, 10, cat="user_annotation"), _x("aten::backward_ops", 0, 10),
+             _x("compress::powersgd", 2, 5, cat="user_annotation"), _x("aten::mm", 2, 5)]
+    r = check_overlap(trace)
+    assert r.compute_s == pytest.approx(7 * MS)
+    assert _rows(r) == _approx({"compressor": (1, 3, 0, 3, 0)})
+
+
 def _cuda_trace(two_streams: bool):
     """ProfilerStep#3, 0-10 ms on the CPU; kernels on device 0 (pid 0), streams 7 (compute) and 13, 20."""
     ev = [_x("ProfilerStep#2", -20, -10, cat="user_annotation"), _x("ProfilerStep#3", 0, 10, cat="user_annotation"),
