@@ -12,7 +12,8 @@ from commlab import launch
 from commlab.collectives import CollectiveMismatchError
 from commlab.parallel import (ShardedDataParallel, ZeroOneOptimizer, held_memory_bytes, zero_memory_bytes)
 from commlab.parallel.sharded import dim0_shard_rows, sharded_step_nbytes
-from commlab.parallel.sharded_profile import gathers_issued_ahead, intersection_of_unions, profile_sharded
+from commlab.overlap.profile import intersection_of_unions
+from commlab.parallel.sharded_profile import gathers_issued_ahead, profile_sharded
 
 pytestmark = pytest.mark.slow  # seconds a test (processes, torchrun or training): not in the fast lane
 

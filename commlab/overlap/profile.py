@@ -31,7 +31,8 @@ from commlab import checks
 from commlab.overlap.bucketed import (RANGE_BACKWARD, RANGE_DONE, RANGE_FORWARD, RANGE_LAUNCH, RANGE_OPTIMIZER,
                                       RANGE_READY, RANGE_WAIT, BucketedDataParallel, train_step)
 
-__all__ = ["Interval", "OverlapProfile", "union_length", "intersection_length", "MEASURE_WIDTHS", "make_mlp",
+__all__ = ["Interval", "OverlapProfile", "union_length", "intersection_length", "merged_intervals",
+           "intersection_of_unions", "MEASURE_WIDTHS", "make_mlp",
            "random_batch", "profile_overlap", "extract_timeline", "measure_overlap", "overlap_from_step", "RANGE_STEP",
            "all_threads_config", "profiler_events"]
 
@@ -118,6 +119,43 @@ def intersection_length(intervals: Sequence[tuple[float, float]], window: tuple[
     lo, hi = window
     clipped = [(max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo)]
     return union_length(clipped)
+
+
+def merged_intervals(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``(start, end)`` intervals merged where they overlap or touch, sorted.
+
+    Raises:
+        ValueError: an interval with end < start.
+    """
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if e < s:
+            raise ValueError(f"interval ({s}, {e}) ends before it starts")
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def intersection_of_unions(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """|(∪ a) ∩ (∪ b)| for two lists of ``(start, end)`` intervals; 0 when either is empty.
+
+    Raises:
+        ValueError: an interval with end < start.
+    """
+    a, b = merged_intervals(a), merged_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 #: The MLP of the chapter's measurements and of ``bench --overlap``: 8.0 M parameters (30.7 MiB of float32

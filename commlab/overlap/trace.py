@@ -24,8 +24,7 @@ import re
 from typing import Sequence
 
 from commlab import checks
-from commlab.overlap.profile import union_length
-from commlab.parallel.sharded_profile import _merged, intersection_of_unions
+from commlab.overlap.profile import intersection_of_unions, merged_intervals, union_length
 
 __all__ = ["TraceError", "TraceEvent", "Trace", "KindRow", "PathSegment", "OverlapReport", "KIND_TABLE",
            "OP_TABLE", "STEP_MARKERS", "load_trace", "check_overlap", "format_report", "condensed_path", "classify_op",
@@ -290,8 +289,8 @@ class _Item:
 
 def _subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """(∪ a) minus (∪ b), merged."""
-    out, b = [], _merged(b)
-    for s, e in _merged(a):
+    out, b = [], merged_intervals(b)
+    for s, e in merged_intervals(a):
         for bs, be in b:
             if be <= s or bs >= e:
                 continue
@@ -413,7 +412,7 @@ def _gpu_timeline(trace, s0, s1, contexts):
         kind = ctx or _group_kind(e, trace.groups, op) or _default_kind(op)
         items.append(_Item(kind, e.name, [(e.start_s, e.end_s)], e.lane in compute_lanes))
     end = max([s1] + [e.end_s for e, _ in kernels])
-    return _merged(compute), items, end
+    return merged_intervals(compute), items, end
 
 
 def _critical_path(w0: float, w1: float, compute, items) -> list[PathSegment]:
@@ -421,7 +420,7 @@ def _critical_path(w0: float, w1: float, compute, items) -> list[PathSegment]:
     else the communication running just before t that ends last, back to its start or to the last compute before
     t; else an idle gap back to the last end. Seconds from ``w0``."""
     comm = [(max(s, w0), min(e, w1), it) for it in items for s, e in it.intervals if min(e, w1) > max(s, w0)]
-    blocks = [(max(s, w0), min(e, w1)) for s, e in _merged(compute) if min(e, w1) > max(s, w0)]
+    blocks = [(max(s, w0), min(e, w1)) for s, e in merged_intervals(compute) if min(e, w1) > max(s, w0)]
     path, t = [], w1
     while t > w0 + _EPS:
         c = next(((s, e) for s, e in blocks if s < t - _EPS and e >= t - _EPS), None)

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from commlab import checks
-from commlab.overlap.profile import Interval, all_threads_config, profiler_events, union_length
+from commlab.overlap.profile import (Interval, all_threads_config, intersection_of_unions, profiler_events,
+                                     union_length)
 from commlab.parallel.sharded import (RANGE_ALL_GATHER, RANGE_ALL_REDUCE, RANGE_REDUCE_SCATTER, RANGE_WAIT_GATHER,
                                       RANGE_WAIT_REDUCE, ShardedDataParallel)
 
-__all__ = ["ShardedProfile", "profile_sharded", "intersection_of_unions", "gathers_issued_ahead", "RANGE_STEP"]
+__all__ = ["ShardedProfile", "profile_sharded", "gathers_issued_ahead", "RANGE_STEP"]
 
 RANGE_STEP = "sharded::step"
 RANGE_FORWARD, RANGE_BACKWARD, RANGE_OPTIMIZER = "sharded::forward", "sharded::backward", "sharded::optimizer"
@@ -59,38 +60,6 @@ class ShardedProfile:
     exposed_comm_s: float
     overlap_fraction: float
     timeline: tuple[Interval, ...] = ()
-
-
-def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if e < s:
-            raise ValueError(f"interval ({s}, {e}) ends before it starts")
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def intersection_of_unions(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """|(∪ a) ∩ (∪ b)| for two lists of ``(start, end)`` intervals; 0 when either is empty.
-
-    Raises:
-        ValueError: an interval with end < start.
-    """
-    a, b = _merged(a), _merged(b)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _measure(events: Sequence[tuple[str, int, float, float]]) -> list[dict[str, float]]:
