@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import hardware
+from commlab.overlap.profile import all_threads_config
 from commlab.parallel.planner import model_flops_per_token
 from commlab.parallel.tensor.communications import CommTimer, timed
 
@@ -317,7 +318,11 @@ def profiled(directory: str | None, device: torch.device) -> Iterator[None]:
         return
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=activities)
+    try:
+        config = all_threads_config()  # gloo's worker threads too, for python -m commlab overlap-check
+    except RuntimeError:  # torch < 2.7: the training threads only
+        config = None
+    prof = profile(activities=activities, experimental_config=config)
     prof.__enter__()
     try:
         yield

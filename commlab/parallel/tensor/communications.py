@@ -92,14 +92,17 @@ def untimed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _timing(group) -> Iterator[None]:
-    timer = _TIMERS.get(group)
-    if timer is None:
+def _timing(group, op: str) -> Iterator[None]:
+    """Time the collective on ``group``'s timer, if any, inside a ``tp::<op>`` profiler range (the name
+    :mod:`commlab.overlap.trace` reads as TP)."""
+    with torch.profiler.record_function(f"tp::{op}"):
+        timer = _TIMERS.get(group)
+        if timer is None:
+            yield
+            return
+        start = timer.clock.mark()
         yield
-        return
-    start = timer.clock.mark()
-    yield
-    timer._add(start, timer.clock.mark())
+        timer._add(start, timer.clock.mark())
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -120,7 +123,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
         return x
     # Reduce a copy: the input may be saved for another function's backward, or be a view of a leaf.
     out = x.contiguous().clone()
-    with _timing(group):
+    with _timing(group, "all_reduce"):
         dist.all_reduce(out, group=group)
     return out
 
@@ -131,7 +134,7 @@ def _gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
-    with _timing(group):
+    with _timing(group, "all_gather"):
         dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
@@ -168,7 +171,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
                          f"shape {list(x.shape)}; pad the sequence to a multiple of {n}")
     parts = [p.contiguous() for p in x.chunk(n, dim=SEQ_DIM)]
     out = torch.empty_like(parts[0])
-    with _timing(group):
+    with _timing(group, "reduce_scatter"):
         dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
     return out
 
