@@ -215,11 +215,13 @@ def _calls(tree):
 @pytest.mark.slow
 def test_no_message_of_the_package_bypasses_the_grouped_exchange():
     """The rule of commlab.collectives.p2p, checked on the source: no isend/irecv/send/recv call and no
-    batch_isend_irecv outside the primitive, so that every message is grouped as NCCL needs."""
+    batch_isend_irecv outside the primitive, so that every message is grouped as NCCL needs. The one exception
+    is the hang clinic's pipeline jobs (commlab/launch/failures.py), whose bare blocking sends deadlock on purpose."""
     bare = {"isend", "irecv", "send", "recv", "batch_isend_irecv"}
+    allowed = {PACKAGE / "collectives" / "p2p.py", PACKAGE / "launch" / "failures.py"}
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "collectives" / "p2p.py":
+        if path in allowed:
             continue
         for name, line in _calls(ast.parse(path.read_text())):
             if name in bare:
