@@ -11,9 +11,8 @@ The learner writes
   when the whole model's payload is synced once per H steps, in F fragments. Reference:
   :func:`commlab.sync.cost.bytes_sent_per_rank_per_step`.
 
-A wrong answer is matched against the usual slips (tau forgotten, 0-based steps, the fragments not staggered,
-floor for ceil, the latency or the ring's 2(N-1)/N left out, bytes multiplied by F); the right answer is not shown.
-Book: the chapter on syncing less often.
+A wrong answer is matched against the usual slips (tau forgotten, 0-based steps, fragments not staggered, floor
+for ceil, the latency or the ring's 2(N-1)/N left out, bytes times F); the right answer is not shown. Book: lab 8b.
 """
 
 from __future__ import annotations

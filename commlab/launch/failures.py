@@ -7,14 +7,11 @@ Run under torchrun::
     torchrun --standalone --nproc-per-node 2 -m commlab.launch.failures timeout --timeout 3
 
 ``shape``: rank 0 all-reduces 4 elements, the others 5. ``order``: rank 0 calls AllReduce then Broadcast, the
-others the reverse; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names both at the first wrong call. ``timeout``: the last
-rank sleeps twice ``--timeout`` before its AllReduce, and the others give up after the group's timeout. A rank
-whose collective fails prints ``rank R: ErrorType: message`` on stderr and exits 1 :data:`GRACE_S` s later
-(torchrun stops the other workers at the first failure, which could cut their messages short). Every job
-initialises through :func:`commlab.launch.init_from_env`. The hang clinic (:mod:`commlab.launch.clinic`) adds
-``dtype``, ``exit``, ``kill``, ``send-first`` and ``recv-first`` (:data:`JOBS`), runs every job through either
-door (:func:`clinic_rank` under :func:`commlab.launch.launch`), and with ``--evidence DIR`` each rank leaves its
-Flight Recorder dump and its Python stacks there (:func:`evidence`). Chapter 14, section 14.4.
+others the reverse (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names both). ``timeout``: the last rank sleeps past the
+group's timeout. A failing rank prints ``rank R: ErrorType: message`` and exits 1 :data:`GRACE_S` s later. The
+hang clinic (:mod:`commlab.launch.clinic`) adds ``dtype``, ``exit``, ``kill``, ``send-first`` and ``recv-first``
+(:data:`JOBS`), runs a job through either door (:func:`clinic_rank`), and with ``--evidence DIR`` each rank leaves
+its Flight Recorder dump and Python stacks there (:func:`evidence`). Chapter 14, section 14.4.
 """
 
 from __future__ import annotations
