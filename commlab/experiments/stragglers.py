@@ -12,7 +12,7 @@ rank the others wait for from per-rank timings (the capstone's log too: ``labs/c
 :func:`measure` runs the cases, :func:`save`/:func:`load` keep ``experiments/stragglers.json``,
 :func:`format_table` prints it and :func:`plot` draws it.
 
-Book: chapter "When it goes wrong" (issue 28, item 3).
+Book: the chapter "When it goes wrong" (in preparation); the capstone log's per-rank times, chapter 14.
 """
 
 from __future__ import annotations

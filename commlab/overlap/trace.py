@@ -11,7 +11,7 @@ Two timelines. With GPU kernels in the step: compute = the non-NCCL kernels, com
 nothing). Without: compute = the operators on the training threads but where one waits for a collective it
 launched, communication = gloo's events on its worker threads with the ``c10d::`` calls that launched them. Per
 kind K with U_K the union of its intervals and C the union of compute: hidden = |U_K ∩ C|, exposed = |U_K| - hidden.
-Book: chapter 9, §9.6 (the checker), chapter 12 (sharded steps).
+Book: chapter 9, §9.6 (the profile of a DP step it reads) and chapter 12 (sharded steps).
 """
 
 from __future__ import annotations
