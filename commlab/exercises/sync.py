@@ -1,12 +1,10 @@
 """Graders for lab 8b: Streaming DiLoCo's fragment schedule, the tau that hides an outer sync, bytes per step.
 
-The learner writes
-
+The learner writes:
 * ``fragment_schedule(inner_steps, fragments, sync_delay)``: one cycle's ``(fragment, send_step, apply_step)``
   triples in the order they land. Reference: :func:`commlab.sync.fragment_schedule`;
 * ``hiding_tau(payload_nbytes, n, alpha_s, beta_s_per_byte, base_step_s)``: the smallest tau whose inner steps
-  cover one fragment's ring AllReduce. Reference: :func:`commlab.sync.cost.hiding_sync_delay` of
-  :func:`commlab.sync.cost.outer_sync_seconds`;
+  cover one fragment's ring AllReduce. Reference: :func:`commlab.sync.cost.hiding_sync_delay`;
 * ``sync_bytes_per_step(payload_nbytes, n, inner_steps, fragments, path)``: mean bytes a rank sends per inner step
   when the whole model's payload is synced once per H steps, in F fragments. Reference:
   :func:`commlab.sync.cost.bytes_sent_per_rank_per_step`.

@@ -52,20 +52,13 @@ class RunConfig:
         link_bytes_per_s, link_alpha_s: if ``link_bytes_per_s`` is set, every rank sits on its own emulated
             node behind a link of that bandwidth (bytes/s per direction) and latency (s), which delays each
             payload message (:class:`commlab.topology.EmulatedTopology`).
-        aggregation: how the payloads are summed (:data:`commlab.experiments.methods.AGGREGATIONS`):
-            ``"auto"`` (default: the compressor's own path) or ``"two_phase"`` (non-linear compressors;
-            worker and chunk-owner error feedback both follow ``error_feedback``). Left out of :attr:`key`
-            when ``"auto"``, so that runs recorded before the field existed keep their keys.
-        sync: how often the ranks sync (:func:`commlab.experiments.methods.parse_sync`): ``"every"`` (default:
-            the method averages every step's gradient), ``"local:H"`` (local SGD; method ``"dense"``),
-            ``"diloco:H"`` or ``"streaming:H:F:tau:alpha"`` (:class:`commlab.sync.DiLoCo`, outer Nesterov SGD
-            at its default learning rate and momentum); then the method compresses the outer sync's
-            pseudo-gradient Δ (``"int:8"`` + ``"diloco:10"``: DiLoCo with an INT8 outer AllReduce) and
-            ``error_feedback`` keeps Δ's residual. The inner optimizer is the task's (``optimizer``). Left out of
-            :attr:`key` when ``"every"``.
-        outer_lr, outer_momentum: DiLoCo's outer SGD (Nesterov when the momentum is above 0); None: DiLoCo's
-            defaults (:class:`commlab.sync.DiLoCo`). Only with ``"diloco"``/``"streaming"``; left out of :attr:`key`
-            when None.
+        aggregation: ``"auto"`` (the compressor's own path) or ``"two_phase"`` (:data:`~.methods.AGGREGATIONS`).
+        sync: ``"every"`` (the method averages each step's gradient), ``"local:H"`` (method
+            ``"dense"``), ``"diloco:H"`` or ``"streaming:H:F:tau:alpha"`` (:class:`commlab.sync.DiLoCo`; the method
+            then compresses the pseudo-gradient, with ``error_feedback``; the inner optimizer is ``optimizer``).
+        outer_lr, outer_momentum: DiLoCo's outer SGD (Nesterov when the momentum is above 0); None: its defaults.
+        Fields at their default (``aggregation``, ``sync``, the outer ones) are left out of :attr:`key`, so that
+        runs recorded before they existed keep their keys.
 
     Raises:
         ValueError: a bad task, method or number (the message says which).

@@ -1,14 +1,11 @@
 """One slow rank sets everyone's step: a straggler injected on purpose into a DP job, measured and found
 (``python -m commlab experiments stragglers``).
 
-Each case launches gloo ranks (:func:`commlab.launch.launch`), each pinned to a core of its own, that train one
-small MLP through :class:`commlab.overlap.BucketedDataParallel` with one bucket, so the gradient's AllReduce starts
-when the backward ends. One rank is slowed: by a fixed delay in its forward (a sweep, :data:`DEFAULT_DELAYS_S`), or
-by a CPU-bound neighbour process pinned to its core. Per rank and step it records the step and the compute (the
-step less the AllReduce and the wait inside it). The model is the maximum over ranks: ``step = max_r compute_r +
-T_AllReduce``, the ring's α-β time (:func:`commlab.collectives.ring.ring_all_reduce_seconds`) with α and β
-calibrated in the same job (:func:`commlab.bench.calibrate.ring_exchange_here`). :func:`find_straggler` names the
-rank the others wait for from per-rank timings (the capstone's log too: ``labs/capstone/measure.py``).
+Gloo ranks, each pinned to its own core, train a small MLP through :class:`commlab.overlap.BucketedDataParallel`
+(one bucket: the AllReduce starts when backward ends). One rank is slowed by a delay in its forward (a sweep,
+:data:`DEFAULT_DELAYS_S`) or by a CPU-bound neighbour on its core; per rank and step the step and compute seconds
+are recorded. The model: ``step = max_r compute_r + T_AllReduce``, the ring's α-β time with α and β calibrated in
+the same job. :func:`find_straggler` names the rank the others wait for (the capstone's log too).
 :func:`measure` runs the cases, :func:`save`/:func:`load` keep ``experiments/stragglers.json``,
 :func:`format_table` prints it and :func:`plot` draws it.
 

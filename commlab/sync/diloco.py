@@ -94,43 +94,29 @@ class _InFlight:
 class DiLoCo:
     """DiLoCo (``fragments=1, sync_delay=0``) and Streaming DiLoCo over a data-parallel group.
 
-    Call :meth:`step` right after each inner ``optimizer.step()``. At a fragment's send step (see :attr:`schedule`)
-    its pseudo-gradient ``Delta = theta_global - theta_local`` (the sign of arXiv:2311.08105, Algorithm 1; torchft
-    had it flipped until its PR #233) is averaged over the group; at its apply step (tau later) the outer optimizer
-    steps the global copy with the mean Delta, and the replica's fragment becomes ``alpha theta_local + (1 - alpha)
-    theta_global`` (``mixing`` alpha; 0 takes the global copy, as DiLoCo). The inner optimizer is the caller's.
+    Call :meth:`step` after each inner ``optimizer.step()``. At a fragment's send step (:attr:`schedule`) its
+    ``Delta = theta_global - theta_local`` (arXiv:2311.08105, Alg. 1) is averaged over the group; tau steps later the
+    outer SGD steps the global copy and the fragment becomes ``alpha theta_local + (1 - alpha) theta_global``.
 
     Args:
-        params: the parameters in model order (one fragment is a contiguous run of them, :func:`split_fragments`),
-            or a list of explicit fragments (lists of tensors; then ``fragments`` must be 1 or their count).
-            Floating-point tensors, each once (a tied parameter is passed once); a fragment of mixed dtypes is
-            averaged in its promoted dtype (bf16 and fp32: fp32) and cast back per tensor. The tensors are held: a
-            parameter replaced on the module afterwards (``m.weight = nn.Parameter(...)``) is not synced; rebuild.
-        group: the data-parallel group (None: the world). Its first rank's parameters are broadcast at construction.
-        inner_steps: H (>= 1), inner steps between two syncs of a fragment.
-        outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov: DiLoCo's outer optimizer).
-        fragments: F, a divisor of H; sync_delay: tau in 0..H/F-1; mixing: alpha in [0, 1].
-        compressor: a spec of :func:`commlab.compress.specs.parse_spec` (``"int:8"``, ``"topk:0.01"``, ...) for Delta,
-            or None / ``"dense"``. error_feedback: keep the compressor's residual per fragment.
-        emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the outer sync's messages.
-        seed: seeds Random-K's shared indices and QSGD's rounding.
-        aggregation: ``"auto"`` (the compressor's own path) or ``"two_phase"`` (the two-phase compressed AllReduce of
-            :mod:`commlab.compress.two_phase`; with ``error_feedback`` the chunk owners keep residuals too).
+        params: floating-point tensors in model order, each once (fragments are contiguous runs,
+            :func:`split_fragments`), or a list of explicit fragments; mixed dtypes are averaged in the promoted
+            dtype. The tensors are held (a parameter replaced on the module later is not synced).
+        group: the DP group (None: the world); its first rank's parameters are broadcast at construction.
+        inner_steps: H >= 1. fragments: F, a divisor of H. sync_delay: tau in 0..H/F-1. mixing: alpha in [0, 1].
+        outer_lr, outer_momentum, nesterov: the outer SGD (defaults 0.7, 0.9, Nesterov).
+        compressor, error_feedback, aggregation: Delta's compressor spec (:func:`commlab.compress.specs.parse_spec`;
+            None or ``"dense"``), its residuals per fragment, ``"auto"`` or ``"two_phase"``.
+        emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the sync's messages. seed: compressors' RNG.
 
-    Attributes:
-        hyperparameters (the arguments, ``period`` = H/F, :attr:`schedule` = the first cycle's
-        :class:`FragmentSync` s, repeating every H steps), then persistent state: ``steps``, ``global_params``,
-        ``momentum_buffers``, ``outer_steps`` (per fragment), the error feedback's residuals, ``bytes_sent_per_rank``
-        (cumulative); measured: ``comm_seconds`` (outer syncs' duration), ``wait_seconds`` (time :meth:`step`
-        blocked on them: the exposed part), ``payload_nbytes`` (one rank's payload of each fragment's last sync),
-        ``path`` (``"all_reduce"``, ``"all_gather"`` or ``"two_phase"``, as :func:`commlab.compress.aggregate`);
-        ``closed`` (after :meth:`close`).
+    Attributes: the arguments, ``period`` (H/F) and :attr:`schedule` (one cycle); state ``steps``,
+    ``global_params``, ``momentum_buffers``, ``outer_steps``, residuals, ``bytes_sent_per_rank``; measured
+    ``comm_seconds``, ``wait_seconds`` (the exposed part), ``payload_nbytes`` (per fragment), ``path``, ``closed``.
 
     Raises:
-        ValueError: a setting out of range (named, with its range), a PowerSGD or unknown spec, error feedback
-            without a compressor, Nesterov without momentum, a non-floating-point or repeated tensor in ``params``,
-            an ``emulate`` too small for the group. CollectiveMismatchError: ranks disagree on settings or layout.
-            FloatingPointError (from :meth:`step`): a NaN/Inf pseudo-gradient on any rank, on every rank.
+        ValueError: a setting out of range, a PowerSGD or unknown spec, error feedback without a compressor, Nesterov
+            without momentum, a bad tensor in ``params``, an ``emulate`` too small. CollectiveMismatchError: ranks
+            disagree on settings or layout. FloatingPointError (from :meth:`step`, on every rank): a NaN/Inf Delta.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Sequence[Sequence[torch.Tensor]],

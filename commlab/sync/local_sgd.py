@@ -27,12 +27,10 @@ __all__ = ["LocalSGD"]
 class LocalSGD:
     """Periodic model averaging over ``group``; call :meth:`step` right after each local ``optimizer.step()``.
 
-    Call ``k`` (0-based) averages when ``k >= warmup_steps`` and ``(k - warmup_steps) % every == 0``: the
-    schedule of ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager`` (so the first
-    call after the warm-up averages). During the warm-up nothing is averaged: pair it with per-step gradient
-    averaging there (DDP), as torch's post-local SGD does. All tensors are averaged as one flat buffer, divided by N
-    before the sum, as torch's ``average_parameters``; unlike it, a parameter whose ``.grad`` is None (frozen, or
-    unused this step) is averaged too (torch's averager skips it).
+    Call ``k`` (0-based) averages when ``k >= warmup_steps`` and ``(k - warmup_steps) % every == 0``, the schedule of
+    torch's ``PeriodicModelAverager`` (nothing during the warm-up: pair it with DDP there, as post-local SGD does).
+    One flat buffer divided by N before the sum, as torch's ``average_parameters``, but parameters whose ``.grad``
+    is None are averaged too.
 
     Args:
         params: the parameters (floating-point tensors, each once; mixed dtypes are averaged in their promoted
@@ -42,17 +40,13 @@ class LocalSGD:
         every: H, steps between averages (>= 1). warmup_steps: steps before the first average (>= 0).
         emulate: an :class:`~commlab.topology.EmulatedTopology` delaying the AllReduce's messages.
 
-    Attributes:
-        hyperparameters ``every``, ``warmup_steps``; state ``steps`` (calls so far), ``averages`` (averages so far),
-        ``bytes_sent_per_rank`` (cumulative).
+    Attributes: ``every``, ``warmup_steps``; ``steps`` and ``averages`` so far, ``bytes_sent_per_rank`` (cumulative).
 
     Raises:
-        ValueError: ``every < 1``, ``warmup_steps < 0``, no parameters, a non-floating-point or repeated tensor
-            (:func:`~commlab.sync.average.check_params`), an ``emulate`` too small for the group.
-            CollectiveMismatchError: the ranks pass different settings or layouts (every rank raises).
-            FloatingPointError (from :meth:`step`): a NaN/Inf parameter on any rank, raised on every rank before
-            anything is averaged; RuntimeError (from :meth:`step`): the ranks' step counts differ (a state loaded on
-            some ranks only), on every rank.
+        ValueError: a setting out of range, no parameters, a non-floating-point or repeated tensor, an ``emulate``
+            too small for the group. CollectiveMismatchError: ranks disagree on settings or layout. From
+            :meth:`step`, on every rank before anything is sent: FloatingPointError (a NaN/Inf parameter on any rank),
+            RuntimeError (the ranks' step counts differ: a state loaded on some ranks only).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, *, every: int,

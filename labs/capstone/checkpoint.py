@@ -3,16 +3,15 @@
 What is stored is the *unsharded* model: every parameter and its Adam moments under the full model's name.
 Saving, each rank gathers its stage's tensors over TP (and ZeRO-1's moments over DP); loading, each rank reads
 its stage's full tensors and keeps its shards, so a 2x2x2 checkpoint loads as 1x2x4. The DP compressor's
-state (:class:`DPSync`) is stored per rank and restored only into a run of the same setting, where resuming
-is the uninterrupted run, bitwise; otherwise it starts afresh with a warning. With DiLoCo over DP
-(``--inner-steps``) each DP replica's parameters and Adam state are stored apart, beside the outer state
-(:class:`OuterSync`), and resume only under the same layout and outer flags; a plain checkpoint starts DiLoCo.
+state (:class:`DPSync`) is stored per rank and restored only into a run of the same setting (then bitwise);
+otherwise it starts afresh with a warning. With DiLoCo (``--inner-steps``) each DP replica's parameters and Adam
+state are stored apart, beside the outer state (:class:`OuterSync`): same layout and outer flags only (a plain
+checkpoint starts DiLoCo).
 
-A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model
-and the run); one with DCP's ``.metadata`` but no manifest (saved before manifests) loads unverified.
-:class:`RunDirectory` guards ``--ckpt-dir``: the lock, resume, saves, preemption signals and the stop at a
-non-finite loss. Entry points: :class:`RunDirectory`, :func:`save`, :func:`load`, :func:`verify`.
-Book: chapter 14, §14.4; lab 14, part 3, resumes under another layout.
+A checkpoint is complete once rank 0 has written its ``manifest.json`` (files' sizes and SHA-256, the model and
+the run); one without a manifest (saved before manifests) loads unverified. :class:`RunDirectory` guards
+``--ckpt-dir`` (lock, resume, saves, preemption, the stop at a non-finite loss). Entry points: :class:`RunDirectory`,
+:func:`save`, :func:`load`, :func:`verify`. Book: chapter 14, §14.4; lab 14, part 3 (another layout).
 """
 
 from __future__ import annotations
