@@ -178,6 +178,7 @@ def test_name_tables():
               _x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5, 6, tid=9, pid=0, cat="Kernel", stream=9,
                  **{"External id": 5})]
     assert {r.kind: r.count for r in check_overlap(trace).rows}["TP"] == 1
+    assert kind_of("stats::all_gather") == "step statistics"   # the capstone's per-rank StepStats gather
     assert kind_of("overlap::launch::bucket12") == "DP AllReduce"
     assert kind_of("sharded::wait_reduce_scatter") == "ZeRO/FSDP ReduceScatter"
     assert kind_of("mesh_tp") == "TP" and kind_of("aten::mm") is None

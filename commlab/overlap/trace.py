@@ -32,6 +32,7 @@ __all__ = ["TraceError", "TraceEvent", "Trace", "KindRow", "PathSegment", "Overl
 
 DP, ZERO_AG, ZERO_RS, TP, PP, COMPRESS = ("DP AllReduce", "ZeRO/FSDP AllGather", "ZeRO/FSDP ReduceScatter", "TP",
                                           "PP send/recv", "compressor")
+MEASURE = "step statistics"
 
 #: The one table of kinds: a regular expression on a range's name (the event's own, an enclosing range on the
 #: thread that launched it, or its process group's description) and the kind it names. The first match wins.
@@ -47,6 +48,7 @@ KIND_TABLE: tuple[tuple[str, str], ...] = (
     (r"^(tp|TP)(::|$)|^mesh_tp$|tensor_parallel", TP),
     (r"^(pp|PP)(::|$)|^mesh_pp$|pipeline", PP),
     (r"^(dp|DP)(::|$)|^mesh_dp$|^DistributedDataParallel", DP),
+    (r"^stats::", MEASURE),                                     # the capstone's per-rank StepStats AllGather
 )
 
 #: Collective of a communication event, from its name (gloo worker events ``gloo:all_reduce``, ``c10d::`` calls,

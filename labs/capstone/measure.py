@@ -200,7 +200,8 @@ class StepMeter:
         mine = torch.tensor([elapsed(t0, self.marks[-1]), pipeline_s, max(0.0, busy_s - tp_s), tp_s, bubble_s, pp_s,
                              dp_s, tp_s + pp_s + dp_s, elapsed(t2, t3)], dtype=torch.float64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine)
+        with torch.profiler.record_function("stats::all_gather"):
+            dist.all_gather(rows, mine)
         table = torch.stack(rows).cpu()
         step_s = float(table[:, 0].max())
         pipeline_s, compute_s, tp_s, bubble_s, pp_s, dp_s, exposed_s, opt_s = table[:, 1:].mean(dim=0).tolist()

@@ -363,7 +363,8 @@ class Trainer:
     def global_mean(self, loss: float) -> float:
         """The mean over the DP replicas of this replica's mean loss."""
         total = torch.tensor([loss], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=self.groups["dp"])
+        with record_function("stats::loss"):
+            dist.all_reduce(total, group=self.groups["dp"])
         return float(total.item()) / self.opts.dp
 
     def autocast(self):

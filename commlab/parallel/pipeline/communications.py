@@ -219,8 +219,9 @@ def agree_step(schedule, m, batch: int, problem: str | None, group: dist.Process
 
     # The stages' own verdicts travel only on the failure path (a second, object all-gather), so that every
     # stage raises the same message, and whichever error a launcher reports says it.
-    agree("pipeline_step", [code, as_int64(m), as_int64(batch), as_int64(v)], group, ints=True, problem=problem,
-          differ=differ, rank_word="stage")
+    with torch.profiler.record_function("pp::agree_schedule"):
+        agree("pipeline_step", [code, as_int64(m), as_int64(batch), as_int64(v)], group, ints=True,
+              problem=problem, differ=differ, rank_word="stage")
 
 
 # Shape messages carry at most this many dimensions (a fixed-size int64 buffer, so the receiver can
@@ -324,7 +325,8 @@ def agree_chunk_boundaries(chunks: Sequence[nn.Module], microbatch_shape: Sequen
         boundaries.append(Boundary(in_shape, in_dtype, out_shape, out_dtype))
     # 0: failed here, 1: fine, 2: skipped because a stage before failed.
     status = [0 if failure is not None else (2 if skipped else 1)]
-    failed = [s for s, row in enumerate(gather(status, group, ints=True)) if row[0] == 0]
+    with torch.profiler.record_function("pp::agree_shapes"):
+        failed = [s for s, row in enumerate(gather(status, group, ints=True)) if row[0] == 0]
     if failed:
         # The failure path only: every stage learns the failing stage's error, so that whichever error a
         # launcher reports names the cause.

@@ -241,9 +241,11 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.T
     # The loss lives on the last virtual stage's rank; share it (one scalar, on the group's device) so every
     # stage returns the same result.
     loss_buf = loss_total.clone()
-    dist.broadcast(loss_buf, src=stage_rank(group, (n_virtual - 1) % p), group=group)
+    with torch.profiler.record_function("pp::loss"):
+        dist.broadcast(loss_buf, src=stage_rank(group, (n_virtual - 1) % p), group=group)
     everyone: list = [None] * p
-    dist.all_gather_object(everyone, times, group=group)
+    with torch.profiler.record_function("stats::pipeline_timeline"):   # commlab.overlap.trace: step statistics
+        dist.all_gather_object(everyone, times, group=group)
     timeline = sorted((TimedOp(s, k, j, a, b, c) for s, ts in enumerate(everyone) for k, j, c, a, b in ts),
                       key=lambda t: (t.stage, t.start_s))
     per_stage = stage_busy_idle(timeline)
