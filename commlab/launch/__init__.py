@@ -9,8 +9,9 @@ Two doors into one world; everything above them sees only an initialised process
   environment; :mod:`commlab.launch.torchrun` is the per-node command of a multi-node job.
 
 :mod:`commlab.launch.device` says on which device a group's tensors live and times work there, and
-:mod:`commlab.launch.inflight` keeps a rank's sends until they are delivered. Chapter 2 (section 2.4) shows the
-first door, chapter 14 (sections 14.2 and 14.4) the second.
+:mod:`commlab.launch.inflight` keeps a rank's sends until they are delivered; :func:`run_replicas`
+(:mod:`commlab.launch.replicas`) runs data-parallel replicas that a :class:`Fault` kills and brings back.
+Chapter 2 (section 2.4) shows the first door, chapter 14 (sections 14.2 and 14.4) the second.
 """
 
 from commlab.launch.device import Clock, group_device
@@ -19,7 +20,10 @@ from commlab.launch.env import (DEFAULT_ENV_TIMEOUT_S, DistContext, LauncherEnvE
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError
 from commlab.launch.inprocess import UnfinishedSendsError
 from commlab.launch.local import DEFAULT_TIMEOUT_S, launch
+from commlab.launch.replicas import (Fault, ReplicaContext, ReplicaError, ReplicaRun, ReplicaTimeout,
+                                     run_replicas)
 
 __all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "UnfinishedSendsError", "DEFAULT_TIMEOUT_S",
            "init_from_env", "read_env", "detect_launcher", "DistContext", "LauncherEnvError",
-           "DEFAULT_ENV_TIMEOUT_S", "group_device", "Clock", "exit_process"]
+           "DEFAULT_ENV_TIMEOUT_S", "group_device", "Clock", "exit_process", "run_replicas", "Fault", "ReplicaRun",
+           "ReplicaContext", "ReplicaError", "ReplicaTimeout"]
