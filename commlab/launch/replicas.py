@@ -184,7 +184,7 @@ def run_replicas(fn: Callable[..., Any], replicas: int, *args: Any, faults=(),
     """
     replicas = checks.integer("replicas", replicas, 1, where="run_replicas")
     faults = _check_faults(faults, replicas)
-    timeout_s = checks.seconds("timeout_s", timeout_s, where="run_replicas")
+    timeout_s = checks.number("timeout_s", timeout_s, above=0, where="run_replicas", note="seconds")
     threads = checks.integer("threads_per_replica", threads_per_replica, 1, where="run_replicas")
     if not callable(fn):
         raise ValueError(f"run_replicas: fn must be callable, got {type(fn).__name__}")

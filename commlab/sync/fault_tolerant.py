@@ -92,9 +92,10 @@ class FaultTolerantDP:
         # settings
         self.min_replicas = checks.integer("min_replicas", min_replicas, 1, ctx.replicas, where=where,
                                            note=f"there are {ctx.replicas} replicas")
-        self.join_timeout_s = checks.seconds("join_timeout_s", join_timeout_s, where=where)
-        self.op_timeout_s = checks.seconds("op_timeout_s", op_timeout_s, where=where)
-        self.quorum_timeout_s = checks.seconds("quorum_timeout_s", quorum_timeout_s, where=where)
+        self.join_timeout_s, self.op_timeout_s, self.quorum_timeout_s = (
+            checks.number(name, value, above=0, where=where, note="seconds")
+            for name, value in (("join_timeout_s", join_timeout_s), ("op_timeout_s", op_timeout_s),
+                                ("quorum_timeout_s", quorum_timeout_s)))
         # progress (equal on all healthy replicas)
         self.step = 0
         self.history: list[StepRecord] = []
