@@ -1,0 +1,115 @@
+"""Figures of lost work: checkpoint restart against per-step fault tolerance.
+
+:func:`plot_lost_work` draws a recording of :mod:`commlab.experiments.lost_work` (replica-steps lost and wall
+seconds against the checkpoint interval C, measured points beside the model's line, fault tolerance as a
+horizontal line); :func:`plot_break_even` maps which approach loses less time over failure rate × checkpoint cost
+(:mod:`commlab.sync.recovery_cost`, Young's interval for the restart). Book: chapter "When it goes wrong"
+(book/ch13b_when_it_goes_wrong), section "Survive a failure".
+"""
+
+from __future__ import annotations
+
+__all__ = ["plot_lost_work", "plot_break_even"]
+
+
+def plot_lost_work(result: dict):
+    """Two panels of a :func:`commlab.experiments.lost_work.measure` result: lost replica-steps and wall seconds
+    against C (log axis), each restart run measured (dots) beside the model (line: ``N (k mod C + 1)`` for every
+    C; ``N (C + 1)/2`` for a failure at a random step, dashed), the FT run measured and modelled (horizontal
+    lines), the uninterrupted run's wall. Returns the matplotlib figure.
+
+    Raises:
+        ValueError: a result without restart runs.
+    """
+    import matplotlib.pyplot as plt
+
+    from commlab import checks
+    from commlab.sync import recovery_cost as rc
+
+    s = result["settings"]
+    n, k = s["job"]["replicas"], s["fail_step"]
+    restarts = sorted((r for r in result["runs"] if r["kind"] == "restart"), key=lambda r: r["interval_steps"])
+    if not restarts:
+        checks.fail("result", [r["kind"] for r in result["runs"]], "a recording with restart runs",
+                    where="plot_lost_work")
+    ft = next((r for r in result["runs"] if r["kind"] == "ft"), None)
+    base = next((r for r in result["runs"] if r["kind"] == "uninterrupted"), None)
+    cs = [r["interval_steps"] for r in restarts]
+    grid = list(range(1, max(cs) + 1))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))
+    ax.plot(grid, [rc.restart_lost_replica_steps(k, c, n) for c in grid], "-", color="C0", lw=1,
+            label=f"restart, model N(k mod C + 1), k = {k}")
+    ax.plot(grid, [rc.expected_restart_lost_replica_steps(c, n) for c in grid], "--", color="C0", lw=1, alpha=0.6,
+            label="restart, model at a random step N(C+1)/2")
+    ax.plot(cs, [r["lost_replica_steps"] for r in restarts], "o", color="C0", label="restart, measured")
+    if ft:
+        ax.axhline(ft["lost_replica_steps"], color="C1", label=f"fault tolerant, measured (j = {ft['missed_steps']})")
+        ax.axhline(ft["predicted"]["lost_replica_steps"], color="C1", ls=":", lw=2, label="fault tolerant, model N + j")
+    ax.set(xscale="log", xlabel="checkpoint interval C (steps)", ylabel="replica-steps lost",
+           title=f"{n} replicas, one killed in step {k}")
+    ax.legend(fontsize=7)
+    bx.plot(cs, [r["predicted"]["wall_s"] for r in restarts], "-", color="C0", lw=1, label="restart, model")
+    bx.plot(cs, [r["wall_s"] for r in restarts], "o", color="C0", label="restart, measured")
+    if base:
+        bx.axhline(base["wall_s"], color="0.5", ls="--", lw=1, label="uninterrupted (torchrun)")
+    if ft:
+        bx.axhline(ft["wall_s"], color="C1", label="fault tolerant, measured")
+        bx.axhline(ft["predicted"]["wall_s"], color="C1", ls=":", lw=2, label="fault tolerant, model")
+    bx.set(xscale="log", xlabel="checkpoint interval C (steps)", ylabel="wall seconds, launch to end", ylim=(0, None),
+           title="time: the restart pays its start-up again")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_break_even(step_s: float, *, restart_s: float, quorum_s: float, ft_failure_s: float,
+                    failures_per_s=(1e-7, 1e-1), checkpoint_s=(1e-2, 1e3), points: int = 121, ax=None, mark=None):
+    """Which approach loses less time per unit of work, over failure rate λ (x) × checkpoint cost δ (y), both on
+    log axes: colour = restart share − FT share (:func:`~commlab.sync.recovery_cost.restart_overhead_share` at
+    Young's interval, :func:`~commlab.sync.recovery_cost.ft_overhead_share`), the break-even curve in black.
+
+    Args:
+        step_s, restart_s, quorum_s, ft_failure_s: t, R, q and c (seconds). failures_per_s, checkpoint_s: the
+            (low, high) ranges. points: grid points per axis. ax: an Axes (a new figure when None).
+        mark: optional ``(λ, δ, label)`` to mark (a measured job).
+
+    Returns:
+        The matplotlib figure.
+
+    Raises:
+        ValueError: a bad time or range (named).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from commlab import checks
+    from commlab.sync import recovery_cost as rc
+
+    where = "plot_break_even"
+    for name, rng in (("failures_per_s", failures_per_s), ("checkpoint_s", checkpoint_s)):
+        if len(rng) != 2 or not all(checks.is_number(x) and x > 0 for x in rng) or not rng[0] < rng[1]:
+            checks.fail(name, rng, "a (low, high) pair with 0 < low < high", where=where)
+    checks.integer("points", points, least=2, where=where)
+    lam = np.logspace(np.log10(failures_per_s[0]), np.log10(failures_per_s[1]), points)
+    dl = np.logspace(np.log10(checkpoint_s[0]), np.log10(checkpoint_s[1]), points)
+    diff = np.array([[rc.restart_overhead_share(None, d, restart_s, x) - rc.ft_overhead_share(step_s, quorum_s,
+                                                                                           ft_failure_s, x)
+                      for x in lam] for d in dl])
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+    else:
+        fig = ax.figure
+    lim = float(np.nanmax(np.abs(np.clip(diff, -1, 1)))) or 1.0
+    mesh = ax.pcolormesh(lam, dl, np.clip(diff, -1, 1), cmap="RdBu_r", vmin=-lim, vmax=lim, shading="auto")
+    ax.contour(lam, dl, diff, levels=[0.0], colors="k", linewidths=1.5)
+    fig.colorbar(mesh, ax=ax, label="restart share − FT share of time lost (> 0: FT wins)")
+    ax.set(xscale="log", yscale="log", xlabel="failures per second λ", ylabel="checkpoint cost δ (s)",
+           title=f"t = {step_s * 1e3:.3g} ms, q = {quorum_s * 1e3:.3g} ms, R = {restart_s:.3g} s, c = "
+                 f"{ft_failure_s:.3g} s")
+    ax.text(0.03, 0.05, "checkpoint restart wins", transform=ax.transAxes, fontsize=8)
+    ax.text(0.97, 0.95, "fault tolerance wins", transform=ax.transAxes, ha="right", va="top", fontsize=8)
+    if mark is not None:
+        ax.plot([mark[0]], [mark[1]], "k*", ms=10)
+        ax.annotate(mark[2], (mark[0], mark[1]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    fig.tight_layout()
+    return fig
