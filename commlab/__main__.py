@@ -171,6 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     exp_str.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned, sharing the cores (and skip "
                          "the neighbour case); default: one rank per core, min(--world-size, usable cores) ranks")
     exp_str.add_argument("--show", action="store_true", help="print the recorded table only (runs nothing)")
+    exp_lw = exp_sub.add_parser("lost-work", help="kill a DP replica at a step: the work a checkpoint restart "
+                                "(torchrun, several intervals) and per-step fault tolerance lose, and the time each "
+                                "takes, beside the model (commlab/data/experiments/lost_work.json)")
+    exp_lw.add_argument("--out", default=None, help="JSON file (default in a checkout: "
+                        "commlab/data/experiments/lost_work.json)")
+    exp_lw.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    exp_lw.add_argument("--steps", type=int, default=80, help="steps per run (default 80)")
+    exp_lw.add_argument("--fail-step", type=int, default=37, help="step in which a replica is killed (default 37)")
+    exp_lw.add_argument("--missed-steps", type=int, default=10, help="FT: the replacement starts this many steps "
+                        "after the failure (default 10)")
+    exp_lw.add_argument("--intervals", default="5,10,20,40", help="comma-separated checkpoint intervals, steps "
+                        "(default 5,10,20,40)")
+    exp_lw.add_argument("--show", action="store_true", help="print the recorded table only (runs nothing)")
     exp_tab = exp_sub.add_parser("table", help="print the measured table beside the source article's claims")
     exp_tab.add_argument("--records", default=None, help="JSON-lines file (default: the recorded "
                          "commlab/data/experiments/full.jsonl)")
@@ -624,6 +637,19 @@ def _experiments_action(args) -> int:
                                         pin=not args.no_pin, steps=args.steps)
             print(f"recorded in {stragglers.save(result, args.out)}")
         print(stragglers.format_table(stragglers.load(args.out)))
+        return 0
+    if args.action == "lost-work":
+        from commlab.experiments import lost_work
+        if not args.show:
+            try:
+                intervals = [int(c) for c in args.intervals.split(",") if c.strip()]
+            except ValueError:
+                raise ValueError(f"--intervals must be comma-separated steps, got {args.intervals!r}") from None
+            cfg = lost_work.JobConfig(replicas=args.replicas, steps=args.steps)
+            result = lost_work.measure(cfg, intervals=intervals, fail_step=args.fail_step,
+                                       missed_steps=args.missed_steps)
+            print(f"recorded in {lost_work.save(result, args.out)}")
+        print(lost_work.format_table(lost_work.load(args.out)))
         return 0
     if args.action == "run":
         path = args.out or data.record_path(f"experiments/{args.grid}.jsonl")

@@ -9,6 +9,8 @@
 * :mod:`~commlab.experiments.slow_link`, :mod:`~commlab.experiments.sync_link`: the time model against runs on an
   emulated slow link; the second sets the compressors against syncing every H steps (``RunConfig.sync``).
 * :mod:`~commlab.experiments.stragglers`: one slow DP rank sets everyone's step; per-rank timings name it.
+* :mod:`~commlab.experiments.lost_work`: a replica killed at a step; the work a checkpoint restart and per-step
+  fault tolerance lose, and their time, beside :mod:`commlab.sync.recovery_cost`.
 """
 
 from commlab.experiments.harness import RunConfig, RunRecord, run
