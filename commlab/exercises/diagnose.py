@@ -1,16 +1,14 @@
-"""Graders for lab 13b: diagnoses of a broken job, read from the evidence that real runs leave.
+"""Graders for lab 13b: each exercise runs a fault for real and grades the learner's reading of its evidence.
 
-Each exercise runs something for real, hands the learner its evidence, and grades the learner's reading of it:
-
-* ``diagnose_hang(evidence) -> (rank, op, fix)``: a hang clinic case whose fault is not told (:func:`hang_evidence`,
-  a seeded choice of :data:`HANG_CASES`), read from what the ranks printed and from their Python stacks; ``fix`` is
-  one of :data:`FIXES`. Truth: :data:`commlab.launch.clinic.CASES` and :func:`commlab.launch.failures.faulty_rank`;
+* ``diagnose_hang(evidence) -> (rank, op, fix)``: a hang clinic case chosen by a seed from :data:`HANG_CASES`
+  (:func:`hang_evidence`), read from what the ranks printed and their Python stacks; ``fix``, a key of :data:`FIXES`.
+  Truth: :data:`commlab.launch.clinic.CASES`, :func:`commlab.launch.failures.faulty_rank`, :data:`CASE_ANSWERS`;
 * ``odd_entry(evidence) -> (rank, size)``: each rank's Flight Recorder entries of a job whose ranks disagree on an
   AllReduce's size (:func:`flight_recorder_evidence`); checked against the majority of the dumps;
 * ``read_traces(evidence) -> (kind, overlapped)``: one rank's profiler traces of a DP step, A and B, one with overlap
   and one without (:func:`trace_evidence`); checked by :func:`commlab.overlap.trace.check_overlap` on the traces;
 * ``read_stragglers(evidence) -> (rank, step_s)``: per-rank timings of a DP job with one slowed rank
-  (:func:`straggler_evidence`): the straggler, and the step the max-over-ranks model predicts.
+  (:func:`straggler_evidence`): the straggler, and the step the max-over-ranks model predicts (:func:`model_step_s`).
 
 A wrong answer is told what it mistook (the launcher's rank for the cause, a fix that cures another fault, the mean
 for the maximum), not the answer. Book: lab 13b and chapter 13b, "When it goes wrong".
@@ -129,8 +127,9 @@ class HangEvidence:
 
 
 def hang_evidence(seed: int = 0, timeout: float = 1.5) -> HangEvidence:
-    """Run the clinic case ``HANG_CASES[seed-th random choice]`` through :func:`commlab.launch.launch` and keep
-    what the plain run printed and each rank's stack (:func:`commlab.launch.clinic.run_tools`, one run).
+    """Run one clinic case, chosen by ``seed`` from :data:`HANG_CASES`, through :func:`commlab.launch.launch` with
+    collectives that time out after ``timeout`` s, and keep what it printed and each rank's stack
+    (:func:`commlab.launch.clinic.run_tools`, one run of 2-3 ranks, about ``timeout + 1`` s).
 
     Raises:
         ValueError: a seed that is not an int >= 0, a timeout outside [0.5, 60] s.
@@ -461,8 +460,9 @@ def check_trace_reading(fn: Callable, evidence: TraceEvidence) -> CheckReport:
 
 @dataclasses.dataclass(frozen=True)
 class StragglerEvidence:
-    """Per-rank timings of a DP job's steady steps (``compute_s[rank][step]``, ``step_s[rank][step]``, seconds) and
-    ``allreduce_s``, the ring AllReduce's α-β time for its gradient with α and β calibrated in the same job."""
+    """Per-rank timings of a DP job's steady steps (``compute_s[rank][step]``, ``step_s[rank][step]``, seconds),
+    ``allreduce_s``, the ring AllReduce's α-β time for its gradient with α and β calibrated in the same job, and
+    ``measured_step_s``, the median over the steps of the mean over the ranks of their step."""
 
     world_size: int
     compute_s: tuple
