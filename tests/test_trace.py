@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from commlab.__main__ import main
 from commlab.launch import launch
-from commlab.overlap import BucketedDataParallel, train_step
-from commlab.overlap.profile import RANGE_STEP, all_threads_config, make_mlp, random_batch
+from commlab.overlap.profile import trace_dp_step
 from commlab.overlap.trace import (TraceError, check_overlap, classify_op, condensed_path, format_report, kind_of,
                                    load_trace)
 
@@ -264,69 +260,16 @@ def test_real_capstone_trace_separates_waits_from_compute():
 
 # ------------------------------------------------------------------------------------------ a real gloo DP step
 
-#: Big layers last, small ones first: with overlap on, the big gradients (24 MiB) arrive first and travel under the
-#: three small layers' backward, and only the small layers' bucket is left after it (6.4 M parameters).
-WIDTHS = (16, 64, 64, 2048, 2048, 1024)
-#: Each layer's backward also waits this long without the CPU (see _DeviceTime): with CPU-bound backward on two
-#: loaded cores, gloo's overlapped AllReduce competes with backward for the CPU, may take longer in all than one
-#: bucket after backward, and may not even start before backward ends; the comparison would then measure the load.
-DEVICE_S = 40e-3
-
-
-class _DeviceTime(torch.autograd.Function):
-    """Identity forward; a backward that waits ``seconds`` without using the CPU, as a GPU's kernels would leave
-    it to gloo (on a loaded CPU, gloo's AllReduce and backward otherwise slow each other down)."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class _WithDeviceTime(torch.nn.Module):
-    def __init__(self, layer, seconds):
-        super().__init__()
-        self.layer, self.seconds = layer, seconds
-
-    def forward(self, x):
-        return _DeviceTime.apply(self.layer(x), self.seconds)
-
-
 def _traced_steps(directory):
     torch.set_num_threads(1)
-    x, y = random_batch(WIDTHS, 16, 0, dist.get_rank())
-    out = {}
-    for device_s in (DEVICE_S,):
-        # a bucket per layer, overlapped with backward; or one bucket, launched when backward ends
-        for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):
-            model = make_mlp(WIDTHS)
-            if device_s:
-                model = torch.nn.Sequential(*(_WithDeviceTime(m, device_s) if isinstance(m, torch.nn.Linear) else m
-                                              for m in model))
-            dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
-            opt = torch.optim.SGD(model.parameters(), lr=0.0)
-            train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-            dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
-                dist.barrier()   # the ranks start the step together: the peer's lateness is not measured
-                with record_function(RANGE_STEP):
-                    train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-            path = f"{directory}/{overlap}{device_s * 1e3:g}.rank{dist.get_rank()}.json"
-            prof.export_chrome_trace(path)
-            out[overlap, device_s] = (path, len(dp.buckets))
-    return out
+    return trace_dp_step(directory)
 
 
 @pytest.mark.timing
 def test_real_gloo_dp_step_exposes_more_with_overlap_off(tmp_path):
     reports = {"on": [], "off": []}
     for per_rank in launch(_traced_steps, 2, str(tmp_path), timeout=90):
-        (on_path, on_buckets), (off_path, off_buckets) = per_rank["on", DEVICE_S], per_rank["off", DEVICE_S]
+        (on_path, on_buckets), (off_path, off_buckets) = per_rank["on"], per_rank["off"]
         on, off = check_overlap(on_path), check_overlap(off_path)
         assert on_buckets >= 3 and off_buckets == 1
         assert [r.kind for r in on.rows] == [r.kind for r in off.rows] == ["DP AllReduce"]

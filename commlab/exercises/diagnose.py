@@ -70,9 +70,6 @@ HANG_CASES = ("order", "absent", "send-first", "recv-first")
 #: Relative tolerance on the predicted step of the straggler exercise (medians of maxima against maxima of medians).
 STEP_TOLERANCE = 0.05
 
-_TRACE_WIDTHS = (16, 64, 64, 2048, 2048, 1024)   # big layers last: their 24 MiB of gradients arrive first
-_DEVICE_S = 0.04   # each layer's backward also waits this long without the CPU, as a GPU's kernels would
-
 
 def _name(fn) -> str:
     return getattr(fn, "__name__", "fn")
@@ -345,57 +342,6 @@ class TraceEvidence:
         return "\n\n".join(f"trace {k}:\n{format_report(self.reports[k])}" for k in sorted(self.reports))
 
 
-class _DeviceTime(torch.autograd.Function):
-    """Identity forward; a backward that waits ``seconds`` without the CPU, as a GPU's kernels would leave it to gloo
-    (on two loaded cores, gloo's AllReduce and a CPU-bound backward would otherwise slow each other down)."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class _Slow(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return _DeviceTime.apply(self.layer(x), _DEVICE_S)
-
-
-def _trace_rank(directory: str) -> dict:
-    """One rank: per setting, a warm-up step, then one profiled step, with buckets of at most 1 MiB overlapped with
-    backward (``"on"``) or one bucket launched when backward ends (``"off"``); the traces' paths."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from commlab.overlap import BucketedDataParallel, train_step
-    from commlab.overlap.profile import RANGE_STEP, all_threads_config, make_mlp, random_batch
-
-    x, y = random_batch(_TRACE_WIDTHS, 16, 0, dist.get_rank())
-    paths = {}
-    for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):
-        model = torch.nn.Sequential(*(_Slow(m) if isinstance(m, torch.nn.Linear) else m
-                                      for m in make_mlp(_TRACE_WIDTHS)))
-        dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
-            dist.barrier()   # the ranks start the step together
-            with record_function(RANGE_STEP):
-                train_step(dp, opt, torch.nn.functional.cross_entropy, x, y)
-        paths[overlap] = f"{directory}/{overlap}.rank{dist.get_rank()}.json"
-        prof.export_chrome_trace(paths[overlap])
-    return paths
-
-
 def trace_evidence(seed: int = 0, rank: int = 0) -> TraceEvidence:
     """Profile one DP step on 2 gloo ranks with overlap on and off, and keep ``rank``'s two traces, labelled A and B
     in a seeded order.
@@ -404,6 +350,7 @@ def trace_evidence(seed: int = 0, rank: int = 0) -> TraceEvidence:
         ValueError: a seed that is not an int >= 0, a rank other than 0 or 1.
     """
     from commlab.launch import launch
+    from commlab.overlap.profile import trace_dp_step
     from commlab.overlap.trace import check_overlap, load_trace
 
     checks.integer("seed", seed, least=0)
@@ -411,10 +358,10 @@ def trace_evidence(seed: int = 0, rank: int = 0) -> TraceEvidence:
     on = "AB"[random.Random(seed).randrange(2)]
     directory = tempfile.mkdtemp(prefix="commlab-lab13b-")
     try:
-        paths = launch(_trace_rank, 2, directory, timeout=90, print_output=False)[rank]
+        paths = launch(trace_dp_step, 2, directory, timeout=90, print_output=False)[rank]
         traces = {}
         for label in "AB":
-            with open(paths["on" if label == on else "off"], encoding="utf-8") as f:
+            with open(paths["on" if label == on else "off"][0], encoding="utf-8") as f:
                 traces[label] = dataclasses.replace(load_trace(json.load(f)), source=f"trace_{label}.rank{rank}.json")
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 import statistics
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -34,7 +35,8 @@ from commlab.overlap.bucketed import (RANGE_BACKWARD, RANGE_DONE, RANGE_FORWARD,
 __all__ = ["Interval", "OverlapProfile", "union_length", "intersection_length", "merged_intervals",
            "intersection_of_unions", "MEASURE_WIDTHS", "make_mlp",
            "random_batch", "profile_overlap", "extract_timeline", "measure_overlap", "overlap_from_step", "RANGE_STEP",
-           "all_threads_config", "profiler_events"]
+           "all_threads_config", "profiler_events", "TRACE_WIDTHS", "DEVICE_S", "DeviceTime", "with_device_time",
+           "trace_dp_step"]
 
 RANGE_STEP = "overlap::step"
 
@@ -337,6 +339,72 @@ def random_batch(widths: Sequence[int], batch_size: int, seed: int, rank: int) -
     g = torch.Generator().manual_seed(1000 * seed + rank)
     return (torch.randn(batch_size, widths[0], generator=g),
             torch.randint(0, widths[-1], (batch_size,), generator=g))
+
+
+#: The traced DP step of chapter 13b, lab 13b and the overlap checker's test: big layers last, so that with overlap on
+#: their 24 MiB of gradients leave first and travel under the small layers' backward.
+TRACE_WIDTHS = (16, 64, 64, 2048, 2048, 1024)
+#: Seconds each layer's backward of the traced step also waits without the CPU (:class:`DeviceTime`).
+DEVICE_S = 0.04
+
+
+class DeviceTime(torch.autograd.Function):
+    """Identity forward; a backward that waits ``seconds`` without using the CPU, as a GPU's kernels would leave it
+    to gloo. On two loaded cores a CPU-bound backward and gloo's overlapped AllReduce slow each other down, and a
+    comparison of overlap on and off would measure the load instead."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _WithDeviceTime(nn.Module):
+    def __init__(self, layer: nn.Module, seconds: float):
+        super().__init__()
+        self.layer, self.seconds = layer, seconds
+
+    def forward(self, x):
+        return DeviceTime.apply(self.layer(x), self.seconds)
+
+
+def with_device_time(model: nn.Sequential, seconds: float) -> nn.Sequential:
+    """``model`` with every ``nn.Linear`` wrapped so that its backward also waits ``seconds`` (:class:`DeviceTime`);
+    the parameters are the same objects. Raises ValueError for ``seconds`` < 0."""
+    checks.number("seconds", seconds, least=0)
+    return nn.Sequential(*(_WithDeviceTime(m, seconds) if isinstance(m, nn.Linear) else m for m in model))
+
+
+def trace_dp_step(directory: str, widths: Sequence[int] = TRACE_WIDTHS, device_s: float = DEVICE_S,
+                  batch_size: int = 16) -> dict[str, tuple[str, int]]:
+    """Inside a launched rank: one warm-up step, then one profiled step (``RANGE_STEP``, gloo's threads included) of
+    :func:`make_mlp` ``(widths)`` under :func:`with_device_time`, with overlap ``"on"`` (buckets of at most 1 MiB,
+    launched during backward) and ``"off"`` (one bucket, launched when backward ends).
+
+    Returns:
+        ``{"on"|"off": (path of this rank's Chrome trace in directory, number of buckets)}``.
+    """
+    x, y = random_batch(widths, batch_size, 0, dist.get_rank())
+    out = {}
+    for overlap, cap in (("on", 2 ** 20), ("off", 10 ** 9)):
+        model = with_device_time(make_mlp(widths), device_s)
+        dp = BucketedDataParallel(model, bucket_cap_bytes=cap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_step(dp, opt, nn.functional.cross_entropy, x, y)   # warm-up
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads_config()) as prof:
+            dist.barrier()   # the ranks start the step together: a peer's lateness is not measured
+            with record_function(RANGE_STEP):
+                train_step(dp, opt, nn.functional.cross_entropy, x, y)
+        path = os.path.join(directory, f"{overlap}.rank{dist.get_rank()}.json")
+        prof.export_chrome_trace(path)
+        out[overlap] = (path, len(dp.buckets))
+    return out
 
 
 def _profile_rank(widths, batch_size, caps, steps, warmup, seed):
