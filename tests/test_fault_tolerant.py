@@ -38,11 +38,14 @@ def _state_hash(model, opt):
     return h.hexdigest()
 
 
-def _job(ctx, steps, until_full=False, compare=False):
+def _job(ctx, steps, until_full=False, compare=False, late=None, join_timeout_s=2.0):
     """The loop the chapter shows. until_full: keep going past ``steps`` until every replica is back (so a
-    replacement slow to start still finds survivors); compare: check each average against dist.all_reduce."""
+    replacement slow to start still finds survivors); compare: check each average against dist.all_reduce;
+    late: ``(replica, seconds)``, that replica sleeps before its first step."""
     model, opt = _model_and_opt()
-    ft = FaultTolerantDP(ctx, model, opt, join_timeout_s=2.0, op_timeout_s=5.0, quorum_timeout_s=20.0)
+    ft = FaultTolerantDP(ctx, model, opt, join_timeout_s=join_timeout_s, op_timeout_s=5.0, quorum_timeout_s=20.0)
+    if late is not None and late[0] == ctx.replica:
+        time.sleep(late[1])
     worst = 0.0
     q = None
     while ft.step < steps or (until_full and len(q.members) < ctx.replicas):  # bounded by timeout_s
@@ -136,6 +139,18 @@ def test_scale_down_goes_on_to_the_end():
     hist = res[0]["history"]
     assert [rec.quorum.members for rec in hist if rec.committed] == [(0, 1, 2)] * 3 + [(0, 1)] * 4
     assert _close(res[0]["params"], _replay(hist, 3))
+
+
+def test_a_replica_late_for_the_quorum_joins_the_next_one_and_heals():
+    run = run_replicas(_job, 3, 4, until_full=True, late=(2, 1.5), join_timeout_s=0.5, timeout_s=60,
+                       print_output=False)
+    res = run.results
+    assert run.incarnations == {0: 1, 1: 1, 2: 1}
+    assert res[0]["history"][0].quorum.members == (0, 1)  # formed without it after join_timeout_s
+    first = res[2]["history"][0]
+    assert first.quorum.id > 0 and first.quorum.joining == (2,) and first.healed_from == 0 and first.committed
+    assert len({r["hash"] for r in res.values()}) == 1
+    assert _close(res[0]["params"], _replay(res[0]["history"], 3))
 
 
 @pytest.mark.parametrize("kwargs, word", [
