@@ -37,7 +37,10 @@ from commlab.launch.env import BACKENDS, CHILD_MARKER, TIMEOUT_MARGIN_S, check_t
 from commlab.launch.errors import LaunchError, LaunchTimeout, RankError, is_peer_fallout
 from commlab.launch.inflight import track_sends
 
-__all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "DEFAULT_TIMEOUT_S"]
+__all__ = ["launch", "RankError", "LaunchTimeout", "LaunchError", "DEFAULT_TIMEOUT_S",
+           # the fork-side plumbing, shared with commlab.launch.replicas
+           "choose_start_method", "die_with_parent", "import_once_before_fork", "kill_group",
+           "refuse_initialised_parent", "refuse_nested"]
 
 #: Wall-clock limit (seconds) of a whole launch unless the caller passes ``timeout``.
 DEFAULT_TIMEOUT_S = 30.0
@@ -91,15 +94,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     _validate(fn, world_size, backend, timeout, threads_per_rank)
     from commlab.launch.inprocess import run_in_process, runs_in_process
 
-    _refuse_nested()
+    refuse_nested()
     if runs_in_process():
         return run_in_process(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                               threads_per_rank=threads_per_rank, init_hook=init_hook)
-    _refuse_initialised_parent()
+    refuse_initialised_parent()
     _check_gpus(backend, world_size)
-    start_method = _choose_start_method(fn, start_method, backend)
+    start_method = choose_start_method(fn, start_method, backend)
     if start_method == "fork":
-        _import_once_before_fork()
+        import_once_before_fork()
     ctx = mp.get_context(start_method)
 
     workdir = tempfile.mkdtemp(prefix="commlab-launch-")
@@ -148,7 +151,8 @@ def _validate(fn, world_size, backend, timeout, threads_per_rank):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
 
 
-def _refuse_nested():
+def refuse_nested():
+    """RuntimeError inside a launched rank: a launch there would fork ranks that inherit the rank's group."""
     # A rank of a launch already is one process of an initialised world: a launch inside it would fork ranks
     # that inherit that group (torch: "trying to initialize the default process group twice").
     rank = os.environ.get(CHILD_MARKER)
@@ -162,7 +166,8 @@ def _refuse_nested():
                            "the inner function directly (this process already is one rank of the job)")
 
 
-def _refuse_initialised_parent():
+def refuse_initialised_parent():
+    """RuntimeError if this process already has a default process group: forked ranks would inherit it."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -179,14 +184,17 @@ def _check_gpus(backend, world_size):
             raise RuntimeError(problem)
 
 
-def _import_once_before_fork() -> None:
+def import_once_before_fork() -> None:
+    """Import in the parent what every forked rank would otherwise import again (torch._dynamo)."""
     # DDP and torch.optim import torch._dynamo when first built; in a forked rank that import is paid again
     # by every rank of every launch (seconds on a loaded 2-core machine). Imported once in the parent, the
     # children inherit it. It starts no threads, so forking after it is as safe as before.
     import torch._dynamo  # noqa: F401
 
 
-def _choose_start_method(fn, start_method, backend):
+def choose_start_method(fn, start_method, backend):
+    """The multiprocessing start method for ``fn``: ``start_method`` checked, else fork where available; ValueError
+    for one this platform lacks or that cannot start ``fn`` (spawn needs an importable function)."""
     available = mp.get_all_start_methods()
     if start_method is None:
         start_method = "fork" if "fork" in available else "spawn"
@@ -291,7 +299,7 @@ def _reap(procs):
     # Every rank leads its own process group: SIGKILL to the group ends the rank (finished, failed or
     # stuck in a C++ collective, where a Python-level handler would never run) and anything it started.
     for p in procs:
-        _kill_group(p.pid)
+        kill_group(p.pid)
     for p in procs:
         p.join(timeout=2.0)
         if p.is_alive():  # it had not yet made its own group when the signal went out
@@ -304,7 +312,8 @@ def _reap(procs):
             pass
 
 
-def _kill_group(pgid):
+def kill_group(pgid):
+    """SIGKILL the process group ``pgid`` (a rank and its children); nothing when it is None or already gone."""
     if pgid is None:
         return
     try:
@@ -334,10 +343,10 @@ def _print_outputs(outputs):
 
 # ------------------------------------------------------------------------------------------ child side
 
-_USE_PDEATHSIG = sys.platform.startswith("linux")  # else a watcher thread (see _die_with_parent)
+_USE_PDEATHSIG = sys.platform.startswith("linux")  # else a watcher thread (see die_with_parent)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """End this rank when the process that started it dies.
 
     A rank leads its own process group, so a signal sent to the parent's group (``timeout`` around a script,
@@ -384,7 +393,7 @@ def _child_main(cfg: _Config, rank: int, events, fn, args, kwargs):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # this rank leads a process group: the parent ends it with everything it started
-    _die_with_parent(os.getppid())
+    die_with_parent(os.getppid())
 
     try:
         import torch

@@ -32,9 +32,8 @@ from commlab import checks
 from commlab.launch.device import results_to_cpu
 from commlab.launch.env import CHILD_MARKER, TIMEOUT_MARGIN_S
 from commlab.launch.errors import LaunchTimeout, RankError, is_peer_fallout
-# The fork-side plumbing of the course's launch(), shared rather than copied (private there: see the report).
-from commlab.launch.local import (_choose_start_method, _die_with_parent, _import_once_before_fork, _kill_group,
-                                  _refuse_initialised_parent, _refuse_nested)
+from commlab.launch.local import (choose_start_method, die_with_parent, import_once_before_fork, kill_group,
+                                  refuse_initialised_parent, refuse_nested)
 
 __all__ = ["run_replicas", "Fault", "ReplicaRun", "ReplicaContext", "ReplicaError", "ReplicaTimeout",
            "PROGRESS_KEY", "GONE_KEY", "DEFAULT_REPLICA_TIMEOUT_S"]
@@ -188,11 +187,11 @@ def run_replicas(fn: Callable[..., Any], replicas: int, *args: Any, faults=(),
     threads = checks.integer("threads_per_replica", threads_per_replica, 1, where="run_replicas")
     if not callable(fn):
         raise ValueError(f"run_replicas: fn must be callable, got {type(fn).__name__}")
-    _refuse_nested()
-    _refuse_initialised_parent()
-    start_method = _choose_start_method(fn, start_method, "gloo")
+    refuse_nested()
+    refuse_initialised_parent()
+    start_method = choose_start_method(fn, start_method, "gloo")
     if start_method == "fork":
-        _import_once_before_fork()
+        import_once_before_fork()
     import torch.distributed as dist
 
     mpctx = mp.get_context(start_method)
@@ -343,7 +342,7 @@ class _Run:
     def reap(self):
         # Each replica leads its own process group: SIGKILL to the group ends it wherever it is blocked.
         for p in self.procs:
-            _kill_group(p.pid)
+            kill_group(p.pid)
         for p in self.procs:
             p.join(timeout=2.0)
             if p.is_alive():
@@ -400,7 +399,7 @@ def _replica_main(cfg: _Config, replica: int, inc: int, fault, fn, args, kwargs)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # a fault kills this group; the parent ends it with everything it started
-    _die_with_parent(os.getppid())
+    die_with_parent(os.getppid())
     code = 0
     try:
         import torch
