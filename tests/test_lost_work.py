@@ -127,20 +127,31 @@ def test_the_recording_counts_what_the_model_says(recorded):
     assert worst["lost_replica_steps"] > ft["lost_replica_steps"]
 
 
-# Wall seconds: the model adds its terms to the base run's time; stated tolerances for a shared 2-core machine,
-# where a torchrun start-up (4 processes importing torch) varies by seconds.
-RESTART_WALL_TOLERANCE = 0.35
-FT_WALL_TOLERANCE = 0.5
+# Stated tolerances for a shared 2-core machine, where a torchrun start-up (4 processes importing torch) varies by
+# seconds from run to run: the whole run's wall, and the failure's own seconds (the run's time after its start-up
+# less the uninterrupted run's). Recorded at load 8 on 2 cores: within 6 % and 20 %.
+WALL_TOLERANCE = 0.25
+RESTART_FAILURE_TOLERANCE = 0.35
 
 
 def test_the_recording_times_agree_with_the_model(recorded):
+    restart_costs = []
     for r in recorded["runs"]:
-        if "predicted" in r:
-            tol = RESTART_WALL_TOLERANCE if r["kind"] == "restart" else FT_WALL_TOLERANCE
-            assert abs(r["predicted"]["wall_s"] - r["wall_s"]) <= tol * r["wall_s"], r
+        if "predicted" not in r:
+            continue
+        assert abs(r["predicted"]["wall_s"] - r["wall_s"]) <= WALL_TOLERANCE * r["wall_s"], r
+        measured, model = lost_work.failure_seconds(recorded, r)
+        if r["kind"] == "restart":
+            assert abs(model - measured) <= RESTART_FAILURE_TOLERANCE * measured, r
+            restart_costs.append(measured)
+        else:   # fault tolerance: tenths of a second, against a restart's seconds
+            assert measured < 1.0 and abs(model - measured) < 0.5, r
+            ft_cost = measured
+    assert ft_cost < min(restart_costs) / 10
     be = lost_work.break_even(recorded)
     assert be["verdict"] == "ft wins above" and be["failures_per_s"][0] > 0
-    assert be["restart_s"] > be["ft_failure_s"]
+    assert be["restart_s"] > be["ft_failure_s"] and be["step_overhead_s"] <= be["quorum_s"]
+    assert be["verdict_at_step_overhead"] in ("ft wins above", "ft always wins")
     table = lost_work.format_table(recorded)
     assert "restart C=" in table and "rates model:" in table
 

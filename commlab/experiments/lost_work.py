@@ -28,12 +28,15 @@ from typing import Sequence
 
 from commlab import checks, data
 
-__all__ = ["DEFAULT_INTERVALS", "JobConfig", "run_restart", "run_ft", "state_nbytes", "measure", "break_even", "save",
-           "load", "format_table", "plot"]
+__all__ = ["DEFAULT_INTERVALS", "MONITOR_INTERVAL_S", "JobConfig", "run_restart", "run_ft", "state_nbytes",
+           "measure", "break_even", "failure_seconds", "save", "load", "format_table", "plot"]
 
 #: Checkpoint intervals C (steps) of the restart runs; with the default failure step 37: 2, 7, 17 and 37 steps
 #: since the last checkpoint (C = 40: none written before the failure, the job starts over).
 DEFAULT_INTERVALS = (5, 10, 20, 40)
+
+#: torchrun's ``--monitor-interval`` default (torch 2.13): how often its agent looks for a failed worker, seconds.
+MONITOR_INTERVAL_S = 0.1
 
 _NAME = "experiments/lost_work.json"
 
@@ -63,6 +66,18 @@ class _Log:
     def __call__(self, ev: str, **kw) -> None:
         self.f.write(json.dumps(dict(ev=ev, t=time.time(), **kw)) + "\n")
         self.f.flush()
+
+
+def _process_start() -> float | None:
+    """When this process was created (``time.time()`` seconds, to 10 ms), from /proc; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])   # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _setup(cfg: dict, replica: int, d=None):
@@ -123,7 +138,7 @@ def _restart_worker(argv: Sequence[str]) -> None:
         start = state["step"]
         log("load", step=start, s=time.perf_counter() - t0)
     dist.barrier()
-    log("ready", step=start)
+    log("ready", step=start, process_start=_process_start())
     for step in range(start, cfg["steps"]):
         x, y = batch(step)
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -226,7 +241,9 @@ def _summarise(events: list[dict], cfg: dict, launched: float, wall_s: float, *,
     kills = [e["t"] for e in events if e["ev"] == "kill"]
     ready = [e for e in events if e["ev"] == "ready"]
     first_ready = max(e["t"] for e in ready if e["incarnation"] == 0)
-    out = dict(wall_s=wall_s, startup_s=first_ready - launched, computed_replica_steps=computed,
+    spawned = [e["t"] - e["process_start"] for e in ready if e["incarnation"] == 0 and e.get("process_start")]
+    out = dict(wall_s=wall_s, startup_s=first_ready - launched, worker_startup_s=max(spawned, default=None),
+               computed_replica_steps=computed,
                useful_replica_steps=useful, discarded_replica_steps=computed - useful,
                not_done_replica_steps=n * steps - useful, lost_replica_steps=computed + n * steps - 2 * useful,
                committed_steps=committed_steps, step_s=statistics.median(gaps) if gaps else 0.0,
@@ -361,15 +378,18 @@ def _beta_s_per_byte(cfg: dict, ft_base: dict) -> float:
 def _predict(cfg: dict, base: dict, run: dict, *, kind: str, interval_steps=None, fail_step=None) -> dict:
     """The model's lost replica-steps and wall seconds for ``run``: the run's own start-up (launch to the first
     step: noisy on a shared machine, and no part of the failure), the uninterrupted ``base`` run's time after its
-    start-up, plus :mod:`commlab.sync.recovery_cost`'s terms. Restart: ``R`` = the base start-up + the measured
-    load; δ measured in the run. FT: ``j`` is the run's measured missed steps (the replica's downtime, an input);
-    heal = β · state bytes (β from the base AllReduce), two group rebuilds priced as the base run's first."""
+    start-up, plus :mod:`commlab.sync.recovery_cost`'s terms. Restart: ``R`` = one more worker start-up (process
+    creation to ready, slowest rank, as the run's first attempt took it) + torchrun's monitor interval + the
+    measured load; δ measured in the run. FT: ``j`` is the run's measured missed steps (the replica's downtime, an
+    input); heal = β · state bytes (β from the base AllReduce), two group rebuilds priced as the base run's
+    first."""
     from commlab.sync import recovery_cost as rc
 
     n, s, t = cfg["replicas"], cfg["steps"], base["step_s"]
     before = run["startup_s"] + base["wall_s"] - base["startup_s"]
     if kind == "restart":
-        restart_s = base["startup_s"] + run["load_s"]     # a relaunch repeats the start-up, then loads
+        # torchrun's agent stays up: a relaunch repeats the workers' start-up (not its own), then loads.
+        restart_s = run["worker_startup_s"] + MONITOR_INTERVAL_S + run["load_s"]
         extra = rc.restart_job_seconds(s, t, interval_steps=interval_steps, checkpoint_s=run["checkpoint_s"],
                                        fail_step=fail_step, restart_s=restart_s) - s * t
         return dict(lost_replica_steps=rc.restart_lost_replica_steps(fail_step, interval_steps, n),
@@ -428,12 +448,16 @@ def measure(cfg: JobConfig | None = None, *, intervals: Sequence[int] = DEFAULT_
 
 def break_even(result: dict) -> dict:
     """The rates model (:func:`commlab.sync.recovery_cost.break_even_failure_rate`) priced with the recording's
-    measured terms: t (the plain DP step), q (the FT step's quorum and commit votes), δ (a checkpoint), R (the kill
-    to the restarted job's first step, median over the restart runs) and the FT run's cost per failure c (the
-    aborted step, its regroups and heal, and the failed replica's downtime over N).
+    measured terms: t (the plain DP step), q (the FT step's quorum and commit phases: an upper bound on its
+    per-step overhead, as part of them is waiting for the slowest replica, which a plain step does inside its
+    AllReduce), δ (a checkpoint), R (the kill to the restarted job's first step, median over the restart runs) and
+    the FT run's cost per failure c (the aborted step, its regroups and heal, and the failed replica's downtime
+    over N).
 
     Returns:
-        A dict of those terms (seconds), ``failures_per_s`` (the break-even rates) and ``verdict``.
+        A dict of those terms (seconds), ``failures_per_s`` and ``verdict`` (with q), ``step_overhead_s`` (the FT
+        step less the plain one, the overhead as the job saw it, at least 0) and ``failures_per_s_at_step_overhead``
+        and ``verdict_at_step_overhead`` (with q = that).
 
     Raises:
         ValueError: a recording without restart or FT runs.
@@ -456,8 +480,11 @@ def break_even(result: dict) -> dict:
     regroup = sum(c["seconds"].get("group", 0.0) for c in ft["changes"])
     c = rc.ft_failure_seconds(t, n, heal_s=heal, reconfigure_s=regroup, out_s=ft["missed_steps"] * t)
     be = rc.break_even_failure_rate(t, checkpoint_s=delta, restart_s=restart_s, quorum_s=q, ft_failure_s=c)
+    seen = max(0.0, ft_base["step_s"] - t)
+    be2 = rc.break_even_failure_rate(t, checkpoint_s=delta, restart_s=restart_s, quorum_s=seen, ft_failure_s=c)
     return dict(step_s=t, quorum_s=q, checkpoint_s=delta, restart_s=restart_s, ft_failure_s=c, replicas=n,
-                failures_per_s=list(be.failures_per_s), verdict=be.verdict)
+                failures_per_s=list(be.failures_per_s), verdict=be.verdict, step_overhead_s=seen,
+                failures_per_s_at_step_overhead=list(be2.failures_per_s), verdict_at_step_overhead=be2.verdict)
 
 
 def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
@@ -488,32 +515,51 @@ def _label(run: dict) -> str:
     return f"restart C={run['interval_steps']}" if run["kind"] == "restart" else run["kind"]
 
 
+def failure_seconds(result: dict, run: dict) -> tuple[float, float | None]:
+    """What the failure cost ``run`` in wall seconds, measured and modelled: its time after its start-up less the
+    uninterrupted run's of the same launcher (torchrun for a restart, :func:`commlab.launch.run_replicas` for FT).
+    The model's is None for an uninterrupted run."""
+    kind = "ft uninterrupted" if run["kind"].startswith("ft") else "uninterrupted"
+    base = next(r for r in result["runs"] if r["kind"] == kind)
+    after = base["wall_s"] - base["startup_s"]
+    measured = run["wall_s"] - run["startup_s"] - after
+    p = run.get("predicted")
+    return measured, (p["wall_s"] - run["startup_s"] - after if p else None)
+
+
 def format_table(result: dict) -> str:
-    """Per run: replica-steps computed and lost (measured beside the model), committed steps, wall seconds
-    (measured beside the model) and the final test loss and accuracy."""
+    """Per run: replica-steps computed and lost (measured beside the model), committed steps, wall seconds and the
+    failure's share of them (:func:`failure_seconds`), each measured beside the model, the median step, the final
+    test loss and accuracy; then :func:`break_even`."""
     s, job = result["settings"], result["settings"]["job"]
     lines = [f"{job['replicas']} replicas x {job['steps']} steps (DigitsMLP {job['hidden']} wide, batch "
              f"{job['batch']} per replica); replica {s['fail_replica']} SIGKILLed in step {s['fail_step']}, "
              f"FT: back at step {s['rejoin_step']}; {s['usable_cores']} cores, load {s['load_1min']:.1f}, "
              f"recorded {s['date']}",
-             f"{'run':18s} {'computed':>8s} {'lost':>5s} {'model':>5s} {'commits':>7s} {'wall s':>7s} "
-             f"{'model':>6s} {'error':>6s} {'step ms':>7s} {'loss':>7s} {'acc':>6s}"]
+             f"{'':18s} {'replica-steps':>20s}  {'':7s} {'wall s':>20s} {'failure s':>20s}",
+             f"{'run':18s} {'computed':>8s} {'lost':>5s} {'model':>5s} {'commits':>7s} {'meas':>6s} {'model':>6s} "
+             f"{'error':>6s} {'meas':>6s} {'model':>6s} {'error':>6s} {'step ms':>7s} {'loss':>7s} {'acc':>6s}"]
+    pct = lambda m, x: f"{100 * (m - x) / x:+5.0f}%" if x else "     -"  # noqa: E731
     for r in result["runs"]:
         p = r.get("predicted")
+        fm, fp = failure_seconds(result, r)
         lost_m = f"{p['lost_replica_steps']:5d}" if p else "    -"
-        wall_m = f"{p['wall_s']:6.1f}" if p else "     -"
-        err = f"{100 * (p['wall_s'] - r['wall_s']) / r['wall_s']:+5.0f}%" if p else "     -"
+        wall_m = f"{p['wall_s']:6.1f} {pct(p['wall_s'], r['wall_s'])}" if p else "     -      -"
+        fail_m = f"{fp:6.2f} {pct(fp, fm)}" if p else "     -      -"
         lines.append(f"{_label(r):18s} {r['computed_replica_steps']:8d} {r['lost_replica_steps']:5d} {lost_m} "
-                     f"{r['committed_steps']:7d} {r['wall_s']:7.1f} {wall_m} {err} {r['step_s'] * 1e3:7.1f} "
-                     f"{r['loss']:7.4f} {r['accuracy']:6.3f}")
+                     f"{r['committed_steps']:7d} {r['wall_s']:6.1f} {wall_m} {fm:6.2f} {fail_m} "
+                     f"{r['step_s'] * 1e3:7.1f} {r['loss']:7.4f} {r['accuracy']:6.3f}")
     try:
         be = break_even(result)
     except ValueError:
         return "\n".join(lines)
-    rate = ", ".join(f"one failure per {1 / x:.3g} s" for x in be["failures_per_s"]) or "-"
-    lines.append(f"rates model: t = {be['step_s'] * 1e3:.1f} ms, q = {be['quorum_s'] * 1e3:.1f} ms/step, "
-                 f"delta = {be['checkpoint_s'] * 1e3:.1f} ms, R = {be['restart_s']:.1f} s, FT per failure "
-                 f"c = {be['ft_failure_s']:.2f} s: {be['verdict']} {rate}")
+    rate = lambda xs: ", ".join(f"one failure per {1 / x:.3g} s" for x in xs)  # noqa: E731
+    lines.append(f"rates model: t = {be['step_s'] * 1e3:.1f} ms, delta = {be['checkpoint_s'] * 1e3:.1f} ms, "
+                 f"R = {be['restart_s']:.1f} s, FT per failure c = {be['ft_failure_s']:.2f} s; with q = the quorum "
+                 f"and commit phases, {be['quorum_s'] * 1e3:.1f} ms/step: {be['verdict']} "
+                 f"{rate(be['failures_per_s'])}; with q = the FT step less the plain one, "
+                 f"{be['step_overhead_s'] * 1e3:.1f} ms: {be['verdict_at_step_overhead']} "
+                 f"{rate(be['failures_per_s_at_step_overhead'])}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ __all__ = ["plot_lost_work", "plot_break_even"]
 
 def plot_lost_work(result: dict):
     """Two panels of a :func:`commlab.experiments.lost_work.measure` result: lost replica-steps and wall seconds
-    against C (log axis), each restart run measured (dots) beside the model (line: ``N (k mod C + 1)`` for every
+    against C, each restart run measured (dots) beside the model (line: ``N (k mod C + 1)`` for every
     C; ``N (C + 1)/2`` for a failure at a random step, dashed), the FT run measured and modelled (horizontal
     lines), the uninterrupted run's wall. Returns the matplotlib figure.
 
@@ -37,25 +37,26 @@ def plot_lost_work(result: dict):
     cs = [r["interval_steps"] for r in restarts]
     grid = list(range(1, max(cs) + 1))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))
-    ax.plot(grid, [rc.restart_lost_replica_steps(k, c, n) for c in grid], "-", color="C0", lw=1,
+    ax.plot(grid, [rc.restart_lost_replica_steps(k, c, n) for c in grid], ".-", color="C0", lw=0.6, ms=3,
             label=f"restart, model N(k mod C + 1), k = {k}")
     ax.plot(grid, [rc.expected_restart_lost_replica_steps(c, n) for c in grid], "--", color="C0", lw=1, alpha=0.6,
             label="restart, model at a random step N(C+1)/2")
-    ax.plot(cs, [r["lost_replica_steps"] for r in restarts], "o", color="C0", label="restart, measured")
+    ax.plot(cs, [r["lost_replica_steps"] for r in restarts], "o", color="C0", ms=8, mfc="none", mew=2,
+            label="restart, measured")
     if ft:
         ax.axhline(ft["lost_replica_steps"], color="C1", label=f"fault tolerant, measured (j = {ft['missed_steps']})")
         ax.axhline(ft["predicted"]["lost_replica_steps"], color="C1", ls=":", lw=2, label="fault tolerant, model N + j")
-    ax.set(xscale="log", xlabel="checkpoint interval C (steps)", ylabel="replica-steps lost",
+    ax.set(xlabel="checkpoint interval C (steps)", ylabel="replica-steps lost", xlim=(0, max(cs) + 1), ylim=(0, None),
            title=f"{n} replicas, one killed in step {k}")
     ax.legend(fontsize=7)
-    bx.plot(cs, [r["predicted"]["wall_s"] for r in restarts], "-", color="C0", lw=1, label="restart, model")
-    bx.plot(cs, [r["wall_s"] for r in restarts], "o", color="C0", label="restart, measured")
+    bx.plot(cs, [r["predicted"]["wall_s"] for r in restarts], "x-", color="C0", lw=0.6, ms=8, label="restart, model")
+    bx.plot(cs, [r["wall_s"] for r in restarts], "o", color="C0", ms=8, mfc="none", mew=2, label="restart, measured")
     if base:
         bx.axhline(base["wall_s"], color="0.5", ls="--", lw=1, label="uninterrupted (torchrun)")
     if ft:
         bx.axhline(ft["wall_s"], color="C1", label="fault tolerant, measured")
         bx.axhline(ft["predicted"]["wall_s"], color="C1", ls=":", lw=2, label="fault tolerant, model")
-    bx.set(xscale="log", xlabel="checkpoint interval C (steps)", ylabel="wall seconds, launch to end", ylim=(0, None),
+    bx.set(xlabel="checkpoint interval C (steps)", xlim=(0, max(cs) + 1), ylabel="wall seconds, launch to end", ylim=(0, None),
            title="time: the restart pays its start-up again")
     bx.legend(fontsize=7)
     fig.tight_layout()
@@ -65,8 +66,9 @@ def plot_lost_work(result: dict):
 def plot_break_even(step_s: float, *, restart_s: float, quorum_s: float, ft_failure_s: float,
                     failures_per_s=(1e-7, 1e-1), checkpoint_s=(1e-2, 1e3), points: int = 121, ax=None, mark=None):
     """Which approach loses less time per unit of work, over failure rate λ (x) × checkpoint cost δ (y), both on
-    log axes: colour = restart share − FT share (:func:`~commlab.sync.recovery_cost.restart_overhead_share` at
-    Young's interval, :func:`~commlab.sync.recovery_cost.ft_overhead_share`), the break-even curve in black.
+    log axes: colour = log10 of restart share / FT share (:func:`~commlab.sync.recovery_cost.restart_overhead_share`
+    at Young's interval, :func:`~commlab.sync.recovery_cost.ft_overhead_share`), the break-even curve in black, and
+    dashed where Young's τ* reaches 1/λ (above it the first-order model is only indicative).
 
     Args:
         step_s, restart_s, quorum_s, ft_failure_s: t, R, q and c (seconds). failures_per_s, checkpoint_s: the
@@ -90,23 +92,29 @@ def plot_break_even(step_s: float, *, restart_s: float, quorum_s: float, ft_fail
         if len(rng) != 2 or not all(checks.is_number(x) and x > 0 for x in rng) or not rng[0] < rng[1]:
             checks.fail(name, rng, "a (low, high) pair with 0 < low < high", where=where)
     checks.integer("points", points, least=2, where=where)
+    if checks.seconds("quorum_s", quorum_s, where=where) == 0 and checks.seconds("ft_failure_s", ft_failure_s,
+                                                                                 where=where) == 0:
+        checks.fail("ft_failure_s", ft_failure_s, "> 0 when quorum_s is 0", where=where,
+                    note="fault tolerance would then lose nothing: there is no map to draw")
     lam = np.logspace(np.log10(failures_per_s[0]), np.log10(failures_per_s[1]), points)
     dl = np.logspace(np.log10(checkpoint_s[0]), np.log10(checkpoint_s[1]), points)
-    diff = np.array([[rc.restart_overhead_share(None, d, restart_s, x) - rc.ft_overhead_share(step_s, quorum_s,
-                                                                                           ft_failure_s, x)
-                      for x in lam] for d in dl])
+    ratio = np.array([[rc.restart_overhead_share(None, d, restart_s, x) / rc.ft_overhead_share(
+        step_s, quorum_s, ft_failure_s, x) for x in lam] for d in dl])
     if ax is None:
         fig, ax = plt.subplots(figsize=(6, 4.5))
     else:
         fig = ax.figure
-    lim = float(np.nanmax(np.abs(np.clip(diff, -1, 1)))) or 1.0
-    mesh = ax.pcolormesh(lam, dl, np.clip(diff, -1, 1), cmap="RdBu_r", vmin=-lim, vmax=lim, shading="auto")
-    ax.contour(lam, dl, diff, levels=[0.0], colors="k", linewidths=1.5)
-    fig.colorbar(mesh, ax=ax, label="restart share − FT share of time lost (> 0: FT wins)")
+    mesh = ax.pcolormesh(lam, dl, np.clip(np.log10(ratio), -2, 2), cmap="RdBu_r", vmin=-2, vmax=2, shading="auto")
+    ax.contour(lam, dl, np.log10(ratio), levels=[0.0], colors="k", linewidths=1.5)
+    fig.colorbar(mesh, ax=ax, label="log10(restart / FT time lost)")
+    # Young's first order assumes τ* << 1/λ; τ* = 1/λ where δ = 1/(2λ): beyond that line it is only indicative.
+    ax.plot(lam, 1 / (2 * lam), "--", color="0.3", lw=1, label="τ* = 1/λ (first order breaks down above)")
+    ax.set_ylim(dl[0], dl[-1])
+    ax.legend(fontsize=7, loc="upper left")
     ax.set(xscale="log", yscale="log", xlabel="failures per second λ", ylabel="checkpoint cost δ (s)",
            title=f"t = {step_s * 1e3:.3g} ms, q = {quorum_s * 1e3:.3g} ms, R = {restart_s:.3g} s, c = "
                  f"{ft_failure_s:.3g} s")
-    ax.text(0.03, 0.05, "checkpoint restart wins", transform=ax.transAxes, fontsize=8)
+    ax.text(0.03, 0.05, "checkpoint restart wins", transform=ax.transAxes, fontsize=8, color="w")
     ax.text(0.97, 0.95, "fault tolerance wins", transform=ax.transAxes, ha="right", va="top", fontsize=8)
     if mark is not None:
         ax.plot([mark[0]], [mark[1]], "k*", ms=10)
