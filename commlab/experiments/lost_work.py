@@ -203,15 +203,17 @@ def _ft_replica(ctx, cfg: dict, folder: str, digits) -> dict:
             log("commit", step=step, members=len(quorum.members))
         else:
             log("abort", step=step, members=len(quorum.members))
-    log("done", **evaluate())
+    final = evaluate()
+    log("done", **final)
     rounds = [dict(members=list(r.quorum.members), step=r.quorum.step, committed=r.committed,
                    regrouped=r.reinitialised, healed_from=r.healed_from, seconds=dict(r.seconds)) for r in ft.history]
-    return dict(rounds=rounds, incarnation=ctx.incarnation, **evaluate())
+    return dict(rounds=rounds, incarnation=ctx.incarnation, **final)
 
 
 # ------------------------------------------------------------------------------------------ reading the logs
 
 def _read_logs(folder: str | pathlib.Path) -> list[dict]:
+    """Every event of every process's log in ``folder``, each with its ``replica`` and ``incarnation``."""
     out = []
     for f in sorted(pathlib.Path(folder).glob("log.r*.i*.jsonl")):
         replica, inc = (int(s[1:]) for s in f.name.split(".")[1:3])
