@@ -13,10 +13,10 @@ __all__ = ["plot_lost_work", "plot_break_even"]
 
 
 def plot_lost_work(result: dict):
-    """Two panels of a :func:`commlab.experiments.lost_work.measure` result: lost replica-steps and wall seconds
-    against C, each restart run measured (dots) beside the model (line: ``N (k mod C + 1)`` for every
-    C; ``N (C + 1)/2`` for a failure at a random step, dashed), the FT run measured and modelled (horizontal
-    lines), the uninterrupted run's wall. Returns the matplotlib figure.
+    """Two panels of a :func:`commlab.experiments.lost_work.measure` result: lost replica-steps and the seconds
+    the failure cost (:func:`commlab.experiments.lost_work.failure_seconds`, log axis) against C, each restart run
+    measured (circles) beside the model (``N (k mod C + 1)`` for every C; ``N (C + 1)/2`` for a failure at a
+    random step, dashed), the FT run measured and modelled (horizontal lines). Returns the matplotlib figure.
 
     Raises:
         ValueError: a result without restart runs.
@@ -33,7 +33,6 @@ def plot_lost_work(result: dict):
         checks.fail("result", [r["kind"] for r in result["runs"]], "a recording with restart runs",
                     where="plot_lost_work")
     ft = next((r for r in result["runs"] if r["kind"] == "ft"), None)
-    base = next((r for r in result["runs"] if r["kind"] == "uninterrupted"), None)
     cs = [r["interval_steps"] for r in restarts]
     grid = list(range(1, max(cs) + 1))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -49,15 +48,18 @@ def plot_lost_work(result: dict):
     ax.set(xlabel="checkpoint interval C (steps)", ylabel="replica-steps lost", xlim=(0, max(cs) + 1), ylim=(0, None),
            title=f"{n} replicas, one killed in step {k}")
     ax.legend(fontsize=7)
-    bx.plot(cs, [r["predicted"]["wall_s"] for r in restarts], "x-", color="C0", lw=0.6, ms=8, label="restart, model")
-    bx.plot(cs, [r["wall_s"] for r in restarts], "o", color="C0", ms=8, mfc="none", mew=2, label="restart, measured")
-    if base:
-        bx.axhline(base["wall_s"], color="0.5", ls="--", lw=1, label="uninterrupted (torchrun)")
+    from commlab.experiments.lost_work import failure_seconds
+
+    costs = [failure_seconds(result, r) for r in restarts]
+    bx.plot(cs, [p for _, p in costs], "x-", color="C0", lw=0.6, ms=8, label="restart, model")
+    bx.plot(cs, [m for m, _ in costs], "o", color="C0", ms=8, mfc="none", mew=2, label="restart, measured")
     if ft:
-        bx.axhline(ft["wall_s"], color="C1", label="fault tolerant, measured")
-        bx.axhline(ft["predicted"]["wall_s"], color="C1", ls=":", lw=2, label="fault tolerant, model")
-    bx.set(xlabel="checkpoint interval C (steps)", xlim=(0, max(cs) + 1), ylabel="wall seconds, launch to end", ylim=(0, None),
-           title="time: the restart pays its start-up again")
+        m, p = failure_seconds(result, ft)
+        bx.axhline(m, color="C1", label="fault tolerant, measured")
+        bx.axhline(p, color="C1", ls=":", lw=2, label="fault tolerant, model")
+    bx.set(yscale="log", xlabel="checkpoint interval C (steps)", xlim=(0, max(cs) + 1),
+           ylabel="seconds the failure cost",
+           title="time: the restart pays a start-up again")
     bx.legend(fontsize=7)
     fig.tight_layout()
     return fig
