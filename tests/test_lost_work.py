@@ -192,3 +192,15 @@ def test_a_checkpoint_restart_loses_the_steps_since_the_checkpoint():
     r = lost_work.run_restart(cfg, interval_steps=4, fail_step=6, timeout_s=180)
     assert 0 <= rc.restart_lost_replica_steps(6, 4, 2) - r["lost_replica_steps"] <= 1   # 2 x (6 mod 4 + 1)
     assert r["checkpoints"] == 3 and r["loss"] == base["loss"]   # bitwise the uninterrupted run's
+
+
+def test_the_command_prints_the_recording_and_names_bad_flags(capsys):
+    from commlab.__main__ import main
+
+    assert main(["experiments", "lost-work", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "restart C=5" in out and "ft wins above" in out
+    assert main(["experiments", "lost-work", "--intervals", "5,x"]) == 2
+    assert "--intervals must be comma-separated steps, got '5,x'" in capsys.readouterr().err
+    assert main(["experiments", "lost-work", "--replicas", "1"]) == 2
+    assert "replicas must be an int >= 2" in capsys.readouterr().err
