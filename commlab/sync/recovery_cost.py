@@ -7,8 +7,8 @@ time. A rate λ of failures per second: :func:`restart_overhead_share` (Young's 
 :func:`young_interval_s` (τ* = sqrt(2δ/λ)), :func:`ft_overhead_share` and :func:`break_even_failure_rate` (when
 each wins). α in s, β in s/byte; seconds end in ``_s``, counts of steps in ``_steps``.
 
-Sources: J. W. Young, CACM 17(9):530-531, 1974 (τ* = sqrt(2δ/λ)); J. T. Daly, FGCS 22(3):303-312, 2006 (the
-higher-order estimate; Young's first order is within a few per cent while τ << 1/λ). Book: chapter "When it goes
+Sources: J. W. Young, CACM 17(9):530-531, 1974 (τ* = sqrt(2δ/λ)); J. T. Daly, FGCS 22(3):303-312, 2006 (a
+higher-order estimate: 117 min where Young's gives 120, for δ = 5 min and 1/λ = 24 h). Book: chapter "When it goes
 wrong" (book/ch13b_when_it_goes_wrong), section "Survive a failure"; checked by hand in tests/test_lost_work.py.
 """
 
