@@ -379,28 +379,28 @@ def _beta_s_per_byte(cfg: dict, ft_base: dict) -> float:
 
 def _predict(cfg: dict, base: dict, run: dict, *, kind: str, interval_steps=None, fail_step=None) -> dict:
     """The model's lost replica-steps and wall seconds for ``run``: the run's own start-up (launch to the first
-    step: noisy on a shared machine, and no part of the failure), the uninterrupted ``base`` run's time after its
-    start-up, plus :mod:`commlab.sync.recovery_cost`'s terms. Restart: ``R`` = one more worker start-up (process
-    creation to ready, slowest rank, as the run's first attempt took it) + torchrun's monitor interval + the
-    measured load; δ measured in the run. FT: ``j`` is the run's measured missed steps (the replica's downtime, an
-    input); heal = β · state bytes (β from the base AllReduce), two group rebuilds priced as the base run's
-    first."""
+    step: noisy on a shared machine, and no part of the failure), the uninterrupted ``base`` run's set-up and end
+    (:func:`_fixed_s`), plus :mod:`commlab.sync.recovery_cost`'s job seconds at the run's own median step.
+    Restart: ``R`` = one more worker start-up (process creation to ready, slowest rank, as the run's first attempt
+    took it) + torchrun's monitor interval + the measured load; δ measured in the run. FT: ``j`` is the run's
+    measured missed steps (the replica's downtime, an input); heal = β · state bytes (β from the base AllReduce),
+    two group rebuilds priced as the base run's first."""
     from commlab.sync import recovery_cost as rc
 
-    n, s, t = cfg["replicas"], cfg["steps"], base["step_s"]
-    before = run["startup_s"] + base["wall_s"] - base["startup_s"]
+    n, s, t = cfg["replicas"], cfg["steps"], run["step_s"]
+    before = run["startup_s"] + _fixed_s(base, s)   # + the run's S steps, in the terms below
     if kind == "restart":
         # torchrun's agent stays up: a relaunch repeats the workers' start-up (not its own), then loads.
         restart_s = run["worker_startup_s"] + MONITOR_INTERVAL_S + run["load_s"]
-        extra = rc.restart_job_seconds(s, t, interval_steps=interval_steps, checkpoint_s=run["checkpoint_s"],
-                                       fail_step=fail_step, restart_s=restart_s) - s * t
+        job_s = rc.restart_job_seconds(s, t, interval_steps=interval_steps, checkpoint_s=run["checkpoint_s"],
+                                       fail_step=fail_step, restart_s=restart_s)
         return dict(lost_replica_steps=rc.restart_lost_replica_steps(fail_step, interval_steps, n),
-                    wall_s=before + extra, restart_s=restart_s)
+                    wall_s=before + job_s, restart_s=restart_s)
     beta = _beta_s_per_byte(cfg, base)
     heal_s = rc.heal_seconds(state_nbytes(cfg), 0.0, beta)
     regroup_s = 2 * base["first_group_s"]
-    extra = rc.ft_job_seconds(s, t, failures=1, heal_s=heal_s, reconfigure_s=regroup_s) - s * t
-    return dict(lost_replica_steps=rc.ft_lost_replica_steps(run["missed_steps"], n), wall_s=before + extra,
+    job_s = rc.ft_job_seconds(s, t, failures=1, heal_s=heal_s, reconfigure_s=regroup_s)
+    return dict(lost_replica_steps=rc.ft_lost_replica_steps(run["missed_steps"], n), wall_s=before + job_s,
                 heal_s=heal_s, regroup_s=regroup_s, beta_s_per_byte=beta)
 
 
@@ -517,22 +517,28 @@ def _label(run: dict) -> str:
     return f"restart C={run['interval_steps']}" if run["kind"] == "restart" else run["kind"]
 
 
+def _fixed_s(run: dict, steps: int) -> float:
+    """A run's seconds after its start-up that are not its steps (``S`` median steps): the job's set-up and end."""
+    return run["wall_s"] - run["startup_s"] - steps * run["step_s"]
+
+
 def failure_seconds(result: dict, run: dict) -> tuple[float, float | None]:
-    """What the failure cost ``run`` in wall seconds, measured and modelled: its time after its start-up less the
-    uninterrupted run's of the same launcher (torchrun for a restart, :func:`commlab.launch.run_replicas` for FT).
-    The model's is None for an uninterrupted run."""
+    """What the failure cost ``run`` in wall seconds, measured and modelled: its seconds after its start-up that
+    are not its ``S`` (median) steps, less the same of the uninterrupted run of its launcher (torchrun for a
+    restart, :func:`commlab.launch.run_replicas` for FT). Each run is priced at its own step, so a machine whose
+    load drifts between runs does not pass for a failure's cost. The model's is None for an uninterrupted run."""
     kind = "ft uninterrupted" if run["kind"].startswith("ft") else "uninterrupted"
     base = next(r for r in result["runs"] if r["kind"] == kind)
-    after = base["wall_s"] - base["startup_s"]
-    measured = run["wall_s"] - run["startup_s"] - after
+    steps = result["settings"]["job"]["steps"]
+    measured = _fixed_s(run, steps) - _fixed_s(base, steps)
     p = run.get("predicted")
-    return measured, (p["wall_s"] - run["startup_s"] - after if p else None)
+    return measured, (p["wall_s"] - run["startup_s"] - steps * run["step_s"] - _fixed_s(base, steps) if p else None)
 
 
 def format_table(result: dict) -> str:
-    """Per run: replica-steps computed and lost (measured beside the model), committed steps, wall seconds and the
-    failure's share of them (:func:`failure_seconds`), each measured beside the model, the median step, the final
-    test loss and accuracy; then :func:`break_even`."""
+    """Per run: replica-steps computed and lost (measured beside the model), committed steps, wall seconds (and the
+    model's relative error) and the failure's share of them (:func:`failure_seconds`; the model less the measured,
+    in seconds), the median step, the final test loss and accuracy; then :func:`break_even`."""
     s, job = result["settings"], result["settings"]["job"]
     lines = [f"{job['replicas']} replicas x {job['steps']} steps (DigitsMLP {job['hidden']} wide, batch "
              f"{job['batch']} per replica); replica {s['fail_replica']} SIGKILLed in step {s['fail_step']}, "
@@ -540,14 +546,14 @@ def format_table(result: dict) -> str:
              f"recorded {s['date']}",
              f"{'':18s} {'replica-steps':>20s}  {'':7s} {'wall s':>20s} {'failure s':>20s}",
              f"{'run':18s} {'computed':>8s} {'lost':>5s} {'model':>5s} {'commits':>7s} {'meas':>6s} {'model':>6s} "
-             f"{'error':>6s} {'meas':>6s} {'model':>6s} {'error':>6s} {'step ms':>7s} {'loss':>7s} {'acc':>6s}"]
+             f"{'error':>6s} {'meas':>6s} {'model':>6s} {'diff':>6s} {'step ms':>7s} {'loss':>7s} {'acc':>6s}"]
     pct = lambda m, x: f"{100 * (m - x) / x:+5.0f}%" if x else "     -"  # noqa: E731
     for r in result["runs"]:
         p = r.get("predicted")
         fm, fp = failure_seconds(result, r)
         lost_m = f"{p['lost_replica_steps']:5d}" if p else "    -"
         wall_m = f"{p['wall_s']:6.1f} {pct(p['wall_s'], r['wall_s'])}" if p else "     -      -"
-        fail_m = f"{fp:6.2f} {pct(fp, fm)}" if p else "     -      -"
+        fail_m = f"{fp:6.2f} {fp - fm:+6.2f}" if p else "     -      -"
         lines.append(f"{_label(r):18s} {r['computed_replica_steps']:8d} {r['lost_replica_steps']:5d} {lost_m} "
                      f"{r['committed_steps']:7d} {r['wall_s']:6.1f} {wall_m} {fm:6.2f} {fail_m} "
                      f"{r['step_s'] * 1e3:7.1f} {r['loss']:7.4f} {r['accuracy']:6.3f}")
