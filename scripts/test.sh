@@ -24,10 +24,13 @@ done
 #  1. tests/ that neither time the wall clock nor build the book, on two pytest-xdist workers, a file each:
 #     most of them wait on processes (ranks, torchrun, timeouts), so two at once fill the two cores.
 #  2. the `timing` tests, alone, so that nothing else runs beside their clocks.
-#  3. the book's strict build, the browser check and nbval over every notebook, alone.
+#  3. the book's strict build with the browser check (one worker: one build), and nbval over every notebook,
+#     a notebook to a worker (one kernel each), on two workers: a notebook's kernel keeps about one core busy.
+# The workers take the longest files first (conftest.py's LONGEST_FILES, --no-loadscope-reorder).
 BOOK=(tests/test_book.py tests/test_browser.py)
+XDIST=(-n 2 --dist loadfile --no-loadscope-reorder)
 status=0
-"${PYTEST[@]}" -n 2 --dist loadfile -m "not timing" "${BOOK[@]/#/--ignore=}" "$@" tests || status=1
+"${PYTEST[@]}" "${XDIST[@]}" -m "not timing" "${BOOK[@]/#/--ignore=}" "$@" tests || status=1
 "${PYTEST[@]}" -m timing "${BOOK[@]/#/--ignore=}" "$@" tests || status=1
-"${PYTEST[@]}" "${NBVAL[@]}" "$@" "${BOOK[@]}" book labs || status=1
+"${PYTEST[@]}" "${XDIST[@]}" "${NBVAL[@]}" "$@" "${BOOK[@]}" book labs || status=1
 exit $status
