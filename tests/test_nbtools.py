@@ -50,20 +50,35 @@ def test_tag_ignore_leaves_other_cells_alone(tmp_path):
     assert nb.read_text() == before
 
 
-@pytest.mark.notebooks
-def test_nbval_ignores_the_output_of_a_tagged_cell(tmp_path):
-    # Cell 0 carries the comment, then the tag; cell 1 is the same cell with neither: nbval must fail
-    # it, or cell 0 passing would prove nothing.
-    _notebook(tmp_path / "nb.ipynb", ("# NBVAL_IGNORE_OUTPUT\nprint('fresh')", "stored\n"),
+@pytest.fixture(scope="module")
+def nbval_run(tmp_path_factory):
+    """nbval itself, run once in a subprocess on the two notebooks of the two tests below (one pytest start
+    for both): (the cells tag-ignore moved in tagged.ipynb, nbval's report). The root conftest.py is loaded as
+    a plugin, as every run in this checkout loads it, with ATEN_CPU_CAPABILITY unset."""
+    tmp = tmp_path_factory.mktemp("nbval")
+    # tagged.ipynb: cell 0 carries the comment, then the tag; cell 1 is the same cell with neither: nbval must
+    # fail it, or cell 0 passing would prove nothing.
+    _notebook(tmp / "tagged.ipynb", ("# NBVAL_IGNORE_OUTPUT\nprint('fresh')", "stored\n"),
               ("print('fresh')", "stored\n"))
-    assert nbtools.tag_ignore(str(tmp_path / "nb.ipynb")) == 1
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", "pytest.ini",
-                           "--nbval", "--nbval-current-env", "-rA", "-q", "nb.ipynb"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert "PASSED nb.ipynb::Cell 0" in out, out
-    assert "FAILED nb.ipynb::Cell 1" in out, out
+    moved = nbtools.tag_ignore(str(tmp / "tagged.ipynb"))
+    # kernels.ipynb: the stored "DEFAULT" must match what torch reports inside nbval's kernel.
+    _notebook(tmp / "kernels.ipynb", ("import torch\nprint(torch.backends.cpu.get_cpu_capability())", "DEFAULT\n"))
+    (tmp / "pytest.ini").write_text("[pytest]\n")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-c",
+                           "pytest.ini", "--nbval", "--nbval-current-env", "-rA", "-q", "tagged.ipynb",
+                           "kernels.ipynb"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    return moved, proc.stdout + proc.stderr
+
+
+@pytest.mark.notebooks
+def test_nbval_ignores_the_output_of_a_tagged_cell(nbval_run):
+    moved, out = nbval_run
+    assert moved == 1
+    assert "PASSED tagged.ipynb::Cell 0" in out, out
+    assert "FAILED tagged.ipynb::Cell 1" in out, out
 
 
 def test_pin_cpu_kernels_keeps_an_explicit_value(monkeypatch):
@@ -77,19 +92,11 @@ def test_pin_cpu_kernels_keeps_an_explicit_value(monkeypatch):
 
 
 @pytest.mark.notebooks
-def test_nbval_kernels_run_the_tested_kernels(tmp_path):
+def test_nbval_kernels_run_the_tested_kernels(nbval_run):
     # The root conftest.py, loaded as a plugin, pins the kernels nbval starts: the stored "DEFAULT" must
     # match what torch reports inside that kernel when nothing else set ATEN_CPU_CAPABILITY.
-    _notebook(tmp_path / "nb.ipynb", ("import torch\nprint(torch.backends.cpu.get_cpu_capability())", "DEFAULT\n"))
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-c",
-                           "pytest.ini", "--nbval", "--nbval-current-env", "-rA", "-q", "nb.ipynb"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert "PASSED nb.ipynb::Cell 0" in out, out
+    _, out = nbval_run
+    assert "PASSED kernels.ipynb::Cell 0" in out, out
 
 
 def test_the_tests_themselves_keep_the_machines_kernels():
