@@ -81,12 +81,30 @@ def _zero_vs_ddp(opt_name, mode, steps=3):
             [g["lr"] for g in zero.param_groups], [g["lr"] for g in zero.inner.param_groups])
 
 
+CASES = [(opt_name, mode) for mode in ("local", "wrapped", "no_sync") for opt_name in ("adam", "sgd")]
+WORLD = 3
+
+
+def _each_zero_vs_ddp(cases):
+    """:func:`_zero_vs_ddp` for each (optimizer, mode) of ``cases`` in turn, in one launched world (each case
+    builds its own models, DDP, wrapper and optimizers): the list of their results."""
+    return [_zero_vs_ddp(opt_name, mode) for opt_name, mode in cases]
+
+
+@pytest.fixture(scope="module")
+def zero_vs_ddp():
+    """Every rank's :func:`_zero_vs_ddp` result for each of CASES, keyed by it, from one launch of WORLD ranks
+    (a launch costs seconds; six of them were most of this file's time)."""
+    per_rank = launch(_each_zero_vs_ddp, WORLD, CASES, timeout=180)
+    return {case: [results[i] for results in per_rank] for i, case in enumerate(CASES)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 @pytest.mark.parametrize("mode", ["local", "wrapped", "no_sync"])
-def test_zero1_equals_the_unsharded_optimizer_after_ddp(opt_name, mode):
-    n = 3
-    results = launch(_zero_vs_ddp, n, opt_name, mode, timeout=90)
+def test_zero1_equals_the_unsharded_optimizer_after_ddp(zero_vs_ddp, opt_name, mode):
+    n = WORLD
+    results = zero_vs_ddp[opt_name, mode]
     for ref_params, zero_params, stats, state_nbytes, ref_state, numel, padded, is_optim, lrs, inner_lrs in results:
         assert is_optim
         for a, b in zip(ref_params, zero_params):
