@@ -1,15 +1,18 @@
 """The lab 13b graders (commlab.exercises.diagnose): a reading of the evidence passes, each usual misreading is told
 what it mistook, a stub is "not attempted". The Flight Recorder evidence comes from a real 3-rank gloo run; the
-hang, trace and straggler evidence is built here in the formats the clinic, the profiler and the trainer write."""
+hang, trace, straggler and failure evidence is built here in the formats the clinic, the profiler, the trainer and
+FaultTolerantDP write (a real fault-tolerant run: marked slow)."""
 
 import collections
 import statistics
 
 import pytest
 
-from commlab.exercises import check_flight_recorder, check_hang_diagnosis, check_straggler, check_trace_reading
-from commlab.exercises.diagnose import (CASE_ANSWERS, FIXES, HANG_CASES, FlightRecorderEvidence, HangEvidence,
-                                        StragglerEvidence, TraceEvidence, flight_recorder_evidence, model_step_s)
+from commlab.exercises import (check_failure_price, check_failure_reading, check_flight_recorder, check_hang_diagnosis,
+                               check_straggler, check_trace_reading)
+from commlab.exercises.diagnose import (CASE_ANSWERS, FIXES, HANG_CASES, PRICE_CASES, FailureEvidence,
+                                        FlightRecorderEvidence, HangEvidence, StragglerEvidence, TraceEvidence,
+                                        failure_evidence, flight_recorder_evidence, model_step_s)
 from commlab.launch.clinic import CASES
 from commlab.overlap.trace import check_overlap, load_trace
 
@@ -228,3 +231,113 @@ def test_each_straggler_misreading_is_named(answer, message):
 
 def test_an_unfilled_straggler_reading_is_not_attempted():
     assert str(check_straggler(_stub, _stragglers())).endswith("fill in `_stub` in the cell above")
+
+
+# ------------------------------------------------------------------------------------------ survive a failure
+
+def _rounds(n=3, failed=1, step=3, missed=3, steps=9, healer=0):
+    """A survivor's rounds as FaultTolerantDP records them: all n members up to ``step``, that round aborted, the
+    others from the same step for ``missed`` steps, then the replacement healed from ``healer``."""
+    out, everyone = [], tuple(range(n))
+    others = tuple(r for r in everyone if r != failed)
+    for s in range(step + 1):
+        out.append(dict(step=s, members=everyone, committed=s != step, healed_from=None))
+    for s in range(step, step + missed):
+        out.append(dict(step=s, members=others, committed=True, healed_from=None))
+    for s in range(step + missed, steps):
+        out.append(dict(step=s, members=everyone, committed=True,
+                        healed_from=(failed, healer) if s == step + missed else None))
+    return tuple(dict(r, round=i) for i, r in enumerate(out))
+
+
+def _failure(**kw):
+    n, failed, step = kw.get("n", 3), kw.get("failed", 1), kw.get("step", 3)
+    return FailureEvidence(n, kw.get("steps", 9), _rounds(**kw), 1.0, (failed, step, step + 2))
+
+
+def _read_rounds(ev):
+    """The lab's reading: the round that did not commit, the quorums without the failed replica, the heal."""
+    aborted = next(r for r in ev.rounds if not r["committed"])
+    joiner, source = next(r["healed_from"] for r in ev.rounds if r["healed_from"])
+    out = [r for r in ev.rounds if r["committed"] and joiner not in r["members"]]
+    return joiner, aborted["step"], len(out[0]["members"]), source
+
+
+@pytest.mark.parametrize("kw", [{}, dict(n=4, failed=0, step=5, healer=1), dict(n=4, failed=3, step=2, missed=1)])
+def test_a_reading_of_the_rounds_passes(kw):
+    ev = _failure(**kw)
+    report = check_failure_reading(_read_rounds, ev)
+    assert report.passed and len(report.cases) == 4, str(report) + "\n" + ev.format()
+    assert "replica 1 from 0" in _failure().format()
+
+
+@pytest.mark.parametrize("answer, message", [
+    ((0, 3, 2, 0), "replica 0 is a member of every round"),
+    ((1, 4, 2, 0), "off by one"),
+    ((1, 2, 2, 0), "off by one"),
+    ((1, 7, 2, 0), "every member committed step 7"),
+    ((1, 3, 3, 0), "3 is the number of replicas: the survivors average over the quorum"),
+    ((1, 3, 1, 0), "is not the size of the quorums"),
+    ((1, 3, 2, 1), "replica 1 is the one that was healed"),
+    ((1, 3, 2, 2), "replica 2 did not send the state"),
+    ((5, 3, 2, 0), "a rank is an int from 0 to 2"),
+])
+def test_each_failure_misreading_is_named(answer, message):
+    text = str(check_failure_reading(lambda ev: answer, _failure()))
+    assert message in text and text.count("FAIL") == 1, text
+
+
+def test_the_round_number_is_not_the_step():
+    ev = _failure(step=3)
+    shifted = tuple(dict(r, round=r["round"] + 10) for r in ev.rounds)   # a run whose rounds do not start at 0
+    ev = FailureEvidence(3, 9, shifted, 1.0, ev._fault)
+    assert "is the round's number; give its step" in str(check_failure_reading(lambda e: (1, 13, 2, 0), ev))
+
+
+def test_an_unfilled_or_unusable_failure_reading_is_reported():
+    assert str(check_failure_reading(_stub, _failure())).endswith("fill in `_stub` in the cell above")
+    assert "four ints" in str(check_failure_reading(lambda ev: (1, 3), _failure()))
+    no_heal = FailureEvidence(3, 9, tuple(dict(r, healed_from=None) for r in _rounds()), 1.0, (1, 3, 5))
+    assert "run the cell that collects them again" in str(check_failure_reading(lambda ev: (1, 3, 2, 0), no_heal))
+
+
+@pytest.mark.slow
+def test_a_real_run_shows_the_injected_fault():
+    """One real run (3 replicas, a SIGKILL and a replacement; a few seconds): the reading passes on it."""
+    ev = failure_evidence(seed=1)
+    replica, step, _ = ev._fault
+    assert [r["step"] for r in ev.rounds if not r["committed"]] == [step], ev.format()
+    assert check_failure_reading(_read_rounds, ev).passed, ev.format()
+    assert check_failure_reading(lambda e: (replica, step, 3, 0), ev).cases[2][1] is False
+
+
+def _price(n, k, c, j):
+    restart, ft = n * (k % c + 1), n + j
+    return restart, ft, "restart" if restart < ft else "fault tolerance" if ft < restart else "tie"
+
+
+def test_a_right_price_passes_and_the_cases_cover_both_winners():
+    report = check_failure_price(_price)
+    assert report.passed and len(report.cases) == len(PRICE_CASES), str(report)
+    assert {_price(*case)[2] for case in PRICE_CASES} == {"restart", "fault tolerance"}
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda n, k, c, j: (n * (k % c), n + j, "fault tolerance"), "the step in flight is lost too"),
+    (lambda n, k, c, j: (k % c + 1, n + j, "fault tolerance"), "every one of the N replicas redoes"),
+    (lambda n, k, c, j: (n * (k + 1), n + j, "fault tolerance"), "not from step 0"),
+    (lambda n, k, c, j: (n * (k % c + 1), j, "fault tolerance"), "the aborted step is lost too"),
+    (lambda n, k, c, j: (n * (k % c + 1), n * j, "fault tolerance"), "only the failed replica misses"),
+    (lambda n, k, c, j: (n * (k % c + 1), 1 + j, "fault tolerance"), "the survivors' work on the aborted step"),
+    (lambda n, k, c, j: _price(n, k, c, j)[:2] + ("ft",), "cheaper is 'restart', 'fault tolerance' or 'tie'"),
+    (lambda n, k, c, j: _price(n, k, c, j)[:2] + ("restart",), "does not lose fewer replica-steps"),
+])
+def test_each_pricing_slip_is_named(fn, message):
+    text = str(check_failure_price(fn))
+    assert message in text and "FAIL" in text, text
+
+
+def test_an_unfilled_or_broken_price_is_reported():
+    assert str(check_failure_price(lambda n, k, c, j: None)).endswith("fill in `<lambda>` in the cell above")
+    text = str(check_failure_price(lambda n, k, c, j: (1, 2)))
+    assert "return (restart, ft, cheaper), got 2 values" in text

@@ -49,7 +49,8 @@ __all__ += ["check_schedule_bubbles"]
 from commlab.exercises.sync import check_fragment_schedule, check_hiding_tau, check_sync_bytes_per_step
 
 __all__ += ["check_fragment_schedule", "check_hiding_tau", "check_sync_bytes_per_step"]
-from commlab.exercises.diagnose import (check_flight_recorder, check_hang_diagnosis, check_straggler,
-                                        check_trace_reading)
+from commlab.exercises.diagnose import (check_failure_price, check_failure_reading, check_flight_recorder,
+                                        check_hang_diagnosis, check_straggler, check_trace_reading)
 
-__all__ += ["check_hang_diagnosis", "check_flight_recorder", "check_trace_reading", "check_straggler"]
+__all__ += ["check_hang_diagnosis", "check_flight_recorder", "check_trace_reading", "check_straggler",
+            "check_failure_reading", "check_failure_price"]

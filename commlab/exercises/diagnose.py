@@ -1,17 +1,17 @@
 """Graders for lab 13b: each exercise runs a fault for real and grades the learner's reading of its evidence.
 
-* ``diagnose_hang(evidence) -> (rank, op, fix)``: a hang clinic case chosen by a seed from :data:`HANG_CASES`
-  (:func:`hang_evidence`), read from what the ranks printed and their Python stacks; ``fix``, a key of :data:`FIXES`.
-  Truth: :data:`commlab.launch.clinic.CASES`, :func:`commlab.launch.failures.faulty_rank`, :data:`CASE_ANSWERS`;
+* ``diagnose_hang(evidence) -> (rank, op, fix)``: a hang clinic case (:func:`hang_evidence`), read from what the ranks
+  printed and their stacks; ``fix`` a key of :data:`FIXES`. Truth: the clinic's cases and :data:`CASE_ANSWERS`;
 * ``odd_entry(evidence) -> (rank, size)``: each rank's Flight Recorder entries of a job whose ranks disagree on an
   AllReduce's size (:func:`flight_recorder_evidence`); checked against the majority of the dumps;
-* ``read_traces(evidence) -> (kind, overlapped)``: one rank's profiler traces of a DP step, A and B, one with overlap
-  and one without (:func:`trace_evidence`); checked by :func:`commlab.overlap.trace.check_overlap` on the traces;
-* ``read_stragglers(evidence) -> (rank, step_s)``: per-rank timings of a DP job with one slowed rank
-  (:func:`straggler_evidence`): the straggler, and the step the max-over-ranks model predicts (:func:`model_step_s`).
+* ``read_traces(evidence) -> (kind, overlapped)``: two traces of a DP step, one overlapped (:func:`trace_evidence`);
+* ``read_stragglers(evidence) -> (rank, step_s)``: per-rank timings with one slowed rank (:func:`straggler_evidence`);
+* ``read_failure(evidence) -> (replica, step, divisor, healed_from)``: a fault-tolerant run's rounds with a replica
+  killed and replaced (:func:`failure_evidence`); ``price(N, k, C, j)``: the replica-steps a restart and fault
+  tolerance lose (:func:`check_failure_price`, truth :mod:`commlab.sync.recovery_cost`).
 
-A wrong answer is told what it mistook (the launcher's rank for the cause, a fix that cures another fault, the mean
-for the maximum), not the answer. Book: lab 13b and chapter 13b, "When it goes wrong".
+A wrong answer is told what it mistook (the launcher's rank for the cause, the mean for the maximum, N for the
+quorum's size), not the answer. Book: lab 13b and chapter 13b, "When it goes wrong".
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from commlab.exercises.report import NO_ANSWER, CheckReport, how_far
 __all__ = ["FIXES", "CASE_ANSWERS", "HANG_CASES", "FR_FIELDS", "STEP_TOLERANCE", "HangEvidence",
            "FlightRecorderEvidence", "TraceEvidence", "StragglerEvidence", "hang_evidence", "flight_recorder_evidence",
            "trace_evidence", "straggler_evidence", "model_step_s", "check_hang_diagnosis", "check_flight_recorder",
-           "check_trace_reading", "check_straggler"]
+           "check_trace_reading", "check_straggler",
+           "PRICE_CASES", "FailureEvidence", "failure_evidence", "check_failure_reading", "check_failure_price"]
 
 #: The fixes a diagnosis chooses from, each with the fault it cures.
 FIXES = {
@@ -483,4 +484,219 @@ def check_straggler(fn: Callable, evidence: StragglerEvidence) -> CheckReport:
              "milliseconds: give seconds": want * 1e3}
     why = next((k for k, v in slips.items() if abs(step_s - v) <= STEP_TOLERANCE * v), "")
     report.cases.append((label, False, f"{step_s:.4g} s is {how_far(step_s, want)}" + (f": {why}" if why else "")))
+    return report
+
+
+# ----------------------------------------------------------------------------------------- 5. survive a failure
+
+@dataclasses.dataclass(frozen=True)
+class FailureEvidence:
+    """A fault-tolerant run's rounds (one per ``start_step``, in order), as a survivor recorded them, with the
+    replacement's heal merged in: ``rounds[i]`` has ``round``, ``step`` (committed steps when it started),
+    ``members`` (the quorum), ``committed`` and ``healed_from`` (None, or ``(joiner, source)``: the replica that
+    copied the state and the one it copied it from). ``seconds``: the run's wall time."""
+
+    replicas: int
+    steps: int
+    rounds: tuple
+    seconds: float
+    _fault: tuple = dataclasses.field(repr=False)   # (replica, step, rejoin_step): the injected Fault
+
+    def format(self) -> str:
+        """One line per round: its step, members, whether it committed, and who healed from whom."""
+        lines = [f"{'round':>5} {'step':>4}  {'members':<14} {'committed':<9}  healed_from"]
+        for r in self.rounds:
+            heal = "" if r["healed_from"] is None else f"replica {r['healed_from'][0]} from {r['healed_from'][1]}"
+            lines.append(f"{r['round']:>5} {r['step']:>4}  {str(list(r['members'])):<14} "
+                         f"{'yes' if r['committed'] else 'no':<9}  {heal}")
+        return "\n".join(lines)
+
+
+def _merge_rounds(results: dict, fault_replica: int) -> tuple | None:
+    """A survivor's rounds with the replacement's heal marked on its first round; None if it never healed."""
+    survivor = min(r for r in results if r != fault_replica)
+    rounds = [dict(round=i, step=r["step"], members=tuple(r["members"]), committed=r["committed"], healed_from=None)
+              for i, r in enumerate(results[survivor]["rounds"])]
+    joined = next((r for r in results.get(fault_replica, {}).get("rounds", ()) if r["healed_from"] is not None),
+                  None)
+    if joined is None:
+        return None
+    aborted = next(i for i, r in enumerate(rounds) if not r["committed"])
+    i = next((i for i, r in enumerate(rounds) if i > aborted and fault_replica in r["members"]
+              and (r["step"], r["members"]) == (joined["step"], tuple(joined["members"]))), None)
+    if i is None:
+        return None
+    rounds[i]["healed_from"] = (fault_replica, joined["healed_from"])
+    return tuple(rounds)
+
+
+def failure_evidence(seed: int = 0, replicas: int = 3, steps: int = 20, tries: int = 2) -> FailureEvidence:
+    """Run the lost-work experiment's fault-tolerant job (:mod:`commlab.experiments.lost_work`, the digits MLP,
+    :class:`commlab.sync.FaultTolerantDP`) on ``replicas`` replicas for ``steps`` steps, with one replica (a seeded
+    choice) SIGKILLed after its backward of step 2..5 and a fresh one started 2..4 steps later (about 3 s).
+    A replacement that came after the survivors finished (a loaded machine) leaves no heal: the run is tried
+    again, ``tries`` runs at most.
+
+    Raises:
+        ValueError: a bad seed, replicas (3..8), steps (16..200) or tries. RuntimeError: no run saw the heal.
+    """
+    from commlab.experiments.lost_work import JobConfig, _ft_replica
+    from commlab.launch import Fault, run_replicas
+    from commlab.train.data import load_digits_split
+
+    where = "failure_evidence"
+    checks.integer("seed", seed, least=0, where=where)
+    checks.integer("replicas", replicas, least=3, most=8, where=where)
+    checks.integer("steps", steps, least=16, most=200, where=where)
+    checks.integer("tries", tries, least=1, most=5, where=where)
+    rng = random.Random(seed)
+    fault = Fault(rng.randrange(replicas), rng.randint(2, 5))
+    fault = dataclasses.replace(fault, rejoin_step=fault.step + rng.randint(2, 4))
+    cfg = JobConfig(replicas=replicas, steps=steps, seed=seed)
+    digits = load_digits_split(seed=seed)   # loaded once here: the replicas, and the replacement, fork with it
+    for _ in range(tries):
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="commlab-lab13b-") as folder:
+            run = run_replicas(_ft_replica, replicas, dict(cfg, fail_step=fault.step, fail_replica=fault.replica),
+                               folder, digits, faults=(fault,), timeout_s=60, print_output=False)
+        rounds = _merge_rounds(run.results, fault.replica)
+        if rounds is not None:
+            return FailureEvidence(replicas, steps, rounds, time.monotonic() - start,
+                                   (fault.replica, fault.step, fault.rejoin_step))
+    raise RuntimeError(f"{where}: in {tries} runs the replacement of replica {fault.replica} came after the "
+                       "survivors finished (a loaded machine): run the cell again, or pass more steps")
+
+
+def _out_rounds(evidence: FailureEvidence) -> list[dict]:
+    """The committed rounds the failed replica was not a member of (after its abort, before its heal)."""
+    return [r for r in evidence.rounds if r["committed"] and evidence._fault[0] not in r["members"]]
+
+
+def _as_quadruple(got) -> tuple:
+    replica, step, divisor, healed_from = got
+    return replica, step, divisor, healed_from
+
+
+def check_failure_reading(fn: Callable, evidence: FailureEvidence) -> CheckReport:
+    """Grade ``fn(evidence) -> (replica, step, divisor, healed_from)``: the replica that failed, the step that was
+    aborted, the divisor of the gradient average in the steps while it was out, and the replica it healed from;
+    checked against the injected fault and the run's own rounds."""
+    report = CheckReport(f"failure exercise ({_name(fn)})")
+    got = report.call("your reading", fn, evidence, convert=_as_quadruple,
+                      hint="return (replica, step, divisor, healed_from): four ints")
+    if got is NO_ANSWER:
+        return report
+    replica, step, divisor, healed = got
+    want_replica, want_step, _ = evidence._fault
+    aborted = [r for r in evidence.rounds if not r["committed"]]
+    heals = [r["healed_from"] for r in evidence.rounds if r["healed_from"] is not None]
+    divisors = {len(r["members"]) for r in _out_rounds(evidence)}
+    if not aborted or aborted[0]["step"] != want_step or len(heals) != 1 or len(divisors) != 1:
+        report.cases.append(("the evidence", False, "this run's rounds do not show one abort, one heal and one "
+                             "quorum size while the replica was out: run the cell that collects them again"))
+        return report
+    n = evidence.replicas
+    label = "the replica that failed"
+    if _check_rank(report, label, replica, n):
+        if replica == want_replica:
+            report.cases.append((label, True, ""))
+        else:
+            report.cases.append((label, False, f"replica {replica} is a member of every round: the failed one is "
+                                 "missing from the quorums after the round that did not commit"))
+    label = "the step that was aborted"
+    if not checks.is_int(step):
+        report.cases.append((label, False, f"a step is an int (the committed steps when the round began), got "
+                             f"{step!r}"))
+    elif step == want_step:
+        report.cases.append((label, True, ""))
+    elif step in (want_step + 1, want_step - 1):
+        report.cases.append((label, False, f"step {step} is off by one: the aborted step is the 'step' of the "
+                             "round that did not commit, and the survivors redo that same step in the next round"))
+    elif step == aborted[0]["round"] != want_step:
+        report.cases.append((label, False, f"{step} is the round's number; give its step"))
+    else:
+        report.cases.append((label, False, f"every member committed step {step}: look for the round that did not "
+                             "commit"))
+    label = "the divisor while it was out"
+    want_div = divisors.pop()
+    if divisor == want_div and checks.is_int(divisor):
+        report.cases.append((label, True, ""))
+    elif divisor == n:
+        report.cases.append((label, False, f"{n} is the number of replicas: the survivors average over the quorum, "
+                             "the replicas whose gradients the sum holds, and the failed one sent none"))
+    else:
+        report.cases.append((label, False, f"{divisor!r} is not the size of the quorums of those steps: count "
+                             "their members"))
+    label = "the replica it healed from"
+    joiner, source = heals[0]
+    if _check_rank(report, label, healed, n):
+        if healed == source:
+            report.cases.append((label, True, ""))
+        elif healed == joiner:
+            report.cases.append((label, False, f"replica {healed} is the one that was healed: name the healthy "
+                                 "replica that sent it the state"))
+        else:
+            report.cases.append((label, False, f"replica {healed} did not send the state: read the healed_from "
+                                 "column of the round where the replacement joined"))
+    return report
+
+
+#: The graded cases of the pricing exercise: ``(replicas, fail_step, interval_steps, missed_steps)``; the
+#: lost-work experiment's failure (4 replicas, step 37, back 10 steps later) for each of its checkpoint intervals,
+#: a failure right after a checkpoint, and one at scale.
+PRICE_CASES = ((4, 37, 5, 10), (4, 37, 10, 10), (4, 37, 20, 10), (4, 37, 40, 10), (8, 40, 10, 30),
+               (1024, 1234, 500, 30))
+
+
+def _how_far_count(got, want: int) -> str:
+    return how_far(got, want) if checks.is_number(got) else "not a number of replica-steps"
+
+
+def _cheaper(restart: int, ft: int) -> str:
+    return "restart" if restart < ft else "fault tolerance" if ft < restart else "tie"
+
+
+def check_failure_price(fn: Callable, cases=PRICE_CASES) -> CheckReport:
+    """Grade ``fn(replicas, fail_step, interval_steps, missed_steps) -> (restart, ft, cheaper)``: the replica-steps
+    lost by a checkpoint restart and by per-step fault tolerance, and ``cheaper``, ``"restart"``,
+    ``"fault tolerance"`` or ``"tie"``, on each of ``cases``; the truth is
+    :func:`commlab.sync.recovery_cost.restart_lost_replica_steps` and
+    :func:`~commlab.sync.recovery_cost.ft_lost_replica_steps`."""
+    from commlab.sync.recovery_cost import ft_lost_replica_steps, restart_lost_replica_steps
+
+    report = CheckReport(f"pricing exercise ({_name(fn)})")
+    for n, k, c, j in cases:
+        desc = f"N={n}, failure in step {k}, a checkpoint every {c} steps, back after {j}"
+        got = report.call(desc, fn, n, k, c, j, convert=tuple,
+                          hint="return (restart, ft, cheaper): two ints and 'restart', 'fault tolerance' or 'tie'")
+        if got is NO_ANSWER:
+            if report.not_attempted:
+                return report
+            continue
+        if len(got) != 3:
+            report.cases.append((desc, False, f"return (restart, ft, cheaper), got {len(got)} values"))
+            continue
+        restart, ft, cheaper = got
+        want_r, want_f = restart_lost_replica_steps(k, c, n), ft_lost_replica_steps(j, n)
+        wrong = []
+        if restart != want_r:
+            slips = {n * (k % c): "the step in flight is lost too: every replica redoes it",
+                     k % c + 1: "that is one replica's: every one of the N replicas redoes those steps",
+                     n * (k + 1): "the restart resumes from the last checkpoint, not from step 0"}
+            wrong.append(f"restart {restart!r} is {_how_far_count(restart, want_r)}"
+                         + (f": {slips[restart]}" if restart in slips else ""))
+        if ft != want_f:
+            slips = {j: "the aborted step is lost too, on all N replicas: nobody commits it",
+                     1 + j: "the survivors' work on the aborted step is discarded too, not only the failed replica's",
+                     n * j: "only the failed replica misses the j steps: the survivors go on"}
+            wrong.append(f"fault tolerance {ft!r} is {_how_far_count(ft, want_f)}"
+                         + (f": {slips[ft]}" if ft in slips else ""))
+        if cheaper != _cheaper(want_r, want_f):
+            if cheaper not in ("restart", "fault tolerance", "tie"):
+                wrong.append(f"cheaper is 'restart', 'fault tolerance' or 'tie', got {cheaper!r}")
+            elif not wrong:
+                wrong.append(f"{cheaper!r} does not lose fewer replica-steps: compare your two counts")
+            else:
+                wrong.append("fix the counts, then compare them")
+        report.cases.append((desc, not wrong, "; ".join(wrong)))
     return report
