@@ -3,13 +3,18 @@
 :func:`plot_lost_work` draws a recording of :mod:`commlab.experiments.lost_work` (replica-steps lost and wall
 seconds against the checkpoint interval C, measured points beside the model's line, fault tolerance as a
 horizontal line); :func:`plot_break_even` maps which approach loses less time over failure rate × checkpoint cost
-(:mod:`commlab.sync.recovery_cost`, Young's interval for the restart). Book: chapter "When it goes wrong"
+(:mod:`commlab.sync.recovery_cost`, Young's interval for the restart); :func:`plot_quorum_history` draws the rounds
+of a :class:`commlab.sync.FaultTolerantDP` run as a grid of replicas × rounds. Book: chapter "When it goes wrong"
 (book/ch13b_when_it_goes_wrong), section "Survive a failure".
 """
 
 from __future__ import annotations
 
-__all__ = ["plot_lost_work", "plot_break_even"]
+__all__ = ["plot_lost_work", "plot_break_even", "plot_quorum_history", "quorum_grid", "QUORUM_STATES"]
+
+#: What a replica did in a round, in the order of :func:`plot_quorum_history`'s colours (index = code).
+QUORUM_STATES = ("absent", "committed", "aborted in flight", "healed, then committed", "healed, aborted")
+_STATE_COLORS = ("#f2f2f2", "#2ca02c", "#ff7f0e", "#1f77b4", "#9ecae1")
 
 
 def plot_lost_work(result: dict):
@@ -123,5 +128,98 @@ def plot_break_even(step_s: float, *, restart_s: float, quorum_s: float, ft_fail
     if mark is not None:
         ax.plot([mark[0]], [mark[1]], "k*", ms=10)
         ax.annotate(mark[2], (mark[0], mark[1]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def quorum_grid(histories, replicas: int):
+    """The rounds of a fault-tolerant run as a grid: ``(codes, steps, divisors, failed)`` where ``codes[r][i]``
+    indexes :data:`QUORUM_STATES` for replica r in round i, ``steps[i]`` is the step round i worked on,
+    ``divisors[i]`` its quorum's size and ``failed`` the ``(replica, round)`` pairs of a member of an aborted
+    round that is not a member of the next one (it died in flight: its own record died with it).
+
+    Args:
+        histories: the :attr:`~commlab.sync.FaultTolerantDP.history` lists of the replicas (a mapping replica ->
+            list, or an iterable of lists); the quorums are the same on every member, so they are merged by
+            round id, and a round no list holds is an error.
+        replicas: N, the replicas of the run.
+
+    Raises:
+        ValueError: no rounds, ``replicas < 1``, a member outside 0..N-1, or a gap in the round ids.
+    """
+    from commlab import checks
+
+    where = "quorum_grid"
+    n = checks.integer("replicas", replicas, least=1, where=where)
+    lists = histories.values() if hasattr(histories, "values") else histories
+    by_id = {}
+    for hist in lists:
+        for rec in hist:
+            by_id.setdefault(rec.quorum.id, rec)
+    if not by_id:
+        checks.fail("histories", "no rounds", "at least one StepRecord", where=where)
+    ids = sorted(by_id)
+    if ids != list(range(ids[0], ids[-1] + 1)):
+        checks.fail("histories", f"round ids {ids}", "consecutive round ids (every round held by some replica)",
+                    where=where)
+    rounds = [by_id[i] for i in ids]
+    codes = [[0] * len(rounds) for _ in range(n)]
+    failed = []
+    for i, rec in enumerate(rounds):
+        q = rec.quorum
+        for m in q.members:
+            if not 0 <= m < n:
+                checks.fail("histories", f"member {m} in round {q.id}", f"members in 0..{n - 1}", where=where)
+            healed = m in q.joining
+            codes[m][i] = (3 if healed else 1) if rec.committed else (4 if healed else 2)
+            if not rec.committed and i + 1 < len(rounds) and m not in rounds[i + 1].quorum.members:
+                failed.append((m, i))
+    return codes, [r.quorum.step for r in rounds], [len(r.quorum.members) for r in rounds], failed
+
+
+def plot_quorum_history(histories, replicas: int, ax=None, title: str | None = None):
+    """Draw :func:`quorum_grid`: one row per replica, one column per round (its step below it), coloured by
+    :data:`QUORUM_STATES`, a cross where a replica died in flight, and the AllReduce's divisor (the quorum's size)
+    above the columns where it changes. Returns the matplotlib figure.
+
+    Raises:
+        ValueError: as :func:`quorum_grid`.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    codes, steps, divisors, failed = quorum_grid(histories, replicas)
+    rounds = len(steps)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6.0, min(14.0, 0.32 * rounds + 2.5)), 0.45 * replicas + 1.9))
+    else:
+        fig = ax.figure
+    ax.pcolormesh(range(rounds + 1), range(replicas + 1), codes, cmap=ListedColormap(_STATE_COLORS), vmin=-0.5,
+                  vmax=len(_STATE_COLORS) - 0.5, edgecolors="w", linewidth=1.5)
+    for m, i in failed:
+        ax.plot(i + 0.5, m + 0.5, "kx", ms=9, mew=2)
+    for i, d in enumerate(divisors):
+        if i == 0 or d != divisors[i - 1]:
+            ax.annotate(f"÷{d}", (i + 0.5, 0), xytext=(0, 3), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=8)
+    every = max(1, rounds // 30 + 1)
+    ax.set_xticks([i + 0.5 for i in range(0, rounds, every)], [str(steps[i]) for i in range(0, rounds, every)],
+                  fontsize=7)
+    ax.set_yticks([r + 0.5 for r in range(replicas)], [f"replica {r}" for r in range(replicas)])
+    ax.set_xlim(0, rounds)
+    ax.set_ylim(replicas, 0)
+    ax.set_xlabel("round (labelled with the step it worked on; an aborted step is redone in the next round)")
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    used = sorted({c for row in codes for c in row})
+    handles = [Patch(color=_STATE_COLORS[c], label=QUORUM_STATES[c]) for c in used]
+    if failed:
+        handles.append(plt.Line2D([], [], color="k", marker="x", ls="", mew=2, label="killed in flight"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(handles), fontsize=7,
+              frameon=False)
+    if title:
+        ax.set_title(title, pad=14)
     fig.tight_layout()
     return fig
