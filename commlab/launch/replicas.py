@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -207,6 +208,9 @@ def run_replicas(fn: Callable[..., Any], replicas: int, *args: Any, faults=(),
         run.reap()
         outputs = _read_outputs(workdir, run.incarnations)
         shutil.rmtree(workdir, ignore_errors=True)
+        # Drop the store now: an exception's traceback would keep it alive, and a later run's forked child that
+        # collected it would hang in its destructor (it joins a server thread that only this process has).
+        run.store = store = None
     if print_output:
         _print_outputs(outputs)
     flat = ["\n".join(text for _, text in sorted(outputs.get(r, {}).items())) for r in range(replicas)]
@@ -396,6 +400,7 @@ def _replica_main(cfg: _Config, replica: int, inc: int, fault, fn, args, kwargs)
     sys.stderr = sys.stdout
     if faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr)
+    gc.freeze()  # never collect what came with the fork (an earlier run's store: its destructor would hang here)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # a fault kills this group; the parent ends it with everything it started
