@@ -619,7 +619,7 @@ def check_failure_reading(fn: Callable, evidence: FailureEvidence) -> CheckRepor
                              "commit"))
     label = "the divisor while it was out"
     want_div = divisors.pop()
-    if divisor == want_div and checks.is_int(divisor):
+    if checks.is_number(divisor) and divisor == want_div:
         report.cases.append((label, True, ""))
     elif divisor == n:
         report.cases.append((label, False, f"{n} is the number of replicas: the survivors average over the quorum, "
