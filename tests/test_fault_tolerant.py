@@ -222,3 +222,52 @@ def test_too_few_replicas_for_a_quorum_times_out_with_a_named_error():
                 opt.step()
     with pytest.raises(ReplicaError, match="TimeoutError: replica 0: no quorum of at least min_replicas=2"):
         run_replicas(job, 2, faults=[Fault(1, 1)], timeout_s=30, print_output=False)
+
+
+def _stalled_job(ctx, steps, stall_s, when):
+    """2 replicas, join_timeout_s 0.2 s. when="in_round": replica 1 comes 0.5 s late to step 1 and replica 0,
+    alone, holds that round open for ``stall_s``; when="between": the first process of a replica spends
+    ``stall_s`` between its steps (an evaluation, a log), longer than join_timeout_s."""
+    model, opt = _model_and_opt()
+    ft = FaultTolerantDP(ctx, model, opt, join_timeout_s=0.2, op_timeout_s=5.0, quorum_timeout_s=20.0)
+    q = None
+    while ft.step < steps or len(q.members) < ctx.replicas:  # bounded by timeout_s
+        if when == "in_round" and ctx.replica == 1 and len(ft.history) == 1:
+            time.sleep(0.5)
+        q = ft.start_step()
+        x, y = _batch(ctx.replica, ctx.replicas, ft.step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if when == "in_round" and q.members == (0,):
+            time.sleep(stall_s)
+        ctx.maybe_fail(ft.step)
+        ft.average_gradients()
+        if ft.should_commit():
+            opt.step()
+        if when == "between" and ctx.incarnation == 0:
+            time.sleep(stall_s)
+    return {"hash": _state_hash(model, opt), "history": ft.history}
+
+
+def test_no_round_is_decided_while_the_previous_one_is_in_flight():
+    # Replica 1, left out of round 1, must not form round 2 on its own while replica 0 still computes round 1:
+    # two quorums at once would commit two different step-1 updates and the replicas would silently diverge.
+    run = run_replicas(_stalled_job, 2, 3, 1.0, "in_round", timeout_s=60, print_output=False)
+    res = run.results
+    assert res[0]["history"][1].quorum.members == (0,)  # the setup happened: replica 1 was left out
+    for r in (0, 1):
+        steps = [rec.quorum.step for rec in res[r]["history"] if rec.committed]
+        assert steps == sorted(set(steps)), steps
+    assert res[0]["hash"] == res[1]["hash"]
+    assert any(rec.healed_from == 0 for rec in res[1]["history"])
+
+
+def test_a_replacement_waits_for_survivors_slower_than_join_timeout():
+    # The survivor spends 0.6 s between steps; the replacement must wait for it (the only holder of the state),
+    # not form a quorum of its own after join_timeout_s and fail for want of anyone to heal from.
+    run = run_replicas(_stalled_job, 2, 4, 0.6, "between", faults=[Fault(1, 1, rejoin_step=2)], timeout_s=60,
+                       print_output=False)
+    res = run.results
+    assert run.incarnations == {0: 1, 1: 2}
+    assert res[1]["history"][0].healed_from == 0 and res[0]["hash"] == res[1]["hash"]
+

@@ -2,7 +2,7 @@
 
 :class:`FaultTolerantDP` (the shape of torchft's Manager, on the course's pieces) runs in each replica of
 :func:`commlab.launch.run_replicas`. Per step: :meth:`~FaultTolerantDP.start_step` agrees on a :class:`Quorum`
-through the store (decided once with ``compare_set``, so all read the same), re-initialises the gloo group when
+through the store (decided once with ``compare_set``, one round at a time), re-initialises the gloo group when
 the members change, and copies model and optimizer state from the lowest healthy member to any member that is
 behind; :meth:`~FaultTolerantDP.average_gradients` sums with the ring AllReduce and divides by the quorum's size;
 :meth:`~FaultTolerantDP.should_commit` is a vote: every survivor skips a step on which any member failed.
@@ -172,10 +172,19 @@ class FaultTolerantDP:
         if previous is None:
             previous = tuple(range(self.replicas)) if rnd == 0 else ()
         start = time.monotonic()
+        opened = None  # when the previous round settled: the join timer runs from then
         while True:
             if store.check([key]):
                 break
             gone = {r for r in range(self.replicas) if self.ctx.is_gone(r)}
+            settled = self._settled(rnd - 1, gone)
+            if settled is None:  # one round at a time: deciding while one is in flight splits the brain
+                if time.monotonic() - start >= self.quorum_timeout_s:
+                    raise TimeoutError(f"replica {self.replica}: round {rnd - 1} had no outcome within "
+                                       f"quorum_timeout_s={self.quorum_timeout_s:g} s")
+                time.sleep(_POLL_S)
+                continue
+            opened = opened or time.monotonic()
             came = {}
             for r in range(self.replicas):
                 k = _ANNOUNCE.format(round=rnd, replica=r)
@@ -183,14 +192,20 @@ class FaultTolerantDP:
                     came[r] = int(store.get(k))
             pending = {r for r in range(self.replicas) if store.check([_PENDING.format(replica=r)])}
             expected = (set(previous) | pending) - gone
-            waited = time.monotonic() - start
-            if len(came) >= self.min_replicas and (expected <= set(came) or waited >= self.join_timeout_s):
+            waited = time.monotonic() - opened
+            # Never form without a holder of the latest state while one may still come: joiners alone (the
+            # survivors slower than join_timeout_s) could only fail. Once every holder has ended, form (and fail).
+            committed = max(settled, int(store.get(_COMMITTED)) if store.check([_COMMITTED]) else 0)
+            holder = any(s >= committed for s in came.values())
+            awaited = set(range(self.replicas)) - gone - set(came)
+            if len(came) >= self.min_replicas and (expected <= set(came) or waited >= self.join_timeout_s) \
+                    and (holder or not awaited):
                 members = sorted(came)
                 payload = json.dumps({"members": members, "steps": [came[m] for m in members]})
                 store.compare_set(key, "", payload)
                 store.set(_LATEST, str(rnd))
                 break
-            if waited >= self.quorum_timeout_s:
+            if time.monotonic() - start >= self.quorum_timeout_s:
                 raise TimeoutError(
                     f"replica {self.replica}: no quorum of at least min_replicas={self.min_replicas} formed for "
                     f"round {rnd} within quorum_timeout_s={self.quorum_timeout_s:g} s (came: {sorted(came)}, "
@@ -198,6 +213,17 @@ class FaultTolerantDP:
             time.sleep(_POLL_S)
         decision = json.loads(store.get(key))
         return tuple(decision["members"]), list(decision["steps"])
+
+    def _settled(self, rnd: int, gone: set) -> int | None:
+        """Committed steps after round ``rnd`` once it has an outcome (or all its members are gone), else None."""
+        store = self.ctx.store
+        if rnd < 0 or not store.check([_DECISION.format(round=rnd)]):
+            return 0
+        decision = json.loads(store.get(_DECISION.format(round=rnd)))
+        key = _OUTCOME.format(round=rnd)
+        if store.check([key]):
+            return max(decision["steps"]) + (store.get(key) == b"commit")
+        return max(decision["steps"]) if set(decision["members"]) <= gone else None
 
     # ----------------------------------------------------------------------------------------- group
     def _regroup(self, q: Quorum) -> None:
