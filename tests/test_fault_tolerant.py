@@ -271,3 +271,63 @@ def test_a_replacement_waits_for_survivors_slower_than_join_timeout():
     assert run.incarnations == {0: 1, 1: 2}
     assert res[1]["history"][0].healed_from == 0 and res[0]["hash"] == res[1]["hash"]
 
+
+class _NormNet(torch.nn.Module):
+    def __init__(self, hidden=HIDDEN, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
+                                        torch.nn.Linear(hidden, 10)).to(dtype)
+
+    def forward(self, x):
+        return self.body(x.to(self.body[0].weight.dtype)).float()
+
+
+def _full_hash(model, opt):
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():  # parameters and buffers (BatchNorm's running statistics)
+        h.update(k.encode() + v.numpy().tobytes())
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            h.update(f"{i}{k}".encode() + torch.as_tensor(v).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _norm_job(ctx, steps, misuse=None):
+    hidden = HIDDEN + 1 if misuse == "shape" and ctx.replica == 1 else HIDDEN
+    dtype = torch.float64 if misuse == "dtype" and ctx.replica == 1 else torch.float32
+    model = _NormNet(hidden, dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ft = FaultTolerantDP(ctx, model, opt, op_timeout_s=5.0, quorum_timeout_s=20.0)
+    q = None
+    while ft.step < steps or len(q.members) < ctx.replicas:  # bounded by timeout_s
+        q = ft.start_step()
+        if misuse == "twice" and ctx.replica == 0:
+            ft.start_step()
+        x, y = _batch(ctx.replica, ctx.replicas, ft.step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        ctx.maybe_fail(ft.step)
+        ft.average_gradients()
+        if ft.should_commit():
+            opt.step()
+    return _full_hash(model, opt)
+
+
+def test_buffers_and_adam_state_end_bit_identical_after_a_heal():
+    run = run_replicas(_norm_job, 3, 4, faults=[Fault(2, 1, rejoin_step=2)], timeout_s=60, print_output=False)
+    assert run.incarnations == {0: 1, 1: 1, 2: 2} and len(set(run.results.values())) == 1
+
+
+@pytest.mark.parametrize("misuse, match", [
+    ("shape", r"replica 1 has 2551 gradient elements \(float32\).*replicas \[0\] have 2474"),
+    ("dtype", r"replica 1 has 2474 gradient elements \(float64\).*replicas \[0\] have 2474 gradient el"),
+    ("twice", r"replica 0: start_step\(\) twice in one step"),
+])
+def test_misuse_fails_fast_with_a_named_error(misuse, match):
+    # Before: a shape mismatch averaged garbage and then hung, a dtype mismatch crashed gloo (SIGABRT), and a
+    # second start_step hung the peer until the deadline.
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaError, match=match):
+        run_replicas(_norm_job, 2, 3, misuse, timeout_s=30, print_output=False)
+    assert time.monotonic() - t0 < 15

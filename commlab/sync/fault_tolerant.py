@@ -4,19 +4,20 @@
 :func:`commlab.launch.run_replicas`. Per step: :meth:`~FaultTolerantDP.start_step` agrees on a :class:`Quorum`
 through the store (decided once with ``compare_set``, one round at a time), re-initialises the gloo group when
 the members change, and copies model and optimizer state from the lowest healthy member to any member that is
-behind; :meth:`~FaultTolerantDP.average_gradients` sums with the ring AllReduce and divides by the quorum's size;
-:meth:`~FaultTolerantDP.should_commit` is a vote: every survivor skips a step on which any member failed.
+behind; :meth:`~FaultTolerantDP.average_gradients` sums with the ring AllReduce, divides by the quorum's size and
+copies buffers from the first member; :meth:`~FaultTolerantDP.should_commit` is a vote: all skip a failed step.
 It does not handle: a failure inside a TP or PP group (that group still needs a restart), the loss of the store's
-host (the parent: fatal), a loss of every replica holding the latest step, silent corruption (a replica that
-returns wrong numbers), RNG or data-loader state (the job derives its batch from ``step``), or a step whose
-collective hangs without a peer dying (bounded by ``op_timeout_s`` only). Chapter "When it goes wrong",
-section "Survive a failure".
+host (the parent: fatal), a loss of every replica holding the latest step (RuntimeError; so also a replacement
+that arrives after the survivors finished), silent corruption or a NaN gradient (averaged into every replica, as
+in DDP), RNG or data-loader state (the job derives its batch from ``step``), or a collective that hangs without a
+peer dying (bounded by ``op_timeout_s`` only). Chapter "When it goes wrong", section "Survive a failure".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import io
 import json
 import time
@@ -30,8 +31,8 @@ from commlab.collectives import ring_all_reduce
 __all__ = ["FaultTolerantDP", "Quorum", "StepRecord"]
 
 _P = "commlab/ft"                      # every key of the protocol lives under this prefix of the store
-_ANNOUNCE = _P + "/{round}/announce/{replica}"   # value: the replica's committed steps
-_DECISION = _P + "/{round}/decision"             # JSON {"members": [...], "steps": [...]}, set once
+_ANNOUNCE = _P + "/{round}/announce/{replica}"   # JSON {"step": committed steps, "model": signature}
+_DECISION = _P + "/{round}/decision"             # JSON {"members", "steps", "models"}, set once
 _VOTE = _P + "/{round}/vote/{replica}"           # "1" averaged fine, "0" failed
 _OUTCOME = _P + "/{round}/outcome"               # "commit" or "abort", set once
 _PENDING = _P + "/pending/{replica}"             # a replica waiting to join (new, restarted or left out)
@@ -114,17 +115,26 @@ class FaultTolerantDP:
         """Join this step's quorum, rebuild the group if its members changed, heal if behind.
 
         Returns the :class:`Quorum`. Raises TimeoutError when no quorum of ``min_replicas`` forms within
-        ``quorum_timeout_s``, RuntimeError when no member holds the latest committed step.
+        ``quorum_timeout_s``, RuntimeError when no member holds the latest committed step or when called twice
+        without :meth:`should_commit`, ValueError (naming the replicas) when the members' models differ in
+        parameter names, shapes or dtypes.
         """
         store, me = self.ctx.store, self.replica
+        if self._quorum is not None:
+            raise RuntimeError(f"replica {me}: start_step() twice in one step (round {self._quorum.id}): call "
+                               "should_commit() to end a step before starting the next")
+        if store is None:
+            raise RuntimeError(f"replica {me}: ctx.store is None; FaultTolerantDP runs inside "
+                               "commlab.launch.run_replicas, whose ReplicaContext holds the shared store")
         t0 = time.monotonic()
         self._error, self._averaged, self._healed_from, self._phase = None, False, None, {}
         if self._joining:
             store.set(_PENDING.format(replica=me), "1")
             self._round = self._next_open_round()
+        announce = json.dumps({"step": self.step, "model": _signature(self.model)})
         while True:
-            store.set(_ANNOUNCE.format(round=self._round, replica=me), str(self.step))
-            members, steps = self._decide(self._round)
+            store.set(_ANNOUNCE.format(round=self._round, replica=me), announce)
+            members, steps, models = self._decide(self._round)
             if me in members:
                 break
             # Left out (arrived after the decision): wait for the next round as a known joiner.
@@ -134,12 +144,14 @@ class FaultTolerantDP:
         if self._joining:
             store.delete_key(_PENDING.format(replica=me))
             self._joining = False
+        _check_same_model(me, self._round, members, models)
         top = max(steps)
         committed = int(store.get(_COMMITTED)) if store.check([_COMMITTED]) else 0
         if top < committed:
             raise RuntimeError(f"replica {me}: no member of quorum {self._round} {members} holds the latest "
                                f"state ({committed} committed steps; members hold {steps}): every replica that "
-                               "had it is gone, so restart from a checkpoint")
+                               "had it has ended (lost, or done with its job: a replacement that comes after the "
+                               "survivors finish has nobody to heal from), so restart from a checkpoint or end")
         q = Quorum(id=self._round, step=top, members=members,
                    healthy=tuple(m for m, s in zip(members, steps) if s == top),
                    joining=tuple(m for m, s in zip(members, steps) if s < top))
@@ -165,7 +177,7 @@ class FaultTolerantDP:
             return None
         return tuple(json.loads(self.ctx.store.get(key))["members"])
 
-    def _decide(self, rnd: int) -> tuple[tuple[int, ...], list[int]]:
+    def _decide(self, rnd: int) -> tuple[tuple[int, ...], list[int], list[str]]:
         store = self.ctx.store
         key = _DECISION.format(round=rnd)
         previous = self._members_of(rnd - 1)
@@ -189,19 +201,20 @@ class FaultTolerantDP:
             for r in range(self.replicas):
                 k = _ANNOUNCE.format(round=rnd, replica=r)
                 if r not in gone and store.check([k]):
-                    came[r] = int(store.get(k))
+                    came[r] = json.loads(store.get(k))
             pending = {r for r in range(self.replicas) if store.check([_PENDING.format(replica=r)])}
             expected = (set(previous) | pending) - gone
             waited = time.monotonic() - opened
             # Never form without a holder of the latest state while one may still come: joiners alone (the
             # survivors slower than join_timeout_s) could only fail. Once every holder has ended, form (and fail).
             committed = max(settled, int(store.get(_COMMITTED)) if store.check([_COMMITTED]) else 0)
-            holder = any(s >= committed for s in came.values())
+            holder = any(a["step"] >= committed for a in came.values())
             awaited = set(range(self.replicas)) - gone - set(came)
             if len(came) >= self.min_replicas and (expected <= set(came) or waited >= self.join_timeout_s) \
                     and (holder or not awaited):
                 members = sorted(came)
-                payload = json.dumps({"members": members, "steps": [came[m] for m in members]})
+                payload = json.dumps({"members": members, "steps": [came[m]["step"] for m in members],
+                                      "models": [came[m]["model"] for m in members]})
                 store.compare_set(key, "", payload)
                 store.set(_LATEST, str(rnd))
                 break
@@ -212,7 +225,7 @@ class FaultTolerantDP:
                     f"expected: {sorted(expected)}, gone: {sorted(gone)})")
             time.sleep(_POLL_S)
         decision = json.loads(store.get(key))
-        return tuple(decision["members"]), list(decision["steps"])
+        return tuple(decision["members"]), list(decision["steps"]), list(decision["models"])
 
     def _settled(self, rnd: int, gone: set) -> int | None:
         """Committed steps after round ``rnd`` once it has an outcome (or all its members are gone), else None."""
@@ -273,7 +286,9 @@ class FaultTolerantDP:
 
     # ------------------------------------------------------------------------------------ the step
     def average_gradients(self) -> None:
-        """Replace each parameter's ``.grad`` by its mean over the quorum (ring AllReduce sum / quorum size).
+        """Replace each parameter's ``.grad`` by its mean over the quorum (ring AllReduce sum / quorum size),
+        and each buffer (BatchNorm's running statistics) by the first member's, as DDP broadcasts rank 0's; a
+        parameter without a gradient counts as zeros (it gets a zero gradient, not None).
 
         A collective that fails (a peer killed: gloo raises "Connection closed by peer" within milliseconds;
         a peer stuck: after ``op_timeout_s``) is recorded, not raised: :meth:`should_commit` then says False.
@@ -282,13 +297,18 @@ class FaultTolerantDP:
         self._averaged = True
         if self._quorum is None:
             raise RuntimeError("average_gradients() before start_step(): call start_step() first in each step")
-        if self._error is not None:
+        if self._error is not None:  # the group or the heal failed: peers must not wait op_timeout_s for us
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._phase["allreduce"] = time.monotonic() - t0
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         try:
-            # check=False: every member holds the same model (healed), so count and dtype agree by construction.
+            # check=False: start_step checked that every member holds a model of the same layout.
             ring_all_reduce(flat, inplace=True, check=False)
+            for b in self.model.buffers():  # BatchNorm's statistics: the first member's, as DDP broadcasts them
+                dist.broadcast(b, src=0)
         except Exception as e:  # noqa: BLE001 - recorded; the vote fails the step everywhere
             self._error = f"allreduce: {type(e).__name__}: {e}"
             # Close this member's connections now: a peer blocked on a receive from it (not from the dead
@@ -299,7 +319,7 @@ class FaultTolerantDP:
         flat.div_(len(self._quorum.members))  # the divisor follows the quorum
         offset = 0
         for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)  # cat promotes dtypes
             offset += p.numel()
         self._phase["allreduce"] = time.monotonic() - t0
 
@@ -342,3 +362,25 @@ class FaultTolerantDP:
         self._round = q.id + 1
         self._quorum = None
         return committed
+
+
+def _signature(model: torch.nn.Module) -> str:
+    """What must agree across members: gradient elements, dtypes and a digest of names, shapes and dtypes."""
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters() if p.requires_grad]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dtypes = "/".join(sorted({d.replace("torch.", "") for _, _, d in params})) or "none"
+    digest = hashlib.sha1(repr((params, buffers)).encode()).hexdigest()[:8]
+    return f"{numel} gradient elements ({dtypes}), layout {digest}"
+
+
+def _check_same_model(me: int, rnd: int, members, models) -> None:
+    """ValueError naming the members whose model differs from the most common one (ties: the lowest member's)."""
+    if len(set(models)) <= 1:
+        return
+    common = max(models, key=lambda m: (models.count(m), -models.index(m)))
+    odd = [(r, m) for r, m in zip(members, models) if m != common]
+    others = [r for r, m in zip(members, models) if m == common]
+    raise ValueError(f"replica {me}: the members of quorum {rnd} hold different models, so their gradients cannot "
+                     "be averaged nor their state copied: " + "; ".join(f"replica {r} has {m}" for r, m in odd) +
+                     f"; replicas {others} have {common}. Build the same model (shapes, dtypes) on every replica")
