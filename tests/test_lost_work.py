@@ -175,6 +175,36 @@ def test_the_figures_draw(recorded):
     plt.close("all")
 
 
+def test_the_quorum_grid_reads_rounds_as_built():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from commlab.sync.fault_tolerant import Quorum, StepRecord
+    from commlab.viz.fault import plot_quorum_history, quorum_grid
+
+    def rec(i, step, members, committed, joining=()):
+        healthy = tuple(m for m in members if m not in joining)
+        return StepRecord(Quorum(i, step, members, healthy, joining), False, None, committed, None, {})
+
+    # 3 replicas: all commit step 0; replica 1 dies in flight in step 1 (aborted); 0 and 2 redo step 1 as two;
+    # replica 1 is back, healed, for step 2.
+    rounds = [rec(0, 0, (0, 1, 2), True), rec(1, 1, (0, 1, 2), False), rec(2, 1, (0, 2), True),
+              rec(3, 2, (0, 1, 2), True, joining=(1,))]
+    survivor, back = rounds, [rounds[3]]   # the replacement holds only the rounds it took part in
+    codes, steps, divisors, failed = quorum_grid({0: survivor, 1: back, 2: survivor}, 3)
+    assert codes == [[1, 2, 1, 1], [1, 2, 0, 3], [1, 2, 1, 1]]
+    assert (steps, divisors, failed) == ([0, 1, 1, 2], [3, 3, 2, 3], [(1, 1)])
+    assert len(plot_quorum_history([survivor], 3).axes) == 1
+    plt.close("all")
+    with pytest.raises(ValueError, match="consecutive round ids"):
+        quorum_grid([[rounds[0], rounds[2]]], 3)
+    with pytest.raises(ValueError, match="members in 0..1"):
+        quorum_grid([rounds], 2)
+    with pytest.raises(ValueError, match="at least one StepRecord"):
+        quorum_grid([[]], 3)
+
+
 # ------------------------------------------------------------------------------------------- live runs
 
 def test_a_fault_tolerant_run_loses_the_aborted_step_and_the_missed_ones():
