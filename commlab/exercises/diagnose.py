@@ -540,7 +540,7 @@ def failure_evidence(seed: int = 0, replicas: int = 3, steps: int = 20, tries: i
     Raises:
         ValueError: a bad seed, replicas (3..8), steps (16..200) or tries. RuntimeError: no run saw the heal.
     """
-    from commlab.experiments.lost_work import JobConfig, _ft_replica
+    from commlab.experiments.lost_work import JobConfig, ft_replica
     from commlab.launch import Fault, run_replicas
     from commlab.train.data import load_digits_split
 
@@ -557,7 +557,7 @@ def failure_evidence(seed: int = 0, replicas: int = 3, steps: int = 20, tries: i
     for _ in range(tries):
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="commlab-lab13b-") as folder:
-            run = run_replicas(_ft_replica, replicas, dict(cfg, fail_step=fault.step, fail_replica=fault.replica),
+            run = run_replicas(ft_replica, replicas, dict(cfg, fail_step=fault.step, fail_replica=fault.replica),
                                folder, digits, faults=(fault,), timeout_s=60, print_output=False)
         rounds = _merge_rounds(run.results, fault.replica)
         if rounds is not None:

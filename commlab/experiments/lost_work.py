@@ -28,8 +28,8 @@ from typing import Sequence
 
 from commlab import checks, data
 
-__all__ = ["DEFAULT_INTERVALS", "MONITOR_INTERVAL_S", "JobConfig", "run_restart", "run_ft", "state_nbytes",
-           "measure", "break_even", "failure_seconds", "save", "load", "format_table", "plot"]
+__all__ = ["DEFAULT_INTERVALS", "MONITOR_INTERVAL_S", "JobConfig", "run_restart", "run_ft", "ft_replica",
+           "state_nbytes", "measure", "break_even", "failure_seconds", "save", "load", "format_table", "plot"]
 
 #: Checkpoint intervals C (steps) of the restart runs; with the default failure step 37: 2, 7, 17 and 37 steps
 #: since the last checkpoint (C = 40: none written before the failure, the job starts over).
@@ -163,8 +163,10 @@ def _restart_worker(argv: Sequence[str]) -> None:
     dist.destroy_process_group()
 
 
-def _ft_replica(ctx, cfg: dict, folder: str, digits) -> dict:
-    """One replica of the fault-tolerant job (run by :func:`commlab.launch.run_replicas`)."""
+def ft_replica(ctx, cfg: dict, folder: str, digits) -> dict:
+    """One replica of the fault-tolerant job, run by :func:`commlab.launch.run_replicas` (also lab 13b's): ``cfg``
+    a :class:`JobConfig` as a dict plus optional ``fail_replica``/``fail_step``, ``folder`` where it logs, ``digits``
+    the data loaded in the parent. Returns its rounds, incarnation and final evaluation, or ``{"late": True}``."""
     import torch
 
     from commlab.launch.replicas import PROGRESS_KEY
@@ -324,7 +326,7 @@ def run_ft(cfg: JobConfig, *, fail_step: int | None = None, rejoin_step: int | N
     with tempfile.TemporaryDirectory(prefix="commlab-lost-") as folder:
         job = dict(cfg, fail_step=fail_step, fail_replica=fail_replica)
         launched = time.time()
-        run = run_replicas(_ft_replica, cfg["replicas"], job, folder, digits, faults=faults, timeout_s=timeout_s,
+        run = run_replicas(ft_replica, cfg["replicas"], job, folder, digits, faults=faults, timeout_s=timeout_s,
                            print_output=False)
         wall_s = time.time() - launched
         events = _read_logs(folder)
