@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from commlab.launch import Fault, ReplicaContext, ReplicaError, ReplicaTimeout, run_replicas
 from commlab.sync import FaultTolerantDP
+from commlab.sync.fault_tolerant import _DECISION
 from commlab.train.data import load_digits_split, shard
 from commlab.train.model import DigitsMLP
 
@@ -225,7 +226,7 @@ def test_too_few_replicas_for_a_quorum_times_out_with_a_named_error():
 
 
 def _stalled_job(ctx, steps, stall_s, when):
-    """2 replicas, join_timeout_s 0.2 s. when="in_round": replica 1 comes 0.5 s late to step 1 and replica 0,
+    """2 replicas, join_timeout_s 0.2 s. when="in_round": replica 1 comes late to step 1 and replica 0,
     alone, holds that round open for ``stall_s``; when="between": the first process of a replica spends
     ``stall_s`` between its steps (an evaluation, a log), longer than join_timeout_s."""
     model, opt = _model_and_opt()
@@ -233,7 +234,8 @@ def _stalled_job(ctx, steps, stall_s, when):
     q = None
     while ft.step < steps or len(q.members) < ctx.replicas:  # bounded by timeout_s
         if when == "in_round" and ctx.replica == 1 and len(ft.history) == 1:
-            time.sleep(0.5)
+            while not ctx.store.check([_DECISION.format(round=1)]):  # come after round 1 formed without it
+                time.sleep(0.01)
         q = ft.start_step()
         x, y = _batch(ctx.replica, ctx.replicas, ft.step)
         opt.zero_grad()
