@@ -29,7 +29,7 @@ def pytest_runtest_setup(item):
 LONGEST_FILES = ("test_capstone_train.py", "test_capstone_faults.py", "test_cluster.py", "test_gpu_check.py",
                  "test_launch_env.py", "test_zero1.py", "test_planner.py", "test_ring.py", "test_experiments.py",
                  "test_nbtools.py", "test_launch_standalone.py", "test_powersgd_hooks.py", "test_algorithms.py",
-                 "test_wheel.py",
+                 "test_wheel.py", "test_lost_work.py",
                  "ch14_capstone.ipynb", "test_book.py", "test_browser.py", "ch04_compression_foundations.ipynb",
                  "lab14_capstone.ipynb", "lab03_calibrate_alpha_beta.ipynb", "ch05_sparsification.ipynb",
                  "appendix_planner.ipynb", "ch06_quantization_and_sign.ipynb")
