@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import checks
-from commlab.collectives import ring_all_reduce
+from commlab.collectives import p2p, ring_all_reduce
 
 __all__ = ["FaultTolerantDP", "Quorum", "StepRecord"]
 
@@ -267,14 +267,15 @@ class FaultTolerantDP:
                 torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                             "step": self.step}, buf)
                 payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-                for j in q.joining:
-                    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), q.members.index(j))
-                    dist.send(payload, q.members.index(j))
+                peers = [q.members.index(j) for j in q.joining]   # the quorum's group: rank = index in members
+                size = torch.tensor([payload.numel()], dtype=torch.int64)
+                p2p.exchange(sends=[(size, p) for p in peers]).wait()
+                p2p.exchange(sends=[(payload, p) for p in peers]).wait()
             elif self.replica in q.joining:
                 n = torch.zeros(1, dtype=torch.int64)
-                dist.recv(n, src_rank)
+                p2p.exchange(recvs=[(n, src_rank)]).wait()
                 payload = torch.empty(int(n.item()), dtype=torch.uint8)
-                dist.recv(payload, src_rank)
+                p2p.exchange(recvs=[(payload, src_rank)]).wait()
                 state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
