@@ -1,7 +1,7 @@
 """Data-parallel replicas that can be killed and brought back: the processes under fault-tolerant training.
 
 :func:`run_replicas` forks N replica processes that share one store, a :class:`~torch.distributed.TCPStore`
-hosted by this (parent) process on a port the kernel picks: the "lighthouse" of torchft, with no service to
+served by a helper process on a port the kernel picks: the "lighthouse" of torchft, with no service to
 install. Each process runs ``fn(ctx, ...)`` with a :class:`ReplicaContext`; a :class:`Fault` SIGKILLs replica r
 where its job calls ``ctx.maybe_fail(step)``, and a fresh process for it starts once a survivor has published
 (``ctx.publish_step``) ``rejoin_step`` committed steps. The parent marks ended processes in the store
@@ -196,21 +196,23 @@ def run_replicas(fn: Callable[..., Any], replicas: int, *args: Any, faults=(),
     import torch.distributed as dist
 
     mpctx = mp.get_context(start_method)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s + TIMEOUT_MARGIN_S))
-    workdir = tempfile.mkdtemp(prefix="commlab-replicas-")
-    cfg = _Config(replicas=replicas, port=store.port, out_dir=workdir, threads=threads,
-                  op_timeout_s=timeout_s + TIMEOUT_MARGIN_S)
-    run = _Run(cfg, mpctx, store, {f.replica: f for f in faults}, fn, args, kwargs)
+    host, port = _start_store_host(mpctx, timeout_s + TIMEOUT_MARGIN_S)
     try:
-        failure, timed_out = run.wait(timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s + TIMEOUT_MARGIN_S))
+        workdir = tempfile.mkdtemp(prefix="commlab-replicas-")
+        cfg = _Config(replicas=replicas, port=port, out_dir=workdir, threads=threads,
+                      op_timeout_s=timeout_s + TIMEOUT_MARGIN_S)
+        run = _Run(cfg, mpctx, store, {f.replica: f for f in faults}, fn, args, kwargs)
+        try:
+            failure, timed_out = run.wait(timeout_s)
+        finally:
+            run.reap()
+            outputs = _read_outputs(workdir, run.incarnations)
+            shutil.rmtree(workdir, ignore_errors=True)
+            run.store = store = None
     finally:
-        run.reap()
-        outputs = _read_outputs(workdir, run.incarnations)
-        shutil.rmtree(workdir, ignore_errors=True)
-        # Drop the store now: an exception's traceback would keep it alive, and a later run's forked child that
-        # collected it would hang in its destructor (it joins a server thread that only this process has).
-        run.store = store = None
+        _stop_store_host(host)
     if print_output:
         _print_outputs(outputs)
     flat = ["\n".join(text for _, text in sorted(outputs.get(r, {}).items())) for r in range(replicas)]
@@ -220,6 +222,54 @@ def run_replicas(fn: Callable[..., Any], replicas: int, *args: Any, faults=(),
         raise ReplicaTimeout(replicas, timeout_s, sorted(run.live), sorted(run.results), flat)
     return ReplicaRun(results=dict(sorted(run.results.items())), incarnations=dict(sorted(run.incarnations.items())),
                       events=run.events, wall_s=time.monotonic() - run.t0)
+
+
+def _start_store_host(mpctx, timeout_s: float):
+    """Start the process that hosts the run's TCPStore server (port chosen by the kernel); ``(process, port)``.
+
+    Not this process: a server runs a thread, and a replica forked while that thread held a lock (it serves the
+    other replicas meanwhile) would inherit the lock held and hang at its first store call. This process and the
+    replicas are clients, which run no thread. RuntimeError if the host does not report its port in time.
+    """
+    ours, theirs = mpctx.Pipe()
+    host = mpctx.Process(target=_host_store, args=(theirs, os.getpid(), timeout_s), daemon=True,
+                         name="commlab-store-host")
+    host.start()
+    theirs.close()
+    if not ours.poll(min(timeout_s, 60.0)):
+        _stop_store_host((host, ours))
+        raise RuntimeError("run_replicas: the store's host process did not start (no port within "
+                           f"{min(timeout_s, 60.0):g} s)")
+    return (host, ours), ours.recv()
+
+
+def _stop_store_host(host) -> None:
+    process, conn = host
+    try:
+        conn.send("stop")
+    except OSError:
+        pass
+    conn.close()
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+def _host_store(conn, parent_pid: int, timeout_s: float) -> None:
+    """The store host's process: serve a TCPStore until the parent says stop (or dies)."""
+    import torch.distributed as dist
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C in a notebook is the parent's to handle
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    conn.send(store.port)
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    os._exit(0)
 
 
 def _check_faults(faults, replicas: int) -> tuple[Fault, ...]:
@@ -400,7 +450,7 @@ def _replica_main(cfg: _Config, replica: int, inc: int, fault, fn, args, kwargs)
     sys.stderr = sys.stdout
     if faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr)
-    gc.freeze()  # never collect what came with the fork (an earlier run's store: its destructor would hang here)
+    gc.freeze()  # never collect what came with the fork (an earlier run's objects: their destructors may hang)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # a fault kills this group; the parent ends it with everything it started
