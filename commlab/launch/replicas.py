@@ -240,13 +240,13 @@ def _start_store_host(mpctx, timeout_s: float):
         _stop_store_host((host, ours))
         raise RuntimeError("run_replicas: the store's host process did not start (no port within "
                            f"{min(timeout_s, 60.0):g} s)")
-    return (host, ours), ours.recv()
+    return (host, ours), int(ours.recv_bytes())
 
 
 def _stop_store_host(host) -> None:
     process, conn = host
     try:
-        conn.send("stop")
+        conn.send_bytes(b"stop")
     except OSError:
         pass
     conn.close()
@@ -264,9 +264,9 @@ def _host_store(conn, parent_pid: int, timeout_s: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C in a notebook is the parent's to handle
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    conn.send(store.port)
+    conn.send_bytes(str(store.port).encode())
     try:
-        conn.recv()
+        conn.recv_bytes()
     except EOFError:
         pass
     os._exit(0)
