@@ -141,6 +141,14 @@ def hang_evidence(seed: int = 0, timeout: float = 1.5) -> HangEvidence:
                         plain.seconds, case, tuple(plain.ranks))
 
 
+def _wrong_arity(report: CheckReport, label: str, got: tuple, names: str) -> bool:
+    """Record a failed case when the answer ``got`` does not have one value per name in ``names``."""
+    want = len(names.split(", "))
+    if len(got) != want:
+        report.cases.append((label, False, f"return ({names}), got {len(got)} values"))
+    return len(got) != want
+
+
 def _as_triple(got) -> tuple:
     rank, op, fix = got
     return rank, op, fix
@@ -299,8 +307,7 @@ def check_flight_recorder(fn: Callable, evidence: FlightRecorderEvidence) -> Che
     got = report.call("your reading", fn, evidence, convert=tuple, hint="return (rank, size): two ints")
     if got is NO_ANSWER:
         return report
-    if len(got) != 2:
-        report.cases.append(("your reading", False, f"return (rank, size), got {len(got)} values"))
+    if _wrong_arity(report, "your reading", got, "rank, size"):
         return report
     rank, size = got
     odd = _odd_entry(evidence)
@@ -379,8 +386,7 @@ def check_trace_reading(fn: Callable, evidence: TraceEvidence) -> CheckReport:
     got = report.call("your reading", fn, evidence, convert=tuple, hint="return (kind, overlapped): a str, 'A' or 'B'")
     if got is NO_ANSWER:
         return report
-    if len(got) != 2:
-        report.cases.append(("your reading", False, f"return (kind, overlapped), got {len(got)} values"))
+    if _wrong_arity(report, "your reading", got, "kind, overlapped"):
         return report
     kind, overlapped = got
     rows = [check_overlap(t).rows for t in evidence.traces.values()]   # recomputed from the traces themselves
@@ -460,8 +466,7 @@ def check_straggler(fn: Callable, evidence: StragglerEvidence) -> CheckReport:
     got = report.call("your reading", fn, evidence, convert=tuple, hint="return (rank, step_s): an int, seconds")
     if got is NO_ANSWER:
         return report
-    if len(got) != 2:
-        report.cases.append(("your reading", False, f"return (rank, step_s), got {len(got)} values"))
+    if _wrong_arity(report, "your reading", got, "rank, step_s"):
         return report
     rank, step_s = got
     label = "the straggler"
@@ -673,8 +678,7 @@ def check_failure_price(fn: Callable, cases=PRICE_CASES) -> CheckReport:
             if report.not_attempted:
                 return report
             continue
-        if len(got) != 3:
-            report.cases.append((desc, False, f"return (restart, ft, cheaper), got {len(got)} values"))
+        if _wrong_arity(report, desc, got, "restart, ft, cheaper"):
             continue
         restart, ft, cheaper = got
         want_r, want_f = restart_lost_replica_steps(k, c, n), ft_lost_replica_steps(j, n)

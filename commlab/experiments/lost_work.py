@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from commlab import checks, data
+from commlab import checks
 
 __all__ = ["DEFAULT_INTERVALS", "MONITOR_INTERVAL_S", "JobConfig", "run_restart", "run_ft", "ft_replica",
            "state_nbytes", "measure", "break_even", "failure_seconds", "save", "load", "format_table", "plot"]
@@ -498,10 +498,9 @@ def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
     Raises:
         ValueError: no ``path`` and commlab installed from a wheel; a non-finite number in ``result``.
     """
-    path = pathlib.Path(path) if path else data.record_path(_NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    return path
+    from commlab.experiments.slow_link import write_result
+
+    return write_result(result, path, _NAME)
 
 
 def load(path: str | pathlib.Path | None = None) -> dict:

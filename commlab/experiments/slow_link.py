@@ -127,11 +127,8 @@ def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
     Raises:
         ValueError: no ``path`` and commlab installed from a wheel (see :func:`commlab.data.record_path`).
     """
-    path = pathlib.Path(path) if path else data.record_path(_NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean = dict(result, rows=[{k: _finite(v) for k, v in r.items()} for r in result["rows"]])
-    path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
-    return path
+    return write_result(dict(result, rows=[{k: _finite(v) for k, v in r.items()} for r in result["rows"]]), path,
+                        _NAME)
 
 
 def load(path: str | pathlib.Path | None = None) -> dict:
@@ -143,6 +140,19 @@ def load(path: str | pathlib.Path | None = None) -> dict:
     result = read_result(path, _NAME, "slow-link")
     unnull_times(result["rows"])
     return result
+
+
+def write_result(result: dict, path, name: str) -> pathlib.Path:
+    """Write ``result`` as JSON to ``path`` (default: ``name`` of a checkout's package data); the path written.
+
+    Raises:
+        ValueError: no ``path`` and commlab installed from a wheel (:func:`commlab.data.record_path`); a
+            non-finite number in ``result``.
+    """
+    path = pathlib.Path(path) if path else data.record_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    return path
 
 
 def read_result(path, name: str, action: str) -> dict:

@@ -15,7 +15,6 @@ Book: the chapter "When it goes wrong" (in preparation); the capstone log's per-
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -25,7 +24,7 @@ import sys
 import time
 from typing import Sequence
 
-from commlab import checks, data
+from commlab import checks
 
 __all__ = ["DEFAULT_DELAYS_S", "StragglerReport", "find_straggler", "measure", "run_case", "save", "load",
            "format_table", "plot"]
@@ -308,10 +307,9 @@ def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
     Raises:
         ValueError: no ``path`` and commlab installed from a wheel; a non-finite number in ``result``.
     """
-    path = pathlib.Path(path) if path else data.record_path(_NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    return path
+    from commlab.experiments.slow_link import write_result
+
+    return write_result(result, path, _NAME)
 
 
 def load(path: str | pathlib.Path | None = None) -> dict:

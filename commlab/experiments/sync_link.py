@@ -17,7 +17,6 @@ Book: chapter 8b, §8b.5 (the measured answer: table, figure, break-even).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import statistics
@@ -29,7 +28,7 @@ from commlab.experiments.analysis import dense_target
 from commlab.experiments.harness import RunConfig, RunRecord
 from commlab.experiments.methods import parse_sync
 from commlab.experiments.slow_link import (BASE_BYTES_PER_S, DEFAULT_ALPHA_S, DEFAULT_BYTES_PER_S, read_result,
-                                           unnull_times)
+                                           unnull_times, write_result)
 from commlab.experiments.time_to_accuracy import comm_coefficients, costs_from_record, steps_to_target
 
 __all__ = ["PER_STEP_METHODS", "TASK_SETTINGS", "TARGET_FRACTION", "mean_step", "default_methods", "run_configs",
@@ -269,11 +268,8 @@ def save(result: dict, path: str | pathlib.Path | None = None) -> pathlib.Path:
     Raises:
         ValueError: no ``path`` and commlab installed from a wheel (:func:`commlab.data.record_path`).
     """
-    path = pathlib.Path(path) if path else data.record_path(_NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tasks = [dict(t, rows=[{k: _clean(v) for k, v in r.items()} for r in t["rows"]]) for t in result["tasks"]]
-    path.write_text(json.dumps(dict(result, tasks=tasks), indent=1, allow_nan=False) + "\n")
-    return path
+    return write_result(dict(result, tasks=tasks), path, _NAME)
 
 
 def load(path: str | pathlib.Path | None = None) -> dict:
