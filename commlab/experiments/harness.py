@@ -47,8 +47,7 @@ class RunConfig:
         seed: model initialisation and mini-batch draws (and the compressors' shared randomness).
         world_size: ranks (1 runs, but communicates nothing).
         steps, batch_size, lr, eval_every: the task's defaults when None; ``batch_size`` is per rank.
-        optimizer: one of :data:`commlab.experiments.tasks.OPTIMIZERS`; None: the task's (digits: plain SGD,
-            charlm: Adam).
+        optimizer: one of :data:`commlab.experiments.tasks.OPTIMIZERS`; None: the task's (digits SGD, charlm Adam).
         link_bytes_per_s, link_alpha_s: if ``link_bytes_per_s`` is set, every rank sits on its own emulated
             node behind a link of that bandwidth (bytes/s per direction) and latency (s), which delays each
             payload message (:class:`commlab.topology.EmulatedTopology`).

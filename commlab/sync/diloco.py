@@ -114,9 +114,8 @@ class DiLoCo:
     ``comm_seconds``, ``wait_seconds`` (the exposed part), ``payload_nbytes`` (per fragment), ``path``, ``closed``.
 
     Raises:
-        ValueError: a setting out of range, a PowerSGD or unknown spec, error feedback without a compressor, Nesterov
-            without momentum, a bad tensor in ``params``, an ``emulate`` too small. CollectiveMismatchError: ranks
-            disagree on settings or layout. FloatingPointError (from :meth:`step`, on every rank): a NaN/Inf Delta.
+        ValueError: a bad setting, spec, tensor or ``emulate`` (named). CollectiveMismatchError: ranks disagree on
+            settings or layout. FloatingPointError (from :meth:`step`, on every rank): a NaN/Inf Delta.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Sequence[Sequence[torch.Tensor]],

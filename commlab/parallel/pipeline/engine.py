@@ -127,10 +127,8 @@ class PipelineResult:
 def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: int,
                   group: dist.ProcessGroup | None, schedule: str = "1f1b") -> PipelineResult:
-    """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
-
-    Call it on every rank of ``group`` with that rank's stage (group rank s = stage s). It neither zeroes
-    the gradients nor steps an optimizer: do both around it, as for an ordinary backward.
+    """Forward and backward of one batch through the pipeline, on every rank of ``group`` with its stage (group
+    rank s = stage s); gradients accumulate into ``.grad``: zero them and step the optimizer around it.
 
     Args:
         stage_module: this rank's stage (:func:`split_sequential`); interleaved, a list of its v >= 2 chunks,
